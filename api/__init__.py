@@ -1,0 +1,1 @@
+"""The HTTP API: native, OpenAI-compatible and Ollama-compatible endpoints."""

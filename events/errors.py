@@ -1,0 +1,22 @@
+"""Errors of the events layer, and the base class every routeledger error derives from."""
+
+from __future__ import annotations
+
+
+class RouteledgerError(Exception):
+    """Raised when anything in routeledger fails in a way the caller should handle; the base of all errors."""
+
+
+class LedgerError(RouteledgerError):
+    """Raised when the ledger cannot complete an operation on Redis."""
+
+
+class UndecodableEntryError(LedgerError):
+    """Raised when a stream entry is not a valid event: garbage bytes, a missing field or an unknown type."""
+
+    def __init__(self, entry_id: str, reason: str, fields: dict[bytes, bytes] | None = None) -> None:
+        super().__init__(f"entry {entry_id} is not a valid event: {reason}")
+        self.entry_id = entry_id
+        self.reason = reason
+        # Kept so that the projector can dead-letter the raw entry as it was.
+        self.fields = fields or {}

@@ -1,0 +1,98 @@
+"""Every Redis key and stream name routeledger uses; nothing else spells one.
+
+Keys that must change together in one Lua script or MULTI share a hash tag, so that the
+layout works on Redis Cluster as well as on a single server.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+DEFAULT_PREFIX: Final = "rl:"
+# The consumer group that workers read every task queue through.
+WORKERS_GROUP: Final = "workers"
+# Digests are sha256 hex; twelve characters name a queue (as `ollama list` shows them).
+DIGEST_PREFIX_LEN: Final = 12
+
+
+class Keys:
+    """Names of every key under one configurable prefix."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"Keys({self.prefix!r})"
+
+    # -- the ledger ---------------------------------------------------------------------------
+    @property
+    def events(self) -> str:
+        # The ledger stream: every event, in order.
+        return f"{self.prefix}events"
+
+    @property
+    def dead(self) -> str:
+        # Dead-lettered tasks and poison ledger entries, each with its reason.
+        return f"{self.prefix}dead"
+
+    # -- task queues and payloads --------------------------------------------------------------
+    def queue(self, digest: str) -> str:
+        # Shared task queue of one model (group `workers`); only holders of the digest read it.
+        return f"{self.prefix}q:{digest[:DIGEST_PREFIX_LEN]}"
+
+    def pinned(self, worker: str) -> str:
+        # Tasks pinned to one worker: benchmarks and explicit pins (group `workers`).
+        return f"{self.prefix}q:w:{worker}"
+
+    @property
+    def queue_pattern(self) -> str:
+        # SCAN pattern that matches every task queue, shared and pinned.
+        return f"{self.prefix}q:*"
+
+    def out(self, task_id: str) -> str:
+        # Output chunks of one task, relayed to streaming clients; expires.
+        return f"{self.prefix}out:{task_id}"
+
+    def result(self, task_id: str) -> str:
+        # Final text and timings of one task; expires.
+        return f"{self.prefix}result:{task_id}"
+
+    def cancel(self, task_id: str) -> str:
+        # Set when a client asks a running task to stop; the worker polls it; expires.
+        return f"{self.prefix}cancel:{task_id}"
+
+    # -- workers -------------------------------------------------------------------------------
+    def live(self, worker: str) -> str:
+        # A worker's lease: present while its heartbeats arrive (string with TTL).
+        return f"{self.prefix}live:{worker}"
+
+    @property
+    def live_pattern(self) -> str:
+        # SCAN pattern over every worker lease.
+        return f"{self.prefix}live:*"
+
+    @property
+    def forgotten(self) -> str:
+        # Set of worker names retired for good by `routeledger worker forget`.
+        return f"{self.prefix}forgotten"
+
+    # -- leases of singleton processes ----------------------------------------------------------
+    def singleton(self, role: str) -> str:
+        # Lease held by the one active projector or reaper (`role`); others wait for it.
+        return f"{self.prefix}lease:{role}"
+
+    # -- projections ---------------------------------------------------------------------------
+    @property
+    def current(self) -> str:
+        # Names the live projection namespace; switched atomically by a rebuild.
+        return f"{self.prefix}p:current"
+
+    def table(self, ns: str, name: str) -> str:
+        # One projection table (hash) of namespace `ns`; the hash tag keeps a namespace in one slot.
+        return f"{self.prefix}p:{{{ns}}}:{name}"
+
+    def checkpoint(self, ns: str) -> str:
+        # The last ledger id folded into namespace `ns`, written with every table update.
+        return f"{self.prefix}p:{{{ns}}}:checkpoint"

@@ -1,0 +1,354 @@
+"""The Ledger: an append-only log of events on a Redis stream, plus consumer-group helpers.
+
+Works on Redis 6.2 and newer: it uses no command newer than 6.2, and where 7.0 changed a reply
+shape (XAUTOCLAIM) both shapes are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from events.codec import decode_rows, encode_batch, encode_fields
+from events.errors import LedgerError, UndecodableEntryError
+from events.event import Event
+from events.keys import WORKERS_GROUP, Keys
+
+# XADDs a whole batch in one round trip. ARGV[1] is codec.encode_batch's packing: per event the
+# lengths of type, v and data (>HHI4), then the three strings.
+_APPEND_MANY: Final = """
+local blob = ARGV[1]
+local size = #blob
+local pos = 1
+local ids = {}
+local n = 0
+while pos <= size do
+  local lt, lv, ld, at = struct.unpack('>HHI4', blob, pos)
+  local kind = string.sub(blob, at, at + lt - 1)
+  at = at + lt
+  local v = string.sub(blob, at, at + lv - 1)
+  at = at + lv
+  pos = at + ld
+  n = n + 1
+  ids[n] = redis.call('XADD', KEYS[1], '*', 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
+end
+return ids
+"""
+
+# A bounded batch keeps one script from blocking the server for long; append_many splits larger
+# inputs (1,000 events take about 3 ms of server time).
+MAX_BATCH: Final = 2000
+
+# Commands sent with a bytes name skip redis-py's response callbacks: XRANGE's callback builds a
+# dict per entry, which costs more than decoding the event. Rows stay [id, [field, value, ...]].
+_XRANGE: Final = b"XRANGE"
+_XREAD: Final = b"XREAD"
+
+Entry = tuple[str, dict[bytes, bytes]]
+# A ledger entry as Redis sends it: its id and the flat [field, value, ...] list.
+RawEntry = tuple[str, list[bytes]]
+PoisonHandler = Callable[[UndecodableEntryError], None]
+
+
+class PendingEntry(msgspec.Struct, frozen=True):
+    """One delivered-but-unacknowledged entry of a consumer group."""
+
+    entry_id: str
+    consumer: str
+    idle_ms: int
+    deliveries: int
+
+
+def _sid(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def next_id(entry_id: str) -> str:
+    """The smallest stream id strictly after `entry_id` (for exclusive ranges on Redis 6.2)."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+class Ledger:
+    """The ledger stream and the stream primitives the other layers use."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self.stream = self.keys.events
+        self._append_many = redis.register_script(_APPEND_MANY)
+
+    # -- appending ----------------------------------------------------------------------------
+    async def append(self, event: Event) -> str:
+        """Append one event; returns its stream id."""
+        try:
+            raw: Any = await self.redis.xadd(self.stream, encode_fields(event))  # type: ignore[arg-type]
+        except RedisError as exc:
+            raise LedgerError(f"could not append {type(event).__name__}: {exc}") from exc
+        return _sid(raw)
+
+    async def append_many(self, events: Sequence[Event]) -> list[str]:
+        """Append events in order, one round trip per batch of up to MAX_BATCH; returns their ids."""
+        ids: list[str] = []
+        for start in range(0, len(events), MAX_BATCH):
+            chunk = events[start : start + MAX_BATCH]
+            try:
+                raw = await self._append_many(keys=[self.stream], args=[encode_batch(chunk)])
+            except RedisError as exc:
+                raise LedgerError(f"could not append a batch of {len(chunk)} events: {exc}") from exc
+            ids.extend(_sid(r) for r in raw)
+        return ids
+
+    # -- reading ------------------------------------------------------------------------------
+    async def length(self) -> int:
+        """How many entries the ledger holds."""
+        return int(await self.redis.xlen(self.stream))
+
+    async def last_id(self) -> str | None:
+        """The id of the newest entry, or None when the ledger is empty."""
+        raw: Any = await self.redis.xrevrange(self.stream, count=1)
+        return _sid(raw[0][0]) if raw else None
+
+    async def _xrange(self, start: str, stop: str, count: int) -> list[Any]:
+        rows: list[Any] = await self._raw(_XRANGE, self.stream, start, stop, "COUNT", count)
+        return rows
+
+    async def _raw(self, *args: Any) -> Any:
+        return await self.redis.execute_command(*args)  # type: ignore[no-untyped-call]
+
+    async def read_raw(
+        self, start: str = "-", stop: str = "+", count: int | None = None, chunk: int = 2000
+    ) -> AsyncIterator[list[RawEntry]]:
+        """Undecoded entries from `start` to `stop` (both inclusive), in chunks of up to `chunk`.
+
+        The next chunk is fetched while the caller works on the current one, so that Redis and the
+        decoder run side by side.
+        """
+        remaining = count
+        n = chunk if remaining is None else min(chunk, remaining)
+        pending = asyncio.ensure_future(self._xrange(start, stop, n))
+        try:
+            while True:
+                rows = await pending
+                if not rows:
+                    return
+                batch: list[RawEntry] = [(row[0].decode(), row[1]) for row in rows]
+                if remaining is not None:
+                    remaining -= len(batch)
+                more = len(rows) == n and (remaining is None or remaining > 0)
+                if more:
+                    n = chunk if remaining is None else min(chunk, remaining)
+                    pending = asyncio.ensure_future(self._xrange(next_id(batch[-1][0]), stop, n))
+                yield batch
+                if not more:
+                    return
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RedisError):
+                    await pending
+
+    async def read_batches(
+        self,
+        start: str = "-",
+        stop: str = "+",
+        count: int | None = None,
+        *,
+        on_poison: PoisonHandler | None = None,
+        chunk: int = 2000,
+    ) -> AsyncIterator[list[tuple[str, Event]]]:
+        """Decoded events from `start` to `stop`, inclusive, a chunk at a time (the fast way)."""
+        async for batch in self.read_raw(start, stop, count, chunk):
+            yield decode_rows(batch, on_poison)
+
+    async def read(
+        self,
+        start: str = "-",
+        stop: str = "+",
+        count: int | None = None,
+        *,
+        on_poison: PoisonHandler | None = None,
+        chunk: int = 2000,
+    ) -> AsyncIterator[tuple[str, Event]]:
+        """Decoded events from `start` to `stop`, inclusive.
+
+        An entry that is not a valid event raises UndecodableEntryError, unless `on_poison` is
+        given: then it is handed the error and reading goes on past the entry.
+        """
+        async for batch in self.read_raw(start, stop, count, chunk):
+            for item in _decode_in_order(batch, on_poison):
+                yield item
+
+    async def read_after(
+        self, after_id: str, count: int = 1000, block_ms: int | None = None
+    ) -> list[RawEntry]:
+        """Up to `count` undecoded entries strictly after `after_id`, waiting up to `block_ms` for one."""
+        args: list[Any] = [_XREAD, "COUNT", count]
+        if block_ms is not None:
+            args += ["BLOCK", block_ms]
+        reply: Any = await self._raw(*args, "STREAMS", self.stream, after_id)
+        if not reply:
+            return []
+        # RESP3 replies with a map, RESP2 with [[stream, rows]].
+        rows = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+        return [(row[0].decode(), row[1]) for row in rows]
+
+    async def tail(
+        self,
+        from_id: str = "$",
+        block_ms: int = 1000,
+        *,
+        count: int = 1000,
+        on_poison: PoisonHandler | None = None,
+    ) -> AsyncIterator[tuple[str, Event]]:
+        """Follow the ledger after `from_id` (`$`: only what arrives from now on), forever."""
+        cursor = from_id
+        if cursor == "$":
+            cursor = await self.last_id() or "0-0"
+        while True:
+            batch = await self.read_after(cursor, count, block_ms)
+            if not batch:
+                continue
+            cursor = batch[-1][0]
+            for item in _decode_in_order(batch, on_poison):
+                yield item
+
+    # -- consumer groups ----------------------------------------------------------------------
+    async def ensure_group(self, stream: str, group: str = WORKERS_GROUP, start: str = "0") -> bool:
+        """Create `group` on `stream` (and the stream) unless it exists; True when it was created."""
+        try:
+            await self.redis.xgroup_create(stream, group, id=start, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" in str(exc):
+                return False
+            raise
+        return True
+
+    async def group_read(
+        self,
+        consumer: str,
+        streams: Mapping[str, str],
+        *,
+        group: str = WORKERS_GROUP,
+        count: int = 1,
+        block_ms: int | None = None,
+    ) -> list[tuple[str, list[Entry]]]:
+        """New (`>`) or own pending (an id) entries of `streams` for `consumer`, by stream."""
+        wanted: dict[Any, Any] = dict(streams)
+        reply: Any = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3 shape
+            reply = list(reply.items())
+        out: list[tuple[str, list[Entry]]] = []
+        for stream, rows in reply:
+            # A pending entry deleted meanwhile comes back with no fields (None).
+            out.append((_sid(stream), [(_sid(i), f or {}) for i, f in rows]))
+        return out
+
+    async def ack(self, stream: str, *entry_ids: str, group: str = WORKERS_GROUP) -> int:
+        """Acknowledge entries; returns how many were pending (0 means something is wrong)."""
+        return int(await self.redis.xack(stream, group, *entry_ids))
+
+    async def pending(
+        self,
+        stream: str,
+        *,
+        group: str = WORKERS_GROUP,
+        start: str = "-",
+        stop: str = "+",
+        count: int = 100,
+        consumer: str | None = None,
+        min_idle_ms: int | None = None,
+    ) -> list[PendingEntry]:
+        """Pending entries of `group` on `stream`, oldest first, with owner, idle time and deliveries."""
+        rows: Any = await self.redis.xpending_range(
+            stream, group, start, stop, count, consumername=consumer, idle=min_idle_ms
+        )
+        return [
+            PendingEntry(
+                _sid(row["message_id"]),
+                _sid(row["consumer"]),
+                int(row["time_since_delivered"]),
+                int(row["times_delivered"]),
+            )
+            for row in rows
+        ]
+
+    async def claim(
+        self,
+        stream: str,
+        consumer: str,
+        entry_ids: Sequence[str],
+        *,
+        group: str = WORKERS_GROUP,
+        min_idle_ms: int = 0,
+        justid: bool = False,
+    ) -> list[str]:
+        """XCLAIM entries for `consumer`; returns the ids it now owns.
+
+        With `justid` the idle time is reset but the delivery count is not raised: the way a
+        worker keeps the lease on an entry it is still running.
+        """
+        if not entry_ids:
+            return []
+        if justid:
+            raw: list[Any] = await self.redis.xclaim(
+                stream, group, consumer, min_idle_ms, list(entry_ids), justid=True
+            )
+            return [_sid(i) for i in raw]
+        rows: Any = await self.redis.xclaim(stream, group, consumer, min_idle_ms, list(entry_ids))
+        return [_sid(row[0]) for row in rows if row is not None]
+
+    async def autoclaim(
+        self,
+        stream: str,
+        consumer: str,
+        *,
+        group: str = WORKERS_GROUP,
+        min_idle_ms: int = 0,
+        start: str = "0-0",
+        count: int = 100,
+    ) -> tuple[str, list[Entry], list[str]]:
+        """XAUTOCLAIM without JUSTID (so deliveries are counted): (next cursor, entries, deleted ids).
+
+        Redis 6.2 replies with two elements and 7.0 with three; a reply can hold fewer than
+        `count` entries while the cursor is not yet `0-0`, so callers loop on the cursor.
+        """
+        reply: Any = await self.redis.xautoclaim(stream, group, consumer, min_idle_ms, start, count=count)
+        cursor = _sid(reply[0])
+        # An entry deleted while pending comes back as None (6.2) or is listed as deleted (7.0).
+        entries = [(_sid(row[0]), row[1] or {}) for row in reply[1] if row is not None and row[0] is not None]
+        deleted = [_sid(i) for i in reply[2]] if len(reply) > 2 else []
+        return cursor, entries, deleted
+
+
+def _decode_in_order(batch: list[RawEntry], on_poison: PoisonHandler | None) -> list[tuple[str, Event]]:
+    """Decode a batch for a one-by-one reader: without `on_poison`, the events before the first
+    poison entry are still delivered, and the error is raised after them."""
+    if on_poison is not None:
+        return decode_rows(batch, on_poison)
+    errors: list[UndecodableEntryError] = []
+    items = decode_rows(batch, errors.append)
+    if not errors:
+        return items
+    poison_at = next(i for i, (entry_id, _) in enumerate(batch) if entry_id == errors[0].entry_id)
+    return _Raising(items[:poison_at], errors[0])
+
+
+class _Raising(list[tuple[str, Event]]):
+    """A list that raises its error once iteration has passed its items."""
+
+    def __init__(self, items: list[tuple[str, Event]], error: UndecodableEntryError) -> None:
+        super().__init__(items)
+        self.error = error
+
+    def __iter__(self) -> Iterator[tuple[str, Event]]:
+        yield from super().__iter__()
+        raise self.error

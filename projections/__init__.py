@@ -1,0 +1,1 @@
+"""Stream processors that fold ledger events into tables, with checkpoints."""

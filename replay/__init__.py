@@ -1,0 +1,1 @@
+"""Rebuild projections from the ledger with polars; verify, export, what-if."""

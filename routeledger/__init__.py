@@ -1,0 +1,3 @@
+"""routeledger: the composition root (CLI, configuration, processes, embedded Redis)."""
+
+__version__ = "0.1.0"

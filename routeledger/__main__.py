@@ -1,0 +1,3 @@
+from routeledger.cli import main
+
+main()

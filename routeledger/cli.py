@@ -1,0 +1,319 @@
+"""The `routeledger` command line."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import httpx
+import msgspec
+import typer
+from rich.panel import Panel
+from rich.table import Table
+
+import routeledger
+from events.event import TYPE_NAMES, Event
+from events.ledger import Ledger
+from routeledger.config import FIELDS, url_file
+from routeledger.embedded import EmbeddedRedis, port_is_free, write_private
+from routeledger.errors import ConfigError, PortTakenError
+from routeledger.runtime import (
+    ConfigOpt,
+    DataDirOpt,
+    RedisUrlOpt,
+    connect,
+    console,
+    err_console,
+    fail,
+    guarded,
+    keys_for,
+    run_async,
+    settings_from,
+    setup_logging,
+)
+from routeledger.supervisor import Supervisor, python_argv
+
+app = typer.Typer(
+    name="routeledger",
+    help="Route LLM requests across a small fleet of unequal machines, learning from a ledger.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+events_app = typer.Typer(help="Read the ledger.", no_args_is_help=True)
+config_app = typer.Typer(help="Show the configuration.", no_args_is_help=True)
+app.add_typer(events_app, name="events")
+app.add_typer(config_app, name="config")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"routeledger {routeledger.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """routeledger: a ledger-driven router for a home LLM fleet."""
+
+
+def _mask(url: str) -> str:
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+def _wait_http(url: str, timeout: float, alive: Any) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+@app.command()
+@guarded
+def up(
+    host: Annotated[str | None, typer.Option(help="Address the API binds.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port of the API.")] = None,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    redis_bind: Annotated[
+        str | None, typer.Option("--redis-bind", help="Address embedded Redis binds (for remote workers).")
+    ] = None,
+    redis_port: Annotated[int | None, typer.Option("--redis-port", help="Port of embedded Redis.")] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="Also run a simulated fleet.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
+    resolved = settings_from(
+        data_dir, redis_url, config, host=host, port=port, redis_bind=redis_bind, redis_port=redis_port
+    )
+    s = resolved.settings
+    setup_logging(s.log_level)
+    if s.host not in LOOPBACK and not s.api_keys:
+        raise ConfigError(
+            f"refusing to serve the API on {s.host} without API keys: set ROUTELEDGER_API_KEYS "
+            "(or api_keys in the config file), or bind 127.0.0.1"
+        )
+    if not port_is_free(s.host, s.port):
+        raise PortTakenError(
+            f"port {s.port} on {s.host} is taken (another routeledger?): stop it, or pass --port"
+        )
+
+    embedded: EmbeddedRedis | None = None
+    if s.redis_url:
+        url = s.redis_url
+    else:
+        embedded = EmbeddedRedis(Path(s.data_dir), port=s.redis_port or None, bind=s.redis_bind)
+        url = embedded.start()
+    Path(s.data_dir).mkdir(parents=True, exist_ok=True)
+    write_private(url_file(s), url + "\n")
+
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    sup = Supervisor()
+    env = {"ROUTELEDGER_REDIS_URL": url, "ROUTELEDGER_PREFIX": s.prefix}
+    try:
+        api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
+        base = f"http://{s.host}:{s.port}"
+        if not _wait_http(base + "/healthz", 30, lambda: api.alive):
+            fail(f"the API did not come up on {base}; see its log above")
+        _print_banner(base, url, s.data_dir, embedded is not None, demo)
+        while not stop:
+            sup.poll()
+            if embedded is not None and not embedded.running:
+                err_console.print("[yellow]embedded Redis exited; restarting it on the same data dir[/]")
+                embedded.restart()
+            time.sleep(0.2)
+    finally:
+        console.print("stopping…")
+        sup.stop_all()
+        if embedded is not None:
+            embedded.stop()
+        with contextlib.suppress(OSError):
+            url_file(s).unlink()
+
+
+def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: bool) -> None:
+    lines = [
+        f"API        {base}",
+        f"health     {base}/healthz",
+        f"Redis      {_mask(url)}{'  (embedded, AOF)' if embedded else ''}",
+        f"data dir   {data_dir}",
+    ]
+    if demo:
+        lines.append("demo       simulated fleet requested")
+    console.print(Panel("\n".join(lines), title="routeledger is up", subtitle="Ctrl-C stops everything"))
+
+
+@app.command("api")
+@guarded
+def api_cmd(
+    host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port.")] = None,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Serve the HTTP API in the foreground (`up` starts it for you)."""
+    import uvicorn
+
+    from api.app import AppConfig, create_app
+    from routeledger.config import redis_url_for
+
+    resolved = settings_from(data_dir, redis_url, config, host=host, port=port)
+    s = resolved.settings
+    setup_logging(s.log_level)
+    if s.host not in LOOPBACK and not s.api_keys:
+        raise ConfigError(
+            f"refusing to serve the API on {s.host} without API keys (set ROUTELEDGER_API_KEYS)"
+        )
+    if not port_is_free(s.host, s.port):
+        raise PortTakenError(f"port {s.port} on {s.host} is taken: stop what uses it, or pass --port")
+    app_ = create_app(AppConfig(redis_url=redis_url_for(s), prefix=s.prefix, api_keys=s.api_keys))
+    uvicorn.run(app_, host=s.host, port=s.port, log_level=s.log_level, access_log=False)
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+def _event_json(entry_id: str, event: Event) -> bytes:
+    body = msgspec.to_builtins(event)
+    return msgspec.json.encode({"id": entry_id, **body})
+
+
+def _event_line(entry_id: str, event: Event) -> str:
+    when = dt.datetime.fromtimestamp(event.at / 1000).strftime("%H:%M:%S.%f")[:-3]
+    fields = msgspec.to_builtins(event)
+    fields.pop("type", None)
+    fields.pop("at", None)
+    brief = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", [], {}))
+    return f"[dim]{entry_id}[/] {when} [bold]{type(event).__name__}[/] {brief}"
+
+
+@events_app.command("tail")
+@guarded
+def events_tail(
+    type_: Annotated[
+        list[str] | None, typer.Option("--type", help="Only events of this type (repeatable).")
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+    from_id: Annotated[
+        str, typer.Option("--from", help="Start after this id; `0` replays everything, `$` only new events.")
+    ] = "$",
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Follow the ledger, printing each event as it is appended."""
+    wanted = set(type_ or [])
+    unknown = wanted - TYPE_NAMES
+    if unknown:
+        fail(f"unknown event type(s) {sorted(unknown)}; known: {', '.join(sorted(TYPE_NAMES))}")
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> None:
+        client = connect(resolved)
+        ledger = Ledger(client, keys_for(resolved))
+
+        def poison(exc: Exception) -> None:
+            err_console.print(f"[yellow]skipped[/] {exc}")
+
+        try:
+            async for entry_id, event in ledger.tail(from_id, block_ms=1000, on_poison=poison):
+                if wanted and type(event).__name__ not in wanted:
+                    continue
+                if json_:
+                    print(_event_json(entry_id, event).decode(), flush=True)  # noqa: T201
+                else:
+                    console.print(_event_line(entry_id, event), highlight=False)
+        finally:
+            await client.aclose()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_async(go())
+
+
+@events_app.command("count")
+@guarded
+def events_count(
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """How many events the ledger holds."""
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> int:
+        client = connect(resolved)
+        try:
+            return await Ledger(client, keys_for(resolved)).length()
+        finally:
+            await client.aclose()
+
+    n = run_async(go())
+    if json_:
+        print(msgspec.json.encode({"events": n}).decode())  # noqa: T201
+    else:
+        console.print(n)
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+@config_app.command("show")
+@guarded
+def config_show(
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Print the effective configuration and where each value came from."""
+    resolved = settings_from(data_dir, redis_url, config)
+    values = msgspec.to_builtins(resolved.settings)
+    if values.get("redis_url"):
+        values["redis_url"] = _mask(values["redis_url"])
+    if values.get("api_keys"):
+        values["api_keys"] = [f"…{k[-4:]}" if len(k) > 8 else "***" for k in values["api_keys"]]
+    if json_:
+        out = {k: {"value": values[k], "source": resolved.sources[k]} for k in FIELDS}
+        print(msgspec.json.encode({"settings": out, "config_file": resolved.config_file}).decode())  # noqa: T201
+        return
+    table = Table(title="routeledger configuration")
+    table.add_column("setting")
+    table.add_column("value")
+    table.add_column("source")
+    table.add_column("meaning", style="dim")
+    for name, meaning in FIELDS.items():
+        table.add_row(name, repr(values[name]), resolved.sources[name], meaning)
+    console.print(table)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,180 @@
+"""The effective configuration, and where each value came from.
+
+Precedence, highest first: a command-line flag, a `ROUTELEDGER_*` environment variable, the TOML
+file (`--config`, `ROUTELEDGER_CONFIG`, else `$XDG_CONFIG_HOME/routeledger/config.toml`), the
+default. `REDIS_URL` is read as well as `ROUTELEDGER_REDIS_URL`, as most tools do.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from routeledger.errors import ConfigError, NotRunningError
+
+ENV_PREFIX: Final = "ROUTELEDGER_"
+
+
+def default_data_dir() -> Path:
+    """`$XDG_DATA_HOME/routeledger`, else `~/.local/share/routeledger`."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "routeledger"
+
+
+def default_config_file() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "routeledger" / "config.toml"
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    """Every setting, with its default. See FIELDS for what each one means."""
+
+    data_dir: str = ""
+    redis_url: str | None = None
+    redis_bind: str = "127.0.0.1"
+    redis_port: int = 0
+    prefix: str = "rl:"
+    host: str = "127.0.0.1"
+    port: int = 8600
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    lease_ms: int = 10_000
+    heartbeat_ms: int = 2_000
+    delivery_limit: int = 3
+    stall_after_s: float = 600.0
+    half_life_s: float = 7 * 86_400.0
+    backend_timeout_s: float = 300.0
+    log_level: str = "info"
+
+
+# What each setting means, for `config show` and the README's table.
+FIELDS: Final[dict[str, str]] = {
+    "data_dir": "where embedded Redis keeps its AOF, password and URL files",
+    "redis_url": "use this Redis instead of starting an embedded one",
+    "redis_bind": "address embedded Redis listens on (other than 127.0.0.1 lets remote workers in)",
+    "redis_port": "port of embedded Redis (0: a free one)",
+    "prefix": "prefix of every Redis key",
+    "host": "address the HTTP API binds",
+    "port": "port of the HTTP API",
+    "api_keys": "Bearer keys the API accepts (comma-separated in the environment)",
+    "lease_ms": "a worker or running task is presumed dead this long after its last heartbeat",
+    "heartbeat_ms": "how often a worker refreshes its lease and reports its inventory",
+    "delivery_limit": "deliveries of one task before it is dead-lettered",
+    "stall_after_s": "a queued task nobody took for this long is reported stalled",
+    "half_life_s": "half-life of the time-decayed statistics",
+    "backend_timeout_s": "longest a worker waits on its backend for one generation",
+    "log_level": "log level of every process (debug, info, warning, error)",
+}
+
+_LIST_FIELDS: Final = {"api_keys"}
+
+
+class Resolved(msgspec.Struct, kw_only=True):
+    """Settings plus the source of every value: flag, env NAME, file PATH or default."""
+
+    settings: Settings
+    sources: dict[str, str]
+    config_file: str | None
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    found: dict[str, tuple[Any, str]] = {}
+    for name in FIELDS:
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            raw: Any = environ[var]
+            if name in _LIST_FIELDS:
+                raw = [part.strip() for part in raw.split(",") if part.strip()]
+            found[name] = (raw, f"env {var}")
+    if "redis_url" not in found and environ.get("REDIS_URL"):
+        found["redis_url"] = (environ["REDIS_URL"], "env REDIS_URL")
+    return found
+
+
+def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path} has unknown settings {unknown}; known: {sorted(FIELDS)}")
+    return {k: (v, f"file {path}") for k, v in data.items()}
+
+
+def resolve(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Resolved:
+    """Merge defaults, file, environment and flags (None flags are ignored)."""
+    env = os.environ if environ is None else environ
+    layered: dict[str, tuple[Any, str]] = {}
+    path: Path | None = None
+    if config_file is not None:
+        path = Path(config_file)
+    elif env.get(ENV_PREFIX + "CONFIG"):
+        path = Path(env[ENV_PREFIX + "CONFIG"])
+    elif default_config_file().is_file():
+        path = default_config_file()
+    if path is not None:
+        layered.update(_from_file(path))
+    layered.update(_from_env(env))
+    for name, value in (flags or {}).items():
+        if value is not None:
+            if name not in FIELDS:
+                raise ConfigError(f"unknown setting {name!r}")
+            layered[name] = (value, "flag")
+    values = {k: v for k, (v, _) in layered.items()}
+    try:
+        settings = msgspec.convert(values, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+    sources = {name: layered[name][1] if name in layered else "default" for name in FIELDS}
+    if not settings.data_dir:
+        settings.data_dir = str(default_data_dir())
+    _validate(settings)
+    return Resolved(settings=settings, sources=sources, config_file=str(path) if path else None)
+
+
+def _validate(s: Settings) -> None:
+    checks = [
+        (0 < s.port < 65536, f"port must be 1-65535, got {s.port}"),
+        (0 <= s.redis_port < 65536, f"redis_port must be 0-65535, got {s.redis_port}"),
+        (s.lease_ms >= 100, f"lease_ms must be at least 100, got {s.lease_ms}"),
+        (0 < s.heartbeat_ms < s.lease_ms, "heartbeat_ms must be positive and shorter than lease_ms"),
+        (s.delivery_limit >= 1, f"delivery_limit must be at least 1, got {s.delivery_limit}"),
+        (s.stall_after_s > 0, "stall_after_s must be positive"),
+        (s.half_life_s > 0, "half_life_s must be positive"),
+        (bool(s.prefix), "prefix must not be empty"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def url_file(settings: Settings) -> Path:
+    """The 0600 file where `up` records the URL of the Redis it uses."""
+    return Path(settings.data_dir) / "redis.url"
+
+
+def redis_url_for(settings: Settings) -> str:
+    """The Redis URL a command should use: the configured one, else the one `up` recorded."""
+    if settings.redis_url:
+        return settings.redis_url
+    path = url_file(settings)
+    if path.is_file():
+        url = path.read_text().strip()
+        if url:
+            return url
+    raise NotRunningError(
+        f"no running routeledger found in {settings.data_dir}: start one with `routeledger up` "
+        "(with the same --data-dir), or pass --redis-url"
+    )

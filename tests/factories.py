@@ -1,0 +1,83 @@
+"""One plausible instance of every event type, for round-trip tests."""
+
+from __future__ import annotations
+
+from events.event import (
+    EVENT_TYPES,
+    BenchmarkRequested,
+    BenchmarkResult,
+    Event,
+    ModelEntry,
+    PipelineChildAdded,
+    PipelineCompleted,
+    PipelineStarted,
+    QualityScored,
+    Resources,
+    TaskCancelled,
+    TaskClaimed,
+    TaskCompleted,
+    TaskDeadLettered,
+    TaskFailed,
+    TaskReclaimed,
+    TaskRouted,
+    TaskStalled,
+    TaskSubmitted,
+    Timings,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+)
+
+DIGEST = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"
+AT = 1_764_000_000_000
+
+
+def one_of_each() -> list[Event]:
+    timings = Timings(
+        prompt_eval_count=26,
+        prompt_eval_duration=130_000_000,
+        eval_count=64,
+        eval_duration=5_610_000_000,
+        load_duration=None,
+        total_duration=5_800_000_000,
+    )
+    inventory = [ModelEntry(name="qwen3:8b", digest=DIGEST, family="qwen3", quantization="Q4_K_M")]
+    events: list[Event] = [
+        TaskSubmitted(at=AT, task_id="t1", model="qwen3:8b", digest=DIGEST, queue="rl:q:500a1f067a9f"),
+        TaskRouted(
+            at=AT,
+            task_id="t1",
+            digest=DIGEST,
+            queue="rl:q:500a1f067a9f",
+            breakdown={"rtx3070ti": {"decode_tps": 83.0, "source": "worker n=3"}},
+        ),
+        TaskClaimed(at=AT, task_id="t1", worker="rtx3070ti", digest=DIGEST, attempt=1, in_flight=1),
+        TaskCompleted(at=AT, task_id="t1", worker="rtx3070ti", digest=DIGEST, attempt=1, timings=timings),
+        TaskFailed(
+            at=AT, task_id="t2", worker="macbookair", digest=DIGEST, attempt=1, kind="timeout", retryable=True
+        ),
+        TaskReclaimed(
+            at=AT, task_id="t2", queue="q", old_entry="1-0", new_entry="2-0", owner="macbookair", attempt=2
+        ),
+        TaskStalled(at=AT, task_id="t3", queue="q", entry_id="3-0", waited_ms=600_000),
+        TaskDeadLettered(at=AT, task_id="t2", queue="q", reason="delivery limit 3 reached", attempts=3),
+        TaskCancelled(at=AT, task_id="t4", queue="q", was_running=True),
+        WorkerHeartbeat(
+            at=AT,
+            worker="macbookair",
+            slots=1,
+            inventory=inventory,
+            loaded=[DIGEST],
+            resources=Resources(cpu_percent=None, mem_used_bytes=8 << 30),
+        ),
+        WorkerOnline(at=AT, worker="rtx3070ti", slots=1, inventory=inventory),
+        WorkerOffline(at=AT, worker="ai-core", reason="forgotten"),
+        BenchmarkRequested(at=AT, bench_id="b1", worker="rtx3070ti", digest=DIGEST, reason="joined"),
+        BenchmarkResult(at=AT, bench_id="b1", worker="rtx3070ti", digest=DIGEST, timings=timings),
+        QualityScored(at=AT, digest=DIGEST, domain="japanese", score=0.8, bench_id="b1"),
+        PipelineStarted(at=AT, pipeline_id="p1", fan_out=4, capacity=2),
+        PipelineChildAdded(at=AT, pipeline_id="p1", task_id="t5"),
+        PipelineCompleted(at=AT, pipeline_id="p1", ok=True),
+    ]
+    assert {type(e) for e in events} == set(EVENT_TYPES), "one_of_each must cover every event type"
+    return events

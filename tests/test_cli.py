@@ -1,0 +1,182 @@
+"""The command line, run as a user runs it: real processes, real ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from events.event import TaskStalled
+from routeledger.embedded import free_port
+
+
+def rl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routeledger", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (
+            f"routeledger up exited early: {proc.stderr.read() if proc.stderr else ''}"
+        )
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer in {timeout}s")
+
+
+@pytest.fixture
+def running_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
+    port = free_port()
+    data_dir = tmp_path / "data"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "routeledger", "up", "--port", str(port), "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+        yield proc, port, data_dir
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+
+
+def test_up_answers_healthz_and_readyz_and_ctrl_c_stops_every_child(
+    running_up: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    proc, port, data_dir = running_up
+    assert httpx.get(f"http://127.0.0.1:{port}/readyz").json() == {"status": "ready", "redis": "ok"}
+    url_file = data_dir / "redis.url"
+    assert oct(url_file.stat().st_mode & 0o777) == "0o600"
+    children = psutil.Process(proc.pid).children(recursive=True)
+    names = " ".join(" ".join(c.cmdline()) for c in children)
+    assert "redis-server" in names and "api" in names
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert alive == []
+    assert not url_file.exists()
+
+
+def test_other_commands_find_the_running_instance_through_the_data_dir(
+    running_up: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    _, _, data_dir = running_up
+    assert json.loads(rl("events", "count", "--json", "--data-dir", str(data_dir)).stdout) == {"events": 0}
+
+
+def test_up_exits_non_zero_with_a_clear_message_when_the_port_is_taken(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = rl("up", "--port", str(port), "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 2
+    assert f"port {port} on 127.0.0.1 is taken" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_up_refuses_a_public_address_without_api_keys(tmp_path: Path) -> None:
+    result = rl(
+        "up", "--host", "0.0.0.0", "--data-dir", str(tmp_path / "d"), env={"ROUTELEDGER_API_KEYS": ""}
+    )
+    assert result.returncode == 2
+    assert "without API keys" in result.stderr
+
+
+def test_events_tail_prints_events_as_json_and_filters_by_type(redis_url: str) -> None:
+    import redis as sync_redis
+
+    from events.codec import encode_fields
+    from events.event import WorkerOffline
+
+    client = sync_redis.Redis.from_url(redis_url)
+    client.xadd(
+        "rl:events", encode_fields(TaskStalled(at=1, task_id="a", queue="q", entry_id="1-0", waited_ms=5))
+    )
+    client.xadd("rl:events", encode_fields(WorkerOffline(at=2, worker="w", reason="shutdown")))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "routeledger",
+            "events",
+            "tail",
+            "--from",
+            "0",
+            "--json",
+            "--type",
+            "WorkerOffline",
+            "--redis-url",
+            redis_url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = json.loads(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+    assert line["type"] == "WorkerOffline" and line["worker"] == "w" and "-" in line["id"]
+
+
+def test_events_tail_rejects_an_unknown_type_with_exit_2(redis_url: str) -> None:
+    result = rl("events", "tail", "--type", "Nope", "--redis-url", redis_url)
+    assert result.returncode == 2
+    assert "unknown event type" in result.stderr and "TaskSubmitted" in result.stderr
+
+
+def test_a_command_without_a_running_instance_says_how_to_start_one(tmp_path: Path) -> None:
+    result = rl("events", "count", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "routeledger up" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unreachable_redis_is_a_clear_error(tmp_path: Path) -> None:
+    result = rl("events", "count", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert result.returncode == 2
+    assert "cannot reach Redis" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_show_reports_each_source(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text("lease_ms = 4000\n")
+    result = rl("config", "show", "--json", "--config", str(conf), env={"ROUTELEDGER_PORT": "8700"})
+    data = json.loads(result.stdout)["settings"]
+    assert data["lease_ms"] == {"value": 4000, "source": f"file {conf}"}
+    assert data["port"] == {"value": 8700, "source": "env ROUTELEDGER_PORT"}
+    assert data["delivery_limit"]["source"] == "default"
+
+
+def test_version_prints_the_version() -> None:
+    result = rl("--version")
+    assert result.returncode == 0 and result.stdout.startswith("routeledger ")

@@ -1,0 +1,53 @@
+"""Configuration precedence and provenance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from routeledger.config import redis_url_for, resolve
+from routeledger.errors import ConfigError, NotRunningError
+
+
+def test_each_value_says_where_it_came_from_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('port = 9000\nprefix = "file:"\nlease_ms = 5000\n')
+    env = {"ROUTELEDGER_PORT": "9100", "ROUTELEDGER_API_KEYS": "a, b", "ROUTELEDGER_LEASE_MS": "6000"}
+    r = resolve({"lease_ms": 7000, "host": None}, config_file=conf, environ=env)
+    assert r.settings.port == 9100 and r.sources["port"] == "env ROUTELEDGER_PORT"
+    assert r.settings.prefix == "file:" and r.sources["prefix"] == f"file {conf}"
+    assert r.settings.lease_ms == 7000 and r.sources["lease_ms"] == "flag"
+    assert r.settings.api_keys == ["a", "b"]
+    assert r.settings.host == "127.0.0.1" and r.sources["host"] == "default"
+
+
+def test_redis_url_comes_from_the_common_env_var_too() -> None:
+    r = resolve({}, environ={"REDIS_URL": "redis://x:1/0"})
+    assert r.settings.redis_url == "redis://x:1/0" and r.sources["redis_url"] == "env REDIS_URL"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port = 'abc'", "invalid configuration"),
+        ("nosuch = 1", "unknown settings"),
+        ("port = ", "not valid TOML"),
+    ],
+)
+def test_a_bad_config_file_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        resolve({}, config_file=conf, environ={})
+
+
+def test_inconsistent_values_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="heartbeat_ms"):
+        resolve({"lease_ms": 1000, "heartbeat_ms": 2000}, environ={})
+
+
+def test_without_a_running_instance_commands_say_how_to_start_one(tmp_path: Path) -> None:
+    r = resolve({"data_dir": str(tmp_path)}, environ={})
+    with pytest.raises(NotRunningError, match="routeledger up"):
+        redis_url_for(r.settings)

