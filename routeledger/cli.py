@@ -19,6 +19,7 @@ from rich.table import Table
 import routeledger
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
+from routeledger.cli_sim import sim_app
 from routeledger.config import FIELDS, url_file
 from routeledger.embedded import EmbeddedRedis, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
@@ -49,6 +50,7 @@ events_app = typer.Typer(help="Read the ledger.", no_args_is_help=True)
 config_app = typer.Typer(help="Show the configuration.", no_args_is_help=True)
 app.add_typer(events_app, name="events")
 app.add_typer(config_app, name="config")
+app.add_typer(sim_app, name="sim")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -1,0 +1,189 @@
+"""The typed view of the projection tables that readers get: the contract between the projector
+(and replay) on one side and the router and the API on the other.
+
+Every field group carries its own sufficient statistics and its own `updated_at`, so that speed
+measured on Tuesday and quality graded on Friday never overwrite each other's age, and a reader
+can fall back field by field. A value nobody has measured is absent (n = 0), never a sentinel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class Stat(msgspec.Struct, kw_only=True, gc=False):
+    """Sufficient statistics of one field: lifetime (n, sum, sumsq) and exponentially time-decayed.
+
+    The decayed sums are referenced to `updated_at` (the newest sample's producer clock, ms): a
+    sample taken at t weighs 2 ** (-(updated_at - t) / half_life). A sample older than
+    `updated_at` (producer clocks disagree) is added with its weight and does not move the
+    reference, so the fold does not depend on arrival order.
+    """
+
+    n: int = 0
+    sum: float = 0.0
+    sumsq: float = 0.0
+    dn: float = 0.0
+    dsum: float = 0.0
+    dsumsq: float = 0.0
+    updated_at: int | None = None
+
+    @property
+    def mean(self) -> float | None:
+        """Lifetime mean, or None when nothing was measured."""
+        return self.sum / self.n if self.n else None
+
+    @property
+    def decayed_mean(self) -> float | None:
+        """Time-weighted mean (recent samples weigh more), or None when nothing was measured."""
+        return self.dsum / self.dn if self.dn > 0 else None
+
+    @property
+    def variance(self) -> float | None:
+        """Lifetime sample variance, or None with fewer than two samples."""
+        if self.n < 2:
+            return None
+        return max(0.0, (self.sumsq - self.sum * self.sum / self.n) / (self.n - 1))
+
+    def weight_at(self, now_ms: int, half_life_s: float) -> float:
+        """The decayed sample weight as seen at `now_ms`: how much evidence is left after ageing."""
+        if self.updated_at is None or self.dn <= 0:
+            return 0.0
+        age_s = max(0.0, (now_ms - self.updated_at) / 1000.0)
+        return self.dn * math.pow(2.0, -age_s / half_life_s)
+
+    def age_s(self, now_ms: int) -> float | None:
+        """Seconds since the newest sample, or None when there is none."""
+        return None if self.updated_at is None else max(0.0, (now_ms - self.updated_at) / 1000.0)
+
+
+def fold(stat: Stat, x: float, at_ms: int, half_life_s: float) -> Stat:
+    """`stat` with one more sample `x` taken at `at_ms`. The one definition of folding: the live
+    projector, replay's polars rebuild (vectorised, the same formula) and the simulator use it."""
+    n, s, ss = stat.n + 1, stat.sum + x, stat.sumsq + x * x
+    ref = stat.updated_at
+    if ref is None:
+        return Stat(n=n, sum=s, sumsq=ss, dn=1.0, dsum=x, dsumsq=x * x, updated_at=at_ms)
+    if at_ms >= ref:
+        k = math.pow(2.0, -(at_ms - ref) / 1000.0 / half_life_s)
+        return Stat(
+            n=n,
+            sum=s,
+            sumsq=ss,
+            dn=stat.dn * k + 1.0,
+            dsum=stat.dsum * k + x,
+            dsumsq=stat.dsumsq * k + x * x,
+            updated_at=at_ms,
+        )
+    w = math.pow(2.0, -(ref - at_ms) / 1000.0 / half_life_s)
+    return Stat(
+        n=n,
+        sum=s,
+        sumsq=ss,
+        dn=stat.dn + w,
+        dsum=stat.dsum + w * x,
+        dsumsq=stat.dsumsq + w * x * x,
+        updated_at=ref,
+    )
+
+
+class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
+    """speed[worker, digest]: what this machine does with this model. Each field has its own clock."""
+
+    worker: str
+    digest: str
+    decode_tps: Stat = msgspec.field(default_factory=Stat)
+    prompt_tps: Stat = msgspec.field(default_factory=Stat)
+    load_s: Stat = msgspec.field(default_factory=Stat)
+    ttft_s: Stat = msgspec.field(default_factory=Stat)
+    # Tasks the worker had in flight when each decode sample was taken (to model concurrency later).
+    in_flight: Stat = msgspec.field(default_factory=Stat)
+
+
+class LengthRow(msgspec.Struct, kw_only=True, gc=False):
+    """length[digest, domain]: output tokens, a property of the model and the kind of request."""
+
+    digest: str
+    domain: str
+    output_tokens: Stat = msgspec.field(default_factory=Stat)
+
+
+class QualityRow(msgspec.Struct, kw_only=True, gc=False):
+    """quality[digest, domain]: graded score in [0, 1]; the same whichever worker answered."""
+
+    digest: str
+    domain: str
+    score: Stat = msgspec.field(default_factory=Stat)
+
+
+class Stamped(msgspec.Struct, kw_only=True, gc=False):
+    """A reported value with the producer time it was reported at (ms); None value = unknown."""
+
+    value: object = None
+    at: int | None = None
+
+
+class FleetRow(msgspec.Struct, kw_only=True, gc=False):
+    """fleet[worker]: what the ledger says about one machine, every field with its own time."""
+
+    worker: str
+    status: str = "offline"  # online | offline | draining | forgotten
+    status_since: int | None = None
+    last_heartbeat: int | None = None
+    slots: Stamped = msgspec.field(default_factory=Stamped)
+    inventory: Stamped = msgspec.field(default_factory=Stamped)  # {name: digest}
+    loaded: Stamped = msgspec.field(default_factory=Stamped)  # [digest]
+    serves: Stamped = msgspec.field(default_factory=Stamped)  # [name] or None: all it holds
+    resources: Stamped = msgspec.field(default_factory=Stamped)  # {metric: value or None}
+    # Claimed-and-not-finished tasks by the ledger's count (never self-reported load).
+    in_flight: list[str] = msgspec.field(default_factory=list)
+
+
+class TaskRow(msgspec.Struct, kw_only=True, gc=False):
+    """tasks[task_id]: what the API shows for a task."""
+
+    task_id: str
+    status: str = "queued"  # queued | running | completed | failed | dead | cancelled | stalled
+    model: str = ""
+    digest: str = ""
+    domain: str = "general"
+    queue: str = ""
+    attempts: int = 0
+    worker: str | None = None
+    submitted_at: int | None = None
+    claimed_at: int | None = None
+    finished_at: int | None = None
+    eval_count: int | None = None
+    prompt_eval_count: int | None = None
+    decode_tps: float | None = None
+    ttft_ms: float | None = None
+    wall_ms: float | None = None
+    error: str | None = None
+    duplicates: int = 0
+    pipeline_id: str | None = None
+
+
+class DemandRow(msgspec.Struct, kw_only=True, gc=False):
+    """demand[digest]: submissions over time, for the arrival rate the gate needs.
+
+    `arrivals` folds the value 1 per TaskSubmitted, so its decayed weight divided by the mean life
+    of the decay (half_life / ln 2) is the recent arrival rate per second.
+    """
+
+    digest: str
+    arrivals: Stat = msgspec.field(default_factory=Stat)
+
+
+class Snapshot(msgspec.Struct, kw_only=True, gc=False):
+    """All tables at one ledger position, as plain structs (what the router takes)."""
+
+    checkpoint: str | None = None
+    taken_at: int = 0
+    half_life_s: float = 7 * 86_400.0
+    speed: dict[tuple[str, str], SpeedRow] = msgspec.field(default_factory=dict)
+    length: dict[tuple[str, str], LengthRow] = msgspec.field(default_factory=dict)
+    quality: dict[tuple[str, str], QualityRow] = msgspec.field(default_factory=dict)
+    fleet: dict[str, FleetRow] = msgspec.field(default_factory=dict)
+    demand: dict[str, DemandRow] = msgspec.field(default_factory=dict)

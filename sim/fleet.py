@@ -1,0 +1,160 @@
+"""Fleet presets: simulated machines and models, from TOML.
+
+One format serves both simulators: `routeledger sim hosts` (Ollama-compatible HTTP backends) and
+`routeledger sim schedule` (the discrete-event scheduling simulator). The issue-given shape is
+
+    [[worker]]
+    name = "macbookair"
+    slots = 1
+    online = [[0, 1e9]]          # optional windows in simulated seconds; default: always on
+    [worker.models."qwen3:8b"]
+    decode_tps = 11.4
+    prompt_tps = 90.0
+    load_s = 8.0
+
+and more keys may be added: per worker `parallel_exponent`, `keep_alive_s`, `serves` and the fault
+rates; per worker model an optional `digest` override; and a top-level `[model."NAME"]` table with
+what belongs to the model itself (digest, family, size, quality per domain, output length).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sim.errors import FleetError
+
+
+class OutputLength(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Distribution of output tokens: `exp`, `lognormal` (with `sigma`) or `fixed`."""
+
+    dist: str = "lognormal"
+    mean: float = 256.0
+    sigma: float = 0.6
+
+
+class ModelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What belongs to the model itself, whichever machine holds it."""
+
+    digest: str = ""
+    family: str = ""
+    parameter_size: str = ""
+    quantization: str = "Q4_K_M"
+    size: int = 0
+    # Chance that an answer to a benchmark prompt of the domain contains its reference answer.
+    quality: dict[str, float] = msgspec.field(default_factory=dict)
+    output: OutputLength = OutputLength()
+
+
+class WorkerModel(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One model on one machine: its speeds there."""
+
+    decode_tps: float
+    prompt_tps: float = 200.0
+    load_s: float = 5.0
+    # Another name can carry the same weights: give it the digest of the model it copies.
+    digest: str | None = None
+    # False: the machine can be given the model at run time (the sim's POST /api/pull), not at start.
+    held: bool = True
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One simulated machine."""
+
+    name: str
+    slots: int = 1
+    online: list[tuple[float, float]] | None = None
+    models: dict[str, WorkerModel] = msgspec.field(default_factory=dict)
+    # With k generations at once each runs at k ** exponent / k of its solo speed (sublinear sharing).
+    parallel_exponent: float = 0.7
+    # Seconds a loaded model stays loaded with nothing to do (Ollama's keep_alive).
+    keep_alive_s: float = 300.0
+    # Which held models its worker serves; None: all of them; []: registered, serving nothing.
+    serves: list[str] | None = None
+    # Faults of the HTTP simulator, per request.
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    disconnect_rate: float = 0.0
+    # Preferred port for `sim hosts` (0: a free one).
+    port: int = 0
+
+
+class Fleet(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A named set of machines and the models they hold."""
+
+    name: str = ""
+    description: str = ""
+    worker: list[WorkerSpec] = msgspec.field(default_factory=list)
+    model: dict[str, ModelSpec] = msgspec.field(default_factory=dict)
+
+    def model_spec(self, name: str) -> ModelSpec:
+        """The model's own properties; a model without a `[model]` table gets defaults."""
+        return self.model.get(name, ModelSpec())
+
+    def digest_of(self, worker: WorkerSpec, name: str) -> str:
+        """The digest `worker` reports for model `name` (its override, the model's, or derived)."""
+        held = worker.models[name]
+        if held.digest:
+            return held.digest
+        return self.model_spec(name).digest or default_digest(name)
+
+    @property
+    def workers(self) -> list[WorkerSpec]:
+        return self.worker
+
+
+def default_digest(name: str) -> str:
+    """A stable sha256 hex digest for a model that does not give one."""
+    return hashlib.sha256(f"routeledger-sim:{name}".encode()).hexdigest()
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in sim/presets."""
+    folder = resources.files("sim") / "presets"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def parse_fleet(text: str, source: str = "<string>") -> Fleet:
+    """A Fleet from TOML text; errors name the source and what is wrong."""
+    try:
+        data: dict[str, Any] = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise FleetError(f"{source} is not valid TOML: {exc}") from None
+    data.setdefault("name", Path(source).stem if source != "<string>" else "")
+    try:
+        fleet = msgspec.convert(data, Fleet)
+    except msgspec.ValidationError as exc:
+        raise FleetError(f"{source}: {exc}") from None
+    names = [w.name for w in fleet.worker]
+    if len(set(names)) != len(names):
+        raise FleetError(f"{source}: worker names must be unique, got {names}")
+    for w in fleet.worker:
+        if w.slots < 1:
+            raise FleetError(f"{source}: worker {w.name} needs at least one slot")
+        for model, spec in w.models.items():
+            if spec.decode_tps <= 0 or spec.prompt_tps <= 0 or spec.load_s < 0:
+                raise FleetError(
+                    f"{source}: {w.name}/{model} needs positive speeds and a non-negative load time"
+                )
+    return fleet
+
+
+def load_fleet(name_or_path: str | Path) -> Fleet:
+    """A shipped preset by name (`seed`, `trio`, `lab`, …) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        try:
+            return parse_fleet(path.read_text(), str(path))
+        except OSError as exc:
+            raise FleetError(f"cannot read fleet file {path}: {exc.strerror}") from None
+    resource = resources.files("sim") / "presets" / f"{name_or_path}.toml"
+    if not resource.is_file():
+        raise FleetError(
+            f"no fleet preset {str(name_or_path)!r}; presets: {', '.join(preset_names()) or 'none'}"
+        )
+    return parse_fleet(resource.read_text(), f"{name_or_path}.toml")
