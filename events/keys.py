@@ -63,6 +63,11 @@ class Keys:
         # Set when a client asks a running task to stop; the worker polls it; expires.
         return f"{self.prefix}cancel:{task_id}"
 
+    @property
+    def stalled(self) -> str:
+        # Set of "queue entry-id" members already reported stalled, so each is reported once.
+        return f"{self.prefix}stalled"
+
     # -- workers -------------------------------------------------------------------------------
     def live(self, worker: str) -> str:
         # A worker's lease: present while its heartbeats arrive (string with TTL).
@@ -96,3 +101,7 @@ class Keys:
     def checkpoint(self, ns: str) -> str:
         # The last ledger id folded into namespace `ns`, written with every table update.
         return f"{self.prefix}p:{{{ns}}}:checkpoint"
+
+    def owner(self, ns: str) -> str:
+        # Token of the one projector allowed to write namespace `ns` (fencing a lost lease out).
+        return f"{self.prefix}p:{{{ns}}}:owner"

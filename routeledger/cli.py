@@ -20,6 +20,7 @@ import routeledger
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.cli_sim import sim_app
+from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
 from routeledger.embedded import EmbeddedRedis, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
@@ -51,6 +52,9 @@ config_app = typer.Typer(help="Show the configuration.", no_args_is_help=True)
 app.add_typer(events_app, name="events")
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
+app.add_typer(worker_app, name="worker")
+app.add_typer(task_app, name="task")
+app.command("reaper")(guarded(reaper_cmd))
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -141,6 +145,7 @@ def up(
     env = {"ROUTELEDGER_REDIS_URL": url, "ROUTELEDGER_PREFIX": s.prefix}
     try:
         api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
+        sup.spawn("reaper", python_argv("reaper"), env=env)
         base = f"http://{s.host}:{s.port}"
         if not _wait_http(base + "/healthz", 30, lambda: api.alive):
             fail(f"the API did not come up on {base}; see its log above")

@@ -1,0 +1,352 @@
+"""The task queues: submission, and the scripts that finish, re-queue and reclaim entries.
+
+A queue entry is never moved by reading it back and writing it elsewhere in two steps: every change
+that must not be seen half-done is one Lua script on the queue's own key (one hash slot). The ledger
+event that records the change is appended after the script; the projector tolerates it arriving
+late or twice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import redis.asyncio as aioredis
+
+from events.errors import ModelNotServedError
+from events.event import ModelEntry, TaskDeadLettered, TaskSubmitted, now_ms
+from events.keys import WORKERS_GROUP, Keys
+from events.lease import LeaseInfo, live_workers
+from events.ledger import Ledger
+from events.task import (
+    F_ATTEMPT,
+    F_ID,
+    F_TASK,
+    Chunk,
+    Result,
+    TaskMessage,
+    encode_chunk,
+    encode_result,
+    queue_fields,
+)
+
+# Acknowledge and delete a finished entry (prompts do not outlive their task).
+# KEYS[1] queue; ARGV group, entry id. Returns XACK's count: 0 means the entry was not ours any more.
+_FINISH: Final = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return acked
+"""
+
+# Re-add a pending entry with attempt + 1, then acknowledge and delete the old one, all at once, so
+# that a crash can neither lose the task nor leave two copies.
+# KEYS[1] queue; ARGV group, entry id, owner ('' = any), min idle ms ('' = no check), delivery limit,
+# bump ('1': a delivery was spent, raise the attempt; '0': handed back unread, keep it).
+# Returns {status, new id or '', new attempt, task id}: status 1 re-queued; 0 not pending for that
+# owner (or not idle enough: its owner came back); -1 the entry vanished (acknowledged here);
+# 2 past the delivery limit: nothing moved, the caller dead-letters it first and then finishes it.
+_REQUEUE: Final = """
+local p
+if ARGV[4] ~= '' then
+  p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[4], ARGV[2], ARGV[2], 1)
+else
+  p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+end
+if #p == 0 then return {0, '', 0, ''} end
+if ARGV[3] ~= '' and p[1][2] ~= ARGV[3] then return {0, '', 0, ''} end
+local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #rows == 0 then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  return {-1, '', 0, ''}
+end
+local flat = rows[1][2]
+local task, attempt, id = nil, 1, ''
+for i = 1, #flat, 2 do
+  if flat[i] == 'task' then task = flat[i + 1]
+  elseif flat[i] == 'attempt' then attempt = tonumber(flat[i + 1])
+  elseif flat[i] == 'id' then id = flat[i + 1] end
+end
+local next = attempt
+if ARGV[6] == '1' then
+  next = attempt + 1
+  if next > tonumber(ARGV[5]) then return {2, '', attempt, id} end
+end
+local new = redis.call('XADD', KEYS[1], '*', 'task', task, 'attempt', tostring(next), 'id', id)
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return {1, new, next, id}
+"""
+
+# Record the first outcome of a task and nothing after it. KEYS[1] result hash; ARGV result
+# (msgpack), status, worker, attempt, ttl ms. Returns 1 for the first writer, 0 for any later one.
+_RESULT_ONCE: Final = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'result', ARGV[1], 'status', ARGV[2], 'worker', ARGV[3], 'attempt', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+REQUEUED: Final = 1
+NOT_OURS: Final = 0
+VANISHED: Final = -1
+OVER_LIMIT: Final = 2
+
+# How long finished results and output chunks are kept.
+RESULT_TTL_MS: Final = 24 * 3600 * 1000
+OUTPUT_TTL_MS: Final = 3600 * 1000
+
+
+class Requeue(msgspec.Struct, frozen=True):
+    """What a re-queue or reclaim did."""
+
+    status: int
+    new_entry: str
+    attempt: int
+    task_id: str
+
+
+class QueueEntry(msgspec.Struct, frozen=True):
+    """A task as read from a queue, with where it came from."""
+
+    queue: str
+    entry_id: str
+    attempt: int
+    task: TaskMessage
+
+
+def parse_entry(queue: str, entry_id: str, fields: dict[bytes, bytes]) -> QueueEntry:
+    """A queue entry's fields as a QueueEntry; raises msgspec errors on a malformed one."""
+    from events.task import decode_task
+
+    raw = fields.get(F_TASK)
+    if raw is None:
+        raise msgspec.ValidationError(f"queue entry {entry_id} has no task field")
+    return QueueEntry(queue, entry_id, int(fields.get(F_ATTEMPT, b"1")), decode_task(raw))
+
+
+class TaskQueues:
+    """Operations on the task queues, shared by the submitter, the workers and the reaper."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ledger: Ledger | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ledger = ledger or Ledger(redis, keys)
+        self._finish = redis.register_script(_FINISH)
+        self._requeue = redis.register_script(_REQUEUE)
+        self._result_once = redis.register_script(_RESULT_ONCE)
+        self._groups: set[str] = set()
+
+    async def ensure_group(self, queue: str) -> None:
+        """Create the `workers` group on `queue` once per process."""
+        if queue not in self._groups:
+            await self.ledger.ensure_group(queue, WORKERS_GROUP, "0")
+            self._groups.add(queue)
+
+    async def enqueue(self, queue: str, task: TaskMessage, attempt: int = 1) -> str:
+        await self.ensure_group(queue)
+        raw: Any = await self.redis.xadd(queue, queue_fields(task, attempt))  # type: ignore[arg-type]
+        return str(raw.decode())
+
+    async def finish(self, queue: str, entry_id: str) -> int:
+        """Acknowledge and delete an entry; 0 means it was no longer pending (someone reclaimed it)."""
+        return int(await self._finish(keys=[queue], args=[WORKERS_GROUP, entry_id]))
+
+    async def requeue(
+        self,
+        queue: str,
+        entry_id: str,
+        *,
+        delivery_limit: int,
+        owner: str | None = None,
+        min_idle_ms: int | None = None,
+        bump: bool = True,
+    ) -> Requeue:
+        """Put a pending entry back, with the next attempt unless `bump` is False (see _REQUEUE)."""
+        reply: Any = await self._requeue(
+            keys=[queue],
+            args=[
+                WORKERS_GROUP,
+                entry_id,
+                owner or "",
+                "" if min_idle_ms is None else str(min_idle_ms),
+                str(delivery_limit),
+                "1" if bump else "0",
+            ],
+        )
+        status, new, attempt, task_id = reply
+        return Requeue(int(status), _s(new), int(attempt), _s(task_id))
+
+    async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
+        """The fields of one entry, or None if it is gone."""
+        rows: Any = await self.redis.xrange(queue, entry_id, entry_id)
+        return dict(rows[0][1]) if rows else None
+
+    async def dead_letter(self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str) -> str:
+        """Copy an entry to `rl:dead` with the reason (the caller finishes the original after)."""
+        record = {
+            b"queue": queue.encode(),
+            b"entry": entry_id.encode(),
+            b"reason": reason.encode(),
+            b"at": str(now_ms()).encode(),
+            **{k: v for k, v in fields.items() if k in (F_TASK, F_ATTEMPT, F_ID)},
+        }
+        raw: Any = await self.redis.xadd(self.keys.dead, record)  # type: ignore[arg-type]
+        return str(raw.decode())
+
+    async def end_output(self, task_id: str, attempt: int, error: str | None = None) -> None:
+        """Close a task's output stream (with the error, if it failed) so relays stop waiting."""
+        out_key = self.keys.out(task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error))})
+        pipe.pexpire(out_key, OUTPUT_TTL_MS)
+        await pipe.execute()
+
+    async def settle_requeue(
+        self, queue: str, entry_id: str, moved: Requeue, reason: str, delivery_limit: int
+    ) -> bool:
+        """After a re-queue: dead-letter a task whose deliveries are spent. True if it was moved or settled.
+
+        The copy in `rl:dead` is written before the queue entry is removed, so that a crash in
+        between leaves a duplicate in the dead letters rather than a lost task.
+        """
+        if moved.status == REQUEUED:
+            return True
+        if moved.status != OVER_LIMIT:
+            return False
+        full_reason = f"delivery limit {delivery_limit} reached; last failure: {reason}"
+        fields = await self.entry(queue, entry_id)
+        if fields is not None:
+            await self.dead_letter(queue, entry_id, fields, full_reason)
+        await self.record_result(
+            Result(task_id=moved.task_id, status="dead", attempt=moved.attempt, error=full_reason)
+        )
+        await self.end_output(moved.task_id, moved.attempt, f"dead-lettered: {full_reason}")
+        await self.ledger.append(
+            TaskDeadLettered(task_id=moved.task_id, queue=queue, reason=full_reason, attempts=moved.attempt)
+        )
+        await self.finish(queue, entry_id)
+        return True
+
+    async def record_result(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:
+        """Store a task's outcome unless one is stored already; True for the first (the one that counts)."""
+        won = await self._result_once(
+            keys=[self.keys.result(result.task_id)],
+            args=[
+                encode_result(result),
+                result.status,
+                result.worker or "",
+                str(result.attempt),
+                str(ttl_ms),
+            ],
+        )
+        return bool(won)
+
+
+def _s(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def find_holders(model: str, leases: dict[str, LeaseInfo]) -> tuple[str | None, list[str]]:
+    """The digest `model` names among live workers that serve it, and those workers.
+
+    A model is named by its name (or alias) or by a digest prefix of at least 12 characters.
+    """
+    digest: str | None = None
+    holders: list[str] = []
+    for info in leases.values():
+        for entry in info.serving():
+            if _names(entry, model):
+                digest = digest or entry.digest
+                if entry.digest == digest:
+                    holders.append(info.worker)
+                break
+    return digest, sorted(set(holders))
+
+
+def _names(entry: ModelEntry, model: str) -> bool:
+    if entry.name == model:
+        return True
+    # `qwen3` means `qwen3:latest`, as Ollama reads it.
+    if ":" not in model and entry.name == f"{model}:latest":
+        return True
+    return len(model) >= 12 and entry.digest.startswith(model)
+
+
+def describe_fleet(leases: dict[str, LeaseInfo]) -> str:
+    """What the live workers serve, for error messages."""
+    if not leases:
+        return "no live workers"
+    parts = []
+    for name, info in sorted(leases.items()):
+        served = ", ".join(sorted(m.name for m in info.serving())) or "nothing"
+        parts.append(f"{name} serves {served}")
+    return "; ".join(parts)
+
+
+async def submit_task(
+    queues: TaskQueues,
+    *,
+    model: str,
+    messages: Sequence[Any] = (),
+    prompt: str | None = None,
+    kind: str = "chat",
+    domain: str = "general",
+    options: dict[str, Any] | None = None,
+    max_tokens: int | None = None,
+    priority: int = 0,
+    task_id: str | None = None,
+    client: str | None = None,
+    pipeline_id: str | None = None,
+    leases: dict[str, LeaseInfo] | None = None,
+) -> tuple[TaskMessage, str]:
+    """Resolve `model` among live workers, record TaskSubmitted and queue the task.
+
+    Returns the task and its queue. Raises ModelNotServedError at once when no live worker serves
+    the model, naming the model and what the live workers serve.
+    """
+    from events.task import Message, estimate_tokens, sha256_hex
+
+    live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
+    digest, holders = find_holders(model, live)
+    if digest is None or not holders:
+        raise ModelNotServedError(
+            f"no live worker serves model {model!r} ({describe_fleet(live)})", model=model, fleet=live
+        )
+    task = TaskMessage(
+        task_id=task_id or uuid.uuid4().hex,
+        model=model,
+        digest=digest,
+        kind=kind,
+        messages=[m if isinstance(m, Message) else msgspec.convert(m, Message) for m in messages],
+        prompt=prompt,
+        domain=domain,
+        options=options or {},
+        max_tokens=max_tokens,
+        priority=priority,
+        pipeline_id=pipeline_id,
+    )
+    text = task.prompt_text()
+    task = msgspec.structs.replace(task, prompt_tokens=estimate_tokens(text))
+    queue = queues.keys.queue(digest)
+    await queues.ensure_group(queue)
+    await queues.ledger.append(
+        TaskSubmitted(
+            task_id=task.task_id,
+            model=model,
+            digest=digest,
+            queue=queue,
+            domain=domain,
+            kind=kind,
+            prompt_tokens=task.prompt_tokens,
+            max_tokens=max_tokens,
+            priority=priority,
+            prompt_bytes=len(text.encode()),
+            prompt_sha256=sha256_hex(text),
+            pipeline_id=pipeline_id,
+            client=client,
+        )
+    )
+    await queues.enqueue(queue, task)
+    return task, queue

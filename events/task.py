@@ -1,0 +1,120 @@
+"""What travels on the task queues: the task itself (prompt included), its output chunks and result.
+
+Unlike ledger events, these carry text, so they live in `rl:q:*`, `rl:out:*` and `rl:result:*`
+with retention; the ledger records only sizes, token counts and digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Final
+
+import msgspec
+
+from events.event import Timings, now_ms
+
+# Fields of a queue entry. `attempt` sits outside the payload so that the reclaim script can raise
+# it without decoding the task.
+F_TASK: Final = b"task"
+F_ATTEMPT: Final = b"attempt"
+F_ID: Final = b"id"
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One chat message, as Ollama and OpenAI take it."""
+
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+
+
+class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A task as a worker receives it."""
+
+    task_id: str
+    model: str
+    digest: str
+    kind: str = "chat"  # chat | generate
+    messages: list[Message] = msgspec.field(default_factory=list)
+    prompt: str | None = None
+    system: str | None = None
+    domain: str = "general"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    max_tokens: int | None = None
+    format: Any = None
+    priority: int = 0
+    submitted_at: int = msgspec.field(default_factory=now_ms)
+    prompt_tokens: int | None = None
+    bench_id: str | None = None
+    bench_prompt: str | None = None
+    pipeline_id: str | None = None
+
+    def prompt_text(self) -> str:
+        """All the text the model reads, for sizes and digests (never for the ledger itself)."""
+        if self.kind == "generate":
+            return (self.system or "") + (self.prompt or "")
+        return "".join(m.content for m in self.messages)
+
+
+_task_encoder: Final = msgspec.msgpack.Encoder()
+_task_decoder: Final = msgspec.msgpack.Decoder(TaskMessage)
+
+
+def encode_task(task: TaskMessage) -> bytes:
+    return _task_encoder.encode(task)
+
+
+def decode_task(data: bytes) -> TaskMessage:
+    return _task_decoder.decode(data)
+
+
+def queue_fields(task: TaskMessage, attempt: int = 1) -> dict[bytes, bytes]:
+    """The fields of the queue entry that carries `task` for its `attempt`."""
+    return {F_TASK: encode_task(task), F_ATTEMPT: str(attempt).encode(), F_ID: task.task_id.encode()}
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough token count (about four characters a token) for planning before the backend counts."""
+    return max(1, (len(text.encode()) + 3) // 4)
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One piece of output in `rl:out:{task}`; `attempt` tells a relay which run it belongs to."""
+
+    attempt: int
+    text: str = ""
+    done: bool = False
+    error: str | None = None
+
+
+class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The final outcome of a task, written once to `rl:result:{task}` by the first completion."""
+
+    task_id: str
+    status: str  # completed | failed | dead | cancelled
+    worker: str | None = None
+    attempt: int = 0
+    text: str = ""
+    timings: Timings = Timings()
+    ttft_ms: float | None = None
+    wall_ms: float | None = None
+    done_reason: str | None = None
+    error: str | None = None
+    finished_at: int = msgspec.field(default_factory=now_ms)
+
+
+_chunk_encoder: Final = msgspec.msgpack.Encoder()
+chunk_decoder: Final = msgspec.msgpack.Decoder(Chunk)
+result_decoder: Final = msgspec.msgpack.Decoder(Result)
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    return _chunk_encoder.encode(chunk)
+
+
+def encode_result(result: Result) -> bytes:
+    return _chunk_encoder.encode(result)

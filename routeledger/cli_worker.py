@@ -1,0 +1,250 @@
+"""`routeledger worker`, `routeledger reaper` and `routeledger task submit`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from typing import Annotated, Any
+
+import msgspec
+import redis.asyncio as aioredis
+import typer
+from redis.exceptions import RedisError
+from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
+
+from events.event import WorkerOffline
+from events.keys import Keys
+from events.lease import live_workers
+from events.ledger import Ledger
+from events.queue import TaskQueues, submit_task
+from events.task import Message, result_decoder
+from routeledger.runtime import (
+    ConfigOpt,
+    DataDirOpt,
+    RedisUrlOpt,
+    connect,
+    console,
+    fail,
+    guarded,
+    keys_for,
+    run_async,
+    settings_from,
+    setup_logging,
+)
+from workers.agent import WorkerAgent, WorkerConfig
+from workers.backend import make_backend
+from workers.reaper import Reaper, ReaperConfig
+
+log = logging.getLogger("routeledger.cli")
+
+worker_app = typer.Typer(
+    help="Run a worker agent beside a backend (or retire one with `forget`).",
+    invoke_without_command=True,
+)
+task_app = typer.Typer(help="Submit and inspect tasks.", no_args_is_help=True)
+
+
+async def wait_for_redis(client: aioredis.Redis) -> None:
+    """Retry until Redis answers, saying so in the log (a worker may start before Redis)."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type((RedisError, OSError)),
+        wait=wait_exponential(multiplier=0.2, max=5),
+        before_sleep=before_sleep_log(log, logging.WARNING),
+        reraise=True,
+    ):
+        with attempt:
+            await client.ping()
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+@worker_app.callback()
+@guarded
+def worker(
+    ctx: typer.Context,
+    backend: Annotated[str | None, typer.Option(help="Backend URL, e.g. http://127.0.0.1:11434.")] = None,
+    kind: Annotated[str, typer.Option(help="Backend protocol: ollama or openai.")] = "ollama",
+    id_: Annotated[str | None, typer.Option("--id", help="Worker name (default: this host's name).")] = None,
+    slots: Annotated[int, typer.Option(min=1, help="Tasks run at once.")] = 1,
+    models: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated held models to serve; an empty string serves nothing."),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run a worker: consume the streams of the models the backend holds, through the `workers` group."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if backend is None:
+        fail("a worker needs its backend: pass --backend URL (e.g. http://127.0.0.1:11434)")
+    if kind not in ("ollama", "openai"):
+        fail(f"--kind must be ollama or openai, not {kind!r}")
+    resolved = settings_from(data_dir, redis_url, config)
+    s = resolved.settings
+    setup_logging(s.log_level)
+    serves = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
+    cfg = WorkerConfig(
+        name=id_ or socket.gethostname(),
+        slots=slots,
+        serves=serves,
+        lease_ms=s.lease_ms,
+        heartbeat_ms=s.heartbeat_ms,
+        delivery_limit=s.delivery_limit,
+    )
+
+    async def go() -> None:
+        client = connect(resolved)
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        await wait_for_redis(client)
+        be = make_backend(
+            backend, kind, timeout_s=s.backend_timeout_s, idle_timeout_s=min(120.0, s.backend_timeout_s)
+        )
+        agent = WorkerAgent(client, keys_for(resolved), be, cfg)
+        watcher = asyncio.create_task(_forward(stop, agent.stopping))
+        try:
+            await agent.run()
+        finally:
+            watcher.cancel()
+            await be.aclose()
+            await client.aclose()
+
+    run_async(go())
+
+
+async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
+
+
+@worker_app.command("forget")
+@guarded
+def forget(
+    name: Annotated[str, typer.Argument(help="The worker to retire for good.")],
+    force: Annotated[bool, typer.Option(help="Forget it even though it is live right now.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Retire a machine that is gone for good, so that it stops counting anywhere."""
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> None:
+        client = connect(resolved)
+        keys = keys_for(resolved)
+        try:
+            live = await live_workers(client, keys)
+            if name in live and not force:
+                fail(f"worker {name!r} is live right now; stop it first, or pass --force")
+            await client.sadd(keys.forgotten, name)
+            await client.delete(keys.live(name))
+            await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
+        finally:
+            await client.aclose()
+
+    run_async(go())
+    console.print(f"forgot worker {name}")
+
+
+def reaper_cmd(
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Reclaim tasks whose worker died, dead-letter spent ones, report stalled ones (one active at a time)."""
+    resolved = settings_from(data_dir, redis_url, config)
+    s = resolved.settings
+    setup_logging(s.log_level)
+    cfg = ReaperConfig(lease_ms=s.lease_ms, delivery_limit=s.delivery_limit, stall_after_s=s.stall_after_s)
+
+    async def go() -> None:
+        client = connect(resolved)
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        await wait_for_redis(client)
+        try:
+            await Reaper(client, keys_for(resolved), cfg).run(stop)
+        finally:
+            await client.aclose()
+
+    run_async(go())
+
+
+@task_app.command("submit")
+@guarded
+def task_submit(
+    model: Annotated[str, typer.Option(help="Model name, alias or digest prefix.")],
+    prompt: Annotated[str, typer.Option(help="The user message.")],
+    domain: Annotated[
+        str, typer.Option(help="Domain of the request (general, code, japanese, …).")
+    ] = "general",
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", min=1, help="Cap on output tokens.")
+    ] = None,
+    wait: Annotated[bool, typer.Option(help="Wait for the result and print it.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits.")] = 600.0,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Queue a chat task for a model; fails at once if no live worker serves it."""
+    if not prompt.strip():
+        fail("--prompt is empty; give the model something to answer")
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> dict[str, object]:
+        client = connect(resolved)
+        keys = keys_for(resolved)
+        try:
+            queues = TaskQueues(client, keys)
+            task, queue = await submit_task(
+                queues,
+                model=model,
+                messages=[Message(role="user", content=prompt)],
+                domain=domain,
+                max_tokens=max_tokens,
+                client="cli",
+            )
+            out: dict[str, object] = {
+                "task_id": task.task_id,
+                "model": model,
+                "digest": task.digest,
+                "queue": queue,
+            }
+            if wait:
+                out.update(await _wait_result(client, keys, task.task_id, timeout))
+            return out
+        finally:
+            await client.aclose()
+
+    out = run_async(go())
+    if json_:
+        print(msgspec.json.encode(out).decode())  # noqa: T201
+        return
+    console.print(f"task {out['task_id']} queued on {out['queue']}")
+    if wait:
+        console.print(
+            f"[bold]{out.get('status')}[/] on {out.get('worker')}: {out.get('text', out.get('error', ''))}"
+        )
+
+
+async def _wait_result(client: aioredis.Redis, keys: Keys, task_id: str, wait_s: float) -> dict[str, object]:
+    """Poll the result hash until the task has an outcome."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while loop.time() < deadline:
+        raw: Any = await client.hget(keys.result(task_id), "result")
+        if raw is not None:
+            result = result_decoder.decode(raw)
+            return msgspec.to_builtins(result)  # type: ignore[no-any-return]
+        await asyncio.sleep(0.1)
+    fail(f"task {task_id} has no result after {wait_s:.0f}s (it is still queued or running)", 1)

@@ -1,0 +1,584 @@
+"""The worker agent: pulls tasks for the models it holds, runs them on its backend, records it all.
+
+It consumes its pinned stream and the shared stream of every model it holds and serves, through the
+`workers` consumer group, running up to `slots` tasks at once. Before running a task it checks that
+it still holds the model (only holders consume). It keeps its lease and the lease of every running
+entry alive, so that the reaper reclaims only what really died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from events.event import (
+    BenchmarkResult,
+    Event,
+    ModelEntry,
+    TaskClaimed,
+    TaskCompleted,
+    TaskFailed,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+    now_ms,
+)
+from events.keys import Keys
+from events.lease import LeaseInfo, decode_lease, encode_lease
+from events.ledger import Ledger
+from events.queue import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
+from events.task import Chunk, Result, encode_chunk, sha256_hex
+from workers.backend import Backend, Generated, Inventory
+from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
+from workers.resources import read_resources
+
+log = logging.getLogger("routeledger.worker")
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    """How one worker behaves."""
+
+    name: str = msgspec.field(default_factory=socket.gethostname)
+    slots: int = 1
+    # Names (or digests) of held models to serve; None: all held; []: registered, serving nothing.
+    serves: list[str] | None = None
+    lease_ms: int = 10_000
+    heartbeat_ms: int = 2_000
+    delivery_limit: int = 3
+    block_ms: int = 1_000
+    drain_timeout_s: float = 30.0
+    # After a backend failure the worker pauses taking shared work, so the task runs elsewhere.
+    cooldown_s: float = 2.0
+    max_cooldown_s: float = 30.0
+    # Output is flushed to rl:out in small batches: the first piece at once, then this often.
+    flush_ms: float = 25.0
+    cancel_check_ms: float = 250.0
+
+
+class Gate(Protocol):
+    """The seam for the router's speed-aware gate: which shared queues may this worker read now?"""
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]: ...
+
+
+class PlainPull:
+    """Take whatever the streams give (the behaviour before the router's gate)."""
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]:
+        return list(queues)
+
+
+class Running(msgspec.Struct, kw_only=True):
+    """A task this worker is running."""
+
+    entry: QueueEntry
+    started: float
+    task: asyncio.Task[None] | None = None
+    lost: bool = False
+
+
+class WorkerAgent:
+    """One worker process's loop over its streams."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        backend: Backend,
+        config: WorkerConfig,
+        gate: Gate | None = None,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.backend = backend
+        self.config = config
+        self.name = config.name
+        self.gate: Gate = gate or PlainPull()
+        self.ledger = Ledger(redis, keys)
+        self.queues = TaskQueues(redis, keys, self.ledger)
+        self.token = secrets.token_hex(8)
+        self.inventory = Inventory(models=[], loaded=[])
+        self.backend_ok = False
+        self.running: dict[str, Running] = {}
+        self.started_at = now_ms()
+        self.stopping = asyncio.Event()
+        self._cooldown_until = 0.0
+        self._failures = 0
+        self._slot_freed = asyncio.Event()
+        self._background: list[asyncio.Task[None]] = []
+
+    # -- what it serves ------------------------------------------------------------------------
+    def serving(self) -> list[ModelEntry]:
+        """Held models this worker consumes tasks for."""
+        if not self.backend_ok:
+            return []
+        if self.config.serves is None:
+            return list(self.inventory.models)
+        wanted = set(self.config.serves)
+        return [m for m in self.inventory.models if m.name in wanted or m.digest in wanted]
+
+    def local_name(self, digest: str) -> str | None:
+        """This backend's name for a digest it serves, or None if it does not serve it."""
+        for model in self.serving():
+            if model.digest == digest:
+                return model.name
+        return None
+
+    def shared_queues(self) -> list[str]:
+        return sorted({self.keys.queue(m.digest) for m in self.serving()})
+
+    @property
+    def pinned(self) -> str:
+        return self.keys.pinned(self.name)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.config.slots - len(self.running))
+
+    # -- start and stop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Run until `stopping` is set, then drain and leave."""
+        await self._refresh_inventory(first=True)
+        await self._take_lease()
+        await self._append(
+            WorkerOnline(
+                worker=self.name,
+                slots=self.config.slots,
+                backend=self.backend.url,
+                backend_kind=self.backend.kind,
+                host=socket.gethostname(),
+                inventory=list(self.inventory.models),
+                serves=self.config.serves,
+            )
+        )
+        await self.queues.ensure_group(self.pinned)
+        for queue in self.shared_queues():
+            await self.queues.ensure_group(queue)
+        await self._recover_own_pending()
+        self._background.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        log.info(
+            "worker %s online: %d slot(s), serving %s",
+            self.name,
+            self.config.slots,
+            ", ".join(m.name for m in self.serving()) or "nothing",
+        )
+        try:
+            await self._consume_loop()
+        finally:
+            await self._drain()
+
+    async def _take_lease(self) -> None:
+        """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin."""
+        key = self.keys.live(self.name)
+        deadline = time.monotonic() + self.config.lease_ms / 1000 + 1.0
+        while True:
+            current: bytes | None = await self.redis.get(key)  # type: ignore[assignment]
+            if current is None:
+                break
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                if decode_lease(current).token == self.token:
+                    break
+            if time.monotonic() > deadline:
+                raise WorkerNameTakenError(
+                    f"a live worker named {self.name!r} already holds its lease; give this one another --id"
+                )
+            await asyncio.sleep(0.2)
+        await self.redis.srem(self.keys.forgotten, self.name)
+        await self._write_lease()
+
+    async def _write_lease(self) -> None:
+        info = LeaseInfo(
+            worker=self.name,
+            token=self.token,
+            slots=self.config.slots,
+            in_flight=len(self.running),
+            inventory=list(self.inventory.models),
+            loaded=list(self.inventory.loaded),
+            serves=[m.name for m in self.serving()] if self.backend_ok else [],
+            draining=self.stopping.is_set(),
+            since=self.started_at,
+        )
+        await self.redis.set(self.keys.live(self.name), encode_lease(info), px=self.config.lease_ms)
+
+    async def _recover_own_pending(self) -> None:
+        """Entries this name still owns are from a previous life that died: put them back now."""
+        for queue in [self.pinned, *self.shared_queues()]:
+            for pending in await self.ledger.pending(queue, consumer=self.name, count=1000):
+                moved = await self.queues.requeue(
+                    queue, pending.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+                )
+                log.warning(
+                    "re-queued %s (task %s) left by a previous run of %s",
+                    pending.entry_id,
+                    moved.task_id,
+                    self.name,
+                )
+                await self._after_requeue(queue, pending.entry_id, moved, "worker restarted")
+
+    async def _drain(self) -> None:
+        """Stop taking work, let running tasks finish for a while, hand back the rest, leave."""
+        self.stopping.set()
+        for task in self._background:
+            task.cancel()
+        runs = [r.task for r in self.running.values() if r.task is not None]
+        if runs:
+            log.info(
+                "draining: waiting up to %.0fs for %d running task(s)", self.config.drain_timeout_s, len(runs)
+            )
+            _, still = await asyncio.wait(runs, timeout=self.config.drain_timeout_s)
+            for task in still:
+                task.cancel()
+            if still:
+                await asyncio.wait(still)
+        with contextlib.suppress(RedisError, OSError):
+            await self._append(WorkerOffline(worker=self.name, reason="shutdown"))
+            await self.redis.delete(self.keys.live(self.name))
+        log.info("worker %s stopped", self.name)
+
+    # -- the loops -------------------------------------------------------------------------------
+    async def _consume_loop(self) -> None:
+        while not self.stopping.is_set():
+            if self.free_slots == 0 or not self.backend_ok:
+                self._slot_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), self.config.block_ms / 1000)
+                continue
+            try:
+                entries = await self._read_work()
+            except (RedisError, OSError) as exc:
+                log.warning("Redis unavailable while reading work (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
+            for queue, entry_id, fields in entries:
+                self._start(queue, entry_id, fields)
+
+    async def _read_work(self) -> list[tuple[str, str, dict[bytes, bytes]]]:
+        """Up to `free_slots` entries: pinned first, then the shared queues the gate admits."""
+        queues = [self.pinned]
+        if time.monotonic() >= self._cooldown_until:
+            shared = self.shared_queues()
+            for queue in shared:
+                await self.queues.ensure_group(queue)
+            queues += await self.gate.admit(self, shared)
+        got: list[tuple[str, str, dict[bytes, bytes]]] = []
+        # Non-blocking, one queue at a time, so that no more than the free slots are taken.
+        for queue in queues:
+            free = self.free_slots - len(got)
+            if free <= 0:
+                return got
+            for stream, rows in await self.ledger.group_read(self.name, {queue: ">"}, count=free):
+                got.extend((stream, entry_id, fields) for entry_id, fields in rows)
+        if got:
+            return got
+        # Nothing waiting: block on all of them until one gets an entry.
+        block = self.config.block_ms
+        reply = await self.ledger.group_read(self.name, dict.fromkeys(queues, ">"), count=1, block_ms=block)
+        for stream, rows in reply:
+            got.extend((stream, entry_id, fields) for entry_id, fields in rows)
+        for queue, entry_id, _ in got[self.free_slots :]:
+            # Two queues answered one blocking read at once: hand the extra back unspent.
+            await self.queues.requeue(queue, entry_id, delivery_limit=self.config.delivery_limit, bump=False)
+        return got[: self.free_slots]
+
+    async def _heartbeat_loop(self) -> None:
+        beat = 0
+        while True:
+            await asyncio.sleep(self.config.heartbeat_ms / 1000)
+            beat += 1
+            try:
+                await self._refresh_inventory()
+                await self._write_lease()
+                await self._keep_entries_alive()
+                await self._append(
+                    WorkerHeartbeat(
+                        worker=self.name,
+                        slots=self.config.slots,
+                        in_flight=len(self.running),
+                        inventory=list(self.inventory.models),
+                        loaded=list(self.inventory.loaded),
+                        serves=self.config.serves,
+                        resources=read_resources(),
+                    )
+                )
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc)
+
+    async def _refresh_inventory(self, first: bool = False) -> None:
+        try:
+            inventory = await self.backend.inventory()
+        except BackendError as exc:
+            if self.backend_ok or first:
+                log.warning(
+                    "backend %s unavailable (%s); not taking work until it answers", self.backend.url, exc
+                )
+            self.backend_ok = False
+            return
+        if not self.backend_ok and not first:
+            log.info("backend %s is back", self.backend.url)
+        self.backend_ok = True
+        self.inventory = inventory
+
+    async def _keep_entries_alive(self) -> None:
+        """XCLAIM JUSTID every running entry to itself: resets idle time, counts no delivery."""
+        by_queue: dict[str, list[str]] = {}
+        for run in self.running.values():
+            by_queue.setdefault(run.entry.queue, []).append(run.entry.entry_id)
+        for queue, ids in by_queue.items():
+            owned = set(await self.ledger.claim(queue, self.name, ids, justid=True))
+            for entry_id in ids:
+                if entry_id not in owned and entry_id in self.running and not self.running[entry_id].lost:
+                    self.running[entry_id].lost = True
+                    log.warning(
+                        "entry %s on %s is no longer ours (reclaimed); its completion will not count",
+                        entry_id,
+                        queue,
+                    )
+
+    # -- running one task --------------------------------------------------------------------------
+    def _start(self, queue: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        try:
+            entry = parse_entry(queue, entry_id, fields)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            task = asyncio.create_task(self._reject_malformed(queue, entry_id, fields, str(exc)))
+            self._background.append(task)
+            return
+        run = Running(entry=entry, started=time.monotonic())
+        self.running[entry_id] = run
+        run.task = asyncio.create_task(self._run(run), name=f"task-{entry.task.task_id}")
+
+    async def _reject_malformed(
+        self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str
+    ) -> None:
+        log.error("entry %s on %s is not a task (%s); dead-lettering it", entry_id, queue, reason)
+        await self.queues.dead_letter(queue, entry_id, fields, f"malformed entry: {reason}")
+        await self.queues.finish(queue, entry_id)
+
+    async def _run(self, run: Running) -> None:
+        entry = run.entry
+        task = entry.task
+        try:
+            local = self.local_name(task.digest)
+            if local is None:
+                await self._fail(
+                    run,
+                    BackendError("model_missing", f"{self.name} does not serve {task.model}", retryable=True),
+                )
+                return
+            await self._append(
+                TaskClaimed(
+                    task_id=task.task_id,
+                    worker=self.name,
+                    digest=task.digest,
+                    attempt=entry.attempt,
+                    queue=entry.queue,
+                    entry_id=entry.entry_id,
+                    in_flight=len(self.running),
+                )
+            )
+            if await self.redis.exists(self.keys.cancel(task.task_id)):
+                raise TaskCancelledError(task.task_id)
+            await self._generate(run, local)
+            self._failures = 0
+        except TaskCancelledError:
+            await self._cancelled(run)
+        except BackendError as exc:
+            await self._fail(run, exc)
+        except asyncio.CancelledError:
+            # Shut down mid-run: hand the task back for another worker.
+            with contextlib.suppress(RedisError, OSError):
+                moved = await self.queues.requeue(
+                    entry.queue, entry.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+                )
+                await self._after_requeue(entry.queue, entry.entry_id, moved, "worker shut down mid-run")
+            raise
+        except (RedisError, OSError) as exc:
+            # The entry stays pending for us; if we die, the reaper reclaims it.
+            log.error("task %s: Redis failed mid-run (%s); leaving the entry pending", task.task_id, exc)
+        finally:
+            self.running.pop(entry.entry_id, None)
+            self._slot_freed.set()
+
+    async def _generate(self, run: Running, local: str) -> None:
+        entry = run.entry
+        task = entry.task
+        out_key = self.keys.out(task.task_id)
+        cancel_key = self.keys.cancel(task.task_id)
+        pieces: list[str] = []
+        buffer: list[str] = []
+        t0 = time.perf_counter()
+        ttft_ms: float | None = None
+        last_flush = 0.0
+        last_cancel_check = t0
+        generated: Generated | None = None
+
+        async def flush(final: Chunk | None = None) -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            if buffer:
+                pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=entry.attempt, text="".join(buffer)))})
+                buffer.clear()
+            if final is not None:
+                pipe.xadd(out_key, {b"c": encode_chunk(final)})
+            pipe.pexpire(out_key, OUTPUT_TTL_MS)
+            await pipe.execute()
+
+        stream = self.backend.generate(task, local)
+        try:
+            async for item in stream:
+                if isinstance(item, Generated):
+                    generated = item
+                    break
+                now = time.perf_counter()
+                if ttft_ms is None:
+                    ttft_ms = (now - t0) * 1000
+                pieces.append(item)
+                buffer.append(item)
+                if len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms:
+                    await flush()
+                    last_flush = now
+                if (now - last_cancel_check) * 1000 >= self.config.cancel_check_ms:
+                    last_cancel_check = now
+                    if await self.redis.exists(cancel_key):
+                        raise TaskCancelledError(task.task_id)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if generated is None:
+            raise BackendError("disconnect", "the backend stream ended early", retryable=True)
+        wall_ms = (time.perf_counter() - t0) * 1000
+        text = "".join(pieces)
+        result = Result(
+            task_id=task.task_id,
+            status="completed",
+            worker=self.name,
+            attempt=entry.attempt,
+            text=text,
+            timings=generated.timings,
+            ttft_ms=ttft_ms,
+            wall_ms=wall_ms,
+            done_reason=generated.done_reason,
+        )
+        first = (not run.lost) and await self.queues.record_result(result)
+        await flush(Chunk(attempt=entry.attempt, done=True))
+        event: Event
+        if task.bench_id:
+            event = BenchmarkResult(
+                bench_id=task.bench_id,
+                worker=self.name,
+                digest=task.digest,
+                domain=task.domain,
+                task_id=task.task_id,
+                timings=generated.timings,
+                ttft_ms=ttft_ms,
+                wall_ms=wall_ms,
+                in_flight=len(self.running),
+            )
+            if first:
+                await self._append(event)
+        event = TaskCompleted(
+            task_id=task.task_id,
+            worker=self.name,
+            digest=task.digest,
+            attempt=entry.attempt,
+            domain=task.domain,
+            timings=generated.timings,
+            ttft_ms=ttft_ms,
+            wall_ms=wall_ms,
+            in_flight=len(self.running),
+            output_bytes=len(text.encode()),
+            output_sha256=sha256_hex(text),
+            done_reason=generated.done_reason,
+            duplicate=not first,
+            bench_id=task.bench_id,
+        )
+        await self._append(event)
+        acked = await self.queues.finish(entry.queue, entry.entry_id)
+        if acked == 0:
+            log.warning(
+                "XACK of %s on %s returned 0: the entry was reclaimed while we ran it; "
+                "this completion is a duplicate",
+                entry.entry_id,
+                entry.queue,
+            )
+
+    async def _fail(self, run: Running, exc: BackendError) -> None:
+        entry = run.entry
+        task = entry.task
+        log.warning("task %s attempt %d failed on %s: %s", task.task_id, entry.attempt, self.name, exc)
+        await self._append(
+            TaskFailed(
+                task_id=task.task_id,
+                worker=self.name,
+                digest=task.digest,
+                attempt=entry.attempt,
+                kind=exc.kind,
+                retryable=exc.retryable,
+                message=exc.message[:500],
+            )
+        )
+        if exc.kind not in ("model_missing", "bad_request"):
+            # The backend misbehaves: step back from shared work for a while so others take it.
+            self._failures += 1
+            pause = min(self.config.max_cooldown_s, self.config.cooldown_s * 2 ** (self._failures - 1))
+            self._cooldown_until = time.monotonic() + pause
+        if exc.retryable:
+            moved = await self.queues.requeue(
+                entry.queue, entry.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+            )
+            await self._after_requeue(entry.queue, entry.entry_id, moved, f"{exc.kind}: {exc.message[:200]}")
+            return
+        await self.queues.record_result(
+            Result(
+                task_id=task.task_id, status="failed", worker=self.name, attempt=entry.attempt, error=str(exc)
+            )
+        )
+        await self.queues.end_output(task.task_id, entry.attempt, str(exc))
+        await self.queues.finish(entry.queue, entry.entry_id)
+
+    async def _cancelled(self, run: Running) -> None:
+        entry = run.entry
+        task = entry.task
+        log.info("task %s cancelled by its client", task.task_id)
+        await self._append(
+            TaskFailed(
+                task_id=task.task_id,
+                worker=self.name,
+                digest=task.digest,
+                attempt=entry.attempt,
+                kind="cancelled",
+                retryable=False,
+                message="cancelled by the client",
+            )
+        )
+        await self.queues.record_result(
+            Result(
+                task_id=task.task_id,
+                status="cancelled",
+                worker=self.name,
+                attempt=entry.attempt,
+                error="cancelled",
+            )
+        )
+        await self.queues.end_output(task.task_id, entry.attempt, "cancelled")
+        await self.queues.finish(entry.queue, entry.entry_id)
+
+    async def _after_requeue(self, queue: str, entry_id: str, moved: Requeue, reason: str) -> None:
+        """Dead-letter a task whose deliveries are spent; log anything odd."""
+        if not await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
+            log.warning(
+                "could not re-queue %s on %s (status %s): it was no longer ours",
+                entry_id,
+                queue,
+                moved.status,
+            )
+
+    async def _append(self, event: Event) -> None:
+        await self.ledger.append(event)

@@ -1,0 +1,201 @@
+"""The reaper: reclaims only delivered entries whose owner died, and reports what nobody took.
+
+Design rule 5: nothing unowned is reaped. An entry enters a consumer's pending list only when a
+worker read it; it is reclaimed only when that worker's lease key is gone AND the entry has been
+idle for longer than a lease (a live worker refreshes its running entries). An entry that nobody
+read is *stalled*: reported once with TaskStalled, and left where it is for a holder to take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from events.event import TaskReclaimed, TaskStalled, now_ms
+from events.keys import WORKERS_GROUP, Keys
+from events.lease import SingletonLease
+from events.ledger import Ledger, next_id
+from events.queue import REQUEUED, TaskQueues
+from events.task import F_ID
+
+log = logging.getLogger("routeledger.reaper")
+
+
+class ReaperConfig(msgspec.Struct, kw_only=True):
+    lease_ms: int = 10_000
+    delivery_limit: int = 3
+    stall_after_s: float = 600.0
+    # How often to sweep; a reclaim happens within lease + interval of a death.
+    interval_s: float = 1.0
+
+
+class Sweep(msgspec.Struct, kw_only=True):
+    """What one sweep did."""
+
+    queues: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    stalled: int = 0
+    skipped_live: int = 0
+
+
+class Reaper:
+    """One sweep at a time over every task queue."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, config: ReaperConfig) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.config = config
+        self.ledger = Ledger(redis, keys)
+        self.queues = TaskQueues(redis, keys, self.ledger)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Hold the reaper lease (one active reaper), sweep until `stop`."""
+        lease = SingletonLease(self.redis, self.keys, "reaper", ttl_ms=max(3000, self.config.lease_ms))
+        await lease.hold()
+        log.info(
+            "reaper active: lease %d ms, delivery limit %d, stall after %.0fs",
+            self.config.lease_ms,
+            self.config.delivery_limit,
+            self.config.stall_after_s,
+        )
+        try:
+            while not stop.is_set():
+                if lease.lost.is_set():
+                    await lease.hold()
+                try:
+                    report = await self.sweep()
+                    if report.reclaimed or report.dead_lettered or report.stalled:
+                        log.info("sweep: %s", msgspec.json.encode(report).decode())
+                except (RedisError, OSError) as exc:
+                    log.warning("sweep failed, Redis unavailable (%s); retrying", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.interval_s)
+        finally:
+            await lease.release()
+
+    async def _queue_names(self) -> list[str]:
+        names: list[str] = []
+        async for key in self.redis.scan_iter(match=self.keys.queue_pattern, count=500, _type="stream"):
+            names.append(key.decode() if isinstance(key, bytes) else key)
+        return sorted(names)
+
+    async def _live(self) -> set[str]:
+        live: set[str] = set()
+        prefix = self.keys.live("")
+        async for key in self.redis.scan_iter(match=self.keys.live_pattern, count=500):
+            name = key.decode() if isinstance(key, bytes) else key
+            live.add(name[len(prefix) :])
+        return live
+
+    async def sweep(self) -> Sweep:
+        report = Sweep()
+        live = await self._live()
+        for queue in await self._queue_names():
+            report.queues += 1
+            await self._reclaim_dead_owners(queue, live, report)
+            await self._report_stalls(queue, report)
+        return report
+
+    async def _reclaim_dead_owners(self, queue: str, live: set[str], report: Sweep) -> None:
+        try:
+            summary: Any = await self.redis.xpending(queue, WORKERS_GROUP)
+        except RedisError as exc:
+            if "NOGROUP" in str(exc):
+                return
+            raise
+        for consumer in summary.get("consumers") or []:
+            owner = _s(consumer["name"])
+            if owner in live:
+                report.skipped_live += int(consumer["pending"])
+                continue
+            start = "-"
+            while True:
+                batch = await self.ledger.pending(
+                    queue, consumer=owner, min_idle_ms=self.config.lease_ms, start=start, count=100
+                )
+                for pending in batch:
+                    await self._reclaim(queue, owner, pending.entry_id, pending.idle_ms, report)
+                if len(batch) < 100:
+                    break
+                start = next_id(batch[-1].entry_id)
+
+    async def _reclaim(self, queue: str, owner: str, entry_id: str, idle_ms: int, report: Sweep) -> None:
+        moved = await self.queues.requeue(
+            queue,
+            entry_id,
+            delivery_limit=self.config.delivery_limit,
+            owner=owner,
+            min_idle_ms=self.config.lease_ms,
+        )
+        if moved.status == REQUEUED:
+            report.reclaimed += 1
+            log.info(
+                "reclaimed task %s from %s (idle %d ms): attempt %d",
+                moved.task_id,
+                owner,
+                idle_ms,
+                moved.attempt,
+            )
+            await self.ledger.append(
+                TaskReclaimed(
+                    task_id=moved.task_id,
+                    queue=queue,
+                    old_entry=entry_id,
+                    new_entry=moved.new_entry,
+                    owner=owner,
+                    attempt=moved.attempt,
+                    idle_ms=idle_ms,
+                )
+            )
+            return
+        reason = f"its worker {owner} died (lease expired, idle {idle_ms} ms)"
+        if await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
+            report.dead_lettered += 1
+
+    async def _report_stalls(self, queue: str, report: Sweep) -> None:
+        """TaskStalled, once, for each entry nobody has read for `stall_after_s`."""
+        groups: Any = await self.redis.xinfo_groups(queue)
+        last = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == WORKERS_GROUP), None)
+        if last is None:
+            return
+        await self._forget_taken(queue, last)
+        cutoff = now_ms() - int(self.config.stall_after_s * 1000)
+        rows: Any = await self.redis.xrange(queue, next_id(last), f"{cutoff}-0", count=200)
+        for raw_id, fields in rows:
+            entry_id = _s(raw_id)
+            member = f"{queue} {entry_id}"
+            if not await self.redis.sadd(self.keys.stalled, member):
+                continue
+            report.stalled += 1
+            waited = now_ms() - int(entry_id.split("-")[0])
+            task_id = _s(fields.get(F_ID, b""))
+            log.warning("task %s on %s has waited %.0fs and nobody took it", task_id, queue, waited / 1000)
+            await self.ledger.append(
+                TaskStalled(task_id=task_id, queue=queue, entry_id=entry_id, waited_ms=waited)
+            )
+
+    async def _forget_taken(self, queue: str, last_delivered: str) -> None:
+        """Drop stall markers of entries a worker has since read (the set stays small)."""
+        done: list[str] = []
+        async for raw in self.redis.sscan_iter(self.keys.stalled, match=f"{queue} *", count=200):
+            member = _s(raw)
+            if _id_key(member.split(" ", 1)[1]) <= _id_key(last_delivered):
+                done.append(member)
+        if done:
+            await self.redis.srem(self.keys.stalled, *done)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
