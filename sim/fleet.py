@@ -82,6 +82,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     disconnect_rate: float = 0.0
     # Preferred port for `sim hosts` (0: a free one).
     port: int = 0
+    # False: the machine reports no CPU/GPU/VRAM (the story's laptop); only the story-original
+    # policy of `sim schedule` reads it, to show what a missing metric did to that router.
+    reports_resources: bool = True
 
 
 class Fleet(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,314 @@
+"""Choosing: the candidates for one task with every term and source, and the model for `auto`.
+
+For a named model the candidates are its live holders, ranked by when each would finish a new
+task appended to the model's queue (the plan of the backlog first, then the task's service on
+that worker). For `auto` every model with a live holder is a candidate, scored by an explicit
+utility `quality_weight * quality - latency_weight * expected_finish_s / latency_scale_s`; the
+weights are parameters and are part of the breakdown. Ties share a rank: equal evidence gives
+equal rank, whatever the names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+import msgspec
+
+from router.errors import NoHolderError, NoModelError
+from router.estimate import Estimator, Field
+from router.plan import FleetView, Plan, PlanParams, PlanState, plan_queue
+
+DomainClassifier = Callable[[str], str]
+
+_JAPANESE = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
+_CODE = re.compile(
+    r"```|\bdef \w+\(|\bclass \w+[:(]|\bfunction\b|\bimport \w|#include|\bSELECT\b.+\bFROM\b|=>|"
+    r"\bTraceback\b|\bstack trace\b|\bcompile error\b|\bregex\b|[{};]\s*$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def classify_domain(text: str) -> str:
+    """Default rules: 'japanese' when the text has kana, 'code' when it looks like code, else 'general'."""
+    if _JAPANESE.search(text):
+        return "japanese"
+    if _CODE.search(text):
+        return "code"
+    return "general"
+
+
+class ChooseParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Weights of the `auto` utility (configurable; shown in every breakdown)."""
+
+    quality_weight: float = 1.0
+    latency_weight: float = 1.0
+    # Seconds of expected finish that cost as much utility as one whole unit of quality.
+    latency_scale_s: float = 120.0
+
+
+class WorkerCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """One live holder for a task: when it would finish it, each term, and every field's source."""
+
+    worker: str
+    rank: int
+    expected_finish_s: float
+    terms: dict[str, float]
+    fields: dict[str, Field]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "worker": self.worker,
+            "rank": self.rank,
+            "expected_finish_s": self.expected_finish_s,
+            "terms": dict(self.terms),
+            "fields": {k: f.to_dict() for k, f in self.fields.items()},
+        }
+
+
+class Ranking(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """The holders of one model ranked for a new task, best first, with the plan they were ranked on."""
+
+    digest: str
+    domain: str
+    candidates: list[WorkerCandidate]
+    plan: Plan
+
+    @property
+    def best(self) -> WorkerCandidate:
+        return self.candidates[0]
+
+
+def _ranks(values: list[float]) -> list[int]:
+    """Competition ranks (1, 1, 3, …): equal values share a rank."""
+    return [1 + sum(1 for v in values if v < x - 1e-9) for x in values]
+
+
+def rank_workers(
+    view: FleetView,
+    est: Estimator,
+    digest: str,
+    now_ms: int,
+    *,
+    domain: str = "general",
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+    params: PlanParams | None = None,
+) -> Ranking:
+    """Every live holder of `digest`, ranked by when it would finish a new task queued behind the backlog."""
+    p = params or PlanParams()
+    holders = view.holders(digest)
+    if not holders:
+        raise NoHolderError(digest)
+    plan = plan_queue(view, est, digest, now_ms, params=p)
+    state = PlanState(holders, est, digest, now_ms, p, free=plan.free_s)
+    planned = {a.worker for a in plan.assignments}
+    prompt = p.default_prompt_tokens if prompt_tokens is None else prompt_tokens
+    out_field = est.output_tokens(digest, domain)
+    quality = est.quality(digest, domain)
+    out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
+    rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
+    for i, w in enumerate(holders):
+        sp = est.speed(w.name, digest)
+        loaded = digest in w.loaded or w.name in planned
+        wait = state.free[i][0]
+        load = 0.0 if loaded else sp.load_s.value
+        prompt_s = prompt / sp.prompt_tps.value
+        decode_s = out / sp.decode_tps.value
+        finish = wait + load + prompt_s + decode_s
+        terms = {
+            "wait_s": wait,
+            "load_s": load,
+            "prompt_s": prompt_s,
+            "decode_s": decode_s,
+            "output_tokens": out,
+            "quality": quality.value,
+        }
+        fields = {
+            "decode_tps": sp.decode_tps,
+            "prompt_tps": sp.prompt_tps,
+            "load_s": sp.load_s,
+            "output_tokens": out_field,
+            "quality": quality,
+        }
+        rows.append((w.name, finish, terms, fields))
+    ranks = _ranks([r[1] for r in rows])
+    candidates = [
+        WorkerCandidate(worker=name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
+        for (name, finish, terms, fields), rank in zip(rows, ranks, strict=True)
+    ]
+    candidates.sort(key=lambda c: c.rank)
+    return Ranking(digest=digest, domain=domain, candidates=candidates, plan=plan)
+
+
+class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """One model for `auto`: its utility and the terms it came from."""
+
+    model: str
+    digest: str
+    rank: int
+    utility: float
+    quality: Field
+    expected_finish_s: float
+    best_worker: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "digest": self.digest,
+            "rank": self.rank,
+            "utility": self.utility,
+            "expected_finish_s": self.expected_finish_s,
+            "best_worker": self.best_worker,
+            "quality": self.quality.to_dict(),
+        }
+
+
+class Choice(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """The model `auto` picked for a domain, beside every other model it weighed."""
+
+    model: str
+    digest: str
+    domain: str
+    params: ChooseParams
+    candidates: list[ModelCandidate]
+    ranking: Ranking
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "digest": self.digest,
+            "domain": self.domain,
+            "weights": msgspec.to_builtins(self.params),
+            "models": [c.to_dict() for c in self.candidates],
+        }
+
+
+def choose_model(
+    models: Mapping[str, str],
+    view: FleetView,
+    est: Estimator,
+    now_ms: int,
+    *,
+    domain: str = "general",
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+    params: ChooseParams | None = None,
+    plan_params: PlanParams | None = None,
+) -> Choice:
+    """`auto`: the model (name -> digest in `models`) with the best utility for `domain`."""
+    p = params or ChooseParams()
+    scored: list[tuple[str, str, float, Field, Ranking]] = []
+    seen: set[str] = set()
+    for name, digest in sorted(models.items()):
+        # Aliases of one digest are one model: the same weights, the same answers.
+        if digest in seen or not view.holders(digest):
+            continue
+        seen.add(digest)
+        ranking = rank_workers(
+            view,
+            est,
+            digest,
+            now_ms,
+            domain=domain,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            params=plan_params,
+        )
+        quality = est.quality(digest, domain)
+        finish = ranking.best.expected_finish_s
+        utility = p.quality_weight * quality.value - p.latency_weight * finish / p.latency_scale_s
+        scored.append((name, digest, utility, quality, ranking))
+    if not scored:
+        raise NoModelError(f"no model has a live holder for domain {domain!r}")
+    ranks = _ranks([-s[2] for s in scored])
+    candidates = [
+        ModelCandidate(
+            model=name,
+            digest=digest,
+            rank=rank,
+            utility=utility,
+            quality=quality,
+            expected_finish_s=ranking.best.expected_finish_s,
+            best_worker=ranking.best.worker,
+        )
+        for (name, digest, utility, quality, ranking), rank in zip(scored, ranks, strict=True)
+    ]
+    order = sorted(range(len(scored)), key=lambda i: candidates[i].rank)
+    best = order[0]
+    return Choice(
+        model=scored[best][0],
+        digest=scored[best][1],
+        domain=domain,
+        params=p,
+        candidates=[candidates[i] for i in order],
+        ranking=scored[best][4],
+    )
+
+
+class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A whole routing decision: the model (and how `auto` chose it) and the ranked holders."""
+
+    model: str
+    digest: str
+    domain: str
+    ranking: Ranking
+    choice: Choice | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data for TaskRouted.breakdown: candidates, every term, every source."""
+        out: dict[str, object] = {
+            "model": self.model,
+            "digest": self.digest,
+            "domain": self.domain,
+            "candidates": [c.to_dict() for c in self.ranking.candidates],
+            "backlog": len(self.ranking.plan.assignments),
+        }
+        if self.choice is not None:
+            out["auto"] = self.choice.to_dict()
+        return out
+
+
+def decide(
+    model: str,
+    models: Mapping[str, str],
+    view: FleetView,
+    est: Estimator,
+    now_ms: int,
+    *,
+    domain: str = "general",
+    prompt_tokens: int | None = None,
+    max_tokens: int | None = None,
+    params: ChooseParams | None = None,
+    plan_params: PlanParams | None = None,
+) -> Decision:
+    """Route one request: `model` is a name in `models` (name -> digest) or 'auto'."""
+    if model == "auto":
+        choice = choose_model(
+            models,
+            view,
+            est,
+            now_ms,
+            domain=domain,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            params=params,
+            plan_params=plan_params,
+        )
+        return Decision(
+            model=choice.model, digest=choice.digest, domain=domain, ranking=choice.ranking, choice=choice
+        )
+    digest = models.get(model)
+    if digest is None:
+        raise NoModelError(f"unknown model {model!r}")
+    ranking = rank_workers(
+        view,
+        est,
+        digest,
+        now_ms,
+        domain=domain,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        params=plan_params,
+    )
+    return Decision(model=model, digest=digest, domain=domain, ranking=ranking)

@@ -1,0 +1,363 @@
+"""Estimates: every number a decision needs, shrunk toward a prior, each with its breakdown.
+
+An estimate of a field with decayed evidence `n` (Stat.weight_at, from the field's own
+`updated_at`) and decayed mean `x̄` is `(n·x̄ + k·prior)/(n + k)`. The prior chain (DESIGN.md
+section 5):
+
+- speed of (worker, digest): the worker's measured speed on *other* models times the model's
+  relative cost, from a two-way fit `log speed = a[worker] + b[model]`; else the model's pooled
+  value on *other* workers; else a default. Leaving the cell itself out of its own prior keeps a
+  row whose speed agrees with its prior from moving any total.
+- output tokens and quality of (digest, domain): the model's pooled value over other domains;
+  else a default. Both belong to the digest, so a worker that gains a model has them at once.
+
+`Estimator` does the fits once per snapshot; a decision then only looks numbers up. Resource
+metrics (CPU, GPU, VRAM) are not read here at all: self-reported load misled the story's router.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import msgspec
+
+from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat
+
+SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s")
+
+
+class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Prior strengths (in samples) and the defaults at the end of every prior chain."""
+
+    k_speed: float = 1.0
+    k_length: float = 2.0
+    k_quality: float = 2.0
+    default_decode_tps: float = 20.0
+    default_prompt_tps: float = 200.0
+    default_load_s: float = 5.0
+    default_output_tokens: float = 256.0
+    default_quality: float = 0.5
+    fit_iterations: int = 12
+
+    def default(self, field: str) -> float:
+        """The last prior of a field."""
+        return float(getattr(self, f"default_{field}"))
+
+
+class Field(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """One estimated number and why: value, own sample count, source text and age of the evidence."""
+
+    value: float
+    n: int
+    source: str
+    age_s: float | None
+    weight: float = 0.0  # decayed evidence of the own samples, what the shrinkage used
+    prior: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """The breakdown as the preview JSON and TaskRouted show it."""
+        return {"value": self.value, "n": self.n, "source": self.source, "age_s": self.age_s}
+
+
+class SpeedEstimate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """What a worker is expected to do with a model."""
+
+    decode_tps: Field
+    prompt_tps: Field
+    load_s: Field
+
+
+class _Prior(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    value: float
+    source: str
+    age_s: float | None
+
+
+def format_age(age_s: float | None) -> str:
+    """A short human age: '40 s', '12 min', '20 h', '3 d'."""
+    if age_s is None:
+        return "never"
+    if age_s < 90:
+        return f"{age_s:.0f} s"
+    if age_s < 5400:
+        return f"{age_s / 60:.0f} min"
+    if age_s < 2 * 86_400:
+        return f"{age_s / 3600:.0f} h"
+    return f"{age_s / 86_400:.0f} d"
+
+
+class _Cell(msgspec.Struct, kw_only=True, gc=False):
+    """One measured (row, column) of a table, reduced to what the fits need."""
+
+    mean: float  # decayed mean
+    weight: float  # decayed weight at `now`
+    n: int
+    updated_at: int | None
+
+
+def _cell(stat: Stat, now_ms: int, half_life_s: float) -> _Cell | None:
+    mean = stat.decayed_mean
+    if mean is None:
+        return None
+    weight = stat.weight_at(now_ms, half_life_s)
+    if weight <= 0.0:
+        return None
+    return _Cell(mean=mean, weight=weight, n=stat.n, updated_at=stat.updated_at)
+
+
+def _newest(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+class _Pool:
+    """Weighted sums of one column (or row) so that leave-one-out means cost O(1)."""
+
+    __slots__ = ("cells", "n", "wsum", "wxsum")
+
+    def __init__(self) -> None:
+        self.wsum = 0.0
+        self.wxsum = 0.0
+        self.n = 0
+        self.cells: dict[str, _Cell] = {}
+
+    def add(self, key: str, cell: _Cell) -> None:
+        self.cells[key] = cell
+        self.wsum += cell.weight
+        self.wxsum += cell.weight * cell.mean
+        self.n += cell.n
+
+    def without(self, key: str) -> tuple[float, float, int, int | None] | None:
+        """(mean, weight, n, newest) of the pool with `key` left out, or None when nothing is left."""
+        own = self.cells.get(key)
+        wsum, wxsum, n = self.wsum, self.wxsum, self.n
+        if own is not None:
+            wsum -= own.weight
+            wxsum -= own.weight * own.mean
+            n -= own.n
+        if wsum <= 1e-12 or len(self.cells) - (own is not None) == 0:
+            return None
+        newest: int | None = None
+        for k, c in self.cells.items():
+            if k != key:
+                newest = _newest(newest, c.updated_at)
+        return wxsum / wsum, wsum, n, newest
+
+
+class _TwoWay:
+    """`log x[w, m] = a[w] + b[m]`, fitted by weighted alternating least squares.
+
+    The prior for a cell uses the worker's effect computed without that cell, so the cell's own
+    samples are never counted twice (once as evidence, once as prior).
+    """
+
+    def __init__(self, cells: Mapping[tuple[str, str], _Cell], iterations: int) -> None:
+        self.by_worker: dict[str, dict[str, tuple[float, float]]] = {}
+        self.by_model: dict[str, dict[str, tuple[float, float]]] = {}
+        self.n_worker: dict[str, int] = {}
+        self.n_model: dict[str, int] = {}
+        for (w, m), c in cells.items():
+            y = math.log(max(c.mean, 1e-6))
+            self.by_worker.setdefault(w, {})[m] = (y, c.weight)
+            self.by_model.setdefault(m, {})[w] = (y, c.weight)
+            self.n_worker[w] = self.n_worker.get(w, 0) + c.n
+            self.n_model[m] = self.n_model.get(m, 0) + c.n
+        self.a: dict[str, float] = dict.fromkeys(self.by_worker, 0.0)
+        self.b: dict[str, float] = {
+            m: sum(y * wt for y, wt in ws.values()) / sum(wt for _, wt in ws.values())
+            for m, ws in self.by_model.items()
+        }
+        for _ in range(iterations):
+            for w, ms in self.by_worker.items():
+                self.a[w] = sum((y - self.b[m]) * wt for m, (y, wt) in ms.items()) / sum(
+                    wt for _, wt in ms.values()
+                )
+            for m, ws in self.by_model.items():
+                self.b[m] = sum((y - self.a[w]) * wt for w, (y, wt) in ws.items()) / sum(
+                    wt for _, wt in ws.values()
+                )
+
+    def prior(self, worker: str, model: str) -> tuple[float, int, int] | None:
+        """(value, worker's n on other models, model's n on other workers), or None without both."""
+        mine = self.by_worker.get(worker)
+        others = self.by_model.get(model)
+        if not mine or not others:
+            return None
+        if not any(m != model for m in mine) or not any(w != worker for w in others):
+            return None
+        num = sum((y - self.b[m]) * wt for m, (y, wt) in mine.items() if m != model)
+        den = sum(wt for m, (_, wt) in mine.items() if m != model)
+        if den <= 1e-12:
+            return None
+        return math.exp(num / den + self.b[model]), self.n_worker[worker], self.n_model[model]
+
+
+def _shrink(cell: _Cell | None, prior: _Prior, k: float, now_ms: int, what: str) -> Field:
+    if cell is None:
+        return Field(value=prior.value, n=0, source=prior.source, age_s=prior.age_s, prior=prior.value)
+    value = (cell.weight * cell.mean + k * prior.value) / (cell.weight + k)
+    age = None if cell.updated_at is None else max(0.0, (now_ms - cell.updated_at) / 1000.0)
+    prior_kind = prior.source.split(" ", 1)[0]
+    return Field(
+        value=value,
+        n=cell.n,
+        source=f"{what} n={cell.n} + prior {prior_kind}",
+        age_s=age,
+        weight=cell.weight,
+        prior=prior.value,
+    )
+
+
+class Estimator:
+    """Every estimate of one snapshot at one instant; fits are done once, lookups are cached.
+
+    Build it with `build_estimator`; it never changes afterwards, so a decision can share it.
+    """
+
+    def __init__(
+        self,
+        speed: Iterable[SpeedRow],
+        length: Iterable[LengthRow],
+        quality: Iterable[QualityRow],
+        now_ms: int,
+        half_life_s: float,
+        params: EstimateParams | None = None,
+    ) -> None:
+        self.now_ms = now_ms
+        self.half_life_s = half_life_s
+        self.params = params or EstimateParams()
+        self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
+        for row in speed:
+            for f in SPEED_FIELDS:
+                c = _cell(getattr(row, f), now_ms, half_life_s)
+                if c is not None:
+                    self._speed_cells[f][(row.worker, row.digest)] = c
+        self._fits = {f: _TwoWay(cells, self.params.fit_iterations) for f, cells in self._speed_cells.items()}
+        self._speed_pools: dict[str, dict[str, _Pool]] = {f: {} for f in SPEED_FIELDS}
+        for f, cells in self._speed_cells.items():
+            for (w, m), c in cells.items():
+                self._speed_pools[f].setdefault(m, _Pool()).add(w, c)
+        self._length_cells: dict[tuple[str, str], _Cell] = {}
+        self._length_pools: dict[str, _Pool] = {}
+        for lrow in length:
+            c = _cell(lrow.output_tokens, now_ms, half_life_s)
+            if c is not None:
+                self._length_cells[(lrow.digest, lrow.domain)] = c
+                self._length_pools.setdefault(lrow.digest, _Pool()).add(lrow.domain, c)
+        self._quality_cells: dict[tuple[str, str], _Cell] = {}
+        self._quality_pools: dict[str, _Pool] = {}
+        for qrow in quality:
+            c = _cell(qrow.score, now_ms, half_life_s)
+            if c is not None:
+                self._quality_cells[(qrow.digest, qrow.domain)] = c
+                self._quality_pools.setdefault(qrow.digest, _Pool()).add(qrow.domain, c)
+        self._speed_cache: dict[tuple[str, str], SpeedEstimate] = {}
+        self._length_cache: dict[tuple[str, str], Field] = {}
+        self._quality_cache: dict[tuple[str, str], Field] = {}
+
+    def _age(self, at: int | None) -> float | None:
+        return None if at is None else max(0.0, (self.now_ms - at) / 1000.0)
+
+    def _speed_prior(self, field: str, worker: str, digest: str) -> _Prior:
+        fitted = self._fits[field].prior(worker, digest)
+        if fitted is not None:
+            value, n_worker, n_model = fitted
+            newest: int | None = None
+            for (w, m), c in self._speed_cells[field].items():
+                if (w == worker) != (m == digest):
+                    newest = _newest(newest, c.updated_at)
+            age = self._age(newest)
+            return _Prior(
+                value=value,
+                source=f"two-way worker n={n_worker} x model n={n_model}, age {format_age(age)}",
+                age_s=age,
+            )
+        pool = self._speed_pools[field].get(digest)
+        pooled = pool.without(worker) if pool is not None else None
+        if pooled is not None:
+            mean, _, n, newest = pooled
+            age = self._age(newest)
+            return _Prior(value=mean, source=f"model-pooled n={n}, age {format_age(age)}", age_s=age)
+        return _Prior(value=self.params.default(field), source="default", age_s=None)
+
+    def speed(self, worker: str, digest: str) -> SpeedEstimate:
+        """Decode tok/s, prompt tok/s and load seconds of `digest` on `worker`, each shrunk to its prior."""
+        key = (worker, digest)
+        hit = self._speed_cache.get(key)
+        if hit is not None:
+            return hit
+        p = self.params
+        fields = {
+            f: _shrink(
+                self._speed_cells[f].get(key),
+                self._speed_prior(f, worker, digest),
+                p.k_speed,
+                self.now_ms,
+                "worker",
+            )
+            for f in SPEED_FIELDS
+        }
+        est = SpeedEstimate(**fields)
+        self._speed_cache[key] = est
+        return est
+
+    def _by_domain(
+        self,
+        cells: dict[tuple[str, str], _Cell],
+        pools: dict[str, _Pool],
+        digest: str,
+        domain: str,
+        k: float,
+        default: float,
+    ) -> Field:
+        pool = pools.get(digest)
+        pooled = pool.without(domain) if pool is not None else None
+        if pooled is not None:
+            mean, _, n, newest = pooled
+            age = self._age(newest)
+            prior = _Prior(
+                value=mean, source=f"model-pooled n={n} other domains, age {format_age(age)}", age_s=age
+            )
+        else:
+            prior = _Prior(value=default, source="default", age_s=None)
+        return _shrink(cells.get((digest, domain)), prior, k, self.now_ms, "model")
+
+    def output_tokens(self, digest: str, domain: str) -> Field:
+        """Expected output tokens of the model for the domain (a property of the digest, not the worker)."""
+        key = (digest, domain)
+        hit = self._length_cache.get(key)
+        if hit is None:
+            p = self.params
+            hit = self._by_domain(
+                self._length_cells, self._length_pools, digest, domain, p.k_length, p.default_output_tokens
+            )
+            self._length_cache[key] = hit
+        return hit
+
+    def quality(self, digest: str, domain: str) -> Field:
+        """Quality in [0, 1] of the model for the domain, whichever worker runs it."""
+        key = (digest, domain)
+        hit = self._quality_cache.get(key)
+        if hit is None:
+            p = self.params
+            hit = self._by_domain(
+                self._quality_cells, self._quality_pools, digest, domain, p.k_quality, p.default_quality
+            )
+            self._quality_cache[key] = hit
+        return hit
+
+
+def build_estimator(snapshot: Snapshot, now_ms: int, params: EstimateParams | None = None) -> Estimator:
+    """The estimates of `snapshot` as seen at `now_ms` (the caller's clock; nothing here reads one)."""
+    return Estimator(
+        snapshot.speed.values(),
+        snapshot.length.values(),
+        snapshot.quality.values(),
+        now_ms,
+        snapshot.half_life_s,
+        params,
+    )

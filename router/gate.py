@@ -1,0 +1,94 @@
+"""The pull gate: a worker with a free slot takes the head of a queue only when that is better
+for the system than leaving it to the others.
+
+Placeholder: the rule is filled in below once measured in the scheduling simulator.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from router.estimate import Estimator
+from router.plan import BacklogEntry, FleetView, PlanParams, PlanState
+
+
+class GateParams(msgspec.Struct, kw_only=True, frozen=True):
+    """How the gate weighs the future."""
+
+    # "plan": take when the plan of the current backlog gives me a task (the selfish rule).
+    rule: str = "plan"
+    plan: PlanParams = PlanParams()
+
+
+class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Whether `worker` takes `task_id` now, why, and the numbers behind it."""
+
+    take: bool
+    worker: str
+    reason: str
+    digest: str | None = None
+    task_id: str | None = None
+    numbers: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "take": self.take,
+            "worker": self.worker,
+            "reason": self.reason,
+            "digest": self.digest,
+            "task_id": self.task_id,
+            "numbers": dict(self.numbers),
+        }
+
+
+def _head_queue(view: FleetView, holds: set[str]) -> tuple[str, list[BacklogEntry]] | None:
+    best: tuple[str, list[BacklogEntry]] | None = None
+    for digest in holds:
+        q = view.backlog.get(digest)
+        if q and (best is None or q[0].enqueued_at_ms < best[1][0].enqueued_at_ms):
+            best = (digest, q)
+    return best
+
+
+def should_take(
+    worker: str,
+    view: FleetView,
+    est: Estimator,
+    now_ms: int,
+    params: GateParams | None = None,
+) -> GateDecision:
+    """Whether `worker` takes the head of the queue (of the models it serves) that waited longest."""
+    p = params or GateParams()
+    me = view.worker(worker)
+    if me is None:
+        return GateDecision(take=False, worker=worker, reason="not live")
+    if len(me.running) >= me.slots:
+        return GateDecision(take=False, worker=worker, reason="no free slot")
+    head = _head_queue(view, me.holds)
+    if head is None:
+        return GateDecision(take=False, worker=worker, reason="nothing queued for the models I serve")
+    digest, queue = head
+    holders = view.holders(digest)
+    state = PlanState(holders, est, digest, now_ms, p.plan)
+    mine = state.names.index(worker)
+    my_first = state.best_on(mine, queue[0])
+    for pos, entry in enumerate(queue):
+        i, _start, finish = state.best(entry)
+        if i == mine:
+            return GateDecision(
+                take=True,
+                worker=worker,
+                digest=digest,
+                task_id=queue[0].task_id,
+                reason=f"the plan gives me queued task #{pos + 1} of {len(queue)}",
+                numbers={"position": float(pos + 1), "backlog": float(len(queue)), "my_finish_s": finish},
+            )
+        state.assign(i, finish)
+    return GateDecision(
+        take=False,
+        worker=worker,
+        digest=digest,
+        task_id=queue[0].task_id,
+        reason=f"others finish all {len(queue)} queued tasks sooner than I would finish the head",
+        numbers={"backlog": float(len(queue)), "my_finish_s": my_first},
+    )

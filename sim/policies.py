@@ -1,0 +1,324 @@
+"""Named scheduling policies for the simulator: ours, the peers', and the yardsticks.
+
+Push policies pick a backend at arrival (the backend queues it, as Ollama does); pull policies
+leave tasks in the model's shared queue and let a free worker decide whether to take the head.
+`routeledger` runs the real router (estimate, plan, gate) on statistics folded with the real
+`projections.snapshot.fold`, learning from an empty ledger with benchmarks on join, exactly as
+the workers and the projector do; `routeledger-oracle` is the same gate fed the true speeds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+
+from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold
+from router.estimate import Estimator, build_estimator
+from router.gate import GateParams, should_take
+from sim.errors import FleetError
+from sim.schedule import BENCH_PROMPTS, Measured, Simulation, SimWorker
+from sim.workload import Job
+
+# The sim runs for hours of simulated time, so a week's half-life is "no decay" for speeds; the
+# arrival rate needs a memory of minutes to follow the load.
+SPEED_HALF_LIFE_S = 7 * 86_400.0
+DEMAND_HALF_LIFE_S = 900.0
+
+
+class _Base:
+    name = "base"
+    pull = False
+
+    def start(self, sim: Simulation) -> None:
+        return None
+
+    def joined(self, sim: Simulation, worker: SimWorker) -> int:
+        return 0
+
+    def arrived(self, sim: Simulation, job: Job) -> None:
+        return None
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        raise FleetError(f"{self.name} is a pull policy")
+
+    def take(self, sim: Simulation, worker: SimWorker) -> bool:
+        raise FleetError(f"{self.name} is a push policy")
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        return None
+
+
+def _online(sim: Simulation) -> list[SimWorker]:
+    return [w for w in sim.workers if w.online]
+
+
+def _true_rate(w: SimWorker, sim: Simulation) -> float:
+    """Tasks per second the worker serves at the workload's mean (yardsticks only)."""
+    mean = sum(j.output_tokens for j in sim.jobs[:200]) / max(1, min(200, len(sim.jobs)))
+    return float(w.slots**w.exponent) / w.true.seconds(sim.workload.prompt_tokens, mean, True)
+
+
+class RoundRobin(_Base):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        online = _online(sim)
+        self.i += 1
+        return online[(self.i - 1) % len(online)]
+
+
+class RandomChoice(_Base):
+    name = "random"
+
+    def __init__(self, seed: int = 7) -> None:
+        self.rng = random.Random(seed)
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return self.rng.choice(_online(sim))
+
+
+class LeastBusy(_Base):
+    """LiteLLM's least-busy: fewest in flight; ties to the first registered."""
+
+    name = "least-busy"
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return min(_online(sim), key=lambda w: w.in_system())
+
+
+class LeastConnections(_Base):
+    """Olla's least-connections: fewest active connections; ties rotated."""
+
+    name = "least-connections"
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        online = _online(sim)
+        fewest = min(w.in_system() for w in online)
+        tied = [w for w in online if w.in_system() == fewest]
+        self.turn += 1
+        return tied[self.turn % len(tied)]
+
+
+class LitellmLatency(_Base):
+    """LiteLLM's lowest-latency routing: mean of the last 10 end-to-end seconds per output token
+    per deployment; a deployment never measured counts as 0; ties broken at random."""
+
+    name = "litellm-latency"
+
+    def __init__(self, seed: int = 7) -> None:
+        self.rng = random.Random(seed)
+        self.samples: dict[str, deque[float]] = {}
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        def score(w: SimWorker) -> float:
+            s = self.samples.get(w.name)
+            return sum(s) / len(s) if s else 0.0
+
+        online = _online(sim)
+        best = min(score(w) for w in online)
+        return self.rng.choice([w for w in online if score(w) == best])
+
+    def arrived(self, sim: Simulation, job: Job) -> None:
+        job.arrival = job.arrival  # the end-to-end clock starts at arrival (kept on the job)
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        if job.bench:
+            return
+        wall = sim.now - job.arrival
+        self.samples.setdefault(worker.name, deque(maxlen=10)).append(wall / max(1, job.output_tokens))
+
+
+class ShortestExpectedDelay(_Base):
+    """SED with the true speeds: the worker minimising (tasks it has + 1) / its service rate."""
+
+    name = "sed"
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return min(_online(sim), key=lambda w: (w.in_system() + 1) / _true_rate(w, sim))
+
+
+class StoryOriginal(_Base):
+    """The story's first router: speed statistics keyed by model only (the same for every worker,
+    so they cannot tell machines apart), a congestion score that averages only the metrics a
+    worker reports (a worker reporting none scores a perfect 0), a sample-depth bonus, and
+    benchmarks sent only to the current winner."""
+
+    name = "story-original"
+
+    def __init__(self) -> None:
+        self.samples: dict[str, int] = {}
+
+    def _score(self, w: SimWorker) -> float:
+        congestion = min(1.0, w.in_system() / w.slots) if w.spec.reports_resources else 0.0
+        depth = min(1.0, self.samples.get(w.name, 0) / 50.0)
+        return congestion + 0.5 * (1.0 - depth)
+
+    def start(self, sim: Simulation) -> None:
+        # The nightly benchmark went to the current winner: the first registered worker.
+        if sim.workers:
+            self.samples[sim.workers[0].name] = 58
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return min(_online(sim), key=self._score)
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        self.samples[worker.name] = self.samples.get(worker.name, 0) + 1
+
+
+class FastOnly(_Base):
+    """Only the fastest online worker takes work."""
+
+    name = "fast-only"
+    pull = True
+
+    def take(self, sim: Simulation, worker: SimWorker) -> bool:
+        fastest = max(_online(sim), key=lambda w: (_true_rate(w, sim) / w.slots**w.exponent, -w.index))
+        return worker is fastest
+
+
+class Threshold(_Base):
+    """The slow-server threshold policy: the fastest worker always takes; a slower one takes
+    only when at least `k` tasks wait (per speed rank: `ks[i]` for the i-th fastest after it)."""
+
+    pull = True
+
+    def __init__(self, ks: tuple[int, ...]) -> None:
+        self.ks = ks
+        self.name = f"threshold-{','.join(map(str, ks))}"
+        self._rank: dict[str, int] = {}
+
+    def start(self, sim: Simulation) -> None:
+        by_speed = sorted(sim.workers, key=lambda w: (-w.true.decode_tps, w.index))
+        self._rank = {w.name: i for i, w in enumerate(by_speed)}
+
+    def take(self, sim: Simulation, worker: SimWorker) -> bool:
+        rank = self._rank[worker.name]
+        # Online faster machines: if none is online, this one is the fastest there is.
+        faster = [w for w in sim.workers if w.online and self._rank[w.name] < rank]
+        if not faster:
+            return True
+        k = self.ks[min(rank - 1, len(self.ks) - 1)]
+        return len(sim.queue) >= k
+
+
+class Routeledger(_Base):
+    """The real router, learning online: benchmarks on join, samples folded as the projector does."""
+
+    name = "routeledger"
+    pull = True
+
+    def __init__(self, gate: GateParams | None = None, oracle: bool = False) -> None:
+        self.gate = gate or GateParams()
+        self.oracle = oracle
+        if oracle:
+            self.name = "routeledger-oracle"
+        self.snapshot = Snapshot(half_life_s=SPEED_HALF_LIFE_S)
+        self.demand = DemandRow(digest="")
+        self._est: Estimator | None = None
+        self._rate_at = -1.0
+
+    def start(self, sim: Simulation) -> None:
+        self.demand = DemandRow(digest=sim.digest)
+        if self.oracle:
+            mean = sum(j.output_tokens for j in sim.jobs) / len(sim.jobs)
+            many = 1_000_000
+
+            def known(x: float) -> Stat:
+                return Stat(
+                    n=many,
+                    sum=x * many,
+                    sumsq=x * x * many,
+                    dn=many,
+                    dsum=x * many,
+                    dsumsq=x * x * many,
+                    updated_at=0,
+                )
+
+            for w in sim.workers:
+                self.snapshot.speed[(w.name, sim.digest)] = SpeedRow(
+                    worker=w.name,
+                    digest=sim.digest,
+                    decode_tps=known(w.true.decode_tps),
+                    prompt_tps=known(w.true.prompt_tps),
+                    load_s=known(w.true.load_s),
+                )
+            self.snapshot.length[(sim.digest, sim.workload.domain)] = LengthRow(
+                digest=sim.digest, domain=sim.workload.domain, output_tokens=known(mean)
+            )
+
+    def joined(self, sim: Simulation, worker: SimWorker) -> int:
+        return 0 if self.oracle else BENCH_PROMPTS
+
+    def arrived(self, sim: Simulation, job: Job) -> None:
+        self.demand = DemandRow(
+            digest=sim.digest, arrivals=fold(self.demand.arrivals, 1.0, sim.now_ms, DEMAND_HALF_LIFE_S)
+        )
+
+    def _estimator(self, sim: Simulation) -> Estimator:
+        if self._est is None:
+            self._est = build_estimator(self.snapshot, sim.now_ms)
+        return self._est
+
+    def take(self, sim: Simulation, worker: SimWorker) -> bool:
+        w = self.demand.arrivals.weight_at(sim.now_ms, DEMAND_HALF_LIFE_S)
+        sim.view.arrival_rate[sim.digest] = w / (DEMAND_HALF_LIFE_S / math.log(2.0))
+        decision = should_take(worker.name, sim.view, self._estimator(sim), sim.now_ms, self.gate)
+        return decision.take
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        if self.oracle:
+            return
+        at = sim.now_ms
+        hl = SPEED_HALF_LIFE_S
+        key = (worker.name, sim.digest)
+        row = self.snapshot.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
+        self.snapshot.speed[key] = SpeedRow(
+            worker=row.worker,
+            digest=row.digest,
+            decode_tps=fold(row.decode_tps, measured.decode_tps, at, hl),
+            prompt_tps=fold(row.prompt_tps, measured.prompt_tps, at, hl),
+            load_s=row.load_s if measured.load_s is None else fold(row.load_s, measured.load_s, at, hl),
+            ttft_s=row.ttft_s,
+            in_flight=fold(row.in_flight, float(measured.in_flight), at, hl),
+        )
+        if not job.bench:
+            lkey = (sim.digest, job.domain)
+            lrow = self.snapshot.length.get(lkey) or LengthRow(digest=sim.digest, domain=job.domain)
+            self.snapshot.length[lkey] = LengthRow(
+                digest=lrow.digest,
+                domain=lrow.domain,
+                output_tokens=fold(lrow.output_tokens, float(measured.output_tokens), at, hl),
+            )
+        self._est = None
+
+
+POLICIES: dict[str, Callable[[], _Base]] = {
+    "routeledger": Routeledger,
+    "routeledger-oracle": lambda: Routeledger(oracle=True),
+    "round-robin": RoundRobin,
+    "random": RandomChoice,
+    "least-busy": LeastBusy,
+    "litellm-latency": LitellmLatency,
+    "least-connections": LeastConnections,
+    "fast-only": FastOnly,
+    "sed": ShortestExpectedDelay,
+    "story-original": StoryOriginal,
+}
+# `best-threshold` is not one policy but a sweep of `Threshold` (see sim.sweep).
+POLICY_NAMES: tuple[str, ...] = (*POLICIES, "best-threshold")
+
+
+def make_policy(name: str) -> _Base:
+    """A fresh policy by name (`best-threshold` is swept by the runner, not made here)."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise FleetError(f"unknown policy {name!r}; policies: {', '.join(POLICY_NAMES)}")
+    return factory()

@@ -1,0 +1,397 @@
+"""The discrete-event scheduling simulator: one model's tasks on a fleet, in simulated time.
+
+No Redis and no clock: a run is a pure function of (fleet, model, workload, policy), so the same
+seed gives the same figures. Workers pull from one shared queue (pull policies: the gate decides)
+or get tasks pushed to their own FIFO at arrival (push policies: LiteLLM, Olla and the like send
+each request to a backend that queues it). A worker with k tasks at once runs each at
+k**parallel_exponent / k of its solo speed. A model not used for `keep_alive_s` is unloaded and
+costs its load time again. A worker that goes offline loses what it runs: those tasks go back to
+the head of the queue they came from and start again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
+from sim.fleet import Fleet, WorkerSpec, default_digest
+from sim.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
+
+# A benchmark on join: short prompts, so that it takes seconds (issue 5).
+BENCH_PROMPTS = 3
+BENCH_PROMPT_TOKENS = 32
+BENCH_OUTPUT_TOKENS = 32
+
+_ARRIVE, _DONE, _ONLINE, _OFFLINE = 0, 1, 2, 3
+
+
+class Measured(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """What the backend reports for a finished run, as Ollama's timings would."""
+
+    load_s: float | None  # None: the model was already loaded
+    prompt_tps: float
+    decode_tps: float
+    output_tokens: int
+    wall_s: float
+    in_flight: int
+
+
+class _Run:
+    """A job on a worker: remaining solo seconds, and the parts of its solo time."""
+
+    __slots__ = ("job", "load_s", "remaining", "solo", "started", "task")
+
+    def __init__(self, job: Job, solo: float, load_s: float, started: float, task: RunningTask) -> None:
+        self.job = job
+        self.solo = solo
+        self.remaining = solo
+        self.load_s = load_s
+        self.started = started
+        self.task = task
+
+
+class SimWorker:
+    """One simulated machine's state."""
+
+    def __init__(self, index: int, spec: WorkerSpec, model: str, digest: str) -> None:
+        self.index = index
+        self.spec = spec
+        self.name = spec.name
+        self.true: ModelSpeeds = speeds(spec, model)
+        self.slots = spec.slots
+        self.exponent = spec.parallel_exponent
+        self.online = False
+        self.runs: list[_Run] = []
+        self.version = 0
+        self.last = 0.0
+        self.idle_since: float | None = 0.0
+        self.loaded = False
+        self.own: list[Job] = []  # pushed tasks, FIFO (push policies)
+        self.pinned: list[Job] = []  # benchmarks, served before anything else
+        self.done = 0
+        self.view = WorkerView(name=spec.name, slots=spec.slots, holds={digest})
+
+    @property
+    def free(self) -> bool:
+        return self.online and len(self.runs) < self.slots
+
+    def rate(self) -> float:
+        k = len(self.runs)
+        return 1.0 if k <= 1 else k**self.exponent / k
+
+    def in_system(self) -> int:
+        """Tasks it has: running and waiting in its own queue (what least-busy counts)."""
+        return len(self.runs) + len(self.own)
+
+    def solo_seconds(self, job: Job) -> float:
+        return self.true.seconds(job.prompt_tokens, job.output_tokens, True)
+
+
+class Policy(Protocol):
+    """A scheduling policy plug-in. Pull policies answer `take`, push policies `route`."""
+
+    name: str
+    pull: bool
+
+    def start(self, sim: Simulation) -> None:
+        """Called once before the first event."""
+
+    def joined(self, sim: Simulation, worker: SimWorker) -> int:
+        """A worker came online; how many benchmark prompts it runs first (0: none)."""
+
+    def arrived(self, sim: Simulation, job: Job) -> None:
+        """A task was submitted (before it is queued)."""
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        """Push: the online worker whose own queue gets `job`."""
+
+    def take(self, sim: Simulation, worker: SimWorker) -> bool:
+        """Pull: whether `worker`, which has a free slot, takes the head of the shared queue now."""
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        """A run finished (benchmarks included) with what the backend reports."""
+
+
+class RunResult(msgspec.Struct, kw_only=True):
+    """Per-task outcome of one run."""
+
+    policy: str
+    response_s: list[float]
+    finish_s: list[float]
+    worker_of: list[str]
+    start_order: list[str]  # worker of each started task, in start order
+    first_arrival_s: float
+    benchmarks: int
+
+    @property
+    def mean_s(self) -> float:
+        return sum(self.response_s) / len(self.response_s)
+
+    def p95_s(self) -> float:
+        xs = sorted(self.response_s)
+        return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)]
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.finish_s) - self.first_arrival_s
+
+
+class Simulation:
+    """One run: build it, call `run()`."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        model: str,
+        workload: WorkloadSpec,
+        policy: Policy,
+        jobs: Sequence[Job] | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.model = model
+        self.workload = workload
+        self.policy = policy
+        specs = serving(fleet, model)
+        self.digest = fleet.digest_of(specs[0], model) if specs else default_digest(model)
+        self.workers = [SimWorker(i, s, model, self.digest) for i, s in enumerate(specs)]
+        self.by_name = {w.name: w for w in self.workers}
+        self.jobs: list[Job] = list(jobs) if jobs is not None else generate(fleet, model, workload)
+        self.now = 0.0
+        self.queue: list[BacklogEntry] = []
+        self.view = FleetView(workers=[], backlog={self.digest: self.queue}, arrival_rate={self.digest: 0.0})
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        n = len(self.jobs)
+        self.finish: list[float] = [math.nan] * n
+        self.worker_of: list[str] = [""] * n
+        self.start_order: list[str] = []
+        self.benchmarks = 0
+        self._bench_index = n
+
+    @property
+    def now_ms(self) -> int:
+        return int(self.now * 1000.0)
+
+    def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, a, b))
+
+    def _windows(self) -> None:
+        joins = dict(self.workload.joins)
+        leaves = dict(self.workload.leaves)
+        for w in self.workers:
+            windows = w.spec.online or [(0.0, math.inf)]
+            if w.name in joins:
+                windows = [(max(a, joins[w.name]), b) for a, b in windows if b > joins[w.name]]
+            if w.name in leaves:
+                windows = [(a, min(b, leaves[w.name])) for a, b in windows if a < leaves[w.name]]
+            for a, b in windows:
+                self._push(a, _ONLINE, w.index)
+                if math.isfinite(b):
+                    self._push(b, _OFFLINE, w.index)
+
+    def run(self) -> RunResult:
+        """Simulate until every task finished; the per-task figures."""
+        for j in self.jobs:
+            self._push(j.arrival, _ARRIVE, j.index)
+        self._windows()
+        self.policy.start(self)
+        events = self._events
+        while events:
+            t, _, kind, a, b = heapq.heappop(events)
+            self.now = t
+            if kind == _DONE:
+                w = self.workers[a]
+                if b != w.version:
+                    continue
+                self._complete(w)
+            elif kind == _ARRIVE:
+                self._arrive(self.jobs[a])
+            elif kind == _ONLINE:
+                self._online(self.workers[a])
+            else:
+                self._offline(self.workers[a])
+            self._dispatch()
+        missing = [j.index for j in self.jobs if math.isnan(self.finish[j.index])]
+        if missing:
+            # Nobody who serves the model was online after they arrived.
+            for i in missing:
+                self.finish[i] = math.inf
+        return RunResult(
+            policy=self.policy.name,
+            response_s=[self.finish[j.index] - j.arrival for j in self.jobs],
+            finish_s=list(self.finish),
+            worker_of=list(self.worker_of),
+            start_order=list(self.start_order),
+            first_arrival_s=min(j.arrival for j in self.jobs),
+            benchmarks=self.benchmarks,
+        )
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _arrive(self, job: Job) -> None:
+        self.policy.arrived(self, job)
+        if self.policy.pull:
+            self.queue.append(self._entry(job))
+            return
+        online = [w for w in self.workers if w.online]
+        if not online:
+            self.queue.append(self._entry(job))  # held until someone is online
+            return
+        self.policy.route(self, job).own.append(job)
+
+    def _entry(self, job: Job) -> BacklogEntry:
+        return BacklogEntry(
+            task_id=str(job.index),
+            digest=self.digest,
+            enqueued_at_ms=int(job.arrival * 1000.0),
+            domain=job.domain,
+            prompt_tokens=job.prompt_tokens,
+        )
+
+    def _online(self, w: SimWorker) -> None:
+        if w.online:
+            return
+        w.online = True
+        w.last = self.now
+        w.idle_since = self.now
+        self.view.workers = [x.view for x in self.workers if x.online]
+        for _ in range(self.policy.joined(self, w)):
+            self._bench_index += 1
+            w.pinned.append(
+                Job(
+                    index=self._bench_index,
+                    arrival=self.now,
+                    prompt_tokens=BENCH_PROMPT_TOKENS,
+                    output_tokens=BENCH_OUTPUT_TOKENS,
+                    bench=True,
+                )
+            )
+        if not self.policy.pull and self.queue:
+            held, self.queue[:] = list(self.queue), []
+            for e in held:
+                self.policy.route(self, self.jobs[int(e.task_id)]).own.append(self.jobs[int(e.task_id)])
+
+    def _offline(self, w: SimWorker) -> None:
+        if not w.online:
+            return
+        w.online = False
+        w.version += 1
+        lost = [r.job for r in w.runs if not r.job.bench]
+        w.runs.clear()
+        w.view.running.clear()
+        w.pinned.clear()
+        w.loaded = False
+        w.view.loaded.clear()
+        self.view.workers = [x.view for x in self.workers if x.online]
+        # What it ran or held goes back to the head of the queue, in arrival order.
+        back = sorted(lost, key=lambda j: j.index) + w.own
+        w.own = []
+        if self.policy.pull or not any(x.online for x in self.workers):
+            self.queue[:0] = [self._entry(j) for j in back]
+        else:
+            for j in back:
+                self.policy.route(self, j).own.append(j)
+
+    def _advance(self, w: SimWorker) -> None:
+        if w.runs:
+            dt = (self.now - w.last) * w.rate()
+            for r in w.runs:
+                r.remaining -= dt
+        w.last = self.now
+
+    def _reschedule(self, w: SimWorker) -> None:
+        w.version += 1
+        if w.runs:
+            soonest = min(r.remaining for r in w.runs)
+            self._push(self.now + max(0.0, soonest) / w.rate(), _DONE, w.index, w.version)
+
+    def _complete(self, w: SimWorker) -> None:
+        self._advance(w)
+        k = len(w.runs)
+        finished = [r for r in w.runs if r.remaining <= 1e-9]
+        if not finished:
+            finished = [min(w.runs, key=lambda r: r.remaining)]
+        for r in finished:
+            w.runs.remove(r)
+            w.view.running.remove(r.task)
+            job = r.job
+            wall = self.now - r.started
+            slowdown = wall / r.solo if r.solo > 0 else 1.0
+            measured = Measured(
+                load_s=r.load_s * slowdown if r.load_s > 0 else None,
+                prompt_tps=w.true.prompt_tps / slowdown,
+                decode_tps=w.true.decode_tps / slowdown,
+                output_tokens=job.output_tokens,
+                wall_s=wall,
+                in_flight=k,
+            )
+            if not job.bench:
+                self.finish[job.index] = self.now
+                self.worker_of[job.index] = w.name
+                w.done += 1
+            self.policy.completed(self, w, job, measured)
+        if not w.runs:
+            w.idle_since = self.now
+        self._reschedule(w)
+
+    def _start(self, w: SimWorker, job: Job) -> None:
+        self._advance(w)
+        self._expire(w)
+        load = 0.0 if w.loaded else w.true.load_s
+        solo = load + job.prompt_tokens / w.true.prompt_tps + job.output_tokens / w.true.decode_tps
+        w.loaded = True
+        w.view.loaded.add(self.digest)
+        w.idle_since = None
+        task = RunningTask(
+            task_id=str(job.index),
+            digest=self.digest,
+            started_at_ms=self.now_ms,
+            domain=job.domain,
+            prompt_tokens=job.prompt_tokens,
+        )
+        w.runs.append(_Run(job, solo, load, self.now, task))
+        w.view.running.append(task)
+        if job.bench:
+            self.benchmarks += 1
+        else:
+            self.start_order.append(w.name)
+        self._reschedule(w)
+
+    def _expire(self, w: SimWorker) -> None:
+        """Unload the model of a worker idle for longer than its keep-alive."""
+        idle = w.idle_since
+        if w.loaded and not w.runs and idle is not None and self.now - idle > w.spec.keep_alive_s:
+            w.loaded = False
+            w.view.loaded.clear()
+
+    def _dispatch(self) -> None:
+        """Give free slots work until nobody takes anything more."""
+        pull = self.policy.pull
+        for w in self.workers:
+            self._expire(w)
+        for w in self.workers:
+            while w.free:
+                if w.pinned:
+                    self._start(w, w.pinned.pop(0))
+                elif not pull:
+                    if not w.own:
+                        break
+                    self._start(w, w.own.pop(0))
+                elif self.queue and self.policy.take(self, w):
+                    entry = self.queue.pop(0)
+                    self._start(w, self.jobs[int(entry.task_id)])
+                else:
+                    break
+
+
+def simulate(
+    fleet: Fleet, model: str, workload: WorkloadSpec, policy: Policy, jobs: Sequence[Job] | None = None
+) -> RunResult:
+    """Run one policy on one workload."""
+    return Simulation(fleet, model, workload, policy, jobs).run()
