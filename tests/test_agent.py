@@ -1,0 +1,281 @@
+"""The worker agent against simulated backends and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
+from events.keys import Keys
+from events.ledger import Ledger
+from events.queue import TaskQueues, submit_task
+from events.task import Message, result_decoder
+from sim.fleet import load_fleet
+from sim.host import SimHosts
+from tests.helpers import (
+    events_of,
+    fast_config,
+    make_test_fleet,
+    running_agent,
+    running_reaper,
+    wait_until,
+    worker_process,
+)
+
+
+@pytest.fixture
+async def hosts() -> AsyncIterator[SimHosts]:
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=3) as sim:
+        yield sim
+
+
+async def submit(
+    queues: TaskQueues, model: str = "m", max_tokens: int | None = None, text: str = "hi"
+) -> str:
+    task, _ = await submit_task(
+        queues, model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens
+    )
+    return task.task_id
+
+
+async def completed(ledger: Ledger, n: int) -> bool:
+    done = [e for e in await events_of(ledger, TaskCompleted) if not e.duplicate]
+    return len(done) >= n
+
+
+async def test_a_worker_without_the_model_never_receives_its_task(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    async with (
+        running_agent(redis_client, hosts.url("a"), fast_config("a")),
+        running_agent(redis_client, hosts.url("c"), fast_config("c")),
+    ):
+        ids = [await submit(queues) for _ in range(6)]
+        await wait_until(lambda: completed(ledger, 6))
+    claims = await events_of(ledger, TaskClaimed)
+    assert {c.task_id for c in claims} == set(ids)
+    assert {c.worker for c in claims} == {"a"}
+    consumers = await redis_client.xinfo_consumers(
+        Keys().queue(make_test_fleet().model["m"].digest), "workers"
+    )
+    assert [c["name"] for c in consumers] == [b"a"]
+
+
+async def test_tasks_for_a_model_two_workers_hold_are_served_by_both_when_both_are_free(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    async with (
+        running_agent(redis_client, hosts.url("a"), fast_config("a")),
+        running_agent(redis_client, hosts.url("b"), fast_config("b")),
+    ):
+        for _ in range(8):
+            await submit(queues, max_tokens=80)  # 0.4 s each: both workers are needed
+        await wait_until(lambda: completed(ledger, 8))
+    done = [e for e in await events_of(ledger, TaskCompleted) if not e.duplicate]
+    assert len(done) == 8
+    assert {e.worker for e in done} == {"a", "b"}
+    timings = done[0].timings
+    assert timings.eval_count is not None and timings.eval_duration is not None and timings.eval_duration > 0
+
+
+async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_what_is_served(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    from events.errors import ModelNotServedError
+
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    async with running_agent(redis_client, hosts.url("c"), fast_config("c")):
+        with pytest.raises(ModelNotServedError) as info:
+            await submit(queues, model="m")
+    assert "'m'" in str(info.value) and "c serves other:latest" in str(info.value)
+    assert await ledger.length() > 0  # c's own events, and nothing about the refused task
+    assert not [e async for _, e in ledger.read() if type(e).__name__ == "TaskSubmitted"]
+
+
+async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_other_once(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    procs = {name: worker_process(redis_url, hosts.url(name), name) for name in ("a", "b")}
+    try:
+        await wait_until(lambda: _both_live(redis_client), timeout=30)
+        async with running_reaper(redis_client, lease_ms=1500):
+            task_id = await submit(queues, max_tokens=200)  # 1 s of generation
+            await wait_until(lambda: _has_output(redis_client, task_id), timeout=15, every=0.01)
+            claim = next(c for c in await events_of(ledger, TaskClaimed) if c.task_id == task_id)
+            victim = procs[claim.worker]
+            victim.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            await wait_until(lambda: completed(ledger, 1), timeout=20)
+            took = time.monotonic() - killed_at
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(30)
+    done = [e for e in await events_of(ledger, TaskCompleted) if e.task_id == task_id]
+    assert [e.duplicate for e in done] == [False]
+    assert done[0].worker != claim.worker and done[0].attempt == 2
+    reclaims = await events_of(ledger, TaskReclaimed)
+    assert [(r.task_id, r.owner) for r in reclaims] == [(task_id, claim.worker)]
+    # Lease (1.5 s) + 2 s, plus the 1 s re-run itself.
+    assert took < 1.5 + 2.0 + 1.0 + 1.0, f"took {took:.1f}s"
+    result = result_decoder.decode(await redis_client.hget(Keys().result(task_id), "result"))
+    assert result.status == "completed" and result.worker == done[0].worker
+
+
+async def _both_live(redis: aioredis.Redis) -> bool:
+    return bool(await redis.exists(Keys().live("a"))) and bool(await redis.exists(Keys().live("b")))
+
+
+async def _has_output(redis: aioredis.Redis, task_id: str) -> bool:
+    return bool(await redis.exists(Keys().out(task_id)))
+
+
+async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalled_once(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    from events.event import TaskStalled
+    from events.task import TaskMessage
+
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    queue = Keys().queue("f" * 64)
+    await queues.enqueue(queue, TaskMessage(task_id="orphan", model="x", digest="f" * 64))
+    async with running_reaper(redis_client, lease_ms=200, stall_after_s=1.0):
+        await asyncio.sleep(2.5)  # more than 10 lease periods
+    rows = await redis_client.xrange(queue)
+    assert len(rows) == 1 and rows[0][1][b"attempt"] == b"1"
+    assert await events_of(ledger, TaskReclaimed) == []
+    stalls = await events_of(ledger, TaskStalled)
+    assert [(s.task_id, s.queue) for s in stalls] == [("orphan", queue)]
+
+
+async def test_a_live_worker_running_a_task_five_times_longer_than_its_lease_is_never_reaped(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    config = fast_config("a", lease_ms=600, heartbeat_ms=150)
+    async with (
+        running_reaper(redis_client, lease_ms=600),
+        running_agent(redis_client, hosts.url("a"), config),
+    ):
+        await submit(queues, max_tokens=700)  # 3.5 s of generation: about 6 leases
+        await wait_until(lambda: completed(ledger, 1), timeout=30)
+    assert await events_of(ledger, TaskReclaimed) == []
+    done = await events_of(ledger, TaskCompleted)
+    assert [(e.worker, e.attempt, e.duplicate) for e in done] == [("a", 1, False)]
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [("error_rate", "http_5xx"), ("hang_rate", "timeout"), ("disconnect_rate", "disconnect")],
+)
+async def test_a_backend_fault_fails_the_run_with_its_kind_and_the_task_runs_elsewhere(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, fault: str, kind: str
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    hosts.set_faults("a", **{fault: 1.0})
+    async with running_agent(redis_client, hosts.url("a"), fast_config("a"), idle_timeout_s=1.0):
+        task_id = await submit(queues, max_tokens=60)
+        await wait_until(lambda: _failed(ledger, task_id), timeout=20)
+        async with running_agent(redis_client, hosts.url("b"), fast_config("b")):
+            await wait_until(lambda: completed(ledger, 1), timeout=20)
+    failures = [f for f in await events_of(ledger, TaskFailed) if f.task_id == task_id]
+    assert failures and {f.kind for f in failures} == {kind} and {f.worker for f in failures} == {"a"}
+    assert all(f.retryable for f in failures)
+    done = [e for e in await events_of(ledger, TaskCompleted) if e.task_id == task_id]
+    assert [(e.worker, e.duplicate) for e in done] == [("b", False)]
+
+
+async def _failed(ledger: Ledger, task_id: str) -> bool:
+    return any(f.task_id == task_id for f in await events_of(ledger, TaskFailed))
+
+
+async def test_past_the_delivery_limit_a_failing_task_is_dead_lettered_with_the_reason(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    hosts.set_faults("a", error_rate=1.0)
+    async with running_agent(
+        redis_client, hosts.url("a"), fast_config("a", cooldown_s=0.05, delivery_limit=3)
+    ):
+        task_id = await submit(queues)
+        await wait_until(lambda: _dead(ledger, task_id), timeout=30)
+    dead = [d for d in await events_of(ledger, TaskDeadLettered) if d.task_id == task_id]
+    assert len(dead) == 1 and dead[0].attempts == 3 and "delivery limit 3" in dead[0].reason
+    assert "http_5xx" in dead[0].reason
+    assert len([f for f in await events_of(ledger, TaskFailed) if f.task_id == task_id]) == 3
+    letters = await redis_client.xrange(Keys().dead)
+    assert [(row[1][b"id"], b"delivery limit 3" in row[1][b"reason"]) for row in letters] == [
+        (task_id.encode(), True)
+    ]
+    queue = Keys().queue(make_test_fleet().model["m"].digest)
+    assert await redis_client.xlen(queue) == 0
+    result = result_decoder.decode(await redis_client.hget(Keys().result(task_id), "result"))
+    assert result.status == "dead"
+
+
+async def _dead(ledger: Ledger, task_id: str) -> bool:
+    return any(d.task_id == task_id for d in await events_of(ledger, TaskDeadLettered))
+
+
+async def test_sigterm_drains_without_losing_or_repeating_a_task(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    proc = worker_process(redis_url, hosts.url("a"), "a")
+    try:
+        await wait_until(lambda: redis_exists_key(redis_client, Keys().live("a")), timeout=30)
+        ids = [await submit(queues, max_tokens=120) for _ in range(4)]  # 0.6 s each
+        await wait_until(lambda: _claimed(ledger, 1), timeout=15)
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0
+    async with running_agent(redis_client, hosts.url("b"), fast_config("b")):
+        await wait_until(lambda: completed(ledger, 4), timeout=30)
+    done = [e for e in await events_of(ledger, TaskCompleted)]
+    assert sorted(e.task_id for e in done) == sorted(ids)
+    assert not any(e.duplicate for e in done)
+    assert "a" in {e.worker for e in done}
+
+
+async def redis_exists_key(redis: aioredis.Redis, key: str) -> bool:
+    return bool(await redis.exists(key))
+
+
+async def _claimed(ledger: Ledger, n: int) -> bool:
+    return len(await events_of(ledger, TaskClaimed)) >= n
+
+
+async def test_the_seed_fleet_completes_three_qwen_tasks_and_the_ledger_says_who_ran_each(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    async with SimHosts(load_fleet("seed"), time_scale=0.05, seed=11) as sim:
+        async with (
+            running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")),
+            running_agent(redis_client, sim.url("rtx3070ti"), fast_config("rtx3070ti")),
+            running_agent(redis_client, sim.url("ai-core"), fast_config("ai-core", serves=[])),
+        ):
+            ids = [await submit(queues, model="qwen3:8b", max_tokens=64) for _ in range(3)]
+            await wait_until(lambda: completed(ledger, 3), timeout=60)
+    done = {e.task_id: e for e in await events_of(ledger, TaskCompleted)}
+    assert set(done) == set(ids)
+    for event in done.values():
+        assert event.worker in ("macbookair", "rtx3070ti")
+        t = event.timings
+        assert t.eval_count == 64 and t.eval_duration and t.prompt_eval_count and t.total_duration
+        tps = t.eval_count / (t.eval_duration / 1e9)
+        assert tps == pytest.approx(11.4 if event.worker == "macbookair" else 83.0, rel=0.05)
+    assert not [c for c in await events_of(ledger, TaskClaimed) if c.worker == "ai-core"]
