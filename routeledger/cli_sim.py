@@ -2,6 +2,76 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import signal
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
+    uvloop = None  # type: ignore[assignment]
+
+from routeledger.runtime import console, guarded, run_async
+from sim.errors import FleetError
+
 sim_app = typer.Typer(help="Simulated backends and the scheduling simulator.", no_args_is_help=True)
+
+
+@sim_app.command("hosts")
+@guarded
+def hosts(
+    preset: Annotated[str, typer.Option("--preset", help="A shipped fleet preset (seed, …).")] = "seed",
+    fleet_file: Annotated[
+        Path | None, typer.Option("--fleet-file", help="A fleet TOML file (instead of --preset).")
+    ] = None,
+    time_scale: Annotated[
+        float,
+        typer.Option(
+            "--time-scale",
+            help="Multiply every simulated wait by this (0: no waiting; reported timings stay simulated).",
+        ),
+    ] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated text and the faults.")] = 0,
+    host: Annotated[str, typer.Option("--host", help="Address every machine binds.")] = "127.0.0.1",
+    json_: Annotated[
+        bool, typer.Option("--json", help='Print one line {"hosts": {name: url}, "control": url} and serve.')
+    ] = False,
+) -> None:
+    """Run simulated Ollama machines, each on its own port, until Ctrl-C."""
+    from sim.fleet import load_fleet
+    from sim.host import SimHosts
+
+    if time_scale < 0:
+        raise FleetError(f"--time-scale must be >= 0, got {time_scale}")
+    fleet = load_fleet(fleet_file if fleet_file is not None else preset)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with SimHosts(fleet, time_scale=time_scale, seed=seed, host=host) as sim:
+            if json_:
+                line = json.dumps({"hosts": sim.urls, "control": sim.control_url})
+                print(line, flush=True)  # noqa: T201
+            else:
+                width = max(len(n) for n in sim.names) if sim.names else 0
+                for name, url in sim.urls.items():
+                    console.print(f"{name:<{width}}  {url}", highlight=False)
+                console.print(f"{'control':<{width}}  {sim.control_url}/sim/<machine>/…", highlight=False)
+                console.print(
+                    f"[dim]fleet {fleet.name or '?'}, time scale {time_scale:g}, seed {seed}; Ctrl-C stops[/]"
+                )
+            await stop.wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        if uvloop is not None:
+            # The sim shares two cores with workers and Redis in the dispatch benchmark; uvloop halves its cost.
+            uvloop.run(serve())
+        else:
+            run_async(serve())

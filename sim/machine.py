@@ -1,0 +1,625 @@
+"""One simulated machine: the models it holds and has loaded, its slots, its speeds and its faults.
+
+The HTTP layer (sim/host.py) turns requests into `Job`s and runs them here. Time is simulated: every
+duration is computed in simulated seconds from the preset's speeds and reported as such (so that
+`eval_count / eval_duration` is the preset's decode speed whatever the time scale), and the machine
+really waits that duration multiplied by `time_scale` (0: it does not wait at all).
+
+State timers — keep_alive expiry and online windows — run on the wall clock multiplied by
+`time_scale`, or unscaled when `time_scale` is 0, so that a zero-delay run keeps its models loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+
+from events.errors import RouteledgerError
+from sim.fleet import Fleet, ModelSpec, WorkerModel, WorkerSpec
+from sim.text import bench_answer, bench_prompt, count_tokens, filler, is_japanese, sample_length, seed_of
+
+# Tokens are released to a streaming client at most this late (wall seconds); fewer wake-ups.
+STREAM_QUANTUM_S = 0.002
+# Without a client watching, the machine sleeps in longer steps.
+QUIET_QUANTUM_S = 0.02
+# In zero-delay mode a stream goes out in batches of this many chunks (still one token per chunk).
+ZERO_DELAY_BATCH = 256
+
+Fault = Literal["error", "hang", "disconnect"]
+
+
+class SimHostError(RouteledgerError):
+    """Raised when a simulated host is asked for something it does not have."""
+
+
+class UnknownModelError(SimHostError):
+    """Raised when a request names a model the machine does not hold."""
+
+
+class Faults(msgspec.Struct, kw_only=True):
+    """Per-request fault rates; drawn once per generation request, in this order."""
+
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    disconnect_rate: float = 0.0
+
+
+class Counters(msgspec.Struct, kw_only=True):
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    not_found: int = 0
+    errors: int = 0
+    hangs: int = 0
+    disconnects: int = 0
+    loads: int = 0
+    unloads: int = 0
+    prompt_tokens: int = 0
+    eval_tokens: int = 0
+
+
+class LoadedModel(msgspec.Struct, kw_only=True):
+    name: str
+    digest: str
+    size: int
+    expires_at: str
+    in_use: int
+
+
+class MachineState(msgspec.Struct, kw_only=True):
+    """What GET /sim/state answers."""
+
+    name: str
+    online: bool
+    slots: int
+    running: int
+    queued: int
+    held: list[str]
+    loaded: list[LoadedModel]
+    faults: Faults
+    counters: Counters
+    time_scale: float
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Ollama's own timings of one generation, in simulated nanoseconds."""
+
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+    prompt_eval_duration: int
+    eval_count: int
+    eval_duration: int
+    done_reason: str
+
+
+def full_name(name: str) -> str:
+    """Ollama's canonical model name: a name without a tag means `:latest`."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def keep_alive_seconds(value: object) -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "-1"); None: default."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise SimHostError(f"keep_alive must be a duration, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if not isinstance(value, str):
+        raise SimHostError(f"keep_alive must be a duration, got {value!r}")
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    sign = -1.0 if text.startswith("-") else 1.0
+    rest = text.lstrip("+-")
+    total = 0.0
+    number = ""
+    i = 0
+    while i < len(rest):
+        ch = rest[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = next((u for u in ("ms", "us", "µs", "ns", "h", "m", "s") if rest.startswith(u, i)), None)
+        if unit is None or not number:
+            raise SimHostError(f"keep_alive {value!r} is not a duration")
+        total += float(number) * units[unit]
+        number = ""
+        i += len(unit)
+    if number or not rest:
+        raise SimHostError(f"keep_alive {value!r} is not a duration")
+    return sign * total
+
+
+class _Model:
+    """A held model's run-time state on the machine."""
+
+    __slots__ = ("digest", "expires", "key", "load_count", "loaded", "name", "ready", "refs", "spec", "speed")
+
+    def __init__(self, name: str, key: str, digest: str, spec: ModelSpec, speed: WorkerModel) -> None:
+        self.name = name
+        self.key = key
+        self.digest = digest
+        self.spec = spec
+        self.speed = speed
+        self.loaded = False
+        self.ready: asyncio.Future[None] | None = None
+        self.refs = 0
+        # Loop time at which an idle loaded model unloads (inf: never).
+        self.expires = math.inf
+        self.load_count = 0
+
+
+class Job:
+    """One generation request, planned up front so that its output is fixed by its seeds."""
+
+    __slots__ = (
+        "disconnect_after",
+        "fault",
+        "gone",
+        "keep_alive",
+        "load_only",
+        "max_tokens",
+        "model",
+        "prompt_tokens",
+        "tokens",
+        "unload",
+    )
+
+    def __init__(
+        self,
+        model: _Model,
+        prompt_tokens: int,
+        tokens: list[str],
+        max_tokens: int | None,
+        keep_alive: float | None,
+        fault: Fault | None,
+        disconnect_after: int,
+    ) -> None:
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.keep_alive = keep_alive
+        self.fault = fault
+        self.disconnect_after = disconnect_after
+        self.load_only = False
+        self.unload = False
+        # Set by the HTTP layer: true once the client's connection is gone.
+        self.gone: Callable[[], bool] = _never
+
+    @property
+    def digest(self) -> str:
+        return self.model.digest
+
+
+def _never() -> bool:
+    return False
+
+
+Emit = Callable[[list[str]], Awaitable[None]]
+
+
+class SimMachine:
+    """One simulated machine. Not thread-safe: everything runs on one event loop."""
+
+    def __init__(self, spec: WorkerSpec, fleet: Fleet, *, time_scale: float = 1.0, seed: int = 0) -> None:
+        if time_scale < 0:
+            raise SimHostError(f"time_scale must be >= 0, got {time_scale}")
+        self.spec = spec
+        self.name = spec.name
+        self.fleet = fleet
+        self.time_scale = time_scale
+        # Timers that are state, not work: see the module docstring.
+        self.timer_scale = time_scale or 1.0
+        self.seed = seed
+        self.slots = spec.slots
+        self.faults = Faults(
+            error_rate=spec.error_rate, hang_rate=spec.hang_rate, disconnect_rate=spec.disconnect_rate
+        )
+        self.counters = Counters()
+        self.online = True
+        self.running = 0
+        self.active = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._fault_rng = random.Random(seed_of("faults", seed, spec.name))
+        self._seq = 0
+        self.models: dict[str, _Model] = {}
+        self.modified_at: dict[str, str] = {}
+        for key, speed in spec.models.items():
+            if speed.held:
+                self._hold(key, _START_STAMP)
+
+    # -- inventory --------------------------------------------------------------------------------
+
+    def _hold(self, key: str, stamp: str) -> _Model:
+        name = full_name(key)
+        model = _Model(
+            name, key, self.fleet.digest_of(self.spec, key), self.fleet.model_spec(key), self.spec.models[key]
+        )
+        self.models[name] = model
+        self.modified_at[name] = stamp
+        return model
+
+    def find(self, name: str) -> _Model:
+        model = self.models.get(full_name(name))
+        if model is None:
+            raise UnknownModelError(f'model "{name}" not found, try pulling it first')
+        return model
+
+    def pullable(self, name: str) -> str | None:
+        """The preset key of a model this machine may be given, if `name` is one."""
+        wanted = full_name(name)
+        return next((key for key in self.spec.models if full_name(key) == wanted), None)
+
+    def give_model(self, name: str) -> str:
+        """Give the machine a model its preset lists (held or not); returns its full name."""
+        key = self.pullable(name)
+        if key is None:
+            raise UnknownModelError(
+                f"pull model manifest: file does not exist ({name} is not in {self.name}'s preset)"
+            )
+        full = full_name(key)
+        if full not in self.models:
+            self._hold(key, _now_rfc3339())
+        return full
+
+    def take_model(self, name: str) -> None:
+        """Remove a model from the machine (Ollama's DELETE /api/delete)."""
+        model = self.find(name)
+        del self.models[model.name]
+        self.modified_at.pop(model.name, None)
+
+    # -- planning ---------------------------------------------------------------------------------
+
+    def plan(
+        self,
+        model_name: str,
+        prompt: str,
+        last_user: str,
+        *,
+        request_seed: int | None = None,
+        max_tokens: int | None = None,
+        keep_alive: object = None,
+    ) -> Job:
+        """A job for `prompt` (the whole input) whose last user message is `last_user`."""
+        self.counters.requests += 1
+        try:
+            model = self.find(model_name)
+        except UnknownModelError:
+            self.counters.not_found += 1
+            raise
+        ka = keep_alive_seconds(keep_alive)
+        self._seq += 1
+        salt: object = request_seed if request_seed is not None else f"n{self._seq}"
+        rng = random.Random(seed_of(self.seed, model.digest, salt, prompt))
+        bench = bench_prompt(last_user)
+        tokens: list[str] | None = None
+        if bench is not None:
+            # A model without a number for the domain answers like a coin toss: the sim needs some value.
+            tokens = bench_answer(rng, last_user, model.spec.quality.get(bench.domain, 0.5))
+        if tokens is None:
+            tokens = filler(rng, sample_length(rng, model.spec.output), is_japanese(last_user))
+        fault = self._draw_fault()
+        disconnect_after = 0
+        if fault == "error":
+            self.counters.errors += 1
+        elif fault == "hang":
+            self.counters.hangs += 1
+        elif fault == "disconnect":
+            self.counters.disconnects += 1
+            disconnect_after = self._fault_rng.randint(0, max(0, len(tokens) // 2))
+        return Job(model, count_tokens(prompt), tokens, max_tokens, ka, fault, disconnect_after)
+
+    def _draw_fault(self) -> Fault | None:
+        f = self.faults
+        if f.error_rate <= 0 and f.hang_rate <= 0 and f.disconnect_rate <= 0:
+            return None
+        u = self._fault_rng.random()
+        if u < f.error_rate:
+            return "error"
+        if u < f.error_rate + f.hang_rate:
+            return "hang"
+        if u < f.error_rate + f.hang_rate + f.disconnect_rate:
+            return "disconnect"
+        return None
+
+    # -- slots ------------------------------------------------------------------------------------
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting in FIFO order behind earlier requests."""
+        if self.running < self.slots and not self._waiters:
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                # The slot was handed over just as we were cancelled: pass it on.
+                self.release()
+            else:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                # The slot passes straight to the next in line; `running` stays the same.
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Unload idle models whose keep_alive has run out."""
+        now = _loop_time()
+        for model in self.models.values():
+            if model.loaded and model.refs == 0 and model.expires <= now:
+                self._unload(model)
+
+    def _unload(self, model: _Model) -> None:
+        model.loaded = False
+        model.ready = None
+        model.expires = math.inf
+        self.counters.unloads += 1
+
+    async def _use(self, model: _Model) -> float:
+        """Pin the model, loading it first if needed; simulated seconds this request spent on loading."""
+        self.sweep()
+        model.refs += 1
+        if model.loaded:
+            return 0.0
+        if model.ready is not None:
+            # Someone else is loading it: wait for that load, and count the wait as ours.
+            started = _loop_time()
+            await asyncio.shield(model.ready)
+            return (_loop_time() - started) / self.time_scale if self.time_scale else model.speed.load_s
+        model.ready = asyncio.get_running_loop().create_future()
+        ready = model.ready
+        try:
+            if self.time_scale:
+                await asyncio.sleep(model.speed.load_s * self.time_scale)
+        except BaseException:
+            model.ready = None
+            ready.cancel()
+            raise
+        model.loaded = True
+        model.load_count += 1
+        self.counters.loads += 1
+        ready.set_result(None)
+        return model.speed.load_s
+
+    def _unpin(self, model: _Model, keep_alive: float | None) -> None:
+        model.refs -= 1
+        if model.refs > 0 or not model.loaded:
+            return
+        seconds = self.spec.keep_alive_s if keep_alive is None else keep_alive
+        if seconds < 0:
+            model.expires = math.inf
+        elif seconds == 0:
+            self._unload(model)
+        else:
+            model.expires = _loop_time() + seconds * self.timer_scale
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _share(self, k: int) -> float:
+        """Seconds-per-token multiplier with k generations at once: each runs at k**e / k of solo speed."""
+        return float(k ** (1.0 - self.spec.parallel_exponent)) if k > 1 else 1.0
+
+    async def run(self, job: Job, emit: Emit | None) -> Timings | None:
+        """Run `job` to its end; None when the client went away (or the fault cut it off) first.
+
+        `emit` receives tokens as they are produced (streaming); without it the output is only timed.
+        """
+        arrived = _loop_time()
+        await self.acquire()
+        model = job.model
+        pinned = False
+        try:
+            queued_s = (_loop_time() - arrived) / self.time_scale if self.time_scale else 0.0
+            if job.gone():
+                self.counters.cancelled += 1
+                return None
+            load_s = await self._use(model)
+            pinned = True
+            if job.load_only:
+                return Timings(
+                    total_duration=_ns(queued_s + load_s),
+                    load_duration=_ns(load_s),
+                    prompt_eval_count=0,
+                    prompt_eval_duration=0,
+                    eval_count=0,
+                    eval_duration=0,
+                    done_reason="load",
+                )
+            self.active += 1
+            try:
+                result = await self._generate(job, emit)
+            finally:
+                self.active -= 1
+            if result is None:
+                return None
+            prompt_s, eval_s, n, reason = result
+            self.counters.completed += 1
+            self.counters.prompt_tokens += job.prompt_tokens
+            self.counters.eval_tokens += n
+            return Timings(
+                total_duration=_ns(queued_s + load_s + prompt_s + eval_s),
+                load_duration=_ns(load_s),
+                prompt_eval_count=job.prompt_tokens,
+                prompt_eval_duration=_ns(prompt_s),
+                eval_count=n,
+                eval_duration=_ns(eval_s),
+                done_reason=reason,
+            )
+        finally:
+            if pinned:
+                self._unpin(model, 0.0 if job.unload else job.keep_alive)
+            self.release()
+
+    async def _generate(self, job: Job, emit: Emit | None) -> tuple[float, float, int, str] | None:
+        speed = job.model.speed
+        tokens = job.tokens
+        reason = "stop"
+        if job.max_tokens is not None and 0 < job.max_tokens < len(tokens):
+            tokens = tokens[: job.max_tokens]
+            reason = "length"
+        cut = job.disconnect_after if job.fault == "disconnect" else None
+        scale = self.time_scale
+        prompt_s = job.prompt_tokens * self._share(self.active) / speed.prompt_tps
+        if scale:
+            await asyncio.sleep(prompt_s * scale)
+            if job.gone():
+                self.counters.cancelled += 1
+                return None
+        limit = len(tokens) if cut is None else min(cut, len(tokens))
+        if not scale:
+            # Nothing waits, so nothing overlaps: the reported speed is the share at this moment.
+            eval_s = len(tokens) * self._share(self.active) / speed.decode_tps
+            if emit is not None:
+                for i in range(0, limit, ZERO_DELAY_BATCH):
+                    await emit(tokens[i : min(i + ZERO_DELAY_BATCH, limit)])
+                    if job.gone():
+                        self.counters.cancelled += 1
+                        return None
+            if cut is not None:
+                return None
+            return prompt_s, eval_s, len(tokens), reason
+        quantum = STREAM_QUANTUM_S if emit is not None else QUIET_QUANTUM_S
+        start = _loop_time()
+        sim = 0.0
+        pending: list[str] = []
+        tps = speed.decode_tps
+        for i in range(limit):
+            sim += self._share(self.active) / tps
+            pending.append(tokens[i])
+            delay = start + sim * scale - _loop_time()
+            if delay >= quantum or i == limit - 1:
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if job.gone():
+                    self.counters.cancelled += 1
+                    return None
+                if emit is not None:
+                    await emit(pending)
+                    pending = []
+        if cut is not None:
+            return None
+        return prompt_s, sim, len(tokens), reason
+
+    # -- online / offline -------------------------------------------------------------------------
+
+    def power_off(self) -> None:
+        """Memory is lost: nothing stays loaded. The HTTP layer closes the port and the connections."""
+        self.online = False
+        for model in self.models.values():
+            if model.loaded:
+                self._unload(model)
+            model.ready = None
+
+    def power_on(self) -> None:
+        self.online = True
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def loaded(self) -> list[LoadedModel]:
+        self.sweep()
+        now = _loop_time()
+        out: list[LoadedModel] = []
+        for model in self.models.values():
+            if not model.loaded:
+                continue
+            # In use: Ollama shows the expiry the model will get once idle.
+            left = self.spec.keep_alive_s * self.timer_scale if model.refs > 0 else model.expires - now
+            out.append(
+                LoadedModel(
+                    name=model.name,
+                    digest=model.digest,
+                    size=model.spec.size,
+                    expires_at=_rfc3339(time.time() + left) if math.isfinite(left) else _FOREVER,
+                    in_use=model.refs,
+                )
+            )
+        return out
+
+    def state(self) -> MachineState:
+        return MachineState(
+            name=self.name,
+            online=self.online,
+            slots=self.slots,
+            running=self.running,
+            queued=self.queued,
+            held=sorted(self.models),
+            loaded=self.loaded(),
+            faults=msgspec.structs.replace(self.faults),
+            counters=msgspec.structs.replace(self.counters),
+            time_scale=self.time_scale,
+        )
+
+    def set_faults(
+        self,
+        *,
+        error_rate: float | None = None,
+        hang_rate: float | None = None,
+        disconnect_rate: float | None = None,
+    ) -> Faults:
+        """Change fault rates (None: leave as is); returns the rates now in force."""
+        for name, value in (
+            ("error_rate", error_rate),
+            ("hang_rate", hang_rate),
+            ("disconnect_rate", disconnect_rate),
+        ):
+            if value is None:
+                continue
+            if not 0.0 <= value <= 1.0:
+                raise SimHostError(f"{name} must be within [0, 1], got {value}")
+            setattr(self.faults, name, float(value))
+        total = self.faults.error_rate + self.faults.hang_rate + self.faults.disconnect_rate
+        if total > 1.0 + 1e-9:
+            raise SimHostError(f"fault rates add up to {total:.3f}, more than 1")
+        return msgspec.structs.replace(self.faults)
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def _rfc3339(epoch: float) -> str:
+    t = time.gmtime(epoch)
+    frac = f"{epoch % 1:.6f}"[1:]
+    return time.strftime("%Y-%m-%dT%H:%M:%S", t) + frac + "Z"
+
+
+def _now_rfc3339() -> str:
+    return _rfc3339(time.time())
+
+
+# What Ollama reports for a model kept loaded forever (keep_alive < 0).
+_FOREVER = "2318-01-01T00:00:00Z"
+# The sim's models were "pulled" when the process started.
+_START_STAMP = _now_rfc3339()
