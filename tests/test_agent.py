@@ -244,7 +244,7 @@ async def test_sigterm_drains_without_losing_or_repeating_a_task(
     assert code == 0
     async with running_agent(redis_client, hosts.url("b"), fast_config("b")):
         await wait_until(lambda: completed(ledger, 4), timeout=30)
-    done = [e for e in await events_of(ledger, TaskCompleted)]
+    done = list(await events_of(ledger, TaskCompleted))
     assert sorted(e.task_id for e in done) == sorted(ids)
     assert not any(e.duplicate for e in done)
     assert "a" in {e.worker for e in done}
