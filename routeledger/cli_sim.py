@@ -6,15 +6,11 @@ import asyncio
 import contextlib
 import json
 import signal
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
-    uvloop = None  # type: ignore[assignment]
 
 from routeledger.runtime import console, guarded, run_async
 from sim.errors import FleetError
@@ -70,8 +66,15 @@ def hosts(
             await stop.wait()
 
     with contextlib.suppress(KeyboardInterrupt):
-        if uvloop is not None:
-            # The sim shares two cores with workers and Redis in the dispatch benchmark; uvloop halves its cost.
-            uvloop.run(serve())
-        else:
-            run_async(serve())
+        _run_fast(serve())
+
+
+def _run_fast(coro: Coroutine[Any, Any, None]) -> None:
+    # The sim shares two cores with workers and Redis in the dispatch benchmark; uvloop takes about a
+    # quarter off its cost per request.
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
+        run_async(coro)
+        return
+    uvloop.run(coro)
