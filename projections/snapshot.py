@@ -163,6 +163,8 @@ class TaskRow(msgspec.Struct, kw_only=True, gc=False):
     error: str | None = None
     duplicates: int = 0
     pipeline_id: str | None = None
+    # The attempt whose completion counted (the first); None until one did. Later ones are duplicates.
+    completed_attempt: int | None = None
 
 
 class DemandRow(msgspec.Struct, kw_only=True, gc=False):
@@ -187,3 +189,7 @@ class Snapshot(msgspec.Struct, kw_only=True, gc=False):
     quality: dict[tuple[str, str], QualityRow] = msgspec.field(default_factory=dict)
     fleet: dict[str, FleetRow] = msgspec.field(default_factory=dict)
     demand: dict[str, DemandRow] = msgspec.field(default_factory=dict)
+    # demand is folded with its own, short half-life (the gate needs the recent arrival rate).
+    demand_half_life_s: float = 300.0
+    # Workers whose lease key exists right now: live state read beside the tables, not a projection.
+    live: list[str] = msgspec.field(default_factory=list)

@@ -47,6 +47,7 @@ class Settings(msgspec.Struct, kw_only=True):
     delivery_limit: int = 3
     stall_after_s: float = 600.0
     half_life_s: float = 7 * 86_400.0
+    demand_half_life_s: float = 300.0
     backend_timeout_s: float = 300.0
     log_level: str = "info"
 
@@ -66,6 +67,7 @@ FIELDS: Final[dict[str, str]] = {
     "delivery_limit": "deliveries of one task before it is dead-lettered",
     "stall_after_s": "a queued task nobody took for this long is reported stalled",
     "half_life_s": "half-life of the time-decayed statistics",
+    "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
 }
@@ -153,6 +155,7 @@ def _validate(s: Settings) -> None:
         (s.delivery_limit >= 1, f"delivery_limit must be at least 1, got {s.delivery_limit}"),
         (s.stall_after_s > 0, "stall_after_s must be positive"),
         (s.half_life_s > 0, "half_life_s must be positive"),
+        (s.demand_half_life_s > 0, "demand_half_life_s must be positive"),
         (bool(s.prefix), "prefix must not be empty"),
     ]
     for ok, message in checks:

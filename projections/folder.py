@@ -1,0 +1,368 @@
+"""The live fold: events one at a time into in-memory tables, remembering which rows changed.
+
+The rules here are the reference; replay's polars rebuild states the same rules as vectorised
+expressions, and a property test holds the two together.
+
+Sample values are checked field by field: an absurd or missing value leaves its field untouched
+and the rest of the event still counts (missing means unknown, never zero).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Final
+
+from events.event import (
+    BenchmarkResult,
+    Event,
+    QualityScored,
+    TaskCancelled,
+    TaskClaimed,
+    TaskCompleted,
+    TaskDeadLettered,
+    TaskFailed,
+    TaskReclaimed,
+    TaskStalled,
+    TaskSubmitted,
+    Timings,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+)
+from projections.snapshot import (
+    DemandRow,
+    FleetRow,
+    LengthRow,
+    QualityRow,
+    SpeedRow,
+    Stamped,
+    TaskRow,
+    fold,
+)
+from projections.tables import Tables
+
+NS_PER_S: Final = 1e9
+# Above this a decode rate is a broken timing, not a fast machine.
+MAX_DECODE_TPS: Final = 10_000.0
+# Prompt processing is batched and far faster than decoding; only nonsense is above this.
+MAX_PROMPT_TPS: Final = 1_000_000.0
+
+# A terminal status outranks every non-terminal one; among terminals the higher rank wins, so the
+# final status does not depend on the order terminal events arrive in.
+TERMINAL_RANK: Final[dict[str, int]] = {"failed": 1, "dead": 2, "cancelled": 3, "completed": 4}
+
+RESOURCE_FIELDS: Final = (
+    "cpu_percent",
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "gpu_percent",
+    "vram_used_bytes",
+    "vram_total_bytes",
+)
+
+
+def _rate(count: int | None, duration_ns: int | None, cap: float) -> float | None:
+    if count is None or duration_ns is None or count <= 0 or duration_ns <= 0:
+        return None
+    value = count / (duration_ns / NS_PER_S)
+    return value if value <= cap else None
+
+
+def decode_tps(t: Timings) -> float | None:
+    """Decode tokens per second, or None when unknown or absurd."""
+    return _rate(t.eval_count, t.eval_duration, MAX_DECODE_TPS)
+
+
+def prompt_tps(t: Timings) -> float | None:
+    """Prompt tokens per second, or None when unknown or absurd."""
+    return _rate(t.prompt_eval_count, t.prompt_eval_duration, MAX_PROMPT_TPS)
+
+
+def load_s(t: Timings) -> float | None:
+    """Seconds the backend spent loading the model, or None when unknown or not positive."""
+    d = t.load_duration
+    return d / NS_PER_S if d is not None and d > 0 else None
+
+
+def ttft_s(ttft_ms: float | None) -> float | None:
+    """Time to first token in seconds, or None when unknown or absurd."""
+    if ttft_ms is None or not math.isfinite(ttft_ms) or ttft_ms <= 0:
+        return None
+    return ttft_ms / 1000.0
+
+
+def valid_score(score: float) -> bool:
+    """A quality score counts only inside [0, 1]."""
+    return math.isfinite(score) and 0.0 <= score <= 1.0
+
+
+def task_error(kind: str, message: str) -> str:
+    """The error a failed run leaves on its task row."""
+    return f"{kind}: {message}" if message else kind
+
+
+def resources_dict(event: WorkerHeartbeat) -> dict[str, Any]:
+    """Every resource metric, None where the worker could not read it."""
+    r = event.resources
+    return {name: getattr(r, name) for name in RESOURCE_FIELDS}
+
+
+def _stamp(current: Stamped, value: object, at: int) -> bool:
+    """Set a reported value unless a later report (by producer clock) is already there."""
+    if current.at is not None and at < current.at:
+        return False
+    current.value = value
+    current.at = at
+    return True
+
+
+class Folder:
+    """Folds events into `tables` and records the keys of the rows that changed."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+        self.dirty_speed: set[tuple[str, str]] = set()
+        self.dirty_length: set[tuple[str, str]] = set()
+        self.dirty_quality: set[tuple[str, str]] = set()
+        self.dirty_fleet: set[str] = set()
+        self.dirty_tasks: set[str] = set()
+        self.dirty_demand: set[str] = set()
+        self.new_benched: set[tuple[str, str]] = set()
+        # The in-flight list of each fleet row as a set while folding; written back by `flush_fleet`.
+        self._in_flight: dict[str, set[str]] = {w: set(r.in_flight) for w, r in tables.fleet.items()}
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            TaskSubmitted: self._submitted,
+            TaskClaimed: self._claimed,
+            TaskCompleted: self._completed,
+            TaskFailed: self._failed,
+            TaskReclaimed: self._reclaimed,
+            TaskStalled: self._stalled,
+            TaskDeadLettered: self._dead_lettered,
+            TaskCancelled: self._cancelled,
+            WorkerOnline: self._online,
+            WorkerHeartbeat: self._heartbeat,
+            WorkerOffline: self._offline,
+            BenchmarkResult: self._bench,
+            QualityScored: self._quality,
+        }
+
+    def apply(self, event: Event) -> None:
+        """Fold one event; types that feed no table are ignored."""
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def clear_dirty(self) -> None:
+        """Forget which rows changed (after they were written)."""
+        for s in (
+            self.dirty_speed,
+            self.dirty_length,
+            self.dirty_quality,
+            self.dirty_fleet,
+            self.dirty_tasks,
+            self.dirty_demand,
+            self.new_benched,
+        ):
+            s.clear()
+
+    def flush_fleet(self) -> None:
+        """Write the in-flight sets of changed fleet rows back as sorted lists."""
+        for worker in self.dirty_fleet:
+            self.tables.fleet[worker].in_flight = sorted(self._in_flight.get(worker, ()))
+
+    # -- rows ----------------------------------------------------------------------------------
+    def _task(self, task_id: str) -> TaskRow:
+        row = self.tables.tasks.get(task_id)
+        if row is None:
+            row = self.tables.tasks[task_id] = TaskRow(task_id=task_id)
+        self.dirty_tasks.add(task_id)
+        return row
+
+    def _fleet(self, worker: str) -> FleetRow:
+        row = self.tables.fleet.get(worker)
+        if row is None:
+            row = self.tables.fleet[worker] = FleetRow(worker=worker)
+        self.dirty_fleet.add(worker)
+        return row
+
+    def _speed(self, worker: str, digest: str) -> SpeedRow:
+        key = (worker, digest)
+        row = self.tables.speed.get(key)
+        if row is None:
+            row = self.tables.speed[key] = SpeedRow(worker=worker, digest=digest)
+        self.dirty_speed.add(key)
+        return row
+
+    @staticmethod
+    def _phase(row: TaskRow, status: str) -> None:
+        if row.status not in TERMINAL_RANK:
+            row.status = status
+
+    @staticmethod
+    def _terminal(row: TaskRow, status: str) -> None:
+        if TERMINAL_RANK.get(row.status, 0) < TERMINAL_RANK[status]:
+            row.status = status
+
+    def _release(self, worker: str, task_id: str) -> None:
+        held = self._in_flight.get(worker)
+        if held is not None and task_id in held:
+            held.discard(task_id)
+            self.dirty_fleet.add(worker)
+
+    def _release_everywhere(self, task_id: str) -> None:
+        for worker in list(self._in_flight):
+            self._release(worker, task_id)
+
+    # -- samples -------------------------------------------------------------------------------
+    def _speed_sample(
+        self, worker: str, digest: str, t: Timings, ttft_ms: float | None, in_flight: int, at: int
+    ) -> None:
+        decode, prompt, load, ttft = decode_tps(t), prompt_tps(t), load_s(t), ttft_s(ttft_ms)
+        if decode is None and prompt is None and load is None and ttft is None:
+            return
+        h = self.tables.half_life_s
+        row = self._speed(worker, digest)
+        if decode is not None:
+            row.decode_tps = fold(row.decode_tps, decode, at, h)
+            if in_flight >= 0:
+                row.in_flight = fold(row.in_flight, float(in_flight), at, h)
+        if prompt is not None:
+            row.prompt_tps = fold(row.prompt_tps, prompt, at, h)
+        if load is not None:
+            row.load_s = fold(row.load_s, load, at, h)
+        if ttft is not None:
+            row.ttft_s = fold(row.ttft_s, ttft, at, h)
+
+    # -- tasks ---------------------------------------------------------------------------------
+    def _submitted(self, e: TaskSubmitted) -> None:
+        row = self._task(e.task_id)
+        self._phase(row, "queued")
+        if row.submitted_at is not None:
+            return  # a repeated submission: the first one describes the task and counts as demand
+        row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue
+        row.submitted_at = e.at
+        row.pipeline_id = e.pipeline_id
+        demand = self.tables.demand.get(e.digest)
+        if demand is None:
+            demand = self.tables.demand[e.digest] = DemandRow(digest=e.digest)
+        demand.arrivals = fold(demand.arrivals, 1.0, e.at, self.tables.demand_half_life_s)
+        self.dirty_demand.add(e.digest)
+
+    def _claimed(self, e: TaskClaimed) -> None:
+        row = self._task(e.task_id)
+        row.attempts = max(row.attempts, e.attempt)
+        row.claimed_at = e.at
+        if row.completed_attempt is None:
+            row.worker = e.worker
+        self._phase(row, "running")
+        self._fleet(e.worker)
+        self._in_flight.setdefault(e.worker, set()).add(e.task_id)
+
+    def _completed(self, e: TaskCompleted) -> None:
+        row = self._task(e.task_id)
+        row.attempts = max(row.attempts, e.attempt)
+        self._release(e.worker, e.task_id)
+        if e.duplicate or row.completed_attempt is not None:
+            row.duplicates += 1
+            return
+        t = e.timings
+        row.completed_attempt = e.attempt
+        row.worker = e.worker
+        row.finished_at = e.at
+        row.eval_count = t.eval_count
+        row.prompt_eval_count = t.prompt_eval_count
+        row.decode_tps = decode_tps(t)
+        row.ttft_ms = e.ttft_ms
+        row.wall_ms = e.wall_ms
+        self._terminal(row, "completed")
+        self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at)
+        if t.eval_count is not None and t.eval_count >= 0:
+            key = (e.digest, e.domain)
+            length = self.tables.length.get(key)
+            if length is None:
+                length = self.tables.length[key] = LengthRow(digest=e.digest, domain=e.domain)
+            length.output_tokens = fold(
+                length.output_tokens, float(t.eval_count), e.at, self.tables.half_life_s
+            )
+            self.dirty_length.add(key)
+
+    def _failed(self, e: TaskFailed) -> None:
+        row = self._task(e.task_id)
+        row.attempts = max(row.attempts, e.attempt)
+        row.error = task_error(e.kind, e.message)
+        if e.retryable:
+            self._phase(row, "queued")
+        else:
+            self._terminal(row, "failed")
+        self._release(e.worker, e.task_id)
+
+    def _reclaimed(self, e: TaskReclaimed) -> None:
+        row = self._task(e.task_id)
+        row.attempts = max(row.attempts, e.attempt)
+        self._phase(row, "queued")
+        self._release(e.owner, e.task_id)
+
+    def _stalled(self, e: TaskStalled) -> None:
+        self._phase(self._task(e.task_id), "stalled")
+
+    def _dead_lettered(self, e: TaskDeadLettered) -> None:
+        row = self._task(e.task_id)
+        row.attempts = max(row.attempts, e.attempts)
+        row.error = e.reason
+        self._terminal(row, "dead")
+        self._release_everywhere(e.task_id)
+
+    def _cancelled(self, e: TaskCancelled) -> None:
+        self._terminal(self._task(e.task_id), "cancelled")
+        self._release_everywhere(e.task_id)
+
+    # -- workers -------------------------------------------------------------------------------
+    def _status(self, row: FleetRow, status: str, at: int) -> None:
+        if row.status_since is None or at >= row.status_since:
+            row.status = status
+            row.status_since = at
+
+    def _alive_at(self, row: FleetRow, at: int) -> None:
+        if row.last_heartbeat is None or at > row.last_heartbeat:
+            row.last_heartbeat = at
+
+    def _online(self, e: WorkerOnline) -> None:
+        row = self._fleet(e.worker)
+        self._status(row, "online", e.at)
+        self._alive_at(row, e.at)
+        if _stamp(row.slots, e.slots, e.at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
+            row.serves.value, row.serves.at = e.serves, e.at
+
+    def _heartbeat(self, e: WorkerHeartbeat) -> None:
+        row = self._fleet(e.worker)
+        self._alive_at(row, e.at)
+        if _stamp(row.slots, e.slots, e.at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
+            row.serves.value, row.serves.at = e.serves, e.at
+        if _stamp(row.loaded, list(e.loaded), e.at):
+            row.resources.value, row.resources.at = resources_dict(e), e.at
+
+    def _offline(self, e: WorkerOffline) -> None:
+        row = self._fleet(e.worker)
+        self._status(row, "forgotten" if e.reason == "forgotten" else "offline", e.at)
+
+    # -- benchmarks and quality ----------------------------------------------------------------
+    def _bench(self, e: BenchmarkResult) -> None:
+        key = (e.bench_id, e.task_id)
+        if key in self.tables.benched:
+            return
+        self.tables.benched.add(key)
+        self.new_benched.add(key)
+        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at)
+
+    def _quality(self, e: QualityScored) -> None:
+        if not valid_score(e.score):
+            return
+        key = (e.digest, e.domain)
+        row = self.tables.quality.get(key)
+        if row is None:
+            row = self.tables.quality[key] = QualityRow(digest=e.digest, domain=e.domain)
+        row.score = fold(row.score, e.score, e.at, self.tables.half_life_s)
+        self.dirty_quality.add(key)

@@ -1,0 +1,110 @@
+"""What readers (the router, the API) call: a snapshot of the tables, one task, and the lag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from events.event import now_ms as clock_ms
+from events.keys import Keys
+from events.ledger import next_id
+from projections import store
+from projections.errors import NoProjectionError, ProjectionError
+from projections.snapshot import Snapshot, TaskRow
+
+_SNAPSHOT_TABLES = (store.SPEED, store.LENGTH, store.QUALITY, store.FLEET, store.DEMAND)
+
+
+def _s(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _ms(entry_id: str) -> int:
+    return int(entry_id.partition("-")[0])
+
+
+async def snapshot(redis: aioredis.Redis, keys: Keys | None = None, *, now_ms: int | None = None) -> Snapshot:
+    """Every table but tasks, plus the workers whose lease exists now, in three round trips.
+
+    Before any projector ran there is no namespace: the snapshot is then empty (nothing is known).
+    """
+    keys = keys or Keys()
+    taken_at = clock_ms() if now_ms is None else now_ms
+    ns = await store.current(redis, keys)
+    if ns is None:
+        return Snapshot(taken_at=taken_at)
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(keys.checkpoint(ns))
+    pipe.hmget(keys.table(ns, store.META), ["half_life_s", "demand_half_life_s"])
+    for name in _SNAPSHOT_TABLES:
+        pipe.hgetall(keys.table(ns, name))
+    replies: list[Any] = await pipe.execute()
+    cp, (hl, dhl), speed, length, quality, fleet, demand = replies
+    try:
+        fleet_rows = store.decode_fleet(fleet)
+        snap = Snapshot(
+            checkpoint=None if cp is None else _s(cp),
+            taken_at=taken_at,
+            speed=store.decode_speed(speed),
+            length=store.decode_length(length),
+            quality=store.decode_quality(quality),
+            fleet=fleet_rows,
+            demand=store.decode_demand(demand),
+        )
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProjectionError(f"namespace {ns!r} holds a row that does not decode: {exc}") from None
+    if hl is not None:
+        snap.half_life_s = float(hl)
+    if dhl is not None:
+        snap.demand_half_life_s = float(dhl)
+    workers = sorted(fleet_rows)
+    if workers:
+        pipe = redis.pipeline(transaction=False)
+        for worker in workers:
+            pipe.exists(keys.live(worker))
+        alive: list[Any] = await pipe.execute()
+        snap.live = [w for w, n in zip(workers, alive, strict=True) if n]
+    return snap
+
+
+async def get_task(redis: aioredis.Redis, keys: Keys | None, task_id: str) -> TaskRow | None:
+    """The tasks row of `task_id`, or None when the projection has not seen it."""
+    keys = keys or Keys()
+    ns = await store.current(redis, keys)
+    if ns is None:
+        return None
+    raw: Any = await redis.hget(keys.table(ns, store.TASKS), task_id)
+    if raw is None:
+        return None
+    try:
+        return store.decode_task(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProjectionError(f"task row {task_id!r} does not decode: {exc}") from None
+
+
+async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int]:
+    """(entries behind, ms behind) of the live namespace: how much of the ledger is not folded yet.
+
+    ms behind is the age, by Redis's clock, of the oldest entry not yet folded (0 when none is).
+    Entries behind is the ledger's length less what the namespace folded: exact while the ledger
+    is never trimmed. Raises NoProjectionError before the first projector ran.
+    """
+    keys = keys or Keys()
+    ns = await store.current(redis, keys)
+    if ns is None:
+        raise NoProjectionError("no projection yet: no projector has run against this Redis")
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(keys.checkpoint(ns))
+    pipe.hget(keys.table(ns, store.META), "folded")
+    pipe.xlen(keys.events)
+    pipe.time()
+    cp_raw, folded_raw, length, (secs, micros) = await pipe.execute()
+    checkpoint = "0-0" if cp_raw is None else _s(cp_raw)
+    rows: Any = await redis.xrange(keys.events, next_id(checkpoint), "+", count=1)
+    if not rows:
+        return 0, 0
+    server_ms = int(secs) * 1000 + int(micros) // 1000
+    behind = max(1, int(length) - int(folded_raw or 0))
+    return behind, max(0, server_ms - _ms(_s(rows[0][0])))

@@ -1,0 +1,343 @@
+"""The vectorised fold: the projector's rules (projections/folder.py) as polars expressions.
+
+Every statistic is one group_by: n, sum and sum of squares, and the decayed sums referenced to
+the newest sample of the group, T = max(t): sum(x * 2 ** (-(T - t) / H)). That is what folding
+the samples one at a time with `projections.snapshot.fold` gives, in any order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+import polars as pl
+
+from events.event import WorkerHeartbeat, WorkerOnline
+from projections.folder import MAX_DECODE_TPS, MAX_PROMPT_TPS, NS_PER_S, TERMINAL_RANK, resources_dict
+from projections.snapshot import (
+    DemandRow,
+    FleetRow,
+    LengthRow,
+    QualityRow,
+    SpeedRow,
+    Stamped,
+    Stat,
+    TaskRow,
+)
+from projections.tables import Tables
+from replay.frames import HEARTBEAT, Frames
+
+_SPEED_COLS: Final = [
+    "at",
+    "worker",
+    "digest",
+    "prompt_eval_count",
+    "prompt_eval_duration",
+    "eval_count",
+    "eval_duration",
+    "load_duration",
+    "ttft_ms",
+    "in_flight",
+]
+_STAT_COLS: Final = ["n", "sum", "sumsq", "dn", "dsum", "dsumsq", "updated_at"]
+
+
+def _rate(count: str, duration: str, cap: float) -> pl.Expr:
+    c, d = pl.col(count), pl.col(duration)
+    value = pl.when((c > 0) & (d > 0)).then(c / (d / NS_PER_S))
+    return pl.when(value <= cap).then(value)
+
+
+def decode_tps_expr() -> pl.Expr:
+    """Decode tokens per second, null when unknown or absurd (as projections.folder.decode_tps)."""
+    return _rate("eval_count", "eval_duration", MAX_DECODE_TPS)
+
+
+def stats(frame: pl.DataFrame, keys: list[str], value: str, half_life_s: float) -> pl.DataFrame:
+    """The sufficient statistics of column `value` per group of `keys` (null values left out)."""
+    x, t = pl.col(value), pl.col("at")
+    w = pl.lit(2.0).pow(-(t.max() - t) / 1000.0 / half_life_s)
+    return (
+        frame.lazy()
+        .filter(x.is_not_null())
+        .group_by(keys)
+        .agg(
+            pl.len().cast(pl.Int64).alias("n"),
+            x.sum().alias("sum"),
+            (x * x).sum().alias("sumsq"),
+            w.sum().alias("dn"),
+            (w * x).sum().alias("dsum"),
+            (w * x * x).sum().alias("dsumsq"),
+            t.max().alias("updated_at"),
+        )
+        .collect()
+    )
+
+
+def _stat_rows(frame: pl.DataFrame, keys: list[str]) -> dict[Any, Stat]:
+    out: dict[Any, Stat] = {}
+    for row in frame.select(*keys, *_STAT_COLS).iter_rows():
+        key = row[0] if len(keys) == 1 else tuple(row[: len(keys)])
+        n, s, ss, dn, ds, dss, upd = row[len(keys) :]
+        out[key] = Stat(n=n, sum=s, sumsq=ss, dn=dn, dsum=ds, dsumsq=dss, updated_at=upd)
+    return out
+
+
+def counted_completions(frames: Frames) -> pl.DataFrame:
+    """The completion that counts for each task: the first one not flagged as a duplicate."""
+    done = frames.frame("completed")
+    return done.filter(~pl.col("duplicate")).sort("seq").unique("task_id", keep="first", maintain_order=True)
+
+
+def fold_frames(frames: Frames, half_life_s: float, demand_half_life_s: float) -> Tables:
+    """Every table from the collected frames."""
+    frames.flush()
+    tables = Tables(half_life_s=half_life_s, demand_half_life_s=demand_half_life_s)
+    counted = counted_completions(frames)
+    bench = (
+        frames.frame("bench").sort("seq").unique(["bench_id", "task_id"], keep="first", maintain_order=True)
+    )
+    tables.benched = set(bench.select("bench_id", "task_id").iter_rows())
+    _speed(tables, counted, bench)
+    _length(tables, counted)
+    _quality(tables, frames.frame("quality"))
+    _demand(tables, frames.frame("submitted"))
+    _fleet(tables, frames)
+    _tasks(tables, frames, counted)
+    return tables
+
+
+def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
+    samples = pl.concat([counted.select(_SPEED_COLS), bench.select(_SPEED_COLS)])
+    decode = decode_tps_expr()
+    ttft = pl.col("ttft_ms")
+    ld = pl.col("load_duration")
+    samples = samples.select(
+        "at",
+        "worker",
+        "digest",
+        decode.alias("decode_tps"),
+        _rate("prompt_eval_count", "prompt_eval_duration", MAX_PROMPT_TPS).alias("prompt_tps"),
+        pl.when(ld > 0).then(ld / NS_PER_S).alias("load_s"),
+        pl.when(ttft.is_finite() & (ttft > 0)).then(ttft / 1000.0).alias("ttft_s"),
+        pl.when(decode.is_not_null() & (pl.col("in_flight") >= 0))
+        .then(pl.col("in_flight").cast(pl.Float64))
+        .alias("in_flight"),
+    )
+    keys = ["worker", "digest"]
+    h = tables.half_life_s
+    for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight"):
+        for key, stat in _stat_rows(stats(samples, keys, field, h), keys).items():
+            row = tables.speed.get(key)
+            if row is None:
+                row = tables.speed[key] = SpeedRow(worker=key[0], digest=key[1])
+            setattr(row, field, stat)
+
+
+def _length(tables: Tables, counted: pl.DataFrame) -> None:
+    ec = pl.col("eval_count")
+    samples = counted.filter(ec >= 0).select("at", "digest", "domain", ec.cast(pl.Float64).alias("x"))
+    keys = ["digest", "domain"]
+    for key, stat in _stat_rows(stats(samples, keys, "x", tables.half_life_s), keys).items():
+        tables.length[key] = LengthRow(digest=key[0], domain=key[1], output_tokens=stat)
+
+
+def _quality(tables: Tables, quality: pl.DataFrame) -> None:
+    score = pl.col("score")
+    samples = quality.filter(score.is_finite() & (score >= 0.0) & (score <= 1.0))
+    keys = ["digest", "domain"]
+    for key, stat in _stat_rows(stats(samples, keys, "score", tables.half_life_s), keys).items():
+        tables.quality[key] = QualityRow(digest=key[0], domain=key[1], score=stat)
+
+
+def _demand(tables: Tables, submitted: pl.DataFrame) -> None:
+    first = submitted.sort("seq").unique("task_id", keep="first", maintain_order=True)
+    samples = first.select("at", "digest", pl.lit(1.0).alias("x"))
+    for digest, stat in _stat_rows(
+        stats(samples, ["digest"], "x", tables.demand_half_life_s), ["digest"]
+    ).items():
+        tables.demand[digest] = DemandRow(digest=digest, arrivals=stat)
+
+
+def _fleet(tables: Tables, frames: Frames) -> None:
+    offline = frames.frame("offline").with_columns(
+        pl.when(pl.col("reason") == "forgotten")
+        .then(pl.lit("forgotten"))
+        .otherwise(pl.lit("offline"))
+        .alias("reason")
+    )
+    status = pl.concat([frames.frame("online"), offline]).sort("at", "seq").group_by("worker").last()
+    reports = frames.report_frame
+    newest = reports.sort("at", "seq").group_by("worker").last()
+    beats = reports.filter(pl.col("kind") == HEARTBEAT).sort("at", "seq").group_by("worker").last()
+    claimed = frames.frame("claimed")
+    workers = (
+        set(status["worker"].to_list()) | set(reports["worker"].to_list()) | set(claimed["worker"].to_list())
+    )
+    rows = {w: FleetRow(worker=w) for w in workers}
+    for worker, at, reason in status.select("worker", "at", "reason").iter_rows():
+        rows[worker].status, rows[worker].status_since = reason, at
+    for worker, at, ref in newest.select("worker", "at", "ref").iter_rows():
+        report: WorkerOnline | WorkerHeartbeat = frames.reports[ref]
+        row = rows[worker]
+        row.last_heartbeat = at
+        row.slots = Stamped(value=report.slots, at=at)
+        row.inventory = Stamped(value={m.name: m.digest for m in report.inventory}, at=at)
+        row.serves = Stamped(value=report.serves, at=at)
+    for worker, at, ref in beats.select("worker", "at", "ref").iter_rows():
+        beat = frames.reports[ref]
+        assert isinstance(beat, WorkerHeartbeat)
+        rows[worker].loaded = Stamped(value=list(beat.loaded), at=at)
+        rows[worker].resources = Stamped(value=resources_dict(beat), at=at)
+    for worker, task_ids in _in_flight(frames, claimed).items():
+        rows[worker].in_flight = task_ids
+    tables.fleet = rows
+
+
+def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:
+    """Claimed tasks whose latest claim (ledger order) came after every release of them."""
+    pair = ["worker", "task_id"]
+    released = pl.concat(
+        [
+            frames.frame("completed").select("seq", *pair),
+            frames.frame("failed").select("seq", *pair),
+            frames.frame("reclaimed").select("seq", pl.col("owner").alias("worker"), "task_id"),
+        ]
+    )
+    ended = pl.concat(
+        [frames.frame("dead").select("seq", "task_id"), frames.frame("cancelled").select("seq", "task_id")]
+    )
+    claims = claimed.group_by(pair).agg(pl.col("seq").max().alias("claim"))
+    held = (
+        claims.join(released.group_by(pair).agg(pl.col("seq").max().alias("rel")), on=pair, how="left")
+        .join(ended.group_by("task_id").agg(pl.col("seq").max().alias("end")), on="task_id", how="left")
+        .filter(pl.col("claim") > pl.max_horizontal(pl.col("rel").fill_null(-1), pl.col("end").fill_null(-1)))
+        .group_by("worker")
+        .agg(pl.col("task_id").sort())
+    )
+    return {w: list(ids) for w, ids in held.iter_rows()}
+
+
+def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
+    sub, clm, done = frames.frame("submitted"), frames.frame("claimed"), frames.frame("completed")
+    fail, recl, stall = frames.frame("failed"), frames.frame("reclaimed"), frames.frame("stalled")
+    dead, canc = frames.frame("dead"), frames.frame("cancelled")
+    tid = "task_id"
+    ids = pl.concat([f.select(tid) for f in (sub, clm, done, fail, recl, stall, dead, canc)]).unique()
+    first_sub = (
+        sub.sort("seq")
+        .unique(tid, keep="first", maintain_order=True)
+        .select(tid, "model", "digest", "domain", "queue", pl.col("at").alias("submitted_at"), "pipeline_id")
+    )
+    last_claim = (
+        clm.sort("seq")
+        .unique(tid, keep="last", maintain_order=True)
+        .select(tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at"))
+    )
+    finished = counted.select(
+        tid,
+        pl.col("worker").alias("done_worker"),
+        pl.col("at").alias("finished_at"),
+        "eval_count",
+        "prompt_eval_count",
+        decode_tps_expr().alias("decode_tps"),
+        "ttft_ms",
+        "wall_ms",
+        pl.col("attempt").alias("completed_attempt"),
+    )
+    completions = done.group_by(tid).agg(pl.len().cast(pl.Int64).alias("completions"))
+    attempts = (
+        pl.concat(
+            [
+                clm.select(tid, "attempt"),
+                done.select(tid, "attempt"),
+                fail.select(tid, "attempt"),
+                recl.select(tid, "attempt"),
+                dead.select(tid, pl.col("attempts").alias("attempt")),
+            ]
+        )
+        .group_by(tid)
+        .agg(pl.col("attempt").max().alias("attempts"))
+    )
+    rank = TERMINAL_RANK
+    terminal = (
+        pl.concat(
+            [
+                counted.select(tid, pl.lit(rank["completed"]).alias("rank")),
+                canc.select(tid, pl.lit(rank["cancelled"]).alias("rank")),
+                dead.select(tid, pl.lit(rank["dead"]).alias("rank")),
+                fail.filter(~pl.col("retryable")).select(tid, pl.lit(rank["failed"]).alias("rank")),
+            ]
+        )
+        .group_by(tid)
+        .agg(pl.col("rank").max())
+    )
+
+    def phase_of(frame: pl.DataFrame, status: str) -> pl.DataFrame:
+        return frame.select("seq", tid, pl.lit(status).alias("phase"))
+
+    phase = (
+        pl.concat(
+            [
+                phase_of(sub, "queued"),
+                phase_of(clm, "running"),
+                phase_of(fail.filter(pl.col("retryable")), "queued"),
+                phase_of(recl, "queued"),
+                phase_of(stall, "stalled"),
+            ]
+        )
+        .sort("seq")
+        .unique(tid, keep="last", maintain_order=True)
+        .select(tid, "phase")
+    )
+    message = pl.col("message")
+    error = (
+        pl.concat(
+            [
+                fail.select(
+                    "seq",
+                    tid,
+                    pl.when(message == "")
+                    .then(pl.col("kind"))
+                    .otherwise(pl.col("kind") + pl.lit(": ") + message)
+                    .alias("error"),
+                ),
+                dead.select("seq", tid, pl.col("reason").alias("error")),
+            ]
+        )
+        .sort("seq")
+        .unique(tid, keep="last", maintain_order=True)
+        .select(tid, "error")
+    )
+    status = pl.col("phase").fill_null("queued")
+    for name, r in sorted(rank.items(), key=lambda kv: kv[1]):
+        status = pl.when(pl.col("rank") == r).then(pl.lit(name)).otherwise(status)
+    joined = ids
+    for part in (first_sub, last_claim, finished, completions, attempts, terminal, phase, error):
+        joined = joined.join(part, on=tid, how="left")
+    table = joined.select(
+        tid,
+        status.alias("status"),
+        pl.col("model").fill_null(""),
+        pl.col("digest").fill_null(""),
+        pl.col("domain").fill_null("general"),
+        pl.col("queue").fill_null(""),
+        pl.col("attempts").fill_null(0),
+        pl.coalesce("done_worker", "claim_worker").alias("worker"),
+        "submitted_at",
+        "claimed_at",
+        "finished_at",
+        "eval_count",
+        "prompt_eval_count",
+        "decode_tps",
+        "ttft_ms",
+        "wall_ms",
+        "error",
+        (pl.col("completions").fill_null(0) - pl.col("completed_attempt").is_not_null().cast(pl.Int64)).alias(
+            "duplicates"
+        ),
+        "pipeline_id",
+        "completed_attempt",
+    )
+    rows = msgspec.convert(table.to_dicts(), list[TaskRow])
+    tables.tasks = {r.task_id: r for r in rows}

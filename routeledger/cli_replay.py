@@ -1,0 +1,381 @@
+"""`routeledger projector` and `routeledger replay …`: fold the ledger live, or rebuild from it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from events.ledger import Ledger
+from projections.projector import Projector
+from projections.snapshot import Stamped, Stat
+from projections.tables import Tables
+from routeledger.runtime import (
+    ConfigOpt,
+    DataDirOpt,
+    RedisUrlOpt,
+    connect,
+    console,
+    err_console,
+    guarded,
+    keys_for,
+    run_async,
+    settings_from,
+    setup_logging,
+)
+
+if TYPE_CHECKING:
+    import polars as pl
+
+replay_app = typer.Typer(
+    help="Rebuild, verify, export and inspect the projection tables.", no_args_is_help=True
+)
+
+UntilOpt = Annotated[
+    str | None,
+    typer.Option("--until", help="Only the ledger up to this stream id or time (ISO 8601 or epoch ms)."),
+]
+
+
+@guarded
+def projector_cmd(
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Fold the ledger into the projection tables, live (one active instance; others wait)."""
+    resolved = settings_from(data_dir, redis_url, config)
+    s = resolved.settings
+    setup_logging(s.log_level)
+
+    async def go() -> None:
+        client = connect(resolved)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        projector = Projector(
+            client,
+            keys_for(resolved),
+            half_life_s=s.half_life_s,
+            demand_half_life_s=s.demand_half_life_s,
+            lease_ms=s.lease_ms,
+        )
+        try:
+            await projector.run(stop)
+        finally:
+            await client.aclose()
+
+    run_async(go())
+
+
+class _Rate:
+    """A rich progress bar over the ledger with events per second."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.progress = Progress(
+            TextColumn(f"[bold]{label}[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        )
+        self.task = self.progress.add_task(label, total=total, rate="")
+        self.done = 0
+        self.started = time.perf_counter()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        elapsed = max(1e-9, time.perf_counter() - self.started)
+        self.progress.update(self.task, advance=n, rate=f"{self.done / elapsed:,.0f} events/s")
+
+
+@replay_app.command("rebuild")
+@guarded
+def rebuild_cmd(
+    until: UntilOpt = None,
+    no_switch: Annotated[
+        bool, typer.Option("--no-switch", help="Write the new namespace but leave the live one in place.")
+    ] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Rebuild every table from the ledger into a new namespace and switch to it atomically."""
+    from replay.rebuild import gc_paused, rebuild, until_to_stop
+
+    resolved = settings_from(data_dir, redis_url, config)
+    s = resolved.settings
+    until_to_stop(until)  # a bad --until fails before any work
+
+    async def go() -> Any:
+        client = connect(resolved)
+        try:
+            total = await Ledger(client, keys_for(resolved)).length()
+            bar = _Rate(total, "rebuild")
+            started = time.perf_counter()
+            with bar.progress, gc_paused():
+                result = await rebuild(
+                    client,
+                    keys_for(resolved),
+                    until=until,
+                    half_life_s=s.half_life_s,
+                    demand_half_life_s=s.demand_half_life_s,
+                    switch=not no_switch,
+                    progress=bar,
+                )
+            return result, time.perf_counter() - started
+        finally:
+            await client.aclose()
+
+    result, seconds = run_async(go())
+    if json_:
+        body = {**msgspec.to_builtins(result), "seconds": round(seconds, 3)}
+        print(json.dumps(body))  # noqa: T201
+        return
+    eps = result.events / seconds if seconds > 0 else 0.0
+    console.print(
+        f"rebuilt {result.events:,} events into namespace [bold]{result.namespace}[/] "
+        f"up to {result.checkpoint or '(empty ledger)'} in {seconds:.2f} s ({eps:,.0f} events/s)"
+        + (f"; {result.poison} undecodable entries skipped" if result.poison else "")
+    )
+    if result.switched:
+        console.print(f"rl:p:current now names {result.namespace} (was {result.previous or 'unset'})")
+    else:
+        console.print(f"rl:p:current still names {result.previous or 'nothing'} (--no-switch)")
+
+
+@replay_app.command("verify")
+@guarded
+def verify_cmd(
+    json_: Annotated[bool, typer.Option("--json", help="Print the differences as JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Rebuild in memory and compare with the live tables; exit 1 if any field differs."""
+    from replay.rebuild import gc_paused
+    from replay.verify import verify
+
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> Any:
+        client = connect(resolved)
+        try:
+            with gc_paused():
+                return await verify(client, keys_for(resolved))
+        finally:
+            await client.aclose()
+
+    live, diffs = run_async(go())
+    if json_:
+        print(msgspec.json.encode({"checkpoint": live.checkpoint, "differences": diffs}).decode())  # noqa: T201
+    else:
+        for d in diffs:
+            console.print(
+                f"[red]differs[/] {d.table}[{d.key}].{d.field}: live={d.live!r} rebuilt={d.rebuilt!r}",
+                highlight=False,
+            )
+        if diffs:
+            console.print(f"[bold red]{len(diffs)} field(s) differ[/] at checkpoint {live.checkpoint}")
+        else:
+            console.print(f"[green]the live tables match the ledger[/] at checkpoint {live.checkpoint}")
+    if diffs:
+        raise typer.Exit(1)
+
+
+@replay_app.command("export")
+@guarded
+def export_cmd(
+    parquet: Annotated[
+        Path, typer.Option("--parquet", help="Directory for one Parquet file per event type.")
+    ],
+    until: UntilOpt = None,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Write the ledger as Parquet, one file per event type (for polars or duckdb)."""
+    from replay.export import ledger_frames, write_parquet
+    from replay.rebuild import gc_paused, until_to_stop
+
+    resolved = settings_from(data_dir, redis_url, config)
+    until_to_stop(until)
+
+    async def go() -> dict[str, pl.DataFrame]:
+        client = connect(resolved)
+        try:
+            total = await Ledger(client, keys_for(resolved)).length()
+            bar = _Rate(total, "export")
+            with bar.progress, gc_paused():
+                return await ledger_frames(client, keys_for(resolved), until=until, progress=bar)
+        finally:
+            await client.aclose()
+
+    written = write_parquet(run_async(go()), parquet)
+    for name, rows in sorted(written.items()):
+        console.print(f"{parquet / (name + '.parquet')}  {rows:,} rows")
+
+
+def _when(ms: int | None) -> str:
+    return "" if ms is None else dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(ms: int | None, now: int) -> str:
+    if ms is None:
+        return ""
+    s = max(0.0, (now - ms) / 1000)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def stats_rows(tables: Tables, worker: str | None, model: str | None) -> list[dict[str, Any]]:
+    """The tables as (table, key, field, n, value, updated_at) rows, filtered by worker and model.
+
+    `model` matches a digest or its prefix (as `ollama list` shows twelve characters).
+    """
+
+    def digest_ok(d: str) -> bool:
+        return model is None or d.startswith(model)
+
+    rows: list[dict[str, Any]] = []
+
+    def add(
+        table: str, key: str, field: str, n: int | None, value: Any, at: int | None, **extra: Any
+    ) -> None:
+        rows.append(
+            {"table": table, "key": key, "field": field, "n": n, "value": value, "updated_at": at, **extra}
+        )
+
+    for (w, d), srow in sorted(tables.speed.items()):
+        if (worker is None or w == worker) and digest_ok(d):
+            for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight"):
+                st: Stat = getattr(srow, field)
+                if st.n:
+                    add(
+                        "speed",
+                        f"{w} / {d[:12]}",
+                        field,
+                        st.n,
+                        st.mean,
+                        st.updated_at,
+                        decayed=st.decayed_mean,
+                    )
+    if worker is None:
+        for (d, dom), lrow in sorted(tables.length.items()):
+            if digest_ok(d):
+                st = lrow.output_tokens
+                add(
+                    "length",
+                    f"{d[:12]} / {dom}",
+                    "output_tokens",
+                    st.n,
+                    st.mean,
+                    st.updated_at,
+                    decayed=st.decayed_mean,
+                )
+        for (d, dom), qrow in sorted(tables.quality.items()):
+            if digest_ok(d):
+                st = qrow.score
+                add(
+                    "quality",
+                    f"{d[:12]} / {dom}",
+                    "score",
+                    st.n,
+                    st.mean,
+                    st.updated_at,
+                    decayed=st.decayed_mean,
+                )
+        for d, drow in sorted(tables.demand.items()):
+            if digest_ok(d):
+                st = drow.arrivals
+                add("demand", d[:12], "arrivals", st.n, None, st.updated_at)
+    for w, frow in sorted(tables.fleet.items()):
+        if (worker is None or w == worker) and model is None:
+            add("fleet", w, "status", None, frow.status, frow.status_since)
+            add("fleet", w, "last_heartbeat", None, None, frow.last_heartbeat)
+            for field in ("slots", "inventory", "loaded", "serves", "resources"):
+                stamped: Stamped = getattr(frow, field)
+                add("fleet", w, field, None, stamped.value, stamped.at)
+            add("fleet", w, "in_flight", len(frow.in_flight), frow.in_flight, None)
+    return rows
+
+
+@replay_app.command("stats")
+@guarded
+def stats_cmd(
+    worker: Annotated[str | None, typer.Option("--worker", help="Only this worker's rows.")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Only this model digest (or its prefix).")
+    ] = None,
+    until: UntilOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """The tables as tables: field, n, value, updated_at and age (--until: as they were then)."""
+    from projections import store
+    from projections.errors import NoProjectionError
+    from replay.rebuild import build, gc_paused, until_to_stop
+
+    resolved = settings_from(data_dir, redis_url, config)
+    s = resolved.settings
+    until_to_stop(until)
+
+    async def go() -> Tables:
+        client = connect(resolved)
+        keys = keys_for(resolved)
+        try:
+            if until is not None:
+                with gc_paused():
+                    tables, _ = await build(
+                        client,
+                        keys,
+                        until=until,
+                        half_life_s=s.half_life_s,
+                        demand_half_life_s=s.demand_half_life_s,
+                    )
+                return tables
+            ns = await store.current(client, keys)
+            if ns is None:
+                raise NoProjectionError(
+                    "no projection yet: start `routeledger up` (or `routeledger projector`)"
+                )
+            return await store.load(client, keys, ns, with_tasks=False)
+        finally:
+            await client.aclose()
+
+    tables = run_async(go())
+    rows = stats_rows(tables, worker, model)
+    now = int(time.time() * 1000)
+    if json_:
+        print(msgspec.json.encode({"checkpoint": tables.checkpoint, "rows": rows}).decode())  # noqa: T201
+        return
+    table = Table(title=f"projection tables at {tables.checkpoint or '(nothing folded)'}")
+    for col in ("table", "key", "field", "n", "value", "updated_at", "age"):
+        table.add_column(col, justify="right" if col in ("n", "value") else "left")
+    for r in rows:
+        value = r["value"]
+        shown = f"{value:,.3f}" if isinstance(value, float) else ("" if value is None else str(value))
+        if len(shown) > 60:
+            shown = shown[:57] + "…"
+        n = "" if r["n"] is None else str(r["n"])
+        table.add_row(
+            r["table"], r["key"], r["field"], n, shown, _when(r["updated_at"]), _age(r["updated_at"], now)
+        )
+    console.print(table)

@@ -1,0 +1,373 @@
+"""The live projector against a real Redis: folding, idempotence, fencing, poison, crash safety."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from events.event import (
+    BenchmarkResult,
+    Event,
+    QualityScored,
+    TaskClaimed,
+    TaskCompleted,
+    TaskFailed,
+    TaskSubmitted,
+    Timings,
+    WorkerHeartbeat,
+    WorkerOnline,
+)
+from events.keys import Keys
+from events.ledger import Ledger
+from projections import store
+from projections.errors import LeaseLostError, NoProjectionError
+from projections.projector import Projector
+from projections.reader import get_task, lag, snapshot
+from replay.rebuild import build
+from replay.verify import diff_tables
+
+D1 = "a" * 64
+D2 = "b" * 64
+T0 = 1_764_000_000_000
+
+
+def timings(tokens: int = 100, tps: float = 50.0, **extra: int | None) -> Timings:
+    return Timings(eval_count=tokens, eval_duration=int(tokens / tps * 1e9), **extra)
+
+
+def completed(task: str, worker: str, digest: str = D1, at: int = T0, **kw: object) -> TaskCompleted:
+    fields: dict[str, object] = {"attempt": 1, "timings": timings(), **kw}
+    return TaskCompleted(at=at, task_id=task, worker=worker, digest=digest, **fields)  # type: ignore[arg-type]
+
+
+async def fold_all(redis: aioredis.Redis, keys: Keys, events: list[Event]) -> Projector:
+    await Ledger(redis, keys).append_many(events)
+    projector = Projector(redis, keys)
+    await projector.start()
+    await projector.catch_up()
+    return projector
+
+
+async def test_speed_measured_on_one_worker_never_appears_in_another_workers_row(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            completed("t1", "macbookair", timings=timings(tps=11.4)),
+            completed("t2", "rtx3070ti", timings=timings(tps=83.0)),
+            WorkerOnline(at=T0, worker="homeserver", slots=1),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    assert set(snap.speed) == {("macbookair", D1), ("rtx3070ti", D1)}
+    assert snap.speed["macbookair", D1].decode_tps.mean == pytest.approx(11.4)
+    assert snap.speed["rtx3070ti", D1].decode_tps.mean == pytest.approx(83.0)
+    assert snap.speed["macbookair", D1].decode_tps.n == 1
+
+
+async def test_quality_for_a_digest_is_one_row_whichever_worker_produced_it(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            QualityScored(at=T0, digest=D1, domain="japanese", score=0.9, worker="macbookair"),
+            QualityScored(at=T0 + 1, digest=D1, domain="japanese", score=0.7, worker="rtx3070ti"),
+            QualityScored(at=T0 + 2, digest=D2, domain="japanese", score=0.1, worker="rtx3070ti"),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    assert set(snap.quality) == {(D1, "japanese"), (D2, "japanese")}
+    assert snap.quality[D1, "japanese"].score.n == 2
+    assert snap.quality[D1, "japanese"].score.mean == pytest.approx(0.8)
+
+
+async def test_a_stale_speed_field_and_a_fresh_quality_field_keep_their_own_timestamps(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    day = 86_400_000
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            BenchmarkResult(
+                at=T0, bench_id="b1", task_id="x", worker="rtx3070ti", digest=D1, timings=timings()
+            ),
+            # Only a TTFT, days later: the decode field keeps its old time.
+            completed("t1", "rtx3070ti", at=T0 + 3 * day, timings=Timings(), ttft_ms=400.0),
+            QualityScored(at=T0 + 4 * day, digest=D1, domain="general", score=0.8),
+        ],
+    )
+    snap = await snapshot(redis_client, keys, now_ms=T0 + 5 * day)
+    speed = snap.speed["rtx3070ti", D1]
+    assert speed.decode_tps.updated_at == T0
+    assert speed.ttft_s.updated_at == T0 + 3 * day
+    assert speed.prompt_tps.updated_at is None
+    assert snap.quality[D1, "general"].score.updated_at == T0 + 4 * day
+    assert speed.decode_tps.age_s(snap.taken_at) == pytest.approx(5 * 86_400)
+
+
+async def test_a_repeated_completion_counts_once_and_is_recorded_as_a_duplicate(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            TaskSubmitted(at=T0, task_id="t1", model="m", digest=D1, queue="q"),
+            TaskClaimed(at=T0, task_id="t1", worker="w1", digest=D1, attempt=1),
+            completed("t1", "w1", at=T0 + 1),
+            completed("t1", "w2", at=T0 + 2, attempt=2),
+            completed("t2", "w1", at=T0 + 3, duplicate=True),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["w1", D1].decode_tps.n == 1
+    assert ("w2", D1) not in snap.speed
+    assert snap.length[D1, "general"].output_tokens.n == 1
+    task = await get_task(redis_client, keys, "t1")
+    assert task is not None
+    assert (task.status, task.worker, task.duplicates, task.attempts) == ("completed", "w1", 1, 2)
+    flagged = await get_task(redis_client, keys, "t2")
+    assert flagged is not None and flagged.duplicates == 1 and flagged.status == "queued"
+    assert await get_task(redis_client, keys, "nope") is None
+
+
+async def test_a_benchmark_result_counts_once_per_bench_and_task(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    bench = BenchmarkResult(at=T0, bench_id="b1", task_id="x", worker="w1", digest=D1, timings=timings())
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            bench,
+            bench,
+            BenchmarkResult(at=T0, bench_id="b1", task_id="y", worker="w1", digest=D1, timings=timings()),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["w1", D1].decode_tps.n == 2
+
+
+async def test_an_absurd_value_skips_its_field_and_the_rest_of_the_event_still_counts(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            completed(
+                "t1",
+                "w1",
+                timings=Timings(
+                    eval_count=100, eval_duration=1000, prompt_eval_count=50, prompt_eval_duration=10**8
+                ),
+                ttft_ms=-5.0,
+            ),
+            completed("t2", "w1", timings=Timings(eval_count=-3, eval_duration=10**9, load_duration=0)),
+            QualityScored(at=T0, digest=D1, domain="general", score=1.5),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    row = snap.speed["w1", D1]
+    assert row.decode_tps.n == 0  # 100 tokens in 1 µs is not a machine
+    assert row.prompt_tps.n == 1 and row.prompt_tps.mean == pytest.approx(500.0)
+    assert row.ttft_s.n == 0 and row.load_s.n == 0
+    assert snap.length[D1, "general"].output_tokens.n == 1  # t1's 100 tokens; t2's -3 is absurd
+    assert snap.quality == {}
+    task = await get_task(redis_client, keys, "t2")
+    assert task is not None and task.status == "completed" and task.decode_tps is None
+
+
+async def test_fleet_fields_keep_their_own_times_and_in_flight_follows_claims(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            WorkerOnline(at=T0, worker="w1", slots=2),
+            WorkerHeartbeat(at=T0 + 2000, worker="w1", slots=2, loaded=[D1]),
+            # A report with an older producer clock arrives late: it changes nothing.
+            WorkerHeartbeat(at=T0 + 1000, worker="w1", slots=1, loaded=[D2]),
+            TaskClaimed(at=T0, task_id="t1", worker="w1", digest=D1, attempt=1),
+            TaskClaimed(at=T0, task_id="t2", worker="w1", digest=D1, attempt=1),
+            TaskClaimed(at=T0, task_id="t3", worker="w1", digest=D1, attempt=1),
+            completed("t1", "w1"),
+            TaskFailed(
+                at=T0, task_id="t2", worker="w1", digest=D1, attempt=1, kind="timeout", retryable=True
+            ),
+        ],
+    )
+    await redis_client.set(keys.live("w1"), b"x", px=5000)
+    snap = await snapshot(redis_client, keys)
+    row = snap.fleet["w1"]
+    assert (row.status, row.status_since, row.last_heartbeat) == ("online", T0, T0 + 2000)
+    assert (row.slots.value, row.slots.at, row.loaded.value) == (2, T0 + 2000, [D1])
+    assert row.in_flight == ["t3"]
+    assert snap.live == ["w1"]
+    task = await get_task(redis_client, keys, "t2")
+    assert task is not None and task.status == "queued" and task.error == "timeout"
+
+
+async def test_demand_counts_each_submission_once_with_its_own_half_life(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    submit = TaskSubmitted(at=T0, task_id="t1", model="m", digest=D1, queue="q")
+    await fold_all(
+        redis_client,
+        keys,
+        [submit, submit, TaskSubmitted(at=T0 + 300_000, task_id="t2", model="m", digest=D1, queue="q")],
+    )
+    snap = await snapshot(redis_client, keys)
+    arrivals = snap.demand[D1].arrivals
+    assert snap.demand_half_life_s == 300.0
+    assert arrivals.n == 2
+    assert arrivals.dn == pytest.approx(1.5)  # the first arrival is one half-life old
+
+
+async def test_a_poison_entry_is_dead_lettered_and_lag_returns_to_zero(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    await ledger.append(completed("t1", "w1"))
+    poison_id = (
+        await redis_client.xadd(keys.events, {"type": "TaskCompleted", "v": "1", "data": b"\xc1garbage"})
+    ).decode()
+    await ledger.append(completed("t2", "w1"))
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    assert (await lag(redis_client, keys))[0] == 3
+    await projector.catch_up()
+    assert await lag(redis_client, keys) == (0, 0)
+    dead = await redis_client.xrange(keys.dead)
+    assert [fields[b"entry_id"].decode() for _, fields in dead] == [poison_id]
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["w1", D1].decode_tps.n == 2
+
+
+async def test_lag_without_a_projection_says_so(redis_client: aioredis.Redis, keys: Keys) -> None:
+    with pytest.raises(NoProjectionError):
+        await lag(redis_client, keys)
+    assert (await snapshot(redis_client, keys)).speed == {}
+
+
+async def test_a_projector_fenced_out_of_its_namespace_cannot_write(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    await ledger.append(completed("t1", "w1"))
+    old = Projector(redis_client, keys)
+    await old.start()
+    new = Projector(redis_client, keys)
+    await new.start()  # takes the namespace over while `old` still thinks it is active
+    with pytest.raises(LeaseLostError):
+        await old.step()
+    assert await new.catch_up() == 1
+    assert (await snapshot(redis_client, keys)).speed["w1", D1].decode_tps.n == 1
+
+
+async def test_a_second_projector_waits_while_the_first_holds_the_lease(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    first = Projector(redis_client, keys, lease_ms=500)
+    second = Projector(redis_client, keys, lease_ms=500)
+    assert await first.acquire()
+    assert not await second.acquire()
+    await first.release()
+    assert await second.acquire()
+    first._renewed_at = -1e9  # due for renewal now
+    with pytest.raises(LeaseLostError):
+        await first.keep_lease()
+
+
+async def test_the_projector_loop_follows_the_ledger_live(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    projector = Projector(redis_client, keys, lease_ms=1000)
+    stop = asyncio.Event()
+    task = asyncio.create_task(projector.run(stop))
+    try:
+        await ledger.append(completed("t1", "w1"))
+        for _ in range(100):
+            if await store.current(redis_client, keys) and await lag(redis_client, keys) == (0, 0):
+                break
+            await asyncio.sleep(0.05)
+        assert (await snapshot(redis_client, keys)).speed["w1", D1].decode_tps.n == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert await redis_client.get(keys.singleton("projector")) is None
+
+
+def _many(n: int) -> list[Event]:
+    out: list[Event] = []
+    for i in range(n):
+        worker = f"w{i % 3}"
+        out.append(TaskSubmitted(at=T0 + i, task_id=f"t{i}", model="m", digest=D1, queue="q"))
+        out.append(TaskClaimed(at=T0 + i, task_id=f"t{i}", worker=worker, digest=D1, attempt=1))
+        out.append(completed(f"t{i}", worker, at=T0 + i, timings=timings(tps=10.0 + i % 50)))
+    return out
+
+
+async def _wait_caught_up(redis: aioredis.Redis, keys: Keys, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await lag(redis, keys) == (0, 0):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the projector did not catch up in {timeout} s: lag {await lag(redis, keys)}")
+
+
+async def _checkpoint(redis: aioredis.Redis, keys: Keys) -> bytes | None:
+    ns = await store.current(redis, keys)
+    return None if ns is None else await redis.get(keys.checkpoint(ns))
+
+
+@pytest.mark.slow
+async def test_a_projector_killed_mid_batch_and_restarted_counts_nothing_twice_and_misses_nothing(
+    redis_url: str, redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    n = 20_000
+    await ledger.append_many(_many(n))
+    env = {**os.environ, "ROUTELEDGER_LEASE_MS": "300", "ROUTELEDGER_HEARTBEAT_MS": "100"}
+    argv = ["-m", "routeledger", "projector", "--redis-url", redis_url]
+    killed_behind = []
+    for round_ in range(3):
+        before = await _checkpoint(redis_client, keys)
+        proc = await asyncio.create_subprocess_exec(sys.executable, *argv, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        # Kill it once it has written a batch of this round, while entries are still left to fold.
+        while time.monotonic() < deadline:
+            if await _checkpoint(redis_client, keys) != before:
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.01 * round_)
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        killed_behind.append((await lag(redis_client, keys))[0])
+        await ledger.append_many(_many(100))
+    assert any(behind > 0 for behind in killed_behind), "every kill came after the projector had caught up"
+    proc = await asyncio.create_subprocess_exec(sys.executable, *argv, env=env, stderr=subprocess.DEVNULL)
+    try:
+        await _wait_caught_up(redis_client, keys, 60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+    ns = await store.current(redis_client, keys)
+    assert ns is not None
+    live = await store.load(redis_client, keys, ns)
+    rebuilt, _ = await build(redis_client, keys)
+    assert diff_tables(live, rebuilt) == []
+    # t0..t99 were appended four times over: the repeats are duplicate completions.
+    assert sum(r.decode_tps.n for r in live.speed.values()) == n
+    assert sum(t.duplicates for t in live.tasks.values()) == 300
