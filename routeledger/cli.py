@@ -19,6 +19,7 @@ from rich.table import Table
 import routeledger
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
+from routeledger.cli_replay import projector_cmd, replay_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
@@ -52,6 +53,8 @@ config_app = typer.Typer(help="Show the configuration.", no_args_is_help=True)
 app.add_typer(events_app, name="events")
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
+app.add_typer(replay_app, name="replay")
+app.command("projector")(projector_cmd)
 app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
 app.command("reaper")(guarded(reaper_cmd))
@@ -146,6 +149,7 @@ def up(
     try:
         api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
         sup.spawn("reaper", python_argv("reaper"), env=env)
+        sup.spawn("projector", python_argv("projector"), env=env)
         base = f"http://{s.host}:{s.port}"
         if not _wait_http(base + "/healthz", 30, lambda: api.alive):
             fail(f"the API did not come up on {base}; see its log above")
