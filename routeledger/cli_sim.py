@@ -78,3 +78,7 @@ def _run_fast(coro: Coroutine[Any, Any, None]) -> None:
         run_async(coro)
         return
     uvloop.run(coro)
+
+
+# `sim schedule` lives in its own module; importing it registers the command on sim_app.
+import routeledger.cli_schedule  # noqa: E402, F401

@@ -6,8 +6,8 @@ section 5):
 
 - speed of (worker, digest): the worker's measured speed on *other* models times the model's
   relative cost, from a two-way fit `log speed = a[worker] + b[model]`; else the model's pooled
-  value on *other* workers; else a default. Leaving the cell itself out of its own prior keeps a
-  row whose speed agrees with its prior from moving any total.
+  value across workers; else a default. The worker's effect leaves the cell itself out, so a row
+  whose speed agrees with its prior moves no total.
 - output tokens and quality of (digest, domain): the model's pooled value over other domains;
   else a default. Both belong to the digest, so a worker that gains a model has them at once.
 
@@ -131,9 +131,9 @@ class _Pool:
         self.wxsum += cell.weight * cell.mean
         self.n += cell.n
 
-    def without(self, key: str) -> tuple[float, float, int, int | None] | None:
+    def without(self, key: str | None) -> tuple[float, float, int, int | None] | None:
         """(mean, weight, n, newest) of the pool with `key` left out, or None when nothing is left."""
-        own = self.cells.get(key)
+        own = self.cells.get(key) if key is not None else None
         wsum, wxsum, n = self.wsum, self.wxsum, self.n
         if own is not None:
             wsum -= own.weight
@@ -276,8 +276,10 @@ class Estimator:
                 source=f"two-way worker n={n_worker} x model n={n_model}, age {format_age(age)}",
                 age_s=age,
             )
+        # The pooled value keeps the cell itself: when it is the model's only measurement, its own
+        # mean is a better prior than the default (and a row agreeing with it moves nothing).
         pool = self._speed_pools[field].get(digest)
-        pooled = pool.without(worker) if pool is not None else None
+        pooled = pool.without(None) if pool is not None else None
         if pooled is not None:
             mean, _, n, newest = pooled
             age = self._age(newest)

@@ -15,8 +15,11 @@ from router.plan import BacklogEntry, FleetView, PlanParams, PlanState
 class GateParams(msgspec.Struct, kw_only=True, frozen=True):
     """How the gate weighs the future."""
 
-    # "plan": take when the plan of the current backlog gives me a task (the selfish rule).
-    rule: str = "plan"
+    # "plan": take when the plan of the current backlog gives me a task (the selfish rule);
+    # "arrivals": the same plan, with the tasks expected to arrive while I would serve the head
+    # counted into the others' backlog (`arrival_weight` of them).
+    rule: str = "arrivals"
+    arrival_weight: float = 0.5
     plan: PlanParams = PlanParams()
 
 
@@ -72,7 +75,22 @@ def should_take(
     state = PlanState(holders, est, digest, now_ms, p.plan)
     mine = state.names.index(worker)
     my_first = state.best_on(mine, queue[0])
-    for pos, entry in enumerate(queue):
+    # Guard: another holder free right now that finishes the head sooner takes it, whatever comes.
+    i0, start0, _ = state.best(queue[0])
+    if i0 != mine and start0 <= 0.0:
+        return GateDecision(
+            take=False,
+            worker=worker,
+            digest=digest,
+            task_id=queue[0].task_id,
+            reason=f"{state.names[i0]} is free and finishes the head sooner",
+            numbers={"backlog": float(len(queue)), "my_finish_s": my_first},
+        )
+    rate = view.arrival_rate.get(digest, 0.0)
+    expected = rate * my_first * p.arrival_weight if p.rule == "arrivals" else 0.0
+    phantoms = int(expected + 0.5)
+    entries = list(queue) + [queue[-1]] * phantoms
+    for pos, entry in enumerate(entries):
         i, _start, finish = state.best(entry)
         if i == mine:
             return GateDecision(
@@ -80,8 +98,17 @@ def should_take(
                 worker=worker,
                 digest=digest,
                 task_id=queue[0].task_id,
-                reason=f"the plan gives me queued task #{pos + 1} of {len(queue)}",
-                numbers={"position": float(pos + 1), "backlog": float(len(queue)), "my_finish_s": finish},
+                reason=(
+                    f"the plan gives me task #{pos + 1} of {len(queue)} queued"
+                    f" + {phantoms} expected to arrive while I serve the head"
+                ),
+                numbers={
+                    "position": float(pos + 1),
+                    "backlog": float(len(queue)),
+                    "expected_arrivals": expected,
+                    "arrival_rate_per_s": rate,
+                    "my_finish_s": finish,
+                },
             )
         state.assign(i, finish)
     return GateDecision(
@@ -89,6 +116,14 @@ def should_take(
         worker=worker,
         digest=digest,
         task_id=queue[0].task_id,
-        reason=f"others finish all {len(queue)} queued tasks sooner than I would finish the head",
-        numbers={"backlog": float(len(queue)), "my_finish_s": my_first},
+        reason=(
+            f"others finish all {len(queue)} queued + {phantoms} expected tasks sooner"
+            f" than I would finish the head"
+        ),
+        numbers={
+            "backlog": float(len(queue)),
+            "expected_arrivals": expected,
+            "arrival_rate_per_s": rate,
+            "my_finish_s": my_first,
+        },
     )

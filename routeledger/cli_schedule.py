@@ -1,0 +1,128 @@
+"""`routeledger sim schedule`: the scheduling simulator's table, plot and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import typer
+from rich.table import Table
+
+from routeledger.cli_sim import sim_app
+from routeledger.runtime import console, err_console, guarded
+from sim.errors import FleetError
+
+
+def _loads(text: str) -> list[float]:
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FleetError(f"--load takes numbers separated by commas, got {text!r}") from None
+    if not loads or any(not 0 < x < 1.5 for x in loads):
+        raise FleetError(f"every load must be in (0, 1.5), got {text!r}")
+    return loads
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    return "inf" if x == float("inf") else f"{x:.{digits}f}"
+
+
+@sim_app.command("schedule")
+@guarded
+def schedule(
+    fleet: Annotated[str | None, typer.Option("--fleet", help="A shipped preset: seed, trio, lab.")] = None,
+    fleet_file: Annotated[Path | None, typer.Option("--fleet-file", help="A fleet TOML file.")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="The model to load the fleet with (default: most served).")
+    ] = None,
+    load: Annotated[str, typer.Option("--load", help="Loads, comma-separated.")] = "0.3,0.6,0.9",
+    policies: Annotated[str, typer.Option("--policies", help="'all' or a comma-separated list.")] = "all",
+    tasks: Annotated[int, typer.Option("--tasks", help="Tasks per run.")] = 10_000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the workload.")] = 1,
+    dist: Annotated[
+        str | None,
+        typer.Option("--dist", help="Output lengths: exp, lognormal or fixed (default: the model's)."),
+    ] = None,
+    mean_tokens: Annotated[float | None, typer.Option("--mean-tokens", help="Mean output tokens.")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt tokens per task.")] = 64,
+    burst: Annotated[int, typer.Option("--burst", help="Children per pipeline (submitted at once).")] = 1,
+    join: Annotated[
+        list[str] | None, typer.Option("--join", help="WORKER@SECONDS: offline until then (repeatable).")
+    ] = None,
+    leave: Annotated[
+        list[str] | None, typer.Option("--leave", help="WORKER@SECONDS: offline from then (repeatable).")
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the results as one JSON line last.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write mean response vs load as a PNG.")] = None,
+) -> None:
+    """Simulate the policies on a fleet at several loads, beside the best threshold and the lower bound."""
+    from sim.experiment import parse_policies, run_matrix
+    from sim.fleet import load_fleet
+    from sim.workload import WorkloadSpec, default_model
+
+    if (fleet is None) == (fleet_file is None):
+        raise FleetError("give exactly one of --fleet NAME or --fleet-file FILE")
+    spec_fleet = load_fleet(fleet_file if fleet_file is not None else str(fleet))
+    chosen = model or default_model(spec_fleet)
+    names = parse_policies(policies)
+
+    def at(items: list[str] | None, flag: str) -> tuple[tuple[str, float], ...]:
+        out = []
+        for item in items or []:
+            worker, _, when = item.partition("@")
+            try:
+                out.append((worker, float(when)))
+            except ValueError:
+                raise FleetError(f"{flag} takes WORKER@SECONDS, got {item!r}") from None
+        return tuple(out)
+
+    base = WorkloadSpec(
+        tasks=tasks,
+        seed=seed,
+        dist=dist,
+        mean_tokens=mean_tokens,
+        prompt_tokens=prompt_tokens,
+        burst=burst,
+        joins=at(join, "--join"),
+        leaves=at(leave, "--leave"),
+    )
+    rows = run_matrix(
+        spec_fleet,
+        chosen,
+        _loads(load),
+        names,
+        base,
+        progress=None if json_ else lambda s: err_console.print(f"[dim]{s}[/]", highlight=False),
+    )
+    table = Table(title=f"fleet {spec_fleet.name or '?'}, model {chosen}, {tasks} tasks, seed {seed}")
+    for col in ("policy", "load", "mean s", "p95 s", "makespan s", "vs best threshold", "vs lower bound"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        name = r.policy + (f" (K={','.join(map(str, r.thresholds))})" if r.thresholds else "")
+        table.add_row(
+            name,
+            f"{r.load:g}",
+            _fmt(r.mean_s),
+            _fmt(r.p95_s),
+            _fmt(r.makespan_s, 0),
+            _fmt(r.vs_best_threshold, 3),
+            _fmt(r.vs_lower_bound, 2),
+        )
+    if plot is not None:
+        err_console.print(
+            "[yellow]--plot: no PNG written; matplotlib is not installed and routeledger adds no"
+            " plotting dependency. The --json output has every figure for plotting elsewhere.[/]"
+        )
+    if json_:
+        results = [msgspec.to_builtins(r) for r in rows]
+        for r in results:
+            for k in ("mean_s", "p95_s", "makespan_s"):
+                if r[k] == float("inf"):
+                    r[k] = None
+        print(json.dumps({"fleet": spec_fleet.name, "tasks": tasks, "results": results}))  # noqa: T201
+    else:
+        console.print(table)

@@ -1,0 +1,161 @@
+"""Estimates shrink toward the prior chain, field by field, and say where each number came from."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from projections.snapshot import FleetRow, Stamped
+from router.choose import rank_workers
+from router.estimate import EstimateParams, build_estimator
+from router.plan import fleet_view
+from tests.router_helpers import (
+    ELYZA,
+    NOW,
+    QWEN,
+    estimator,
+    snapshot,
+    speed_row,
+    view,
+    worker,
+)
+
+LENGTHS = {(QWEN, "general"): 600.0, (ELYZA, "general"): 180.0, (ELYZA, "japanese"): 180.0}
+QUALITY = {(QWEN, "general"): 0.74, (ELYZA, "general"): 0.70, (ELYZA, "japanese"): 0.82}
+
+
+def story_snapshot(rtx_qwen_samples: int = 0):
+    rows = [
+        speed_row("macbookair", QWEN, 11.4, 58, prompt=120.0, load=8.0, at_ms=NOW - 20 * 3_600_000),
+        speed_row("macbookair", ELYZA, 12.0, 58, prompt=130.0, load=7.5, at_ms=NOW - 20 * 3_600_000),
+    ]
+    if rtx_qwen_samples:
+        rows.append(speed_row("rtx3070ti", QWEN, 83.0, rtx_qwen_samples, prompt=2000.0, load=3.0))
+    return snapshot(rows, LENGTHS, QUALITY)
+
+
+def test_an_empty_ledger_gives_the_defaults_and_says_so() -> None:
+    est = estimator(snapshot())
+    sp = est.speed("w", QWEN)
+    assert sp.decode_tps.value == EstimateParams().default_decode_tps
+    assert sp.decode_tps.source == "default"
+    assert sp.decode_tps.n == 0
+    assert est.quality(QWEN, "general").source == "default"
+
+
+def test_a_few_samples_are_shrunk_toward_the_models_pooled_speed() -> None:
+    est = estimator(story_snapshot(rtx_qwen_samples=3))
+    field = est.speed("rtx3070ti", QWEN).decode_tps
+    pooled = (est.speed("macbookair", QWEN).decode_tps.weight * 11.4 + field.weight * 83.0) / (
+        est.speed("macbookair", QWEN).decode_tps.weight + field.weight
+    )
+    assert field.value == pytest.approx((3 * 83.0 + 1 * pooled) / 4, rel=1e-6)
+    assert field.source.startswith("worker n=3 + prior model-pooled")
+    assert field.age_s == 0.0
+
+
+def test_the_prior_of_an_unmeasured_model_is_the_workers_speed_times_the_models_relative_cost() -> None:
+    est = estimator(story_snapshot(rtx_qwen_samples=3))
+    field = est.speed("rtx3070ti", ELYZA).decode_tps
+    own_qwen = est.speed("rtx3070ti", QWEN).decode_tps
+    assert field.n == 0
+    assert field.source.startswith("two-way")
+    # rtx's measured qwen speed (its mean, not the shrunk estimate) x elyza/qwen on the laptop
+    assert field.value == pytest.approx(83.0 * 12.0 / 11.4, rel=1e-3)
+    assert field.value > own_qwen.value
+
+
+def test_old_samples_weigh_less_than_new_ones() -> None:
+    fresh = estimator(story_snapshot(rtx_qwen_samples=3)).speed("rtx3070ti", QWEN).decode_tps
+    later = build_estimator(story_snapshot(rtx_qwen_samples=3), NOW + 14 * 86_400_000)
+    stale = later.speed("rtx3070ti", QWEN).decode_tps
+    assert stale.weight < fresh.weight
+    assert 11.4 < stale.value < fresh.value
+
+
+def test_quality_belongs_to_the_digest_whoever_runs_it() -> None:
+    est = estimator(story_snapshot())
+    q = est.quality(ELYZA, "japanese")
+    assert q.value == pytest.approx((20 * 0.82 + 2 * ((20 * 0.70) / 20)) / 22, rel=1e-6)
+    assert q.source.startswith("model n=20")
+
+
+def test_a_fresh_speed_row_that_agrees_with_its_prior_changes_no_total_and_quality_comes_from_the_model() -> (
+    None
+):
+    rtx = worker("rtx3070ti", {QWEN, ELYZA})
+    mac = worker("macbookair", {QWEN, ELYZA})
+    before_snap = story_snapshot(rtx_qwen_samples=3)
+    before = rank_workers(view([mac, rtx]), estimator(before_snap), ELYZA, NOW, domain="japanese")
+    prior = {
+        f: getattr(estimator(before_snap).speed("rtx3070ti", ELYZA), f).value
+        for f in ("decode_tps", "prompt_tps", "load_s")
+    }
+    after_snap = story_snapshot(rtx_qwen_samples=3)
+    after_snap.speed[("rtx3070ti", ELYZA)] = speed_row(
+        "rtx3070ti", ELYZA, prior["decode_tps"], 2, prompt=prior["prompt_tps"], load=prior["load_s"]
+    )
+    after = rank_workers(view([mac, rtx]), estimator(after_snap), ELYZA, NOW, domain="japanese")
+    cand = next(c for c in after.candidates if c.worker == "rtx3070ti")
+    assert cand.fields["decode_tps"].source.startswith("worker n=2")
+    assert cand.fields["quality"].source.startswith("model n=20")
+    for b, a in zip(before.candidates, after.candidates, strict=True):
+        assert a.worker == b.worker
+        assert a.expected_finish_s == pytest.approx(b.expected_finish_s, rel=1e-6)
+
+
+def test_the_story_replayed_the_fast_machine_wins_by_its_own_measured_speed() -> None:
+    mac = worker("macbookair", {QWEN, ELYZA})
+    # Before it joins, only the laptop serves.
+    before = rank_workers(view([mac]), estimator(story_snapshot()), QWEN, NOW)
+    assert before.best.worker == "macbookair"
+    # It joins, holding qwen3:8b only, and is benchmarked three times.
+    rtx = worker("rtx3070ti", {QWEN})
+    est = estimator(story_snapshot(rtx_qwen_samples=3))
+    ranking = rank_workers(view([mac, rtx]), est, QWEN, NOW)
+    assert ranking.best.worker == "rtx3070ti"
+    assert ranking.best.fields["decode_tps"].source.startswith("worker n=3")
+    # The laptop's quality did not fall: the same digest has the same quality for both.
+    qualities = {c.worker: c.fields["quality"].value for c in ranking.candidates}
+    assert qualities["rtx3070ti"] == qualities["macbookair"]
+    # It is given ELYZA (same digest): top at once, from its measured qwen speed via the two-way prior.
+    rtx.holds.add(ELYZA)
+    jp = rank_workers(view([mac, rtx]), est, ELYZA, NOW, domain="japanese")
+    assert jp.best.worker == "rtx3070ti"
+    assert jp.best.fields["decode_tps"].source.startswith("two-way")
+    assert (
+        jp.best.fields["quality"].value
+        == next(c for c in jp.candidates if c.worker == "macbookair").fields["quality"].value
+    )
+
+
+def _fleet_row(name: str, resources: dict[str, float | None] | None) -> FleetRow:
+    return FleetRow(
+        worker=name,
+        status="online",
+        slots=Stamped(value=1, at=NOW),
+        inventory=Stamped(value={"qwen3:8b": QWEN}, at=NOW),
+        loaded=Stamped(value=[QWEN], at=NOW),
+        resources=Stamped(value=resources, at=NOW if resources is not None else None),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cpu=st.one_of(st.none(), st.floats(0, 100)),
+    gpu=st.one_of(st.none(), st.floats(0, 100)),
+    decode=st.floats(1, 200),
+    n=st.integers(0, 30),
+)
+def test_a_worker_reporting_no_resources_never_ranks_above_an_identical_one_that_does(
+    cpu: float | None, gpu: float | None, decode: float, n: int
+) -> None:
+    rows = [speed_row("a", QWEN, decode, n), speed_row("b", QWEN, decode, n)] if n else []
+    snap = snapshot(rows, LENGTHS, QUALITY)
+    snap.fleet["a"] = _fleet_row("a", None)
+    snap.fleet["b"] = _fleet_row("b", {"cpu_percent": cpu, "gpu_percent": gpu})
+    fv = fleet_view(snap, NOW, backlog={}, running={})
+    ranking = rank_workers(fv, estimator(snap), QWEN, NOW)
+    ranks = {c.worker: c.rank for c in ranking.candidates}
+    assert ranks["a"] == ranks["b"]
