@@ -27,8 +27,8 @@ from sim.text import bench_answer, bench_prompt, count_tokens, filler, is_japane
 
 # Tokens are released to a streaming client at most this late (wall seconds); fewer wake-ups.
 STREAM_QUANTUM_S = 0.002
-# Without a client watching, the machine sleeps in longer steps.
-QUIET_QUANTUM_S = 0.02
+# Without a client watching, the machine may sleep in longer steps.
+QUIET_QUANTUM_S = 0.005
 # In zero-delay mode a stream goes out in batches of this many chunks (still one token per chunk).
 ZERO_DELAY_BATCH = 256
 
@@ -509,21 +509,23 @@ class SimMachine:
         quantum = STREAM_QUANTUM_S if emit is not None else QUIET_QUANTUM_S
         start = _loop_time()
         sim = 0.0
-        pending: list[str] = []
         tps = speed.decode_tps
-        for i in range(limit):
-            sim += self._share(self.active) / tps
-            pending.append(tokens[i])
+        i = 0
+        while i < limit:
+            # The share is read again every quantum, so that a generation that starts or ends beside
+            # this one changes its speed from then on.
+            dt = self._share(self.active) / tps
+            step = min(limit - i, max(1, int(quantum / (dt * scale))))
+            sim += step * dt
             delay = start + sim * scale - _loop_time()
-            if delay >= quantum or i == limit - 1:
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if job.gone():
-                    self.counters.cancelled += 1
-                    return None
-                if emit is not None:
-                    await emit(pending)
-                    pending = []
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if job.gone():
+                self.counters.cancelled += 1
+                return None
+            if emit is not None:
+                await emit(tokens[i : i + step])
+            i += step
         if cut is not None:
             return None
         return prompt_s, sim, len(tokens), reason
