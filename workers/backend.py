@@ -152,6 +152,7 @@ class OllamaBackend:
             path, key = "/api/chat", "message"
             body["messages"] = [msgspec.to_builtins(m) for m in task.messages]
         started = False
+        final: Generated | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("POST", path, json=body) as resp:
@@ -168,10 +169,13 @@ class OllamaBackend:
                             started = True
                             yield text
                         if data.get("done"):
-                            yield Generated(
+                            final = Generated(
                                 timings=_ollama_timings(data), done_reason=data.get("done_reason")
                             )
-                            return
+                    # The body was read to its end, so the connection goes back to the pool.
+                    if final is not None:
+                        yield final
+                        return
             raise BackendError("disconnect", "the stream ended without its final chunk", retryable=True)
         except BackendError:
             raise
@@ -254,6 +258,7 @@ class OpenAIBackend:
         last: int | None = None
         usage: dict[str, Any] = {}
         reason: str | None = None
+        done_at: int | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -263,18 +268,8 @@ class OpenAIBackend:
                             continue
                         payload = line[5:].strip()
                         if payload == "[DONE]":
-                            end = time.perf_counter_ns()
-                            yield Generated(
-                                timings=Timings(
-                                    prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
-                                    prompt_eval_duration=(first - t0) if first else None,
-                                    eval_count=_int_or_none(usage.get("completion_tokens")),
-                                    eval_duration=(last - first) if first and last and last > first else None,
-                                    total_duration=end - t0,
-                                ),
-                                done_reason=reason,
-                            )
-                            return
+                            done_at = time.perf_counter_ns()
+                            continue
                         data = _line_decoder.decode(payload)
                         if data.get("usage"):
                             usage = data["usage"]
@@ -287,6 +282,19 @@ class OpenAIBackend:
                                 last = now
                                 started = True
                                 yield text
+                    # The body was read to its end, so the connection goes back to the pool.
+                    if done_at is not None:
+                        yield Generated(
+                            timings=Timings(
+                                prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
+                                prompt_eval_duration=(first - t0) if first else None,
+                                eval_count=_int_or_none(usage.get("completion_tokens")),
+                                eval_duration=(last - first) if first and last and last > first else None,
+                                total_duration=done_at - t0,
+                            ),
+                            done_reason=reason,
+                        )
+                        return
             raise BackendError("disconnect", "the stream ended without [DONE]", retryable=True)
         except BackendError:
             raise

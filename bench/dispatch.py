@@ -1,0 +1,211 @@
+"""Dispatch throughput and added latency: submit → worker → completion, on zero-delay sim hosts.
+
+    python bench/dispatch.py [--tasks N] [--latency-samples M] [--workers 4] [--slots 4] [--profile] [--json]
+
+Everything runs on this machine as it would in production, as separate processes: an embedded
+Redis (AOF on), one `routeledger sim hosts` process with --time-scale 0 (answers at once, reports
+simulated timings), one `routeledger worker` process per simulated machine, and this submitter.
+
+- tasks/s: N tasks submitted as fast as possible; completions counted from the ledger.
+- first chunk: one task at a time, the time from calling submit to the first output chunk in
+  rl:out:{task}; the zero-delay backend adds almost nothing, so this is routeledger's own cost.
+- --profile runs the first worker under cProfile and prints its hottest functions.
+
+The last line is JSON: {"bench": "dispatch", "tasks_per_s": ..., "first_chunk_p50_ms": ..., "first_chunk_p99_ms": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pstats
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from events.event import TaskCompleted
+from events.keys import Keys
+from events.lease import live_workers
+from events.ledger import Ledger
+from events.queue import TaskQueues, submit_task
+from events.task import Message
+from routeledger.embedded import EmbeddedRedis
+
+
+def fleet_toml(workers: int, slots: int) -> str:
+    lines = [
+        'name = "dispatch-bench"',
+        '[model."m"]',
+        'output = { dist = "fixed", mean = 16 }',
+    ]
+    for i in range(workers):
+        lines += [
+            "[[worker]]",
+            f'name = "w{i}"',
+            f"slots = {slots}",
+            '[worker.models."m"]',
+            "decode_tps = 100.0",
+            "prompt_tps = 1000.0",
+            "load_s = 0.0",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def rl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "routeledger", *args]
+
+
+async def wait_live(redis: aioredis.Redis, keys: Keys, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(await live_workers(redis, keys)) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise SystemExit(f"only {len(await live_workers(redis, keys))} of {n} workers came up")
+
+
+async def count_completed(ledger: Ledger, after: str) -> tuple[int, str]:
+    n = 0
+    last = after
+    while True:
+        rows = await ledger.read_after(last, count=5000)
+        if not rows:
+            return n, last
+        last = rows[-1][0]
+        n += sum(1 for _, fields in rows if b"TaskCompleted" in fields[1:2])
+
+
+async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int) -> float:
+    leases = await live_workers(queues.redis, queues.keys)
+    start_id = await ledger.last_id() or "0-0"
+    msgs = [Message(role="user", content="Say something short.")]
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(64)
+
+    async def one() -> None:
+        async with sem:
+            await submit_task(queues, model="m", messages=msgs, leases=leases)
+
+    await asyncio.gather(*(one() for _ in range(tasks)))
+    done = 0
+    cursor = start_id
+    while done < tasks:
+        n, cursor = await count_completed(ledger, cursor)
+        done += n
+        if n == 0:
+            await asyncio.sleep(0.02)
+        if time.perf_counter() - t0 > 300:
+            raise SystemExit(f"only {done} of {tasks} tasks completed in 300 s")
+    return tasks / (time.perf_counter() - t0)
+
+
+async def first_chunk_latency(queues: TaskQueues, samples: int) -> list[float]:
+    leases = await live_workers(queues.redis, queues.keys)
+    msgs = [Message(role="user", content="Say something short.")]
+    out: list[float] = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        task, _ = await submit_task(queues, model="m", messages=msgs, leases=leases)
+        reply: Any = await queues.redis.xread({queues.keys.out(task.task_id): "0"}, count=1, block=10_000)
+        if not reply:
+            raise SystemExit(f"task {task.task_id} produced no output in 10 s")
+        out.append((time.perf_counter() - t0) * 1000)
+        await asyncio.sleep(0.01)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--latency-samples", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+
+    tmp = tempfile.TemporaryDirectory(prefix="rl-dispatch-")
+    root = Path(tmp.name)
+    server = EmbeddedRedis(root / "redis")
+    url = server.start()
+    fleet = root / "fleet.toml"
+    fleet.write_text(fleet_toml(args.workers, args.slots))
+    env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": "warning"}
+    procs: list[subprocess.Popen[bytes]] = []
+    prof = root / "worker.prof"
+    try:
+        sim = subprocess.Popen(
+            rl("sim", "hosts", "--fleet-file", str(fleet), "--time-scale", "0", "--json"),
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        procs.append(sim)
+        assert sim.stdout is not None
+        hosts = json.loads(sim.stdout.readline())["hosts"]
+        for i, (name, backend) in enumerate(sorted(hosts.items())):
+            argv = rl(
+                "worker", "--backend", backend, "--id", name, "--slots", str(args.slots), "--redis-url", url
+            )
+            if args.profile and i == 0:
+                argv = [sys.executable, "-m", "cProfile", "-o", str(prof), *argv[1:]]
+            procs.append(subprocess.Popen(argv, env=env))
+
+        async def run() -> tuple[float, list[float]]:
+            client = aioredis.Redis.from_url(url)
+            keys = Keys()
+            ledger = Ledger(client, keys)
+            queues = TaskQueues(client, keys, ledger)
+            try:
+                await wait_live(client, keys, args.workers)
+                await throughput(queues, ledger, 50)  # warm-up: connections, models loaded
+                tps = await throughput(queues, ledger, args.tasks)
+                lat = await first_chunk_latency(queues, args.latency_samples)
+                return tps, lat
+            finally:
+                await client.aclose()
+
+        tps, lat = asyncio.run(run())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.stop()
+    p50, p99 = statistics.median(lat), pct(lat, 0.99)
+    if not args.json:
+        print(f"fleet: {args.workers} workers x {args.slots} slots, zero-delay sim hosts, Redis with AOF")
+        print(f"throughput: {tps:,.0f} tasks/s over {args.tasks} tasks (goal 300)")
+        print(f"submit -> first chunk: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} tasks (goal p50 5)")
+        if args.profile and prof.exists():
+            print("\nworker w0 profile, top functions by own time:")
+            pstats.Stats(str(prof)).sort_stats("tottime").print_stats(18)
+    tmp.cleanup()
+    line = {
+        "bench": "dispatch",
+        "tasks_per_s": round(tps, 1),
+        "first_chunk_p50_ms": round(p50, 2),
+        "first_chunk_p99_ms": round(p99, 2),
+    }
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
