@@ -11,7 +11,8 @@ simulated timings), one `routeledger worker` process per simulated machine, and 
   rl:out:{task}; the zero-delay backend adds almost nothing, so this is routeledger's own cost.
 - --profile runs the first worker under cProfile and prints its hottest functions.
 
-The last line is JSON: {"bench": "dispatch", "tasks_per_s": ..., "first_chunk_p50_ms": ..., "first_chunk_p99_ms": ...}
+The last line is JSON:
+{"bench": "dispatch", "tasks_per_s": ..., "first_chunk_p50_ms": ..., "first_chunk_p99_ms": ...}
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from events.event import TaskCompleted
 from events.keys import Keys
 from events.lease import live_workers
 from events.ledger import Ledger
@@ -64,8 +64,8 @@ def rl(*args: str) -> list[str]:
     return [sys.executable, "-m", "routeledger", *args]
 
 
-async def wait_live(redis: aioredis.Redis, keys: Keys, n: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_live(redis: aioredis.Redis, keys: Keys, n: int, wait_s: float = 60) -> None:
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if len(await live_workers(redis, keys)) >= n:
             return
