@@ -23,6 +23,17 @@ from events.keys import Keys
 log = logging.getLogger("routeledger.lease")
 
 
+class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A task a worker is running, as its lease reports it (the plan counts what each slot runs)."""
+
+    task_id: str
+    digest: str
+    started_at: int
+    domain: str = "general"
+    prompt_tokens: int | None = None
+    max_tokens: int | None = None
+
+
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The value of a worker's lease key."""
 
@@ -35,6 +46,7 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # Model names it serves; None: every model it holds; []: registered, serving nothing.
     serves: list[str] | None = None
     draining: bool = False
+    running: list[RunningInfo] = msgspec.field(default_factory=list)
     since: int = msgspec.field(default_factory=now_ms)
     renewed_at: int = msgspec.field(default_factory=now_ms)
 

@@ -34,7 +34,7 @@ from events.event import (
     now_ms,
 )
 from events.keys import Keys
-from events.lease import LeaseInfo, decode_lease, encode_lease
+from events.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
 from events.ledger import Ledger
 from events.queue import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
 from events.task import Chunk, Result, encode_chunk, sha256_hex
@@ -83,6 +83,7 @@ class Running(msgspec.Struct, kw_only=True):
 
     entry: QueueEntry
     started: float
+    started_at_ms: int = msgspec.field(default_factory=now_ms)
     task: asyncio.Task[None] | None = None
     lost: bool = False
 
@@ -104,6 +105,8 @@ class WorkerAgent:
         self.config = config
         self.name = config.name
         self.gate: Gate = gate or PlainPull()
+        # A speed-aware gate plans with what every worker runs, so the lease says so at once.
+        self.eager_lease = not isinstance(self.gate, PlainPull)
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
         self.token = secrets.token_hex(8)
@@ -206,6 +209,17 @@ class WorkerAgent:
             loaded=list(self.inventory.loaded),
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
+            running=[
+                RunningInfo(
+                    task_id=r.entry.task.task_id,
+                    digest=r.entry.task.digest,
+                    started_at=r.started_at_ms,
+                    domain=r.entry.task.domain,
+                    prompt_tokens=r.entry.task.prompt_tokens,
+                    max_tokens=r.entry.task.max_tokens,
+                )
+                for r in self.running.values()
+            ],
             since=self.started_at,
         )
         await self.redis.set(self.keys.live(self.name), encode_lease(info), px=self.config.lease_ms)
@@ -385,6 +399,8 @@ class WorkerAgent:
                     in_flight=len(self.running),
                 )
             )
+            if self.eager_lease:
+                await self._write_lease()
             if await self.redis.exists(self.keys.cancel(task.task_id)):
                 raise TaskCancelledError(task.task_id)
             await self._generate(run, local)
@@ -407,6 +423,9 @@ class WorkerAgent:
         finally:
             self.running.pop(entry.entry_id, None)
             self._slot_freed.set()
+            if self.eager_lease and not self.stopping.is_set():
+                with contextlib.suppress(RedisError, OSError):
+                    await self._write_lease()
 
     async def _generate(self, run: Running, local: str) -> None:
         entry = run.entry
