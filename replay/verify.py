@@ -33,6 +33,8 @@ class Difference(msgspec.Struct, frozen=True, kw_only=True):
 def _same(a: Any, b: Any) -> bool:
     numbers = isinstance(a, int | float) and isinstance(b, int | float)
     if numbers and (isinstance(a, float) or isinstance(b, float)):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
         return math.isclose(float(a), float(b), rel_tol=REL_TOL, abs_tol=ABS_TOL)
     return bool(a == b)
 

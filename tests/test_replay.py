@@ -1,0 +1,324 @@
+"""Replay against a real Redis: the polars rebuild equals the live fold, hand-over, verify, export, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.event import (
+    BenchmarkResult,
+    Event,
+    QualityScored,
+    TaskCancelled,
+    TaskClaimed,
+    TaskCompleted,
+    TaskDeadLettered,
+    TaskFailed,
+    TaskReclaimed,
+    TaskStalled,
+    TaskSubmitted,
+    Timings,
+    WorkerHeartbeat,
+    WorkerOffline,
+    WorkerOnline,
+)
+from events.keys import Keys
+from events.ledger import Ledger
+from projections import store
+from projections.projector import Projector
+from projections.reader import snapshot
+from replay.errors import BadUntilError
+from replay.rebuild import build, rebuild, until_to_stop
+from replay.verify import diff_tables
+from tests.test_projector import D1, D2, T0, completed, fold_all, timings
+
+DAY = 86_400_000
+WORKERS = st.sampled_from(["w1", "w2"])
+DIGESTS = st.sampled_from([D1, D2])
+DOMAINS = st.sampled_from(["general", "ja"])
+TASKS = st.sampled_from([f"t{i}" for i in range(6)])
+# Producer clocks disagree: events carry times up to ten days either side, in any order.
+AT = st.integers(T0 - 10 * DAY, T0 + 10 * DAY)
+MAYBE_INT = st.one_of(st.none(), st.integers(-5, 2000))
+MAYBE_NS = st.one_of(st.none(), st.integers(-10, 5 * 10**9))
+TIMINGS = st.builds(
+    Timings,
+    prompt_eval_count=MAYBE_INT,
+    prompt_eval_duration=MAYBE_NS,
+    eval_count=MAYBE_INT,
+    eval_duration=MAYBE_NS,
+    load_duration=MAYBE_NS,
+)
+TTFT = st.one_of(st.none(), st.floats(-10, 5000), st.just(float("nan")))
+ATTEMPT = st.integers(1, 3)
+
+EVENTS: st.SearchStrategy[Event] = st.one_of(
+    st.builds(
+        TaskSubmitted,
+        at=AT,
+        task_id=TASKS,
+        model=st.just("m"),
+        digest=DIGESTS,
+        queue=st.just("q"),
+        domain=DOMAINS,
+    ),
+    st.builds(TaskClaimed, at=AT, task_id=TASKS, worker=WORKERS, digest=DIGESTS, attempt=ATTEMPT),
+    st.builds(
+        TaskCompleted,
+        at=AT,
+        task_id=TASKS,
+        worker=WORKERS,
+        digest=DIGESTS,
+        domain=DOMAINS,
+        attempt=ATTEMPT,
+        timings=TIMINGS,
+        ttft_ms=TTFT,
+        in_flight=st.integers(0, 3),
+        duplicate=st.booleans(),
+    ),
+    st.builds(
+        TaskFailed,
+        at=AT,
+        task_id=TASKS,
+        worker=WORKERS,
+        digest=DIGESTS,
+        attempt=ATTEMPT,
+        kind=st.sampled_from(["timeout", "backend"]),
+        retryable=st.booleans(),
+        message=st.sampled_from(["", "boom"]),
+    ),
+    st.builds(
+        TaskReclaimed,
+        at=AT,
+        task_id=TASKS,
+        queue=st.just("q"),
+        old_entry=st.just("1-0"),
+        new_entry=st.just("2-0"),
+        owner=WORKERS,
+        attempt=ATTEMPT,
+    ),
+    st.builds(
+        TaskStalled, at=AT, task_id=TASKS, queue=st.just("q"), entry_id=st.just("1-0"), waited_ms=st.just(1)
+    ),
+    st.builds(
+        TaskDeadLettered, at=AT, task_id=TASKS, queue=st.just("q"), reason=st.just("limit"), attempts=ATTEMPT
+    ),
+    st.builds(TaskCancelled, at=AT, task_id=TASKS),
+    st.builds(WorkerOnline, at=AT, worker=WORKERS, slots=st.integers(1, 4)),
+    st.builds(
+        WorkerHeartbeat, at=AT, worker=WORKERS, slots=st.integers(1, 4), loaded=st.lists(DIGESTS, max_size=2)
+    ),
+    st.builds(WorkerOffline, at=AT, worker=WORKERS, reason=st.sampled_from(["lease", "forgotten"])),
+    st.builds(
+        BenchmarkResult,
+        at=AT,
+        bench_id=st.sampled_from(["b1", "b2"]),
+        task_id=st.sampled_from(["", "x", "y"]),
+        worker=WORKERS,
+        digest=DIGESTS,
+        timings=TIMINGS,
+        ttft_ms=TTFT,
+    ),
+    st.builds(
+        QualityScored,
+        at=AT,
+        digest=DIGESTS,
+        domain=DOMAINS,
+        score=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))),
+        worker=WORKERS,
+    ),
+)
+# What happens between two batches of the live projector.
+ACTIONS = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["go", "go", "go", "restart", "rebuild"])))
+
+
+async def _live_against_rebuild(url: str, events: list[Event], actions: list[tuple[int, str]]) -> None:
+    redis = aioredis.Redis.from_url(url)
+    keys = Keys()
+    try:
+        await redis.flushall()
+        await Ledger(redis, keys).append_many(events)
+        projector = Projector(redis, keys)
+        await projector.start()
+        for count, action in actions:
+            if action == "restart":
+                projector = Projector(redis, keys)
+                await projector.start()
+            elif action == "rebuild":
+                await rebuild(redis, keys)
+            await projector.step(count=count)
+        await projector.catch_up()
+        ns = await store.current(redis, keys)
+        assert ns is not None
+        live = await store.load(redis, keys, ns)
+        rebuilt, _ = await build(redis, keys)
+        assert diff_tables(live, rebuilt) == []
+    finally:
+        await redis.aclose()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(events=st.lists(EVENTS, max_size=40), actions=ACTIONS)
+def test_the_live_projector_and_the_polars_rebuild_give_the_same_tables(
+    redis_url: str, events: list[Event], actions: list[tuple[int, str]]
+) -> None:
+    asyncio.run(_live_against_rebuild(redis_url, events, actions))
+
+
+async def test_a_rebuild_switches_atomically_and_the_live_projector_continues_in_the_new_namespace(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    projector = await fold_all(redis_client, keys, [completed("t1", "w1"), completed("t2", "w1")])
+    old = projector.ns
+    result = await rebuild(redis_client, keys)
+    assert result.switched and result.previous == old and result.namespace != old
+    assert await store.current(redis_client, keys) == result.namespace
+    # The replaced namespace stays readable for a while, then expires.
+    assert 0 < await redis_client.pttl(keys.table(old or "", store.SPEED)) <= store.RETIRE_AFTER_MS
+    await ledger.append(completed("t3", "w1"))
+    assert await projector.catch_up() == 1
+    assert projector.ns == result.namespace
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["w1", D1].decode_tps.n == 3
+    assert snap.checkpoint == await ledger.last_id()
+
+
+async def test_a_rebuild_with_no_switch_leaves_the_live_namespace_alone(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    projector = await fold_all(redis_client, keys, [completed("t1", "w1")])
+    result = await rebuild(redis_client, keys, switch=False)
+    assert not result.switched
+    assert await store.current(redis_client, keys) == projector.ns
+
+
+async def test_until_shows_the_tables_as_they_were_then(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    first = await ledger.append(completed("t1", "w1", timings=timings(tps=10.0)))
+    await ledger.append(completed("t2", "w1", timings=timings(tps=30.0)))
+    tables, _ = await build(redis_client, keys, until=first)
+    assert tables.checkpoint == first
+    assert tables.speed["w1", D1].decode_tps.mean == pytest.approx(10.0)
+
+
+def test_until_accepts_a_stream_id_or_a_time_and_refuses_anything_else() -> None:
+    assert until_to_stop(None) == "+"
+    assert until_to_stop("1764000000000-3") == "1764000000000-3"
+    assert until_to_stop("2025-11-24T16:00:00+00:00") == "1764000000000"
+    with pytest.raises(BadUntilError, match="neither a stream id"):
+        until_to_stop("yesterday")
+
+
+def rl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routeledger", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+async def test_verify_exits_0_on_matching_tables_and_1_on_a_tampered_table(
+    redis_url: str, redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    projector = await fold_all(
+        redis_client,
+        keys,
+        [completed("t1", "w1"), QualityScored(at=T0, digest=D2, domain="ja", score=0.5)],
+    )
+    ok = await asyncio.to_thread(rl, "replay", "verify", "--redis-url", redis_url)
+    assert ok.returncode == 0, ok.stderr
+    assert "match" in ok.stdout
+    ns = projector.ns or ""
+    row = store.decode_quality(await redis_client.hgetall(keys.table(ns, store.QUALITY)))[D2, "ja"]
+    row.score.sum = 0.9
+    await redis_client.hset(keys.table(ns, store.QUALITY), f"{D2}\x1fja", store.encode_row(row))
+    bad = await asyncio.to_thread(rl, "replay", "verify", "--redis-url", redis_url, "--json")
+    assert bad.returncode == 1, bad.stderr
+    diffs = json.loads(bad.stdout)["differences"]
+    assert [(d["table"], d["field"], d["live"], d["rebuilt"]) for d in diffs] == [
+        ("quality", "score.sum", 0.9, 0.5)
+    ]
+
+
+async def test_rebuild_command_prints_the_new_namespace_and_verify_then_passes(
+    redis_url: str, redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(redis_client, keys, [completed("t1", "w1")])
+    done = await asyncio.to_thread(rl, "replay", "rebuild", "--redis-url", redis_url, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["events"] == 1 and result["switched"]
+    assert await store.current(redis_client, keys) == result["namespace"]
+    assert (await asyncio.to_thread(rl, "replay", "verify", "--redis-url", redis_url)).returncode == 0
+
+
+def test_a_bad_until_is_one_clear_line_and_exit_2(redis_url: str) -> None:
+    done = rl("replay", "rebuild", "--until", "yesterday", "--redis-url", redis_url)
+    assert done.returncode == 2
+    assert "neither a stream id" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_verify_without_a_projection_is_one_clear_line_and_exit_2(redis_url: str) -> None:
+    done = rl("replay", "verify", "--redis-url", redis_url)
+    assert done.returncode == 2
+    assert "no projection" in done.stderr and "Traceback" not in done.stderr
+
+
+async def test_export_writes_one_parquet_file_per_event_type(
+    redis_url: str, ledger: Ledger, tmp_path: Path
+) -> None:
+    await ledger.append_many(
+        [
+            completed("t1", "w1"),
+            completed("t2", "w2", timings=Timings()),
+            WorkerHeartbeat(at=T0, worker="w1", slots=1, loaded=[D1]),
+        ]
+    )
+    done = await asyncio.to_thread(
+        rl, "replay", "export", "--parquet", str(tmp_path), "--redis-url", redis_url
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in await asyncio.to_thread(lambda: list(tmp_path.iterdir()))) == [
+        "TaskCompleted.parquet",
+        "WorkerHeartbeat.parquet",
+    ]
+    frame = pl.read_parquet(tmp_path / "TaskCompleted.parquet")
+    assert frame["worker"].to_list() == ["w1", "w2"]
+    assert frame["timings_eval_count"].to_list() == [100, None]
+    beats = pl.read_parquet(tmp_path / "WorkerHeartbeat.parquet")
+    assert json.loads(beats["loaded"][0]) == [D1]
+
+
+async def test_stats_shows_each_field_with_its_count_and_filters_by_worker(
+    redis_url: str, redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await fold_all(
+        redis_client, keys, [completed("t1", "w1"), completed("t2", "w2", timings=timings(tps=20.0))]
+    )
+    done = await asyncio.to_thread(
+        rl, "replay", "stats", "--worker", "w2", "--json", "--redis-url", redis_url
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["rows"]
+    decode = [r for r in rows if r["field"] == "decode_tps"]
+    assert [(r["key"], r["n"], r["value"]) for r in decode] == [(f"w2 / {D1[:12]}", 1, pytest.approx(20.0))]
+    assert all("w1" not in r["key"] for r in rows)
+    table = await asyncio.to_thread(rl, "replay", "stats", "--redis-url", redis_url)
+    assert table.returncode == 0 and "decode_tps" in table.stdout and "updated_at" in table.stdout
