@@ -88,6 +88,33 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
+# Withdraw a task that no worker has taken: find its entry by task id and delete it only if it is not
+# in the group's pending list (delivered entries belong to a worker, which is told to stop instead).
+# KEYS[1] queue; ARGV group, task id. Returns {status, entry id, attempt}: 2 removed; 1 delivered
+# (running, left alone); 0 no entry for the task (finished, or never queued here).
+_CANCEL_QUEUED: Final = """
+local rows = redis.call('XRANGE', KEYS[1], '-', '+')
+for _, row in ipairs(rows) do
+  local flat = row[2]
+  local id, attempt = nil, 1
+  for i = 1, #flat, 2 do
+    if flat[i] == 'id' then id = flat[i + 1]
+    elseif flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end
+  end
+  if id == ARGV[2] then
+    local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], row[1], row[1], 1)
+    if type(p) == 'table' and p.err == nil and #p > 0 then return {1, row[1], attempt} end
+    redis.call('XDEL', KEYS[1], row[1])
+    return {2, row[1], attempt}
+  end
+end
+return {0, '', 0}
+"""
+
+CANCEL_REMOVED: Final = 2
+CANCEL_RUNNING: Final = 1
+CANCEL_ABSENT: Final = 0
+
 REQUEUED: Final = 1
 NOT_OURS: Final = 0
 VANISHED: Final = -1
@@ -136,6 +163,7 @@ class TaskQueues:
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
         self._result_once = redis.register_script(_RESULT_ONCE)
+        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -177,6 +205,12 @@ class TaskQueues:
         )
         status, new, attempt, task_id = reply
         return Requeue(int(status), _s(new), int(attempt), _s(task_id))
+
+    async def cancel_queued(self, queue: str, task_id: str) -> tuple[int, str, int]:
+        """Delete `task_id`'s entry unless a worker holds it: (status, entry id, attempt); see _CANCEL_QUEUED."""
+        reply: Any = await self._cancel_queued(keys=[queue], args=[WORKERS_GROUP, task_id])
+        status, entry_id, attempt = reply
+        return int(status), _s(entry_id), int(attempt)
 
     async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
         """The fields of one entry, or None if it is gone."""
@@ -257,7 +291,7 @@ def find_holders(model: str, leases: dict[str, LeaseInfo]) -> tuple[str | None, 
     holders: list[str] = []
     for info in leases.values():
         for entry in info.serving():
-            if _names(entry, model):
+            if names_model(entry, model):
                 digest = digest or entry.digest
                 if entry.digest == digest:
                     holders.append(info.worker)
@@ -265,7 +299,8 @@ def find_holders(model: str, leases: dict[str, LeaseInfo]) -> tuple[str | None, 
     return digest, sorted(set(holders))
 
 
-def _names(entry: ModelEntry, model: str) -> bool:
+def names_model(entry: ModelEntry, model: str) -> bool:
+    """Whether `model` (a name, an alias without `:latest`, or a 12+ digit digest prefix) names `entry`."""
     if entry.name == model:
         return True
     # `qwen3` means `qwen3:latest`, as Ollama reads it.

@@ -89,6 +89,7 @@ def fast_config(name: str, **overrides: object) -> WorkerConfig:
         "block_ms": 200,
         "cooldown_s": 0.3,
         "drain_timeout_s": 10.0,
+        "auto_bench": False,
     }
     values.update(overrides)
     return WorkerConfig(**values)  # type: ignore[arg-type]

@@ -21,10 +21,12 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from events.errors import RouteledgerError
 from events.event import (
     BenchmarkResult,
     Event,
     ModelEntry,
+    QualityScored,
     TaskClaimed,
     TaskCompleted,
     TaskFailed,
@@ -39,6 +41,7 @@ from events.ledger import Ledger
 from events.queue import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
 from events.task import Chunk, Result, encode_chunk, sha256_hex
 from workers.backend import Backend, Generated, Inventory
+from workers.benchmark import grade, needs_benchmark, prompt_by_id, request_benchmark
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.resources import read_resources
 
@@ -63,6 +66,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # Output is flushed to rl:out in small batches: the first piece at once, then this often.
     flush_ms: float = 25.0
     cancel_check_ms: float = 250.0
+    # Benchmark itself on start, on gaining a model, and when its speed rows are thin or stale.
+    auto_bench: bool = True
+    bench_min_samples: int = 3
+    bench_stale_after_s: float = 7 * 86_400.0
+    bench_check_s: float = 30.0
+    bench_domain: str = "general"
 
 
 class Gate(Protocol):
@@ -119,6 +128,9 @@ class WorkerAgent:
         self._failures = 0
         self._slot_freed = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+        self._inventory_changed = asyncio.Event()
+        # digest -> monotonic time of the last benchmark this worker requested for itself
+        self._benched: dict[str, float] = {}
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -169,6 +181,8 @@ class WorkerAgent:
             await self.queues.ensure_group(queue)
         await self._recover_own_pending()
         self._background.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        if self.config.auto_bench:
+            self._background.append(asyncio.create_task(self._benchmark_loop(), name="benchmarks"))
         log.info(
             "worker %s online: %d slot(s), serving %s",
             self.name,
@@ -339,6 +353,8 @@ class WorkerAgent:
             return
         if not self.backend_ok and not first:
             log.info("backend %s is back", self.backend.url)
+        if {m.digest for m in inventory.models} != {m.digest for m in self.inventory.models}:
+            self._inventory_changed.set()
         self.backend_ok = True
         self.inventory = inventory
 
@@ -502,6 +518,9 @@ class WorkerAgent:
             )
             if first:
                 await self._append(event)
+                await self._grade(
+                    task.digest, task.domain, task.bench_id, task.task_id, task.bench_prompt, text
+                )
         event = TaskCompleted(
             task_id=task.task_id,
             worker=self.name,
@@ -527,6 +546,70 @@ class WorkerAgent:
                 entry.entry_id,
                 entry.queue,
             )
+
+    async def _grade(
+        self, digest: str, domain: str, bench_id: str, task_id: str, prompt_id: str | None, text: str
+    ) -> None:
+        """Grade a benchmark answer by its reference check: a quality sample, separate from speed."""
+        prompt = prompt_by_id(prompt_id) if prompt_id else None
+        if prompt is None:
+            return
+        await self._append(
+            QualityScored(
+                digest=digest,
+                domain=domain,
+                score=grade(prompt, text),
+                grader="reference",
+                task_id=task_id,
+                bench_id=bench_id,
+                worker=self.name,
+            )
+        )
+
+    async def _benchmark_loop(self) -> None:
+        """Benchmark every served model whose speed row on this worker is thin or stale."""
+        from projections.reader import snapshot
+
+        first = True
+        while True:
+            try:
+                snap = await snapshot(self.redis, self.keys)
+                now = now_ms()
+                for model in self.serving():
+                    recent = self._benched.get(model.digest)
+                    if recent is not None and time.monotonic() - recent < 600:
+                        continue  # asked already; its results may not be folded yet
+                    need = needs_benchmark(
+                        snap,
+                        self.name,
+                        model.digest,
+                        now,
+                        min_samples=self.config.bench_min_samples,
+                        stale_after_s=self.config.bench_stale_after_s,
+                    )
+                    if need is None:
+                        continue
+                    count, why = need
+                    reason = "joined" if first else why
+                    await request_benchmark(
+                        self.queues,
+                        worker=self.name,
+                        model=model.name,
+                        digest=model.digest,
+                        domain=self.config.bench_domain,
+                        count=count,
+                        reason=reason,
+                    )
+                    self._benched[model.digest] = time.monotonic()
+                    log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
+                first = False
+            except (RedisError, OSError) as exc:
+                log.warning("could not check benchmarks (%s); will retry", exc)
+            except RouteledgerError as exc:
+                log.warning("could not read the speed table (%s); will retry", exc)
+            self._inventory_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inventory_changed.wait(), self.config.bench_check_s)
 
     async def _fail(self, run: Running, exc: BackendError) -> None:
         entry = run.entry

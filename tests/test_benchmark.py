@@ -1,0 +1,66 @@
+"""Benchmarks for every holder: on joining, the worker measures itself; answers are graded apart."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskCompleted
+from events.keys import Keys
+from events.lease import live_workers
+from events.ledger import Ledger
+from events.queue import TaskQueues
+from sim.host import SimHosts
+from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from workers.benchmark import benchset, grade, holders, pick, request_benchmark
+
+
+def test_the_shipped_prompt_set_covers_every_domain_and_its_answers_pass_their_own_checks() -> None:
+    prompts = benchset()
+    assert {p.domain for p in prompts} >= {"general", "code", "japanese"}
+    for p in prompts:
+        assert p.answer is not None and grade(p, f"The answer: {p.answer}.") == 1.0, p.id
+        assert grade(p, "I do not know.") == 0.0, p.id
+    assert [p.domain for p in pick("japanese", 4)] == ["japanese"] * 4
+
+
+async def test_a_worker_that_joins_benchmarks_itself_and_its_answers_are_graded_separately(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
+        config = fast_config("a", auto_bench=True, bench_min_samples=3)
+        async with running_agent(redis_client, sim.url("a"), config):
+            await wait_until(lambda: _count(ledger, QualityScored, 3), timeout=30)
+    requested = await events_of(ledger, BenchmarkRequested)
+    assert [(r.worker, r.digest, r.prompts, r.reason) for r in requested] == [("a", MODEL_DIGEST, 3, "joined")]
+    results = await events_of(ledger, BenchmarkResult)
+    assert len(results) == 3 and {r.bench_id for r in results} == {requested[0].bench_id}
+    assert all(r.timings.eval_count and r.timings.eval_duration for r in results)
+    grades = await events_of(ledger, QualityScored)
+    assert {(g.digest, g.grader, g.worker) for g in grades} == {(MODEL_DIGEST, "reference", "a")}
+    assert all(g.score in (0.0, 1.0) for g in grades)
+    # A benchmark is also a completed task, so the task history shows it; it is pinned, never shared.
+    done = await events_of(ledger, TaskCompleted)
+    assert {e.bench_id for e in done} == {requested[0].bench_id}
+
+
+async def test_bench_run_reaches_every_live_holder_not_only_the_fastest(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
+        async with (
+            running_agent(redis_client, sim.url("a"), fast_config("a")),
+            running_agent(redis_client, sim.url("b"), fast_config("b")),
+            running_agent(redis_client, sim.url("c"), fast_config("c")),
+        ):
+            targets = holders(await live_workers(redis_client, Keys()), "m")
+            assert [(w, d) for w, _, d in targets] == [("a", MODEL_DIGEST), ("b", MODEL_DIGEST)]
+            for worker, name, digest in targets:
+                await request_benchmark(queues, worker=worker, model=name, digest=digest, count=2)
+            await wait_until(lambda: _count(ledger, BenchmarkResult, 4), timeout=30)
+    results = await events_of(ledger, BenchmarkResult)
+    assert sorted(r.worker for r in results) == ["a", "a", "b", "b"]
+
+
+async def _count(ledger: Ledger, kind: type, n: int) -> bool:
+    return len(await events_of(ledger, kind)) >= n

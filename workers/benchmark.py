@@ -1,0 +1,129 @@
+"""Benchmarks for every holder: the shipped prompt set, requests to pinned queues, reference grading.
+
+Design rule 4: measure every machine, when it is awake. A worker benchmarks itself when it comes
+online, when it gains a model, and whenever one of its (worker, digest) speed rows has fewer than
+`min_samples` samples or only stale ones. `routeledger bench run` sends the prompt set to every
+live holder, never only to the current winner. Speed comes from the runs (BenchmarkResult); quality
+is graded from the same answers but recorded separately (QualityScored), at its own time.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from functools import cache
+from importlib import resources
+
+import msgspec
+
+from events.event import BenchmarkRequested
+from events.lease import LeaseInfo
+from events.queue import TaskQueues, names_model
+from events.task import Message, TaskMessage
+from projections.snapshot import Snapshot
+
+
+class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One shipped benchmark prompt with its reference check."""
+
+    id: str
+    domain: str
+    prompt: str
+    expect: list[str]
+    answer: str | None = None
+    max_tokens: int = 64
+
+
+class _Set(msgspec.Struct):
+    prompt: list[BenchPrompt]
+
+
+@cache
+def benchset() -> tuple[BenchPrompt, ...]:
+    """The prompt set shipped in workers/benchset.toml."""
+    text = (resources.files("workers") / "benchset.toml").read_text(encoding="utf-8")
+    return tuple(msgspec.toml.decode(text, type=_Set).prompt)
+
+
+def prompt_by_id(prompt_id: str) -> BenchPrompt | None:
+    return next((p for p in benchset() if p.id == prompt_id), None)
+
+
+def domains() -> list[str]:
+    return sorted({p.domain for p in benchset()})
+
+
+def grade(prompt: BenchPrompt, answer: str) -> float:
+    """1.0 when the answer matches any of the prompt's expected patterns, else 0.0."""
+    return 1.0 if any(re.search(pattern, answer) for pattern in prompt.expect) else 0.0
+
+
+def pick(domain: str, count: int, start: int = 0) -> list[BenchPrompt]:
+    """`count` prompts of `domain`, rotating from `start` so that repeated runs vary."""
+    pool = [p for p in benchset() if p.domain == domain] or list(benchset())
+    return [pool[(start + i) % len(pool)] for i in range(count)]
+
+
+async def request_benchmark(
+    queues: TaskQueues,
+    *,
+    worker: str,
+    model: str,
+    digest: str,
+    domain: str = "general",
+    count: int = 3,
+    reason: str = "manual",
+    start: int = 0,
+) -> str:
+    """Queue `count` benchmark prompts on `worker`'s pinned stream; returns the bench id."""
+    bench_id = uuid.uuid4().hex[:16]
+    queue = queues.keys.pinned(worker)
+    for i, prompt in enumerate(pick(domain, count, start)):
+        task = TaskMessage(
+            task_id=f"bench-{bench_id}-{i}",
+            model=model,
+            digest=digest,
+            messages=[Message(role="user", content=prompt.prompt)],
+            domain=prompt.domain,
+            max_tokens=prompt.max_tokens,
+            options={"temperature": 0},
+            bench_id=bench_id,
+            bench_prompt=prompt.id,
+        )
+        await queues.enqueue(queue, task)
+    await queues.ledger.append(
+        BenchmarkRequested(
+            bench_id=bench_id,
+            worker=worker,
+            digest=digest,
+            model=model,
+            domain=domain,
+            prompts=count,
+            reason=reason,
+        )
+    )
+    return bench_id
+
+
+def needs_benchmark(
+    snapshot: Snapshot, worker: str, digest: str, now_ms: int, *, min_samples: int, stale_after_s: float
+) -> tuple[int, str] | None:
+    """How many samples (worker, digest) lacks and why, or None when its speed row is enough."""
+    row = snapshot.speed.get((worker, digest))
+    n = row.decode_tps.n if row is not None else 0
+    if n < min_samples:
+        return min_samples - n, f"{n} of {min_samples} samples"
+    age = row.decode_tps.age_s(now_ms) if row is not None else None
+    if age is not None and age > stale_after_s:
+        return min_samples, f"newest sample {age / 3600:.1f} h old"
+    return None
+
+
+def holders(leases: dict[str, LeaseInfo], model: str | None) -> list[tuple[str, str, str]]:
+    """(worker, model name, digest) for every live holder of `model` (every served model if None)."""
+    out: list[tuple[str, str, str]] = []
+    for name, info in sorted(leases.items()):
+        for entry in info.serving():
+            if model is None or names_model(entry, model):
+                out.append((name, entry.name, entry.digest))
+    return out
