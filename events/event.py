@@ -249,6 +249,7 @@ class BenchmarkResult(Event, frozen=True, kw_only=True):
     ttft_ms: float | None = None
     wall_ms: float | None = None
     in_flight: int = 1
+    prompt_id: str = ""
 
 
 class QualityScored(Event, frozen=True, kw_only=True):

@@ -19,6 +19,7 @@ from rich.table import Table
 import routeledger
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
+from routeledger.cli_bench import bench_app
 from routeledger.cli_replay import projector_cmd, replay_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
@@ -58,6 +59,7 @@ app.command("projector")(projector_cmd)
 app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
 app.command("reaper")(guarded(reaper_cmd))
+app.add_typer(bench_app, name="bench")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -31,7 +31,9 @@ async def test_a_worker_that_joins_benchmarks_itself_and_its_answers_are_graded_
         async with running_agent(redis_client, sim.url("a"), config):
             await wait_until(lambda: _count(ledger, QualityScored, 3), timeout=30)
     requested = await events_of(ledger, BenchmarkRequested)
-    assert [(r.worker, r.digest, r.prompts, r.reason) for r in requested] == [("a", MODEL_DIGEST, 3, "joined")]
+    assert [(r.worker, r.digest, r.prompts, r.reason) for r in requested] == [
+        ("a", MODEL_DIGEST, 3, "joined")
+    ]
     results = await events_of(ledger, BenchmarkResult)
     assert len(results) == 3 and {r.bench_id for r in results} == {requested[0].bench_id}
     assert all(r.timings.eval_count and r.timings.eval_duration for r in results)
@@ -64,3 +66,51 @@ async def test_bench_run_reaches_every_live_holder_not_only_the_fastest(
 
 async def _count(ledger: Ledger, kind: type, n: int) -> bool:
     return len(await events_of(ledger, kind)) >= n
+
+
+async def test_the_bench_run_command_prints_every_holders_speed(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    import asyncio
+    import sys
+
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
+        async with (
+            running_agent(redis_client, sim.url("a"), fast_config("a")),
+            running_agent(redis_client, sim.url("b"), fast_config("b")),
+        ):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "routeledger",
+                "bench",
+                "run",
+                "--model",
+                "m",
+                "--count",
+                "2",
+                "--timeout",
+                "60",
+                "--redis-url",
+                redis_url,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 90)
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert "sent 2 general prompts to a" in text and "sent 2 general prompts to b" in text
+    assert "200.0" in text  # the simulated decode speed of both machines, measured
+
+
+def test_bench_run_without_a_holder_is_a_clear_error(redis_url: str) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "routeledger", "bench", "run", "--model", "nope", "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "no live worker serves model 'nope'" in result.stderr

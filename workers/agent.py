@@ -515,6 +515,7 @@ class WorkerAgent:
                 ttft_ms=ttft_ms,
                 wall_ms=wall_ms,
                 in_flight=len(self.running),
+                prompt_id=task.bench_prompt or "",
             )
             if first:
                 await self._append(event)
