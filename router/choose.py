@@ -17,7 +17,7 @@ import msgspec
 
 from router.errors import NoHolderError, NoModelError
 from router.estimate import Estimator, Field
-from router.plan import FleetView, Plan, PlanParams, PlanState, plan_queue
+from router.plan import FleetView, Plan, PlanParams, PlanState, plan_queue, slot_free_times
 
 DomainClassifier = Callable[[str], str]
 
@@ -81,7 +81,13 @@ class Ranking(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 def _ranks(values: list[float]) -> list[int]:
     """Competition ranks (1, 1, 3, …): equal values share a rank."""
-    return [1 + sum(1 for v in values if v < x - 1e-9) for x in values]
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0] * len(values)
+    for pos, i in enumerate(order):
+        prev = order[pos - 1] if pos else None
+        same = prev is not None and values[i] - values[prev] <= 1e-9
+        ranks[i] = ranks[prev] if same and prev is not None else pos + 1
+    return ranks
 
 
 def rank_workers(
@@ -94,13 +100,17 @@ def rank_workers(
     prompt_tokens: int | None = None,
     max_tokens: int | None = None,
     params: PlanParams | None = None,
+    free: Mapping[str, list[float]] | None = None,
 ) -> Ranking:
-    """Every live holder of `digest`, ranked by when it would finish a new task queued behind the backlog."""
+    """Every live holder of `digest`, ranked by when it would finish a new task queued behind the backlog.
+
+    `free`: every worker's slot free times, when the caller ranks several models on one view.
+    """
     p = params or PlanParams()
     holders = view.holders(digest)
     if not holders:
         raise NoHolderError(digest)
-    plan = plan_queue(view, est, digest, now_ms, params=p)
+    plan = plan_queue(view, est, digest, now_ms, params=p, free=free)
     state = PlanState(holders, est, digest, now_ms, p, free=plan.free_s)
     planned = {a.worker for a in plan.assignments}
     prompt = p.default_prompt_tokens if prompt_tokens is None else prompt_tokens
@@ -198,6 +208,9 @@ def choose_model(
 ) -> Choice:
     """`auto`: the model (name -> digest in `models`) with the best utility for `domain`."""
     p = params or ChooseParams()
+    pp = plan_params or PlanParams()
+    # Slot free times depend on the worker, not the model: once for all models.
+    free = {w.name: slot_free_times(w, est, now_ms, pp) for w in view.workers}
     scored: list[tuple[str, str, float, Field, Ranking]] = []
     seen: set[str] = set()
     for name, digest in sorted(models.items()):
@@ -213,7 +226,8 @@ def choose_model(
             domain=domain,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
-            params=plan_params,
+            params=pp,
+            free=free,
         )
         quality = est.quality(digest, domain)
         finish = ranking.best.expected_finish_s

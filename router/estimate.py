@@ -117,12 +117,13 @@ def _newest(a: int | None, b: int | None) -> int | None:
 class _Pool:
     """Weighted sums of one column (or row) so that leave-one-out means cost O(1)."""
 
-    __slots__ = ("cells", "n", "wsum", "wxsum")
+    __slots__ = ("cells", "n", "newest", "wsum", "wxsum")
 
     def __init__(self) -> None:
         self.wsum = 0.0
         self.wxsum = 0.0
         self.n = 0
+        self.newest: int | None = None
         self.cells: dict[str, _Cell] = {}
 
     def add(self, key: str, cell: _Cell) -> None:
@@ -130,6 +131,7 @@ class _Pool:
         self.wsum += cell.weight
         self.wxsum += cell.weight * cell.mean
         self.n += cell.n
+        self.newest = _newest(self.newest, cell.updated_at)
 
     def without(self, key: str | None) -> tuple[float, float, int, int | None] | None:
         """(mean, weight, n, newest) of the pool with `key` left out, or None when nothing is left."""
@@ -141,11 +143,8 @@ class _Pool:
             n -= own.n
         if wsum <= 1e-12 or len(self.cells) - (own is not None) == 0:
             return None
-        newest: int | None = None
-        for k, c in self.cells.items():
-            if k != key:
-                newest = _newest(newest, c.updated_at)
-        return wxsum / wsum, wsum, n, newest
+        # The age shown is the pool's newest sample (the left-out one included: an age, not a value).
+        return wxsum / wsum, wsum, n, self.newest
 
 
 class _TwoWay:
@@ -160,13 +159,18 @@ class _TwoWay:
         self.by_model: dict[str, dict[str, tuple[float, float]]] = {}
         self.n_worker: dict[str, int] = {}
         self.n_model: dict[str, int] = {}
+        self.newest_worker: dict[str, int | None] = {}
+        self.newest_model: dict[str, int | None] = {}
         for (w, m), c in cells.items():
+            self.newest_worker[w] = _newest(self.newest_worker.get(w), c.updated_at)
+            self.newest_model[m] = _newest(self.newest_model.get(m), c.updated_at)
             y = math.log(max(c.mean, 1e-6))
             self.by_worker.setdefault(w, {})[m] = (y, c.weight)
             self.by_model.setdefault(m, {})[w] = (y, c.weight)
             self.n_worker[w] = self.n_worker.get(w, 0) + c.n
             self.n_model[m] = self.n_model.get(m, 0) + c.n
         self.a: dict[str, float] = dict.fromkeys(self.by_worker, 0.0)
+        self._sums: dict[str, tuple[float, float]] = {}
         self.b: dict[str, float] = {
             m: sum(y * wt for y, wt in ws.values()) / sum(wt for _, wt in ws.values())
             for m, ws in self.by_model.items()
@@ -187,10 +191,20 @@ class _TwoWay:
         others = self.by_model.get(model)
         if not mine or not others:
             return None
-        if not any(m != model for m in mine) or not any(w != worker for w in others):
+        own = mine.get(model)
+        if len(mine) - (own is not None) == 0 or len(others) - (worker in others) == 0:
             return None
-        num = sum((y - self.b[m]) * wt for m, (y, wt) in mine.items() if m != model)
-        den = sum(wt for m, (_, wt) in mine.items() if m != model)
+        sums = self._sums.get(worker)
+        if sums is None:
+            sums = (
+                sum((y - self.b[m]) * wt for m, (y, wt) in mine.items()),
+                sum(wt for _, wt in mine.values()),
+            )
+            self._sums[worker] = sums
+        num, den = sums
+        if own is not None:
+            num -= (own[0] - self.b[model]) * own[1]
+            den -= own[1]
         if den <= 1e-12:
             return None
         return math.exp(num / den + self.b[model]), self.n_worker[worker], self.n_model[model]
@@ -256,8 +270,18 @@ class Estimator:
                 self._quality_cells[(qrow.digest, qrow.domain)] = c
                 self._quality_pools.setdefault(qrow.digest, _Pool()).add(qrow.domain, c)
         self._speed_cache: dict[tuple[str, str], SpeedEstimate] = {}
+        # Values other router modules derive from these estimates, cached with them (the plan's
+        # per (worker, digest, domain) service coefficients): valid exactly as long as the estimates.
+        self.memo: dict[tuple[str, str, str], object] = {}
         self._length_cache: dict[tuple[str, str], Field] = {}
         self._quality_cache: dict[tuple[str, str], Field] = {}
+
+    def clear_cache(self) -> None:
+        """Forget the looked-up estimates (the fits stay): for benchmarks of a cold decision."""
+        self._speed_cache.clear()
+        self._length_cache.clear()
+        self._quality_cache.clear()
+        self.memo.clear()
 
     def _age(self, at: int | None) -> float | None:
         return None if at is None else max(0.0, (self.now_ms - at) / 1000.0)
@@ -266,11 +290,9 @@ class Estimator:
         fitted = self._fits[field].prior(worker, digest)
         if fitted is not None:
             value, n_worker, n_model = fitted
-            newest: int | None = None
-            for (w, m), c in self._speed_cells[field].items():
-                if (w == worker) != (m == digest):
-                    newest = _newest(newest, c.updated_at)
-            age = self._age(newest)
+            age = self._age(
+                _newest(self._fits[field].newest_worker[worker], self._fits[field].newest_model[digest])
+            )
             return _Prior(
                 value=value,
                 source=f"two-way worker n={n_worker} x model n={n_model}, age {format_age(age)}",

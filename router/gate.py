@@ -19,7 +19,7 @@ class GateParams(msgspec.Struct, kw_only=True, frozen=True):
     # "arrivals": the same plan, with the tasks expected to arrive while I would serve the head
     # counted into the others' backlog (`arrival_weight` of them).
     rule: str = "arrivals"
-    arrival_weight: float = 0.5
+    arrival_weight: float = 0.6
     plan: PlanParams = PlanParams()
 
 

@@ -147,13 +147,19 @@ class _Coef(msgspec.Struct, kw_only=True, gc=False):
 
 
 def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
+    key = (worker, digest, domain)
+    hit = est.memo.get(key)
+    if isinstance(hit, _Coef):
+        return hit
     sp = est.speed(worker, digest)
-    return _Coef(
+    coef = _Coef(
         load_s=sp.load_s.value,
         per_prompt=1.0 / sp.prompt_tps.value,
         per_out=1.0 / sp.decode_tps.value,
         out=est.output_tokens(digest, domain).value,
     )
+    est.memo[key] = coef
+    return coef
 
 
 def slot_free_times(
@@ -161,6 +167,8 @@ def slot_free_times(
 ) -> list[float]:
     """When each of the worker's slots is expected free, seconds from now, earliest first."""
     p = params or PlanParams()
+    if not worker.running:
+        return [0.0] * max(1, worker.slots)
     remaining: list[float] = []
     for t in worker.running:
         expected = t.expected_s
@@ -230,8 +238,9 @@ class PlanState:
         free: Mapping[str, list[float]] | None = None,
     ) -> None:
         self.names = [w.name for w in holders]
+        known = free or {}
         self.free = [
-            list(free[w.name]) if free is not None else slot_free_times(w, est, now_ms, params)
+            list(known[w.name]) if w.name in known else slot_free_times(w, est, now_ms, params)
             for w in holders
         ]
         self.loaded = [digest in w.loaded for w in holders]
@@ -251,10 +260,15 @@ class PlanState:
         """(holder index, start, finish) of the slot that would finish `entry` earliest."""
         coefs = self.coefs_for(entry.domain)
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+        cap = entry.max_tokens
         best_i, best_start, best_finish = -1, 0.0, math.inf
+        free, loaded = self.free, self.loaded
         for i, c in enumerate(coefs):
-            start = max(self.free[i][0], ready_s)
-            finish = start + c.seconds(prompt, entry.max_tokens, self.loaded[i])
+            start = free[i][0]
+            if start < ready_s:
+                start = ready_s
+            out = c.out if cap is None or cap >= c.out else cap
+            finish = start + prompt * c.per_prompt + out * c.per_out + (0.0 if loaded[i] else c.load_s)
             if finish < best_finish:
                 best_i, best_start, best_finish = i, start, finish
         return best_i, best_start, best_finish
@@ -279,14 +293,18 @@ def plan_queue(
     *,
     backlog: Iterable[BacklogEntry] | None = None,
     params: PlanParams | None = None,
+    free: Mapping[str, list[float]] | None = None,
 ) -> Plan:
-    """Assign `digest`'s backlog (or the given entries) in order to the holder finishing each earliest."""
+    """Assign `digest`'s backlog (or the given entries) in order to the holder finishing each earliest.
+
+    `free`: each worker's slot free times (`slot_free_times`) when the caller already has them.
+    """
     p = params or PlanParams()
     holders = view.holders(digest)
     entries = view.backlog.get(digest, []) if backlog is None else backlog
     if not holders:
         return Plan(digest=digest, assignments=[], free_s={})
-    state = PlanState(holders, est, digest, now_ms, p)
+    state = PlanState(holders, est, digest, now_ms, p, free=free)
     out: list[Assignment] = []
     for e in entries:
         i, start, finish = state.best(e)

@@ -1,0 +1,87 @@
+"""Choosing the model for `auto` and ranking holders, with every term as plain data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.choose import ChooseParams, choose_model, classify_domain, decide, rank_workers
+from router.errors import NoHolderError, NoModelError
+from tests.router_helpers import ELYZA, NOW, QWEN, estimator, snapshot, speed_row, view, worker
+
+MODELS = {"qwen3:8b": QWEN, "elyza-jp-8b": ELYZA}
+
+
+def fleet_est(*extra: object):
+    rows = [
+        *extra,
+        speed_row("rtx3070ti", QWEN, 83.0, 10, prompt=2000.0, load=3.0),
+        speed_row("rtx3070ti", ELYZA, 88.0, 10, prompt=2100.0, load=3.0),
+    ]
+    lengths = {(QWEN, "japanese"): 600.0, (ELYZA, "japanese"): 180.0, (QWEN, "general"): 600.0}
+    quality = {(QWEN, "japanese"): 0.62, (ELYZA, "japanese"): 0.82, (QWEN, "general"): 0.74}
+    return estimator(snapshot(rows, lengths, quality))
+
+
+@pytest.mark.parametrize(
+    ("text", "domain"),
+    [
+        ("日本の首都はどこですか", "japanese"),
+        ("def add(a, b):\n    return a + b\nwhy does this fail?", "code"),
+        ("```\nSELECT name FROM users\n```", "code"),
+        ("What is the capital of France?", "general"),
+    ],
+)
+def test_the_default_classifier_tells_code_japanese_and_general_apart(text: str, domain: str) -> None:
+    assert classify_domain(text) == domain
+
+
+def test_auto_picks_the_model_with_the_better_quality_and_latency_for_the_domain() -> None:
+    fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
+    choice = choose_model(MODELS, fv, fleet_est(), NOW, domain="japanese")
+    assert choice.model == "elyza-jp-8b"
+    assert [c.rank for c in choice.candidates] == [1, 2]
+    assert choice.candidates[0].utility > choice.candidates[1].utility
+
+
+def test_the_latency_weight_can_outweigh_quality() -> None:
+    fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
+    quality_only = choose_model(
+        MODELS, fv, fleet_est(), NOW, domain="japanese", params=ChooseParams(latency_weight=0.0)
+    )
+    assert quality_only.model == "elyza-jp-8b"
+    # ELYZA only on a slow machine: qwen on the fast one finishes far sooner.
+    slow = view([worker("rtx3070ti", {QWEN}), worker("macbookair", {ELYZA})])
+    est = fleet_est(speed_row("macbookair", ELYZA, 2.0, 10, prompt=50.0, load=8.0))
+    latency_heavy = choose_model(
+        MODELS, slow, est, NOW, domain="japanese", params=ChooseParams(latency_weight=10.0)
+    )
+    assert latency_heavy.model == "qwen3:8b"
+
+
+def test_the_whole_decision_is_plain_json_with_weights_terms_and_sources() -> None:
+    fv = view([worker("rtx3070ti", {QWEN, ELYZA}), worker("macbookair", {QWEN, ELYZA})])
+    decision = decide("auto", MODELS, fv, fleet_est(), NOW, domain="japanese")
+    data = json.loads(json.dumps(decision.to_dict()))
+    assert data["auto"]["weights"]["latency_scale_s"] == ChooseParams().latency_scale_s
+    first = data["candidates"][0]
+    assert first["worker"] == "rtx3070ti"
+    assert set(first["terms"]) >= {"wait_s", "load_s", "prompt_s", "decode_s", "quality"}
+    assert first["fields"]["decode_tps"]["source"].startswith("worker n=10")
+    assert data["candidates"][1]["fields"]["decode_tps"]["source"].startswith("two-way") is False
+
+
+def test_equal_evidence_gives_equal_rank_whatever_the_names() -> None:
+    fv = view([worker("b", {QWEN}), worker("a", {QWEN})])
+    ranking = rank_workers(fv, fleet_est(), QWEN, NOW)
+    assert [c.rank for c in ranking.candidates] == [1, 1]
+
+
+def test_a_model_nobody_live_holds_is_a_clear_error() -> None:
+    with pytest.raises(NoHolderError, match="no live worker holds"):
+        rank_workers(view([]), fleet_est(), QWEN, NOW)
+    with pytest.raises(NoModelError):
+        choose_model(MODELS, view([]), fleet_est(), NOW)
+    with pytest.raises(NoModelError):
+        decide("llama-unknown", MODELS, view([worker("a", {QWEN})]), fleet_est(), NOW)
