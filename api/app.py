@@ -1,17 +1,44 @@
-"""The FastAPI application. It keeps no state of its own beyond connections, so several can run."""
+"""The FastAPI application: factory, middleware, error handlers, and the operations endpoints.
+
+It keeps no state of its own beyond connections and short caches, so several can run behind a
+balancer. The surfaces live in their own modules (native, openai, ollama, fleet); the logic they
+share lives in gateway.py.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
+from api import fleet, native, ollama, openai
+from api.auth import Guard
+from api.common import JSON, Limits
+from api.errors import (
+    ApiError,
+    BadRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    UnprocessableError,
+    render,
+    surface_of,
+)
+from api.gateway import TRANSIENT, Gateway, unavailable
+from api.metrics import CONTENT_TYPE, Metrics
 from events.keys import Keys
+from projections.errors import ProjectionError
+from projections.reader import lag
+
+log = logging.getLogger("routeledger.api")
 
 
 class AppConfig(msgspec.Struct, kw_only=True):
@@ -20,6 +47,12 @@ class AppConfig(msgspec.Struct, kw_only=True):
     redis_url: str
     prefix: str = "rl:"
     api_keys: list[str] = msgspec.field(default_factory=list)
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 256
+    # How long a non-streaming request waits for its task before answering 504.
+    wait_timeout_s: float = 600.0
+    # How long a request retries while Redis is unreachable before answering 503.
+    retry_budget_s: float = 1.5
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -27,33 +60,122 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.redis = aioredis.Redis.from_url(
+        client = aioredis.Redis.from_url(
             config.redis_url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=10
         )
-        app.state.keys = Keys(config.prefix)
+        keys = Keys(config.prefix)
+        app.state.redis = client
+        app.state.keys = keys
+        app.state.gateway = Gateway(
+            client, keys, retry_budget_s=config.retry_budget_s, wait_timeout_s=config.wait_timeout_s
+        )
         try:
             yield
         finally:
-            await app.state.redis.aclose()
+            await client.aclose()
 
     app = FastAPI(title="routeledger", version="0.1.0", lifespan=lifespan)
+    metrics = Metrics()
+    app.state.metrics = metrics
+    app.state.limits = Limits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
+    app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    _handlers(app)
+    app.include_router(native.router)
+    app.include_router(openai.router)
+    app.include_router(ollama.router)
+    app.include_router(fleet.router)
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
+    @app.get("/healthz", tags=["operations"])
+    async def healthz() -> JSON:
         """The process is up; says nothing of Redis."""
-        return {"status": "ok"}
+        return JSON({"status": "ok"})
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        """Ready when Redis answers."""
+    @app.get("/readyz", tags=["operations"])
+    async def readyz() -> JSON:
+        """Ready when Redis answers; reports how far the projector lags behind the ledger."""
+        client: aioredis.Redis = app.state.redis
         try:
-            await app.state.redis.ping()
-        except (RedisError, OSError) as exc:
-            return JSONResponse(
+            await client.ping()
+        except (RedisError, *TRANSIENT) as exc:
+            return JSON(
                 {"status": "unavailable", "redis": "unreachable", "detail": str(exc) or type(exc).__name__},
                 status_code=503,
                 headers={"Retry-After": "1"},
             )
-        return JSONResponse({"status": "ready", "redis": "ok"})
+        projector: dict[str, Any]
+        try:
+            entries, ms = await lag(client, app.state.keys)
+            projector = {"lag_entries": entries, "lag_ms": ms}
+        except ProjectionError as exc:
+            projector = {"lag_entries": None, "lag_ms": None, "detail": str(exc)}
+        return JSON({"status": "ready", "redis": "ok", "projector": projector})
+
+    @app.get("/metrics", tags=["operations"])
+    async def prometheus() -> Response:
+        """Prometheus metrics: requests and latency by route and model, queues, workers, projector."""
+        gw: Gateway = app.state.gateway
+        leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
+        body = await gw.retrying(lambda: metrics.scrape(app.state.redis, app.state.keys, leases))
+        return Response(body, media_type=CONTENT_TYPE)
 
     return app
+
+
+def _error_response(request: Request, exc: ApiError) -> Response:
+    return Response(
+        render(exc, surface_of(request.url.path)),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
+
+
+def _handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error_response(
+                request, BadRequestError("the body is not valid JSON", hint="send a JSON object")
+            )
+        # Only where and what, never the value: a value may be a prompt.
+        parts = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:5]
+        ]
+        param = ".".join(str(p) for p in errors[0].get("loc", ())[1:]) if errors else None
+        return _error_response(
+            request, UnprocessableError("; ".join(parts), hint="see the schema at /docs", param=param or None)
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, ApiError):
+            # FastAPI wraps an error raised while it reads the body (the guard's size limit).
+            return _error_response(request, exc.__cause__)
+        err: ApiError
+        if exc.status_code == 404:
+            err = NotFoundError(f"no route {request.method} {request.url.path}", hint="see /docs")
+        elif exc.status_code == 413:
+            err = PayloadTooLargeError(str(exc.detail))
+        else:
+            err = BadRequestError(str(exc.detail))
+            return Response(
+                render(err, surface_of(request.url.path)),
+                status_code=exc.status_code,
+                media_type="application/json",
+                headers=dict(exc.headers or {}),
+            )
+        return _error_response(request, err)
+
+    @app.exception_handler(RedisError)
+    async def redis_down(request: Request, exc: RedisError) -> Response:
+        log.warning("Redis error on %s: %s", request.url.path, exc)
+        return _error_response(request, unavailable(exc))
+
+    @app.exception_handler(ConnectionError)
+    async def connection_down(request: Request, exc: ConnectionError) -> Response:
+        return _error_response(request, unavailable(exc))

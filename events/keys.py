@@ -63,6 +63,10 @@ class Keys:
         # Set when a client asks a running task to stop; the worker polls it; expires.
         return f"{self.prefix}cancel:{task_id}"
 
+    def task(self, task_id: str) -> str:
+        # What the API recorded at submission (queue, model, routing breakdown), for lookups; expires.
+        return f"{self.prefix}task:{task_id}"
+
     @property
     def stalled(self) -> str:
         # Set of "queue entry-id" members already reported stalled, so each is reported once.

@@ -207,7 +207,7 @@ class TaskQueues:
         return Requeue(int(status), _s(new), int(attempt), _s(task_id))
 
     async def cancel_queued(self, queue: str, task_id: str) -> tuple[int, str, int]:
-        """Delete `task_id`'s entry unless a worker holds it: (status, entry id, attempt); see _CANCEL_QUEUED."""
+        """Delete `task_id`'s entry unless a worker holds it: (status, entry id, attempt); see above."""
         reply: Any = await self._cancel_queued(keys=[queue], args=[WORKERS_GROUP, task_id])
         status, entry_id, attempt = reply
         return int(status), _s(entry_id), int(attempt)

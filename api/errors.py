@@ -1,0 +1,177 @@
+"""Errors the API answers with, and how each client family expects to read them.
+
+Every error is an ApiError with an HTTP status, a type, a message and a hint. The native API
+renders it as `{"error": {"type", "message", "hint"}}`; the OpenAI-compatible endpoints as
+OpenAI does (`{"error": {"message", "type", "param", "code"}}`); the Ollama-compatible ones as
+Ollama does (`{"error": "..."}`), so that each client library raises its own error type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Final
+
+import msgspec
+
+from events.errors import RouteledgerError
+
+NATIVE: Final = "native"
+OPENAI: Final = "openai"
+OLLAMA: Final = "ollama"
+
+
+class ApiError(RouteledgerError):
+    """Raised when a request cannot be served; the base of every error the API answers with."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    # OpenAI's `code` for the same condition, where it has one.
+    openai_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.param = param
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+class BadRequestError(ApiError):
+    """Raised when a request is well-formed JSON but asks for something impossible (empty messages)."""
+
+    status = 400
+    type = "invalid_request"
+    openai_code = "invalid_request_error"
+
+
+class UnauthorizedError(ApiError):
+    """Raised when API keys are configured and the request carries none or a wrong one."""
+
+    status = 401
+    type = "unauthorized"
+    openai_code = "invalid_api_key"
+
+
+class NotFoundError(ApiError):
+    """Raised when a task, route or other named thing does not exist."""
+
+    status = 404
+    type = "not_found"
+
+
+class ModelNotFoundError(ApiError):
+    """Raised when no live worker serves the model a request names; the message lists what is served."""
+
+    status = 404
+    type = "model_not_found"
+    openai_code = "model_not_found"
+
+
+class ConflictError(ApiError):
+    """Raised when a request conflicts with the task's state (cancelling a finished task)."""
+
+    status = 409
+    type = "conflict"
+
+
+class PayloadTooLargeError(ApiError):
+    """Raised when a request body, or its list of messages, is over the configured limit."""
+
+    status = 413
+    type = "payload_too_large"
+    openai_code = "request_too_large"
+
+
+class UnprocessableError(ApiError):
+    """Raised when a request body does not match the endpoint's schema (wrong types, missing fields)."""
+
+    status = 422
+    type = "validation_error"
+    openai_code = "invalid_request_error"
+
+
+class RateLimitedError(ApiError):
+    """Raised when the API refuses work because too much is already waiting."""
+
+    status = 429
+    type = "rate_limited"
+    openai_code = "rate_limit_exceeded"
+
+
+class GenerationError(ApiError):
+    """Raised when a task ended without an answer: it failed, was dead-lettered or cancelled."""
+
+    status = 502
+    type = "generation_failed"
+
+
+class NotImplementedYetError(ApiError):
+    """Raised when an endpoint's machinery does not exist yet in this build."""
+
+    status = 501
+    type = "not_implemented"
+
+
+class UnavailableError(ApiError):
+    """Raised when Redis cannot be reached within the retry budget; the client should retry later."""
+
+    status = 503
+    type = "unavailable"
+
+
+class WaitTimeoutError(ApiError):
+    """Raised when a task did not finish within the time the API waits for it."""
+
+    status = 504
+    type = "timeout"
+
+
+_enc: Final = msgspec.json.Encoder()
+
+
+def render(exc: ApiError, surface: str) -> bytes:
+    """The JSON body of `exc` in the shape the clients of `surface` expect."""
+    if surface == OLLAMA:
+        message = exc.message if exc.hint is None else f"{exc.message} ({exc.hint})"
+        return _enc.encode({"error": message})
+    if surface == OPENAI:
+        message = exc.message if exc.hint is None else f"{exc.message}. {exc.hint}"
+        return _enc.encode(
+            {
+                "error": {
+                    "message": message,
+                    "type": _openai_type(exc),
+                    "param": exc.param,
+                    "code": exc.openai_code or exc.type,
+                }
+            }
+        )
+    return _enc.encode({"error": {"type": exc.type, "message": exc.message, "hint": exc.hint, **exc.extra}})
+
+
+def _openai_type(exc: ApiError) -> str:
+    # OpenAI's `type` is a coarse family; clients branch on the status code and `code`.
+    if exc.status in (400, 404, 409, 413, 422):
+        return "invalid_request_error"
+    if exc.status == 401:
+        return "authentication_error"
+    if exc.status == 429:
+        return "rate_limit_error"
+    return "server_error" if exc.status >= 500 else "api_error"
+
+
+def surface_of(path: str) -> str:
+    """Which client family a path belongs to, for the shape of its errors."""
+    if path.startswith("/api/"):
+        return OLLAMA
+    if path.startswith(("/v1/chat/", "/v1/completions", "/v1/models")):
+        return OPENAI
+    return NATIVE

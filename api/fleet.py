@@ -1,0 +1,154 @@
+"""The fleet and routing surface: who is there, what it can serve, the statistics, the preview."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Query, Request
+
+from api.common import JSON, gateway
+from api.errors import NotImplementedYetError
+from api.gateway import model_not_found
+from api.routing import catalog, fleet_view
+from api.schemas import BenchCreate
+from events.event import now_ms
+from events.queue import find_holders
+from projections.snapshot import Stamped, Stat
+from router.errors import RouterError
+from router.preview import preview
+
+router = APIRouter(tags=["fleet"])
+
+
+def _stamped(s: Stamped, now: int) -> dict[str, Any]:
+    return {"value": s.value, "at": s.at, "age_s": None if s.at is None else max(0.0, (now - s.at) / 1000)}
+
+
+@router.get("/v1/fleet")
+async def read_fleet(request: Request) -> JSON:
+    """Every known worker (live leases and the fleet table), and live slots per model."""
+    gw = gateway(request)
+    leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
+    evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
+    rows = evidence.snapshot.fleet
+    now = now_ms()
+    workers: list[dict[str, Any]] = []
+    for name in sorted(set(leases) | set(rows)):
+        info = leases.get(name)
+        row = rows.get(name)
+        if info is not None:
+            status = "draining" if info.draining else "online"
+            since: int | None = info.since
+        else:
+            status = row.status if row is not None and row.status != "online" else "offline"
+            since = row.status_since if row is not None else None
+        workers.append(
+            {
+                "id": name,
+                "status": status,
+                "since": since,
+                "lease_age_s": None if info is None else max(0.0, (now - info.renewed_at) / 1000),
+                "slots": info.slots if info is not None else (row.slots.value if row is not None else None),
+                "in_flight": info.in_flight
+                if info is not None
+                else (len(row.in_flight) if row is not None else None),
+                "models": [m.name for m in info.serving()] if info is not None else [],
+                "held": [m.name for m in info.inventory] if info is not None else [],
+                "loaded": list(info.loaded) if info is not None else [],
+                "resources": _stamped(row.resources, now) if row is not None else None,
+                "last_heartbeat": row.last_heartbeat if row is not None else None,
+            }
+        )
+    capacity = {m.name: m.slots for m in catalog(leases)}
+    return JSON({"workers": workers, "capacity": capacity, "projection": evidence.error or "ok"})
+
+
+def _stat(s: Stat, now: int) -> dict[str, Any]:
+    return {"n": s.n, "mean": s.mean, "decayed_mean": s.decayed_mean, "age_s": s.age_s(now)}
+
+
+@router.get("/v1/stats")
+async def stats(request: Request) -> JSON:
+    """The projection tables with sample counts and ages (what the router's estimates start from)."""
+    gw = gateway(request)
+    evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
+    snap = evidence.snapshot
+    now = now_ms()
+    return JSON(
+        {
+            "checkpoint": snap.checkpoint,
+            "half_life_s": snap.half_life_s,
+            "speed": [
+                {
+                    "worker": r.worker,
+                    "digest": r.digest,
+                    **{
+                        f: _stat(getattr(r, f), now) for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s")
+                    },
+                }
+                for r in snap.speed.values()
+            ],
+            "length": [
+                {"digest": r.digest, "domain": r.domain, "output_tokens": _stat(r.output_tokens, now)}
+                for r in snap.length.values()
+            ],
+            "quality": [
+                {"digest": r.digest, "domain": r.domain, "score": _stat(r.score, now)}
+                for r in snap.quality.values()
+            ],
+            "demand": [
+                {"digest": r.digest, "arrivals": _stat(r.arrivals, now)} for r in snap.demand.values()
+            ],
+            "projection": evidence.error or "ok",
+        }
+    )
+
+
+@router.get("/v1/route/preview")
+async def route_preview(
+    request: Request,
+    model: str = Query(description="a model name, alias, digest prefix, or 'auto'"),
+    domain: str = Query("general"),
+    tokens: int | None = Query(None, ge=1, description="prompt tokens of the request to preview"),
+    max_tokens: int | None = Query(None, ge=1),
+) -> JSON:
+    """What the router would do with such a request now: candidates with every term, and the plan."""
+    gw = gateway(request)
+    leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
+    models = {m.name: m.entry.digest for m in catalog(leases)}
+    if model != "auto":
+        digest, holders = find_holders(model, leases)
+        if digest is None or not holders:
+            raise model_not_found(model, leases)
+        models = {model: digest}
+    elif not models:
+        raise model_not_found(model, leases)
+    evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
+    backlog = await gw.retrying(lambda: gw.fleet.backlog(set(models.values())))
+    now = now_ms()
+    view = fleet_view(leases, evidence.snapshot, now, backlog)
+    try:
+        out = preview(
+            view,
+            evidence.estimator,
+            now,
+            model=model,
+            models=models,
+            domain=domain,
+            prompt_tokens=tokens,
+            max_tokens=max_tokens,
+        )
+    except RouterError as exc:
+        raise model_not_found(model, leases) from exc
+    return JSON(msgspec.to_builtins(out))
+
+
+@router.post("/v1/bench", status_code=501)
+async def bench(body: BenchCreate) -> JSON:
+    """Benchmark every live holder; not available until the benchmark runner exists."""
+    raise NotImplementedYetError(
+        "benchmark requests are not available in this build: the benchmark runner (router issue part 5) "
+        "does not exist yet",
+        hint="run `routeledger bench run` once it exists; workers are benchmarked when they come online",
+    )

@@ -1,0 +1,531 @@
+"""The one place where the HTTP surfaces meet Redis: submit, wait, relay, cancel, look up.
+
+Every surface (native, OpenAI, Ollama) turns its request into a TaskRequest and its response out
+of a Result or a relayed stream; nothing here knows any wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final, TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from api.errors import (
+    BadRequestError,
+    ConflictError,
+    GenerationError,
+    ModelNotFoundError,
+    NotFoundError,
+    UnavailableError,
+    WaitTimeoutError,
+)
+from api.routing import FleetState, catalog, fleet_view
+from events.codec import decode_rows, encode_fields
+from events.event import Event, TaskCancelled, TaskRouted, TaskSubmitted, now_ms
+from events.keys import Keys
+from events.lease import LeaseInfo
+from events.ledger import Ledger
+from events.queue import (
+    CANCEL_REMOVED,
+    CANCEL_RUNNING,
+    RESULT_TTL_MS,
+    TaskQueues,
+    describe_fleet,
+    find_holders,
+)
+from events.task import (
+    Chunk,
+    Message,
+    Result,
+    TaskMessage,
+    chunk_decoder,
+    estimate_tokens,
+    queue_fields,
+    result_decoder,
+    sha256_hex,
+)
+from projections.errors import ProjectionError
+from projections.reader import get_task
+from projections.snapshot import TaskRow
+from router.choose import Decision, classify_domain, decide
+from router.errors import RouterError
+
+log = logging.getLogger("routeledger.api")
+
+T = TypeVar("T")
+
+# Errors that mean "Redis is not there right now", as opposed to a command Redis refused.
+TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# The longest one blocking read waits: under the client's socket timeout, so a read never times out.
+_BLOCK_MS: Final = 2000
+_XREAD: Final = b"XREAD"
+
+
+class TaskRequest(msgspec.Struct, kw_only=True):
+    """A request for one generation, whichever surface it came through."""
+
+    model: str
+    kind: str = "chat"  # chat | generate
+    messages: list[Message] = msgspec.field(default_factory=list)
+    prompt: str | None = None
+    system: str | None = None
+    domain: str | None = None
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    max_tokens: int | None = None
+    format: Any = None
+    priority: int = 0
+    client: str | None = None
+
+
+class Submitted(msgspec.Struct, kw_only=True):
+    """A task accepted and queued."""
+
+    task: TaskMessage
+    queue: str
+    decision: Decision | None = None
+
+    @property
+    def task_id(self) -> str:
+        return self.task.task_id
+
+
+class Gateway:
+    """Submission, waiting, relaying and cancelling, over one Redis connection pool."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        retry_budget_s: float = 1.5,
+        wait_timeout_s: float = 600.0,
+        cancel_ttl_s: float = 3600.0,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ledger = Ledger(redis, keys)
+        self.queues = TaskQueues(redis, keys, self.ledger)
+        self.fleet = FleetState(redis, keys)
+        self.retry_budget_s = retry_budget_s
+        self.wait_timeout_s = wait_timeout_s
+        self.cancel_ttl_s = cancel_ttl_s
+
+    # -- resilience -----------------------------------------------------------------------------
+    async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op`, retrying while Redis is unreachable within the budget; then 503 with Retry-After."""
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(self.retry_budget_s),
+                wait=wait_exponential(multiplier=0.05, max=0.5),
+                retry=retry_if_exception_type(TRANSIENT),
+                reraise=True,
+            ):
+                with attempt:
+                    return await op()
+        except TRANSIENT as exc:
+            raise unavailable(exc) from None
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+    # -- models ---------------------------------------------------------------------------------
+    async def resolve(self, model: str) -> tuple[str, dict[str, LeaseInfo]]:
+        """The digest `model` names among live workers, and the leases it was resolved against.
+
+        A miss in the cached leases is checked once more against fresh ones, so that a worker
+        that just came online is found at once.
+        """
+        leases = await self.fleet.leases()
+        digest, holders = find_holders(model, leases)
+        if digest is None or not holders:
+            leases = await self.fleet.leases(fresh=True)
+            digest, holders = find_holders(model, leases)
+        if digest is None or not holders:
+            raise model_not_found(model, leases)
+        return digest, leases
+
+    async def route(
+        self, req: TaskRequest, domain: str, prompt_tokens: int
+    ) -> tuple[str, str, Decision | None, dict[str, LeaseInfo]]:
+        """(model name, digest, decision, leases) for a request; `auto` asks the router for the model."""
+        if req.model == "auto":
+            leases = await self.fleet.leases()
+            models = {m.name: m.entry.digest for m in catalog(leases)}
+            if not models:
+                leases = await self.fleet.leases(fresh=True)
+                models = {m.name: m.entry.digest for m in catalog(leases)}
+            if not models:
+                raise model_not_found("auto", leases)
+            decision = await self._decide("auto", models, leases, domain, prompt_tokens, req.max_tokens)
+            if decision is None:
+                raise model_not_found("auto", leases)
+            return decision.model, decision.digest, decision, leases
+        digest, leases = await self.resolve(req.model)
+        decision = await self._decide(
+            req.model, {req.model: digest}, leases, domain, prompt_tokens, req.max_tokens
+        )
+        return req.model, digest, decision, leases
+
+    async def _decide(
+        self,
+        model: str,
+        models: dict[str, str],
+        leases: dict[str, LeaseInfo],
+        domain: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+    ) -> Decision | None:
+        evidence = await self.fleet.evidence()
+        now = now_ms()
+        view = fleet_view(leases, evidence.snapshot, now, {})
+        try:
+            return decide(
+                model,
+                models,
+                view,
+                evidence.estimator,
+                now,
+                domain=domain,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
+        except RouterError as exc:
+            log.warning("router could not decide for model %s: %s", model, exc)
+            return None
+
+    # -- submission -----------------------------------------------------------------------------
+    async def submit(self, req: TaskRequest) -> Submitted:
+        """Resolve the model, record TaskSubmitted and TaskRouted, and queue the task, in one round trip."""
+        if req.kind == "chat" and not req.messages:
+            raise BadRequestError(
+                "messages must not be empty", param="messages", hint="send at least one message"
+            )
+        if req.kind == "generate" and req.prompt is None:
+            raise BadRequestError("prompt is required", param="prompt")
+        text = _prompt_text(req)
+        domain = req.domain or classify_domain(text)
+        prompt_tokens = estimate_tokens(text)
+        task_id = uuid.uuid4().hex
+        model, digest, decision, _ = await self.retrying(lambda: self.route(req, domain, prompt_tokens))
+        task = TaskMessage(
+            task_id=task_id,
+            model=model,
+            digest=digest,
+            kind=req.kind,
+            messages=req.messages,
+            prompt=req.prompt,
+            system=req.system,
+            domain=domain,
+            options=req.options,
+            max_tokens=req.max_tokens,
+            format=req.format,
+            priority=req.priority,
+            prompt_tokens=prompt_tokens,
+        )
+        queue = self.keys.queue(digest)
+        submitted = TaskSubmitted(
+            task_id=task_id,
+            model=model,
+            digest=digest,
+            queue=queue,
+            domain=domain,
+            kind=req.kind,
+            prompt_tokens=prompt_tokens,
+            max_tokens=req.max_tokens,
+            priority=req.priority,
+            prompt_bytes=len(text.encode()),
+            prompt_sha256=sha256_hex(text),
+            client=req.client,
+        )
+        events: list[Event] = [submitted]
+        routed_json = b""
+        if decision is not None:
+            breakdown = decision.to_dict()
+            best = decision.ranking.best
+            events.append(
+                TaskRouted(
+                    task_id=task_id,
+                    digest=digest,
+                    queue=queue,
+                    breakdown=breakdown,
+                    expected_worker=best.worker,
+                    expected_finish_s=best.expected_finish_s,
+                )
+            )
+            routed_json = msgspec.json.encode(breakdown)
+
+        async def write() -> None:
+            await self.queues.ensure_group(queue)
+            pipe = self.redis.pipeline(transaction=False)
+            for event in events:
+                pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
+            info_key = self.keys.task(task_id)
+            pipe.hset(
+                info_key,
+                mapping={
+                    "queue": queue,
+                    "model": model,
+                    "digest": digest,
+                    "domain": domain,
+                    "submitted_at": str(task.submitted_at),
+                    "routed": routed_json,
+                },
+            )
+            pipe.pexpire(info_key, RESULT_TTL_MS)
+            pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
+            await pipe.execute()
+
+        await self.retrying(write)
+        return Submitted(task=task, queue=queue, decision=decision)
+
+    # -- results ----------------------------------------------------------------------------------
+    async def result(self, task_id: str) -> Result | None:
+        raw: Any = await self.redis.hget(self.keys.result(task_id), "result")
+        return None if raw is None else result_decoder.decode(raw)
+
+    async def _read_out(self, task_id: str, cursor: str, block_ms: int) -> list[tuple[str, Chunk]]:
+        reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
+            _XREAD, "COUNT", 256, "BLOCK", block_ms, "STREAMS", self.keys.out(task_id), cursor
+        )
+        if not reply:
+            return []
+        rows = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+        out: list[tuple[str, Chunk]] = []
+        for entry_id, flat in rows:
+            fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
+            raw = fields.get(b"c")
+            if raw is not None:
+                out.append((entry_id.decode(), chunk_decoder.decode(raw)))
+        return out
+
+    async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
+        """Block on the task's output stream until it ends, then return its result."""
+        deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
+        cursor = "0-0"
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise WaitTimeoutError(
+                    f"task {task_id} did not finish within {timeout_s or self.wait_timeout_s:.0f}s",
+                    hint=f"it is still queued or running: GET /v1/tasks/{task_id}",
+                )
+            rows = await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms))
+            for entry_id, chunk in rows:
+                cursor = entry_id
+                if chunk.done:
+                    result = await self.result(task_id)
+                    if result is not None:
+                        return result
+
+    async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[str | Result]:
+        """The task's output as it arrives (text pieces), then its Result.
+
+        One attempt is relayed: the first one seen. A later attempt (the task re-ran after a
+        reclaim or a retryable failure) replaces it only while no text was relayed yet; after
+        that, the stream ends with a GenerationError rather than mixing two runs' text.
+        """
+        deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
+        cursor = "0-0"
+        attempt: int | None = None
+        relayed = False
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise WaitTimeoutError(f"task {task_id} did not finish in time")
+            for entry_id, chunk in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
+                cursor = entry_id
+                if attempt is None or (chunk.attempt > attempt and not relayed):
+                    attempt = chunk.attempt
+                elif chunk.attempt < attempt:
+                    continue  # a superseded run finishing late
+                elif chunk.attempt > attempt:
+                    raise GenerationError(
+                        f"task {task_id} was re-run (attempt {chunk.attempt}) after its output had started",
+                        hint="retry the request; streamed text from two runs is never mixed",
+                    )
+                if chunk.text:
+                    relayed = True
+                    yield chunk.text
+                if chunk.done:
+                    result = await self.result(task_id)
+                    if result is None:
+                        continue  # the done chunk of a run whose result is not written yet
+                    if result.status != "completed":
+                        raise GenerationError(
+                            f"task {task_id} {result.status}: {result.error or chunk.error}"
+                        )
+                    if relayed and result.attempt != attempt:
+                        raise GenerationError(
+                            f"task {task_id} completed on another run (attempt {result.attempt})",
+                            hint="retry the request; streamed text from two runs is never mixed",
+                        )
+                    yield result
+                    return
+
+    # -- cancelling -------------------------------------------------------------------------------
+    async def cancel(self, task_id: str) -> dict[str, Any]:
+        """Withdraw a task: removed if queued, told to stop if running. 404 unknown, 409 finished."""
+        done = await self.result(task_id)
+        if done is not None:
+            raise ConflictError(
+                f"task {task_id} already {done.status}", hint="only a queued or running task can be cancelled"
+            )
+        queue = await self._queue_of(task_id)
+        if queue is None:
+            raise NotFoundError(f"no task {task_id}")
+        status, entry_id, attempt = await self.queues.cancel_queued(queue, task_id)
+        if status == CANCEL_REMOVED:
+            await self.queues.record_result(
+                Result(task_id=task_id, status="cancelled", attempt=attempt, error="cancelled before it ran")
+            )
+            await self.queues.end_output(task_id, attempt, "cancelled")
+            await self.ledger.append(TaskCancelled(task_id=task_id, queue=queue, was_running=False))
+            return {"task_id": task_id, "status": "cancelled", "was_running": False}
+        if status != CANCEL_RUNNING:
+            done = await self.result(task_id)
+            if done is not None:
+                raise ConflictError(f"task {task_id} already {done.status}")
+        # Running (or between a reclaim and its next claim): the worker reads this key while it
+        # generates and when it claims, and stops.
+        await self.redis.set(self.keys.cancel(task_id), b"1", px=int(self.cancel_ttl_s * 1000))
+        await self.ledger.append(TaskCancelled(task_id=task_id, queue=queue, was_running=True))
+        return {"task_id": task_id, "status": "cancelling", "was_running": True, "entry": entry_id or None}
+
+    async def cancel_quietly(self, task_id: str) -> None:
+        """Cancel after a client went away; a task that finished meanwhile is left as it is."""
+        try:
+            await self.cancel(task_id)
+            log.info("task %s cancelled: its client disconnected", task_id)
+        except (ConflictError, NotFoundError):
+            pass
+        except (RedisError, *TRANSIENT) as exc:
+            log.warning("could not cancel task %s after its client left: %s", task_id, exc)
+
+    # -- looking up -------------------------------------------------------------------------------
+    async def _info(self, task_id: str) -> dict[bytes, bytes]:
+        raw: Any = await self.redis.hgetall(self.keys.task(task_id))
+        return dict(raw)
+
+    async def _queue_of(self, task_id: str) -> str | None:
+        info = await self._info(task_id)
+        if b"queue" in info:
+            return info[b"queue"].decode()
+        row = await self._row(task_id)
+        if row is not None and row.queue:
+            return row.queue
+        for _, event in await self.events_of(task_id):
+            if isinstance(event, TaskSubmitted):
+                return event.queue
+        return None
+
+    async def _row(self, task_id: str) -> TaskRow | None:
+        try:
+            return await get_task(self.redis, self.keys, task_id)
+        except ProjectionError as exc:
+            log.warning("tasks row of %s unreadable: %s", task_id, exc)
+            return None
+
+    async def view(self, task_id: str) -> dict[str, Any]:
+        """Everything known of a task: status, result, who ran it, timings, attempts, the routing."""
+        info, row, result = await asyncio.gather(
+            self._info(task_id), self._row(task_id), self.result(task_id)
+        )
+        if not info and row is None and result is None:
+            raise NotFoundError(f"no task {task_id}", hint="task records expire 24 h after they finish")
+        status = result.status if result is not None else row.status if row is not None else "submitted"
+        routed = info.get(b"routed")
+        out: dict[str, Any] = {
+            "task_id": task_id,
+            "status": status,
+            "model": row.model if row is not None else _d(info.get(b"model")),
+            "digest": row.digest if row is not None else _d(info.get(b"digest")),
+            "domain": row.domain if row is not None else _d(info.get(b"domain")),
+            "queue": row.queue if row is not None else _d(info.get(b"queue")),
+            "worker": (result.worker if result is not None else None)
+            or (row.worker if row is not None else None),
+            "attempts": max(
+                row.attempts if row is not None else 0, result.attempt if result is not None else 0
+            ),
+            "submitted_at": row.submitted_at if row is not None else _int(info.get(b"submitted_at")),
+            "claimed_at": row.claimed_at if row is not None else None,
+            "finished_at": result.finished_at
+            if result is not None
+            else row.finished_at
+            if row is not None
+            else None,
+            "result": None,
+            "timings": None,
+            "routing": msgspec.json.decode(routed) if routed else None,
+            "projected": row is not None,
+        }
+        if result is not None:
+            out["result"] = {
+                "text": result.text,
+                "done_reason": result.done_reason,
+                "error": result.error,
+                "attempt": result.attempt,
+            }
+            out["timings"] = {
+                **msgspec.to_builtins(result.timings),
+                "ttft_ms": result.ttft_ms,
+                "wall_ms": result.wall_ms,
+            }
+        elif row is not None:
+            out["timings"] = {"ttft_ms": row.ttft_ms, "wall_ms": row.wall_ms, "eval_count": row.eval_count}
+        return out
+
+    async def events_of(self, task_id: str) -> list[tuple[str, Event]]:
+        """The task's events, by reading the whole ledger in chunks: O(ledger), fine for now.
+
+        An index by task (or the projection keeping each task's entry ids) would make this O(1).
+        """
+        found: list[tuple[str, Event]] = []
+        needle = task_id.encode()
+        async for batch in self.ledger.read_raw(chunk=5000):
+            # Filter on the raw bytes first: decoding every event of the ledger is the expensive part.
+            hits = [(i, flat) for i, flat in batch if any(needle in part for part in flat[1::2])]
+            for entry_id, event in decode_rows(hits, lambda exc: None):
+                if getattr(event, "task_id", None) == task_id:
+                    found.append((entry_id, event))
+        return found
+
+
+def _d(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode()
+
+
+def _int(raw: bytes | None) -> int | None:
+    return None if raw is None else int(raw)
+
+
+def _prompt_text(req: TaskRequest) -> str:
+    if req.kind == "generate":
+        return (req.system or "") + (req.prompt or "")
+    return "".join(m.content for m in req.messages)
+
+
+def unavailable(exc: BaseException) -> UnavailableError:
+    return UnavailableError(
+        f"Redis is unreachable ({type(exc).__name__})",
+        hint="the API retries by itself; try again in a few seconds",
+        headers={"Retry-After": "2"},
+    )
+
+
+def model_not_found(model: str, leases: dict[str, LeaseInfo]) -> ModelNotFoundError:
+    names = [m.name for m in catalog(leases)]
+    available = ", ".join(names) if names else "none (no live worker serves anything)"
+    return ModelNotFoundError(
+        f"model {model!r} is not served by any live worker; available: {available}",
+        hint=f"fleet: {describe_fleet(leases)}",
+        param="model",
+        extra={"available": names},
+    )

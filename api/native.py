@@ -1,0 +1,106 @@
+"""routeledger's own task API: submit, look up, follow, cancel."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from api.common import JSON, check_messages, encode, gateway, mark, sse, stream, task_headers
+from api.errors import NATIVE, ApiError, NotFoundError, render
+from api.gateway import Gateway, Submitted, TaskRequest
+from api.schemas import TaskCreate
+
+router = APIRouter(tags=["tasks"])
+
+
+def _request(body: TaskCreate, client: str | None) -> TaskRequest:
+    messages = [m.to_message() for m in body.messages or []]
+    kind = "generate" if body.prompt is not None and not messages else "chat"
+    return TaskRequest(
+        model=body.model,
+        kind=kind,
+        messages=messages,
+        prompt=body.prompt,
+        system=body.system,
+        domain=body.domain,
+        options=body.options or {},
+        max_tokens=body.max_tokens,
+        priority=body.priority,
+        client=client,
+    )
+
+
+@router.post("/v1/tasks", status_code=202)
+async def create_task(body: TaskCreate, request: Request) -> Response:
+    """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
+    check_messages(request, len(body.messages or []))
+    gw = gateway(request)
+    sub = await gw.submit(_request(body, request.headers.get("user-agent")))
+    mark(request, sub)
+    if body.stream:
+        return stream(
+            request, sub, _events(gw, sub, body.timeout_s), media_type="text/event-stream", error_line=_error
+        )
+    if body.wait:
+        result = await gw.wait(sub.task_id, body.timeout_s)
+        return JSON(await gw.view(sub.task_id), headers=task_headers(sub, result))
+    return JSON(_accepted(sub), status_code=202, headers=task_headers(sub))
+
+
+def _accepted(sub: Submitted) -> dict[str, Any]:
+    tid = sub.task_id
+    best = sub.decision.ranking.best if sub.decision is not None else None
+    return {
+        "task_id": tid,
+        "status": "queued",
+        "model": sub.task.model,
+        "digest": sub.task.digest,
+        "domain": sub.task.domain,
+        "queue": sub.queue,
+        "expected_worker": best.worker if best is not None else None,
+        "expected_finish_s": best.expected_finish_s if best is not None else None,
+        "links": {"self": f"/v1/tasks/{tid}", "events": f"/v1/tasks/{tid}/events"},
+    }
+
+
+async def _events(gw: Gateway, sub: Submitted, timeout_s: float | None) -> AsyncIterator[bytes]:
+    yield b"event: accepted\n" + sse(encode(_accepted(sub)))
+    async for item in gw.relay(sub.task_id, timeout_s):
+        if isinstance(item, str):
+            yield b"event: chunk\n" + sse(encode({"text": item}))
+        else:
+            yield b"event: result\n" + sse(encode(await gw.view(sub.task_id)))
+
+
+def _error(exc: ApiError) -> bytes:
+    return b"event: error\n" + sse(render(exc, NATIVE))
+
+
+@router.get("/v1/tasks/{task_id}")
+async def read_task(task_id: str, request: Request) -> JSON:
+    """Status, result, who ran it, timings, attempts and the routing breakdown."""
+    gw = gateway(request)
+    return JSON(await gw.retrying(lambda: gw.view(task_id)))
+
+
+@router.get("/v1/tasks/{task_id}/events")
+async def task_events(task_id: str, request: Request) -> JSON:
+    """The task's history from the ledger, in order (reads the whole ledger: slow on a big one)."""
+    gw = gateway(request)
+    found = await gw.retrying(lambda: gw.events_of(task_id))
+    if not found:
+        raise NotFoundError(f"the ledger has no events of task {task_id}")
+    events = [{"id": entry_id, **msgspec.to_builtins(event)} for entry_id, event in found]
+    return JSON({"task_id": task_id, "events": events})
+
+
+@router.delete("/v1/tasks/{task_id}")
+async def cancel_task(task_id: str, request: Request) -> JSON:
+    """Cancel: a queued task is removed at once; a running one is told to stop (202)."""
+    gw = gateway(request)
+    outcome = await gw.retrying(lambda: gw.cancel(task_id))
+    return JSON(outcome, status_code=202 if outcome["was_running"] else 200)

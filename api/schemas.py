@@ -1,0 +1,135 @@
+"""Request bodies of every surface (pydantic, so that they appear in the OpenAPI schema).
+
+Fields a client library sends that routeledger does not use are accepted and ignored, as the
+original servers do; wrong types are refused with 422.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from events.task import Message
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ChatMessage(_Body):
+    """A chat message; `content` is text or OpenAI's list of content parts (text parts are used)."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    images: list[str] | None = None
+
+    def to_message(self) -> Message:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+        return Message(role=self.role, content=content or "", images=self.images)
+
+
+class TaskCreate(_Body):
+    """POST /v1/tasks: a generation request in routeledger's own terms."""
+
+    model: str = Field(description="a model name or alias the fleet serves, a digest prefix, or 'auto'")
+    domain: str | None = Field(
+        None, description="general, code, japanese…; classified from the text if absent"
+    )
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = Field(None, description="instead of messages: a plain completion prompt")
+    system: str | None = None
+    options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    priority: int = 0
+    stream: bool = False
+    wait: bool = Field(False, description="answer when the task has finished (with its result)")
+    timeout_s: float | None = Field(None, gt=0, description="how long a waiting or streaming request waits")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatCompletionCreate(_Body):
+    """POST /v1/chat/completions (OpenAI)."""
+
+    model: str
+    messages: list[ChatMessage]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(1, ge=1)
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    # routeledger's own extension: the domain the router should choose for.
+    domain: str | None = None
+
+
+class CompletionCreate(_Body):
+    """POST /v1/completions (OpenAI, legacy)."""
+
+    model: str
+    prompt: str | list[str]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(1, ge=1)
+    suffix: str | None = None
+    user: str | None = None
+    domain: str | None = None
+
+
+class OllamaChat(_Body):
+    """POST /api/chat (Ollama); streams unless `stream` is false."""
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    stream: bool | None = True
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+    think: bool | str | None = None
+
+
+class OllamaGenerate(_Body):
+    """POST /api/generate (Ollama); an empty prompt only loads the model, as Ollama does."""
+
+    model: str
+    prompt: str | None = None
+    system: str | None = None
+    suffix: str | None = None
+    stream: bool | None = True
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    images: list[str] | None = None
+    raw: bool | None = None
+    keep_alive: str | float | None = None
+    think: bool | str | None = None
+
+
+class OllamaShow(_Body):
+    """POST /api/show (Ollama); `name` is the older spelling of `model`."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None
+
+
+class BenchCreate(_Body):
+    """POST /v1/bench: benchmark every live holder of a model (or of every model)."""
+
+    model: str | None = None
+    worker: str | None = None
+    domain: str | None = None

@@ -1,0 +1,60 @@
+"""Helpers for the API tests: the app served by uvicorn in this process, with a simulated fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+import uvicorn
+
+from api.app import AppConfig, create_app
+from sim.host import SimHosts
+from tests.helpers import fast_config, make_test_fleet, running_agent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def serving(config: AppConfig) -> AsyncIterator[str]:
+    """The API on a free loopback port for the duration of the block; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+
+
+@contextlib.asynccontextmanager
+async def fleet_and_api(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    *,
+    workers: tuple[str, ...] = ("a",),
+    time_scale: float = 1.0,
+    slots: int = 1,
+    **config: object,
+) -> AsyncIterator[tuple[str, SimHosts]]:
+    """Simulated machines, one worker agent per name in `workers`, and the API in front of them."""
+    async with SimHosts(make_test_fleet(), time_scale=time_scale, seed=5) as hosts, contextlib.AsyncExitStack() as stack:
+        for name in workers:
+            await stack.enter_async_context(
+                running_agent(redis_client, hosts.url(name), fast_config(name, slots=slots))
+            )
+        async with serving(AppConfig(redis_url=redis_url, **config)) as base:  # type: ignore[arg-type]
+            yield base, hosts
