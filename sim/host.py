@@ -10,6 +10,17 @@ Each machine serves Ollama's native API (`/api/tags`, `/api/ps`, `/api/version`,
 `POST /sim/offline`). A machine that is offline has no port to ask, so the host process also serves a
 control port (`SimHosts.control_url`) with `/sim/{machine}/…` for every machine, `online` included.
 
+Time: every duration a response reports (load, prompt eval, eval, total) is simulated and unscaled,
+so `eval_count / eval_duration` is the preset's decode speed at any `time_scale`; the machine really
+waits that long times `time_scale` (0: no waiting at all, timings still reported as if real). Queue
+waits enter `total_duration` as wall time divided by `time_scale`. Keep-alive expiry and online
+windows run on the wall clock times `time_scale` (unscaled when it is 0). The OpenAI-compatible API
+carries no timings; a client timing it sees scaled wall time.
+
+Faults are drawn once per generation request from a seeded stream: an error answers HTTP 500 with
+Ollama's `{"error": …}` at once; a hang answers nothing and holds no slot until the client leaves;
+a disconnect sends some chunks (none, for a non-streaming request) and then closes the connection.
+
 The HTTP server is a thin ASGI app on uvicorn's httptools protocol, one listener per machine on a
 shared event loop; a request in zero-delay mode costs a few hundred microseconds of CPU.
 """
@@ -979,7 +990,12 @@ class SimHosts:
         app = self._app(name)
         if app.listener is None:
             raise SimHostError("the sim hosts are not started")
-        await app.listener.open()
+        try:
+            await app.listener.open()
+        except OSError as exc:
+            raise SimHostError(
+                f"{name} cannot listen on its port {app.listener.port} again: {exc.strerror or exc}"
+            ) from None
         app.machine.power_on()
 
     async def _follow_windows(self, name: str, spec: WorkerSpec) -> None:
