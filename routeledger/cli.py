@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import signal
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from routeledger.cli_replay import projector_cmd, replay_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
-from routeledger.embedded import EmbeddedRedis, port_is_free, write_private
+from routeledger.embedded import EmbeddedRedis, free_port, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
 from routeledger.runtime import (
     ConfigOpt,
@@ -41,6 +42,7 @@ from routeledger.runtime import (
     setup_logging,
 )
 from routeledger.supervisor import Supervisor, python_argv
+from sim.fleet import preset_data
 
 app = typer.Typer(
     name="routeledger",
@@ -152,10 +154,11 @@ def up(
         api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
         sup.spawn("reaper", python_argv("reaper"), env=env)
         sup.spawn("projector", python_argv("projector"), env=env)
+        demo_hosts = _spawn_demo_fleet(sup, Path(s.data_dir), env) if demo else {}
         base = f"http://{s.host}:{s.port}"
         if not _wait_http(base + "/healthz", 30, lambda: api.alive):
             fail(f"the API did not come up on {base}; see its log above")
-        _print_banner(base, url, s.data_dir, embedded is not None, demo)
+        _print_banner(base, url, s.data_dir, embedded is not None, demo_hosts)
         while not stop:
             sup.poll()
             if embedded is not None and not embedded.running:
@@ -171,15 +174,45 @@ def up(
             url_file(s).unlink()
 
 
-def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: bool) -> None:
+def _spawn_demo_fleet(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """The story's fleet, simulated: one sim hosts process and one worker per machine.
+
+    Ports are chosen now and written into the fleet file, so that a restarted sim process comes
+    back on the same ports and the workers' backend URLs stay right.
+    """
+    data = preset_data("seed")
+    hosts: dict[str, str] = {}
+    for machine in data["worker"]:
+        machine["port"] = free_port()
+        hosts[machine["name"]] = f"http://127.0.0.1:{machine['port']}"
+    fleet_file = data_dir / "demo-fleet.json"
+    fleet_file.write_text(json.dumps(data, indent=1))
+    sup.spawn("sim-hosts", python_argv("sim", "hosts", "--fleet-file", str(fleet_file)), env=env)
+    for machine in data["worker"]:
+        argv = python_argv(
+            "worker",
+            "--backend",
+            hosts[machine["name"]],
+            "--id",
+            machine["name"],
+            "--slots",
+            str(machine["slots"]),
+        )
+        if machine.get("serves") == []:
+            argv += ["--models", ""]  # the story's retired server: registered, serving nothing
+        sup.spawn(f"worker {machine['name']}", argv, env=env)
+    return hosts
+
+
+def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict[str, str]) -> None:
     lines = [
         f"API        {base}",
         f"health     {base}/healthz",
         f"Redis      {_mask(url)}{'  (embedded, AOF)' if embedded else ''}",
         f"data dir   {data_dir}",
     ]
-    if demo:
-        lines.append("demo       simulated fleet requested")
+    for name, host in demo.items():
+        lines.append(f"sim        {name:<11} {host}  (simulated Ollama, with a worker)")
     console.print(Panel("\n".join(lines), title="routeledger is up", subtitle="Ctrl-C stops everything"))
 
 

@@ -123,11 +123,26 @@ def preset_names() -> list[str]:
 
 
 def parse_fleet(text: str, source: str = "<string>") -> Fleet:
-    """A Fleet from TOML text; errors name the source and what is wrong."""
+    """A Fleet from TOML text (or JSON, for a file ending in .json); errors name the source."""
     try:
-        data: dict[str, Any] = tomllib.loads(text)
+        data: dict[str, Any] = msgspec.json.decode(text) if source.endswith(".json") else tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise FleetError(f"{source} is not valid TOML: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FleetError(f"{source} is not valid JSON: {exc}") from None
+    return fleet_from_dict(data, source)
+
+
+def preset_data(name: str) -> dict[str, Any]:
+    """The raw tables of a shipped preset, for callers that adjust it (ports for a demo)."""
+    resource = resources.files("sim") / "presets" / f"{name}.toml"
+    if not resource.is_file():
+        raise FleetError(f"no fleet preset {name!r}; presets: {', '.join(preset_names()) or 'none'}")
+    return tomllib.loads(resource.read_text())
+
+
+def fleet_from_dict(data: dict[str, Any], source: str = "<dict>") -> Fleet:
+    """A Fleet from already-parsed tables; errors name the source and what is wrong."""
     data.setdefault("name", Path(source).stem if source != "<string>" else "")
     try:
         fleet = msgspec.convert(data, Fleet)
@@ -150,7 +165,7 @@ def parse_fleet(text: str, source: str = "<string>") -> Fleet:
 def load_fleet(name_or_path: str | Path) -> Fleet:
     """A shipped preset by name (`seed`, `trio`, `lab`, …) or a TOML file by path."""
     path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
+    if path.suffix in (".toml", ".json") or path.exists():
         try:
             return parse_fleet(path.read_text(), str(path))
         except OSError as exc:
