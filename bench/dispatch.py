@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--gate", choices=["router", "plain"], default="router")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
 
@@ -191,7 +192,10 @@ def main() -> None:
         server.stop()
     p50, p99 = statistics.median(lat), pct(lat, 0.99)
     if not args.json:
-        print(f"fleet: {args.workers} workers x {args.slots} slots, zero-delay sim hosts, Redis with AOF")
+        print(
+            f"fleet: {args.workers} workers x {args.slots} slots, zero-delay sim hosts, Redis with AOF,"
+            f" gate {args.gate}"
+        )
         print(f"throughput: {tps:,.0f} tasks/s over {args.tasks} tasks (goal 300)")
         print(f"submit -> first chunk: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} tasks (goal p50 5)")
         if args.profile and prof.exists():

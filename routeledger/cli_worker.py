@@ -35,6 +35,7 @@ from routeledger.runtime import (
 )
 from workers.agent import WorkerAgent, WorkerConfig
 from workers.backend import make_backend
+from workers.gate import RouterGate
 from workers.reaper import Reaper, ReaperConfig
 
 log = logging.getLogger("routeledger.cli")
@@ -76,6 +77,9 @@ def worker(
         str | None,
         typer.Option(help="Comma-separated held models to serve; an empty string serves nothing."),
     ] = None,
+    gate: Annotated[
+        str, typer.Option(help="router: take work only when the plan says so; plain: take whatever comes.")
+    ] = "router",
     data_dir: DataDirOpt = None,
     redis_url: RedisUrlOpt = None,
     config: ConfigOpt = None,
@@ -87,6 +91,8 @@ def worker(
         fail("a worker needs its backend: pass --backend URL (e.g. http://127.0.0.1:11434)")
     if kind not in ("ollama", "openai"):
         fail(f"--kind must be ollama or openai, not {kind!r}")
+    if gate not in ("router", "plain"):
+        fail(f"--gate must be router or plain, not {gate!r}")
     resolved = settings_from(data_dir, redis_url, config)
     s = resolved.settings
     setup_logging(s.log_level)
@@ -108,7 +114,10 @@ def worker(
         be = make_backend(
             backend, kind, timeout_s=s.backend_timeout_s, idle_timeout_s=min(120.0, s.backend_timeout_s)
         )
-        agent = WorkerAgent(client, keys_for(resolved), be, cfg)
+        keys = keys_for(resolved)
+        agent = WorkerAgent(
+            client, keys, be, cfg, gate=RouterGate(client, keys) if gate == "router" else None
+        )
         watcher = asyncio.create_task(_forward(stop, agent.stopping))
         try:
             await agent.run()

@@ -59,6 +59,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
     block_ms: int = 1_000
+    # How soon a worker that the gate held back asks again.
+    recheck_ms: int = 250
     drain_timeout_s: float = 30.0
     # After a backend failure the worker pauses taking shared work, so the task runs elsewhere.
     cooldown_s: float = 2.0
@@ -293,11 +295,14 @@ class WorkerAgent:
     async def _read_work(self) -> list[tuple[str, str, dict[bytes, bytes]]]:
         """Up to `free_slots` entries: pinned first, then the shared queues the gate admits."""
         queues = [self.pinned]
+        held_back = False
         if time.monotonic() >= self._cooldown_until:
             shared = self.shared_queues()
             for queue in shared:
                 await self.queues.ensure_group(queue)
-            queues += await self.gate.admit(self, shared)
+            admitted = await self.gate.admit(self, shared)
+            held_back = len(admitted) < len(shared)
+            queues += admitted
         got: list[tuple[str, str, dict[bytes, bytes]]] = []
         # Non-blocking, one queue at a time, so that no more than the free slots are taken.
         for queue in queues:
@@ -308,8 +313,9 @@ class WorkerAgent:
                 got.extend((stream, entry_id, fields) for entry_id, fields in rows)
         if got:
             return got
-        # Nothing waiting: block on all of them until one gets an entry.
-        block = self.config.block_ms
+        # Nothing waiting: block on all of them until one gets an entry. A worker the gate held
+        # back re-checks soon: the backlog or the fleet may change without writing to its streams.
+        block = min(self.config.block_ms, self.config.recheck_ms) if held_back else self.config.block_ms
         reply = await self.ledger.group_read(self.name, dict.fromkeys(queues, ">"), count=1, block_ms=block)
         for stream, rows in reply:
             got.extend((stream, entry_id, fields) for entry_id, fields in rows)
