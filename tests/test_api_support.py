@@ -6,13 +6,18 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 import uvicorn
 
 from api.app import AppConfig, create_app
+from events.event import ModelEntry
+from events.keys import Keys
+from events.lease import LeaseInfo, encode_lease
+from events.task import Result, result_decoder
 from sim.host import SimHosts
-from tests.helpers import fast_config, make_test_fleet, running_agent
+from tests.helpers import MODEL_DIGEST, fast_config, make_test_fleet, running_agent
 
 
 def free_port() -> int:
@@ -51,10 +56,36 @@ async def fleet_and_api(
     **config: object,
 ) -> AsyncIterator[tuple[str, SimHosts]]:
     """Simulated machines, one worker agent per name in `workers`, and the API in front of them."""
-    async with SimHosts(make_test_fleet(), time_scale=time_scale, seed=5) as hosts, contextlib.AsyncExitStack() as stack:
+    async with (
+        SimHosts(make_test_fleet(), time_scale=time_scale, seed=5) as hosts,
+        contextlib.AsyncExitStack() as stack,
+    ):
         for name in workers:
             await stack.enter_async_context(
                 running_agent(redis_client, hosts.url(name), fast_config(name, slots=slots))
             )
         async with serving(AppConfig(redis_url=redis_url, **config)) as base:  # type: ignore[arg-type]
             yield base, hosts
+
+
+async def ghost_worker(redis: aioredis.Redis, name: str = "ghost") -> None:
+    """A live lease for model `m` with no agent behind it: tasks for `m` are accepted and stay queued."""
+    info = LeaseInfo(
+        worker=name, token="t", slots=1, inventory=[ModelEntry(name="m:latest", digest=MODEL_DIGEST)]
+    )
+    await redis.set(Keys().live(name), encode_lease(info), px=120_000)
+
+
+async def stored_result(redis: aioredis.Redis, task_id: str) -> Result | None:
+    """The task's result as the worker (or a cancel) recorded it."""
+    raw: Any = await redis.hget(Keys().result(task_id), "result")
+    return None if raw is None else result_decoder.decode(raw)
+
+
+async def stored_results(redis: aioredis.Redis) -> list[Result]:
+    """Every task result in Redis (each test starts with an empty one)."""
+    out = []
+    async for key in redis.scan_iter(match=Keys().result("*")):
+        raw: Any = await redis.hget(key, "result")
+        out.append(result_decoder.decode(raw))
+    return out

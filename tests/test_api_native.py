@@ -1,0 +1,135 @@
+"""The native task API: submit, look up, history, cancel (queued and running), disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import redis.asyncio as aioredis
+
+from api.app import AppConfig
+from events.event import TaskCancelled, TaskCompleted, TaskRouted, TaskSubmitted
+from events.keys import Keys
+from events.ledger import Ledger
+from tests.helpers import MODEL_DIGEST, events_of, wait_until
+from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result, stored_results
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def result_status(redis: aioredis.Redis, task_id: str) -> str | None:
+    result = await stored_result(redis, task_id)
+    return None if result is None else result.status
+
+
+async def has_output(redis: aioredis.Redis, task_id: str) -> bool:
+    return bool(await redis.exists(Keys().out(task_id)))
+
+
+async def test_a_waited_task_reports_its_result_worker_timings_and_routing(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    async with fleet_and_api(redis_client, redis_url) as (base, _), httpx.AsyncClient(base_url=base) as http:
+        done = (await http.post("/v1/tasks", json={**CHAT, "wait": True}, timeout=30)).json()
+        looked_up = (await http.get(f"/v1/tasks/{done['task_id']}")).json()
+        history = (await http.get(f"/v1/tasks/{done['task_id']}/events")).json()
+    assert done["status"] == "completed" and done["worker"] == "a" and done["attempts"] == 1
+    assert done["result"]["text"] and done["timings"]["eval_count"] == 40
+    assert done["routing"]["candidates"][0]["worker"] == "a"
+    assert looked_up == done
+    types = [e["type"] for e in history["events"]]
+    assert types[:2] == ["TaskSubmitted", "TaskRouted"] and types[-1] == "TaskCompleted"
+    # The ledger holds sizes and digests, never the text.
+    assert done["result"]["text"] not in str(history)
+    assert len(await events_of(ledger, TaskCompleted)) == 1
+
+
+async def test_a_queued_task_is_removed_when_cancelled_and_never_runs(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    await ghost_worker(redis_client)
+    async with serving(AppConfig(redis_url=redis_url)) as base, httpx.AsyncClient(base_url=base) as http:
+        accepted = await http.post("/v1/tasks", json=CHAT)
+        task_id = accepted.json()["task_id"]
+        queued = (await http.get(f"/v1/tasks/{task_id}")).json()
+        cancelled = await http.delete(f"/v1/tasks/{task_id}")
+        again = await http.delete(f"/v1/tasks/{task_id}")
+        after = (await http.get(f"/v1/tasks/{task_id}")).json()
+        missing = await http.delete("/v1/tasks/nope")
+    assert accepted.status_code == 202 and queued["status"] == "submitted"
+    assert cancelled.status_code == 200 and cancelled.json()["was_running"] is False
+    assert again.status_code == 409 and again.json()["error"]["type"] == "conflict"
+    assert after["status"] == "cancelled"
+    assert missing.status_code == 404
+    assert await redis_client.xlen(Keys().queue(MODEL_DIGEST)) == 0
+    (event,) = await events_of(ledger, TaskCancelled)
+    assert event.task_id == task_id and not event.was_running
+
+
+async def test_a_running_task_stops_when_cancelled(redis_client: aioredis.Redis, redis_url: str) -> None:
+    # time_scale 20: a 4 s generation, so the cancel lands mid-run.
+    async with fleet_and_api(redis_client, redis_url, time_scale=20.0) as (base, _):
+        async with httpx.AsyncClient(base_url=base) as http:
+            task_id = (await http.post("/v1/tasks", json=CHAT)).json()["task_id"]
+            await wait_until(lambda: has_output(redis_client, task_id), timeout=10)
+            cancelled = await http.delete(f"/v1/tasks/{task_id}")
+            await wait_until(lambda: _is(redis_client, task_id, "cancelled"), timeout=5)
+    assert cancelled.status_code == 202 and cancelled.json()["was_running"] is True
+
+
+async def _is(redis: aioredis.Redis, task_id: str, status: str) -> bool:
+    return await result_status(redis, task_id) == status
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, time_scale=20.0) as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            body = {**CHAT, "stream": True}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                task_id = response.headers["x-routeledger-task"]
+                async for line in response.aiter_lines():
+                    if '"content":"' in line and '"content":""' not in line:
+                        break  # the first real piece: now hang up
+        await wait_until(lambda: _is(redis_client, task_id, "cancelled"), timeout=5)
+    (event,) = await events_of(ledger, TaskCancelled)
+    assert event.task_id == task_id and event.was_running
+
+
+async def test_a_native_stream_relays_chunks_then_the_whole_result(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url) as (base, _), httpx.AsyncClient(base_url=base) as http:
+        async with http.stream("POST", "/v1/tasks", json={**CHAT, "stream": True}, timeout=30) as response:
+            lines = [line async for line in response.aiter_lines() if line.startswith("event:")]
+    assert lines[0] == "event: accepted" and lines[-1] == "event: result"
+    assert "event: chunk" in lines
+
+
+async def test_a_hundred_concurrent_streams_all_complete_each_with_its_own_text(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    async with (
+        fleet_and_api(redis_client, redis_url, workers=("a", "b"), time_scale=0.0, slots=8) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=100)) as http,
+    ):
+
+        async def one(i: int) -> tuple[str, str]:
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": f"request {i}"}]}
+            text = ""
+            async with http.stream("POST", "/v1/tasks", json=body) as response:
+                task_id = response.headers["x-routeledger-task"]
+                async for line in response.aiter_lines():
+                    if line.startswith('data: {"text"'):
+                        text += json.loads(line[len("data: ") :])["text"]
+            return task_id, text
+
+        got = await asyncio.gather(*(one(i) for i in range(100)))
+        stored = {r.task_id: r.text for r in await stored_results(redis_client)}
+    assert len({tid for tid, _ in got}) == 100
+    assert all(text == stored[tid] for tid, text in got)
+    assert len({text for _, text in got}) == 100
+    submitted = await events_of(ledger, TaskSubmitted)
+    assert len(submitted) == 100 and len(await events_of(ledger, TaskRouted)) == 100
