@@ -77,6 +77,9 @@ def worker(
         str | None,
         typer.Option(help="Comma-separated held models to serve; an empty string serves nothing."),
     ] = None,
+    bench: Annotated[
+        bool, typer.Option(help="Benchmark itself on joining and when its speed rows are thin or stale.")
+    ] = True,
     gate: Annotated[
         str, typer.Option(help="router: take work only when the plan says so; plain: take whatever comes.")
     ] = "router",
@@ -104,6 +107,7 @@ def worker(
         lease_ms=s.lease_ms,
         heartbeat_ms=s.heartbeat_ms,
         delivery_limit=s.delivery_limit,
+        auto_bench=bench,
     )
 
     async def go() -> None:

@@ -148,10 +148,11 @@ def worker_process(
             str(slots),
             "--redis-url",
             redis_url,
+            "--no-bench",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
     )
 
 

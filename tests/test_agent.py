@@ -113,7 +113,7 @@ async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_othe
             victim = procs[claim.worker]
             victim.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
-            await wait_until(lambda: completed(ledger, 1), timeout=20)
+            await wait_until(lambda: _completed_task(ledger, task_id), timeout=20)
             took = time.monotonic() - killed_at
     finally:
         for proc in procs.values():
@@ -130,6 +130,10 @@ async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_othe
     assert took < 1.5 + 2.0 + 1.0 + 1.0, f"took {took:.1f}s"
     result = result_decoder.decode(await redis_client.hget(Keys().result(task_id), "result"))
     assert result.status == "completed" and result.worker == done[0].worker
+
+
+async def _completed_task(ledger: Ledger, task_id: str) -> bool:
+    return any(e.task_id == task_id for e in await events_of(ledger, TaskCompleted))
 
 
 async def _both_live(redis: aioredis.Redis) -> bool:

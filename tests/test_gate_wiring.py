@@ -74,8 +74,8 @@ async def test_with_one_task_and_the_fast_worker_free_soon_the_slow_worker_leave
                 await submit_task(
                     queues, model="m", messages=[Message(role="user", content="x")], max_tokens=40
                 )
-                await wait_until(lambda: _count(ledger, TaskClaimed, before + 1), timeout=20)
                 before += 1
+                await wait_until(lambda n=before: _count(ledger, TaskClaimed, n), timeout=20)
                 await asyncio.sleep(0.3)
         claims = (await events_of(ledger, TaskClaimed))[-3:]
     assert [c.worker for c in claims] == ["fast", "fast", "fast"]
