@@ -53,6 +53,8 @@ class AppConfig(msgspec.Struct, kw_only=True):
     wait_timeout_s: float = 600.0
     # How long a request retries while Redis is unreachable before answering 503.
     retry_budget_s: float = 1.5
+    # Each waiting or streaming request blocks one connection on its output stream.
+    redis_max_connections: int = 2048
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -61,7 +63,11 @@ def create_app(config: AppConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = aioredis.Redis.from_url(
-            config.redis_url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=10
+            config.redis_url,
+            socket_connect_timeout=2,
+            socket_timeout=5,
+            health_check_interval=10,
+            max_connections=config.redis_max_connections,
         )
         keys = Keys(config.prefix)
         app.state.redis = client
