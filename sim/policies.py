@@ -25,6 +25,10 @@ from sim.workload import Job
 # arrival rate needs a memory of minutes to follow the load.
 SPEED_HALF_LIFE_S = 7 * 86_400.0
 DEMAND_HALF_LIFE_S = 900.0
+# The router reads the projector's snapshot, which trails the ledger; rebuilding the estimates at
+# most this often (or when a new worker/model pair is first measured) is what the real system sees,
+# and keeps 10,000 simulated tasks within seconds.
+SNAPSHOT_EVERY_S = 5.0
 
 
 class _Base:
@@ -223,7 +227,7 @@ class Routeledger(_Base):
         self.snapshot = Snapshot(half_life_s=SPEED_HALF_LIFE_S)
         self.demand = DemandRow(digest="")
         self._est: Estimator | None = None
-        self._rate_at = -1.0
+        self._built_at = 0.0
 
     def start(self, sim: Simulation) -> None:
         self.demand = DemandRow(digest=sim.digest)
@@ -265,6 +269,7 @@ class Routeledger(_Base):
     def _estimator(self, sim: Simulation) -> Estimator:
         if self._est is None:
             self._est = build_estimator(self.snapshot, sim.now_ms)
+            self._built_at = sim.now
         return self._est
 
     def take(self, sim: Simulation, worker: SimWorker) -> bool:
@@ -279,7 +284,8 @@ class Routeledger(_Base):
         at = sim.now_ms
         hl = SPEED_HALF_LIFE_S
         key = (worker.name, sim.digest)
-        row = self.snapshot.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
+        known = self.snapshot.speed.get(key)
+        row = known or SpeedRow(worker=worker.name, digest=sim.digest)
         self.snapshot.speed[key] = SpeedRow(
             worker=row.worker,
             digest=row.digest,
@@ -297,7 +303,8 @@ class Routeledger(_Base):
                 domain=lrow.domain,
                 output_tokens=fold(lrow.output_tokens, float(measured.output_tokens), at, hl),
             )
-        self._est = None
+        if known is None or sim.now - self._built_at >= SNAPSHOT_EVERY_S:
+            self._est = None
 
 
 POLICIES: dict[str, Callable[[], _Base]] = {
