@@ -9,14 +9,14 @@ late or twice.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
 
 from events.errors import ModelNotServedError
-from events.event import ModelEntry, TaskDeadLettered, TaskSubmitted, now_ms
+from events.event import Event, ModelEntry, TaskDeadLettered, TaskSubmitted, now_ms
 from events.keys import WORKERS_GROUP, Keys
 from events.lease import LeaseInfo, live_workers
 from events.ledger import Ledger
@@ -335,6 +335,8 @@ async def submit_task(
     client: str | None = None,
     pipeline_id: str | None = None,
     leases: dict[str, LeaseInfo] | None = None,
+    digest: str | None = None,
+    routed: Callable[[TaskMessage, str], Event] | None = None,
 ) -> tuple[TaskMessage, str]:
     """Resolve `model` among live workers, record TaskSubmitted and queue the task.
 
@@ -344,7 +346,8 @@ async def submit_task(
     from events.task import Message, estimate_tokens, sha256_hex
 
     live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
-    digest, holders = find_holders(model, live)
+    found, holders = find_holders(model, live)
+    digest = digest or found
     if digest is None or not holders:
         raise ModelNotServedError(
             f"no live worker serves model {model!r} ({describe_fleet(live)})", model=model, fleet=live
@@ -366,22 +369,23 @@ async def submit_task(
     task = msgspec.structs.replace(task, prompt_tokens=estimate_tokens(text))
     queue = queues.keys.queue(digest)
     await queues.ensure_group(queue)
-    await queues.ledger.append(
-        TaskSubmitted(
-            task_id=task.task_id,
-            model=model,
-            digest=digest,
-            queue=queue,
-            domain=domain,
-            kind=kind,
-            prompt_tokens=task.prompt_tokens,
-            max_tokens=max_tokens,
-            priority=priority,
-            prompt_bytes=len(text.encode()),
-            prompt_sha256=sha256_hex(text),
-            pipeline_id=pipeline_id,
-            client=client,
-        )
+    submitted = TaskSubmitted(
+        task_id=task.task_id,
+        model=model,
+        digest=digest,
+        queue=queue,
+        domain=domain,
+        kind=kind,
+        prompt_tokens=task.prompt_tokens,
+        max_tokens=max_tokens,
+        priority=priority,
+        prompt_bytes=len(text.encode()),
+        prompt_sha256=sha256_hex(text),
+        pipeline_id=pipeline_id,
+        client=client,
     )
+    # The decision is recorded with the submission, before a worker can see the task.
+    events: list[Event] = [submitted] if routed is None else [submitted, routed(task, queue)]
+    await queues.ledger.append_many(events)
     await queues.enqueue(queue, task)
     return task, queue

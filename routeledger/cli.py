@@ -22,6 +22,7 @@ from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.cli_bench import bench_app
 from routeledger.cli_replay import projector_cmd, replay_app
+from routeledger.cli_route import route_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
@@ -62,6 +63,7 @@ app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
 app.command("reaper")(guarded(reaper_cmd))
 app.add_typer(bench_app, name="bench")
+app.add_typer(route_app, name="route")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -18,7 +18,7 @@ from events.event import WorkerOffline
 from events.keys import Keys
 from events.lease import live_workers
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
+from events.queue import TaskQueues
 from events.task import Message, result_decoder
 from routeledger.runtime import (
     ConfigOpt,
@@ -35,8 +35,10 @@ from routeledger.runtime import (
 )
 from workers.agent import WorkerAgent, WorkerConfig
 from workers.backend import make_backend
+from workers.dispatch import route_and_submit
 from workers.gate import RouterGate
 from workers.reaper import Reaper, ReaperConfig
+from workers.view import LiveView
 
 log = logging.getLogger("routeledger.cli")
 
@@ -194,7 +196,7 @@ def reaper_cmd(
 @task_app.command("submit")
 @guarded
 def task_submit(
-    model: Annotated[str, typer.Option(help="Model name, alias or digest prefix.")],
+    model: Annotated[str, typer.Option(help="Model name, alias, digest prefix, or auto.")],
     prompt: Annotated[str, typer.Option(help="The user message.")],
     domain: Annotated[
         str, typer.Option(help="Domain of the request (general, code, japanese, …).")
@@ -219,19 +221,24 @@ def task_submit(
         keys = keys_for(resolved)
         try:
             queues = TaskQueues(client, keys)
-            task, queue = await submit_task(
+            task, queue, decision = await route_and_submit(
                 queues,
+                LiveView(client, keys),
                 model=model,
                 messages=[Message(role="user", content=prompt)],
                 domain=domain,
                 max_tokens=max_tokens,
                 client="cli",
             )
+            best = decision.ranking.best
             out: dict[str, object] = {
                 "task_id": task.task_id,
-                "model": model,
+                "model": task.model,
                 "digest": task.digest,
+                "domain": task.domain,
                 "queue": queue,
+                "expected_worker": best.worker,
+                "expected_finish_s": round(best.expected_finish_s, 3),
             }
             if wait:
                 out.update(await _wait_result(client, keys, task.task_id, timeout))
@@ -243,7 +250,10 @@ def task_submit(
     if json_:
         print(msgspec.json.encode(out).decode())  # noqa: T201
         return
-    console.print(f"task {out['task_id']} queued on {out['queue']}")
+    console.print(
+        f"task {out['task_id']} ({out['model']}, {out['domain']}) queued on {out['queue']};"
+        f" expected on {out['expected_worker']} in {out['expected_finish_s']}s"
+    )
     if wait:
         console.print(
             f"[bold]{out.get('status')}[/] on {out.get('worker')}: {out.get('text', out.get('error', ''))}"

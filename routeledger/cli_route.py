@@ -1,0 +1,92 @@
+"""`routeledger route preview`: what the router would do with a request now, and why."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from routeledger.runtime import (
+    ConfigOpt,
+    DataDirOpt,
+    RedisUrlOpt,
+    connect,
+    console,
+    guarded,
+    keys_for,
+    run_async,
+    settings_from,
+)
+from workers.dispatch import preview_request
+from workers.view import LiveView
+
+route_app = typer.Typer(help="See the router's decisions.", no_args_is_help=True)
+
+
+@route_app.command("preview")
+@guarded
+def route_preview(
+    model: Annotated[str, typer.Option(help="Model name, alias, digest prefix, or auto.")],
+    domain: Annotated[str, typer.Option(help="Domain of the request.")] = "general",
+    tokens: Annotated[int | None, typer.Option(min=1, help="Output tokens the request may produce.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the preview JSON.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Ranked candidates with every term and source, and the current plan (who would take it now)."""
+    resolved = settings_from(data_dir, redis_url, config)
+
+    async def go() -> dict[str, Any]:
+        client = connect(resolved)
+        try:
+            return await preview_request(
+                LiveView(client, keys_for(resolved)), model=model, domain=domain, tokens=tokens
+            )
+        finally:
+            await client.aclose()
+
+    result = run_async(go())
+    if json_:
+        print(json.dumps(result))  # noqa: T201
+        return
+    plan = result["plan"]
+    console.print(
+        f"[bold]{result['model']}[/] ({str(result['digest'])[:12]}), domain {plan['domain']}: "
+        f"[bold]{plan['taker']}[/] would take it now, wait {plan['expected_wait_s']:.2f}s, "
+        f"finish in {plan['expected_finish_s']:.2f}s"
+    )
+    table = Table(title="candidates, best first")
+    for col in (
+        "worker",
+        "finish s",
+        "terms",
+        "decode tok/s",
+        "prompt tok/s",
+        "load s",
+        "output tokens",
+        "quality",
+    ):
+        table.add_column(col)
+    for c in result["candidates"]:
+        fields = c["fields"]
+        table.add_row(
+            c["worker"],
+            f"{c['expected_finish_s']:.2f}",
+            "\n".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in c["terms"].items()),
+            *(
+                _field(fields.get(name))
+                for name in ("decode_tps", "prompt_tps", "load_s", "output_tokens", "quality")
+            ),
+        )
+    console.print(table)
+
+
+def _field(f: dict[str, Any] | None) -> str:
+    if not f:
+        return "-"
+    age = f.get("age_s")
+    age_text = "" if age is None else f", age {age / 3600:.1f} h" if age >= 3600 else f", age {age:.0f} s"
+    return f"{f['value']:.3g}\n{f['source']} (n={f['n']}{age_text})"
