@@ -276,6 +276,10 @@ class Folder:
         row.ttft_ms = e.ttft_ms
         row.wall_ms = e.wall_ms
         self._terminal(row, "completed")
+        if e.bench_id is not None:
+            # Its BenchmarkResult carries the speed sample; benchmark answers are short by design,
+            # so they say nothing of output length either.
+            return
         self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at)
         if t.eval_count is not None and t.eval_count >= 0:
             key = (e.digest, e.domain)

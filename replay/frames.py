@@ -90,6 +90,7 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "domain": (_STR, "domain"),
             "attempt": (_I64, "attempt"),
             "duplicate": (_BOOL, "duplicate"),
+            "bench_id": (_STR, "bench_id"),
             "wall_ms": (_F64, "wall_ms"),
             **_TIMINGS,
         },

@@ -1,0 +1,151 @@
+"""The story, replayed: a fast machine that nobody measured joins a fleet whose statistics say the
+slow laptop is the only one that runs qwen3:8b. Real Redis, simulated hosts, worker processes, the
+projector, and the router's preview, as the API would show it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from events.event import Event, QualityScored, TaskCompleted, Timings
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.projector import Projector
+from sim.fleet import load_fleet
+from sim.host import SimHosts
+from tests.helpers import fast_config, running_agent, wait_until
+from workers.dispatch import preview_request
+from workers.view import LiveView
+
+SEED = load_fleet("seed")
+QWEN = SEED.model["qwen3:8b"].digest
+ELYZA = SEED.model["elyza-jp-8b"].digest
+
+
+def _history(now_ms: int) -> list[Event]:
+    """Two months of the laptop: 60 samples of each model at its speed, and graded answers."""
+    events: list[Event] = []
+    for i in range(60):
+        at = now_ms - (60 - i) * 60_000
+        for digest, tps in ((QWEN, 11.4), (ELYZA, 12.0)):
+            tokens = 200
+            events.append(
+                TaskCompleted(
+                    at=at,
+                    task_id=f"old-{digest[:4]}-{i}",
+                    worker="macbookair",
+                    digest=digest,
+                    attempt=1,
+                    timings=Timings(
+                        prompt_eval_count=40,
+                        prompt_eval_duration=int(40 / 120 * 1e9),
+                        eval_count=tokens,
+                        eval_duration=int(tokens / tps * 1e9),
+                        load_duration=0,
+                        total_duration=int((tokens / tps + 0.4) * 1e9),
+                    ),
+                )
+            )
+        events.append(QualityScored(at=at, digest=QWEN, domain="general", score=0.74, worker="macbookair"))
+        events.append(QualityScored(at=at, digest=ELYZA, domain="general", score=0.82, worker="macbookair"))
+    return events
+
+
+@contextlib.asynccontextmanager
+async def projector_running(redis: aioredis.Redis) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(Projector(redis, Keys(), lease_ms=2000).run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def _worker(redis_url: str, backend: str, name: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "ROUTELEDGER_LEASE_MS": "1500", "ROUTELEDGER_HEARTBEAT_MS": "300"}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "routeledger",
+            "worker",
+            "--backend",
+            backend,
+            "--id",
+            name,
+            "--redis-url",
+            redis_url,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_measured_speed(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    keys = Keys()
+    view = LiveView(redis_client, keys, snapshot_every_s=0.2)
+    await ledger.append_many(_history(int(time.time() * 1000)))
+    async with SimHosts(SEED, time_scale=0.2, seed=2) as sim, projector_running(redis_client):
+        async with running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")):
+            await asyncio.sleep(1.0)
+            before = await preview_request(view, model="qwen3:8b", tokens=200)
+            assert [c["worker"] for c in before["candidates"]] == ["macbookair"]
+            laptop_quality = before["candidates"][0]["fields"]["quality"]
+
+            rtx = _worker(redis_url, sim.url("rtx3070ti"), "rtx3070ti")
+            joined = time.monotonic()
+            try:
+                top: dict[str, object] = {}
+
+                async def rtx_on_top() -> bool:
+                    nonlocal top
+                    p = await preview_request(view, model="qwen3:8b", tokens=200)
+                    top = p["candidates"][0]  # type: ignore[index]
+                    fields = top["fields"]  # type: ignore[index]
+                    return top["worker"] == "rtx3070ti" and fields["decode_tps"]["n"] >= 1  # type: ignore[index]
+
+                await wait_until(rtx_on_top, timeout=60, every=0.3)
+                took = time.monotonic() - joined
+                decode = top["fields"]["decode_tps"]  # type: ignore[index]
+                assert decode["source"].startswith("worker n=") and 1 <= decode["n"] <= 3, decode
+                assert decode["value"] > 3 * 11.4, decode
+                after = await preview_request(view, model="qwen3:8b", tokens=200)
+                by_worker = {c["worker"]: c for c in after["candidates"]}  # type: ignore[union-attr]
+                laptop, gpu = by_worker["macbookair"], by_worker["rtx3070ti"]
+                # Quality belongs to the model: both machines carry the same value, so the rank
+                # changed on speed alone, not because the laptop's quality fell.
+                assert gpu["fields"]["quality"]["value"] == laptop["fields"]["quality"]["value"]
+                assert abs(laptop["fields"]["quality"]["value"] - laptop_quality["value"]) < 0.05
+                assert gpu["expected_finish_s"] < laptop["expected_finish_s"] / 3
+                assert took < 60
+
+                # ELYZA: the GPU PC gets a copy with the same digest, and ranks first once it holds it.
+                sim.give_model("rtx3070ti", "elyza-jp-8b")
+
+                async def rtx_top_for_elyza() -> bool:
+                    p = await preview_request(view, model="elyza-jp-8b", tokens=200)
+                    best = p["candidates"][0]  # type: ignore[index]
+                    return best["worker"] == "rtx3070ti"  # type: ignore[index,no-any-return]
+
+                await wait_until(rtx_top_for_elyza, timeout=60, every=0.3)
+                elyza = await preview_request(view, model="elyza-jp-8b", tokens=200)
+                by_worker = {c["worker"]: c for c in elyza["candidates"]}  # type: ignore[union-attr]
+                assert (
+                    by_worker["rtx3070ti"]["fields"]["quality"]["value"]
+                    == by_worker["macbookair"]["fields"]["quality"]["value"]
+                )
+            finally:
+                rtx.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(rtx.wait, 30)
