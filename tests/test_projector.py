@@ -160,6 +160,23 @@ async def test_a_benchmark_result_counts_once_per_bench_and_task(
     assert snap.speed["w1", D1].decode_tps.n == 2
 
 
+async def test_a_benchmark_run_counts_once_though_it_is_also_a_completed_task(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    events: list[Event] = [
+        BenchmarkResult(at=T0, bench_id="b1", task_id="x", worker="w1", digest=D1, timings=timings(tokens=8)),
+        completed("x", "w1", bench_id="b1", timings=timings(tokens=8)),
+    ]
+    await fold_all(redis_client, keys, events)
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["w1", D1].decode_tps.n == 1
+    assert snap.length == {}  # one-word benchmark answers say nothing of output length
+    row = await get_task(redis_client, keys, "x")
+    assert row is not None and row.status == "completed"
+    rebuilt, _ = await build(redis_client, keys)
+    assert rebuilt.speed["w1", D1].decode_tps.n == 1 and rebuilt.length == {}
+
+
 async def test_an_absurd_value_skips_its_field_and_the_rest_of_the_event_still_counts(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
