@@ -69,6 +69,7 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
+_msgpack: Final = msgspec.msgpack.Encoder()
 
 
 class TaskRequest(msgspec.Struct, kw_only=True):
@@ -210,6 +211,7 @@ class Gateway:
             )
         if req.kind == "generate" and req.prompt is None:
             raise BadRequestError("prompt is required", param="prompt")
+        _check_encodable(req)
         text = _prompt_text(req)
         domain = req.domain or classify_domain(text)
         prompt_tokens = estimate_tokens(text)
@@ -504,6 +506,17 @@ def _d(raw: bytes | None) -> str | None:
 
 def _int(raw: bytes | None) -> int | None:
     return None if raw is None else int(raw)
+
+
+def _check_encodable(req: TaskRequest) -> None:
+    # Options and format travel to the backend as msgpack: refuse what cannot (ints over 64 bits).
+    for name, value in (("options", req.options), ("format", req.format)):
+        try:
+            _msgpack.encode(value)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise BadRequestError(
+                f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
+            ) from None
 
 
 def _prompt_text(req: TaskRequest) -> str:
