@@ -318,7 +318,8 @@ def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: floa
     row = snapshot.demand.get(digest)
     if row is None:
         return 0.0
-    hl = half_life_s or snapshot.half_life_s
+    # The demand table is folded with its own short half-life; the weight must decay with the same.
+    hl = half_life_s or float(getattr(snapshot, "demand_half_life_s", snapshot.half_life_s))
     return row.arrivals.weight_at(now_ms, hl) / (hl / math.log(2.0))
 
 
@@ -339,6 +340,8 @@ def fleet_view(
     Resource metrics are deliberately not read.
     """
     p = params or PlanParams()
+    if live is None and getattr(snapshot, "live", None):
+        live = list(snapshot.live)
     alive = set(live) if live is not None else None
     workers: list[WorkerView] = []
     for row in snapshot.fleet.values():
