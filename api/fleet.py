@@ -10,13 +10,14 @@ from fastapi import APIRouter, Query, Request
 from api.common import JSON, gateway
 from api.errors import NotImplementedYetError
 from api.gateway import model_not_found
-from api.routing import catalog, fleet_view
+from api.routing import catalog
 from api.schemas import BenchCreate
+from events.errors import ModelNotServedError
 from events.event import now_ms
-from events.queue import find_holders
 from projections.snapshot import Stamped, Stat
 from router.errors import RouterError
-from router.preview import preview
+from workers.dispatch import preview_request
+from workers.view import LiveView
 
 router = APIRouter(tags=["fleet"])
 
@@ -110,37 +111,19 @@ async def route_preview(
     request: Request,
     model: str = Query(description="a model name, alias, digest prefix, or 'auto'"),
     domain: str = Query("general"),
-    tokens: int | None = Query(None, ge=1, description="prompt tokens of the request to preview"),
-    max_tokens: int | None = Query(None, ge=1),
+    tokens: int | None = Query(None, ge=1, description="the request's max tokens"),
 ) -> JSON:
-    """What the router would do with such a request now: candidates with every term, and the plan."""
+    """What the router would do with such a request now: candidates with every term, and the plan.
+
+    The same function as `routeledger route preview --json` (workers.dispatch.preview_request).
+    """
     gw = gateway(request)
-    leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models = {m.name: m.entry.digest for m in catalog(leases)}
-    if model != "auto":
-        digest, holders = find_holders(model, leases)
-        if digest is None or not holders:
-            raise model_not_found(model, leases)
-        models = {model: digest}
-    elif not models:
-        raise model_not_found(model, leases)
-    evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
-    backlog = await gw.retrying(lambda: gw.fleet.backlog(set(models.values())))
-    now = now_ms()
-    view = fleet_view(leases, evidence.snapshot, now, backlog)
+    view = LiveView(gw.redis, gw.keys)
     try:
-        out = preview(
-            view,
-            evidence.estimator,
-            now,
-            model=model,
-            models=models,
-            domain=domain,
-            prompt_tokens=tokens,
-            max_tokens=max_tokens,
-        )
-    except RouterError as exc:
-        raise model_not_found(model, leases) from exc
+        out = await gw.retrying(lambda: preview_request(view, model=model, domain=domain, tokens=tokens))
+    except (ModelNotServedError, RouterError):
+        leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
+        raise model_not_found(model, leases) from None
     return JSON(msgspec.to_builtins(out))
 
 

@@ -11,21 +11,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from events.event import ModelEntry, now_ms
-from events.keys import WORKERS_GROUP, Keys
+from events.keys import Keys
 from events.lease import LeaseInfo, live_workers
-from events.task import decode_task
 from projections.errors import ProjectionError
 from projections.reader import snapshot as read_snapshot
 from projections.snapshot import Snapshot
 from router.estimate import Estimator, build_estimator
-from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rate
+from router.plan import BacklogEntry, FleetView, arrival_rate
+from workers.view import worker_views
 
 log = logging.getLogger("routeledger.api")
 
@@ -87,25 +86,8 @@ def catalog(leases: dict[str, LeaseInfo]) -> list[ModelInfo]:
 def fleet_view(
     leases: dict[str, LeaseInfo], snap: Snapshot, now: int, backlog: dict[str, list[BacklogEntry]]
 ) -> FleetView:
-    """The router's view from the leases: in-flight counts stand for running tasks started now."""
-    workers = []
-    for info in sorted(leases.values(), key=lambda i: i.since):
-        if info.draining:
-            continue
-        holds = {m.digest for m in info.serving()}
-        fallback = next(iter(holds), "")
-        running = [
-            RunningTask(task_id=f"?{i}", digest=fallback, started_at_ms=now) for i in range(info.in_flight)
-        ]
-        workers.append(
-            WorkerView(
-                name=info.worker,
-                slots=max(1, info.slots),
-                holds=holds,
-                loaded=set(info.loaded),
-                running=running,
-            )
-        )
+    """The router's view: live workers with what each slot runs (workers.view), backlog, arrival rates."""
+    workers = worker_views(leases)
     digests = set(backlog) | {d for w in workers for d in w.holds}
     return FleetView(
         workers=workers,
@@ -151,43 +133,3 @@ class FleetState:
 
     async def evidence(self, fresh: bool = False) -> Evidence:
         return await self._evidence.get(fresh)
-
-    async def backlog(self, digests: set[str], limit: int = 200) -> dict[str, list[BacklogEntry]]:
-        """The undelivered entries of each model's queue, head first (for the preview, not per request)."""
-        out: dict[str, list[BacklogEntry]] = {}
-        for digest in sorted(digests):
-            queue = self.keys.queue(digest)
-            start = "-"
-            try:
-                groups: Any = await self.redis.xinfo_groups(queue)
-            except ResponseError:
-                continue  # no stream yet: nothing waits
-            for g in groups:
-                name = g.get("name")
-                if name in (WORKERS_GROUP, WORKERS_GROUP.encode()):
-                    last = g.get("last-delivered-id")
-                    if last is not None:
-                        start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-            rows: Any = await self.redis.xrange(queue, start, "+", count=limit)
-            entries: list[BacklogEntry] = []
-            for _, fields in rows:
-                raw = fields.get(b"task")
-                if raw is None:
-                    continue
-                try:
-                    task = decode_task(raw)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                entries.append(
-                    BacklogEntry(
-                        task_id=task.task_id,
-                        digest=task.digest,
-                        enqueued_at_ms=task.submitted_at,
-                        domain=task.domain,
-                        prompt_tokens=task.prompt_tokens,
-                        max_tokens=task.max_tokens,
-                    )
-                )
-            if entries:
-                out[digest] = entries
-        return out

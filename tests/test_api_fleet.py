@@ -1,0 +1,59 @@
+"""Fleet, capacity, preview, stats and the operations endpoints."""
+
+from __future__ import annotations
+
+import httpx
+import redis.asyncio as aioredis
+
+from tests.test_api_support import fleet_and_api
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_the_fleet_shows_each_live_worker_and_the_capacity_per_model(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with (
+        fleet_and_api(redis_client, redis_url, workers=("a", "b", "c"), slots=2) as (base, _),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        fleet = (await http.get("/v1/fleet")).json()
+    assert [w["id"] for w in fleet["workers"]] == ["a", "b", "c"]
+    assert {w["status"] for w in fleet["workers"]} == {"online"}
+    assert fleet["workers"][0]["models"] == ["m:latest"] and fleet["workers"][0]["slots"] == 2
+    assert fleet["workers"][0]["lease_age_s"] is not None
+    assert fleet["capacity"] == {"m:latest": 4, "other:latest": 2}
+
+
+async def test_the_preview_ranks_the_holders_with_every_term(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with (
+        fleet_and_api(redis_client, redis_url, workers=("a", "b")) as (base, _),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        named = (await http.get("/v1/route/preview", params={"model": "m", "tokens": 20})).json()
+        auto = (await http.get("/v1/route/preview", params={"model": "auto", "domain": "code"})).json()
+        unknown = await http.get("/v1/route/preview", params={"model": "nope"})
+    assert {c["worker"] for c in named["candidates"]} == {"a", "b"}
+    assert {"expected_finish_s", "terms", "fields"} <= set(named["candidates"][0])
+    assert named["candidates"][0]["fields"]["decode_tps"]["source"]
+    assert auto["plan"]["auto"]["domain"] == "code"
+    assert unknown.status_code == 404 and "m:latest" in unknown.json()["error"]["message"]
+
+
+async def test_metrics_count_requests_by_route_and_model_and_show_the_fleet(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url) as (base, _), httpx.AsyncClient(base_url=base) as http:
+        await http.post("/v1/chat/completions", json=CHAT, timeout=30)
+        await http.get("/metrics")
+        text = (await http.get("/metrics")).text
+        stats = await http.get("/v1/stats")
+        ready = (await http.get("/readyz")).json()
+    assert 'routeledger_api_requests_total{model="m",route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'routeledger_model_capacity{model="m:latest"} 1.0' in text
+    assert 'routeledger_worker_slots{worker="a"} 1.0' in text
+    assert "routeledger_queue_depth" in text and "routeledger_dead_letters 0.0" in text
+    assert stats.status_code == 200 and set(stats.json()) >= {"speed", "length", "quality"}
+    assert ready["status"] == "ready" and "projector" in ready
