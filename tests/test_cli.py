@@ -70,12 +70,15 @@ def test_up_answers_healthz_and_readyz_and_ctrl_c_stops_every_child(
     running_up: tuple[subprocess.Popen[str], int, Path],
 ) -> None:
     proc, port, data_dir = running_up
-    assert httpx.get(f"http://127.0.0.1:{port}/readyz").json() == {"status": "ready", "redis": "ok"}
+    ready = httpx.get(f"http://127.0.0.1:{port}/readyz").json()
+    assert ready["status"] == "ready" and ready["redis"] == "ok"
+    assert set(ready["projector"]) >= {"lag_entries", "lag_ms"}
     url_file = data_dir / "redis.url"
     assert oct(url_file.stat().st_mode & 0o777) == "0o600"
     children = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(c.cmdline()) for c in children)
-    assert "redis-server" in names and "api" in names
+    for role in ("redis-server", " api", " projector", " reaper"):
+        assert role in names, f"{role.strip()} is not among the children of up: {names}"
 
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
