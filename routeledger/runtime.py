@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -107,9 +109,22 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a command's coroutine, on uvloop where it is installed (it cuts the cost per request of
-    the long-running processes by about a quarter)."""
+    the long-running processes by about a quarter). Ctrl-C or SIGTERM cancels it and surfaces as
+    KeyboardInterrupt: uvloop does not interrupt a blocking read for a signal by itself."""
+
+    async def main() -> T:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(main())
+    return uvloop.run(main())
