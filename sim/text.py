@@ -11,15 +11,10 @@ import hashlib
 import math
 import random
 import re
-import tomllib
 from functools import cache
-from importlib import resources
-from typing import Any
 
-import msgspec
-
-from events.errors import RouteledgerError
 from sim.fleet import OutputLength
+from workers.benchmark import BenchPrompt, benchset
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -110,28 +105,8 @@ def filler(rng: random.Random, n: int, japanese: bool) -> list[str]:
 
 
 # -- the benchmark set ----------------------------------------------------------------------------
-
-
-class BenchSetError(RouteledgerError):
-    """Raised when the benchmark prompt set is malformed."""
-
-
-class BenchPrompt(msgspec.Struct, kw_only=True, frozen=True):
-    """One prompt of workers/benchset.toml."""
-
-    id: str
-    domain: str
-    prompt: str
-    expect: list[str]
-    answer: str
-    max_tokens: int = 32
-
-    def passes(self, text: str) -> bool:
-        return any(re.search(pattern, text) for pattern in self.expect)
-
-
-class BenchSet(msgspec.Struct, kw_only=True, frozen=True):
-    prompt: list[BenchPrompt]
+# One definition of the shipped prompts, the worker's (workers/benchmark.py); the simulator reads
+# their `answer` to answer right or wrong.
 
 
 class _BenchEntry:
@@ -143,28 +118,6 @@ class _BenchEntry:
         self.prompt = prompt
         self.wrong = wrong
         self.filler = filler
-
-
-def parse_benchset(text: str, source: str = "benchset.toml") -> list[BenchPrompt]:
-    try:
-        data: dict[str, Any] = tomllib.loads(text)
-        prompts = msgspec.convert(data, BenchSet).prompt
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
-        raise BenchSetError(f"{source} is not a valid benchmark set: {exc}") from None
-    for p in prompts:
-        for pattern in p.expect:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise BenchSetError(f"{source}: prompt {p.id} has a bad regex {pattern!r}: {exc}") from None
-    return prompts
-
-
-@cache
-def benchset() -> tuple[BenchPrompt, ...]:
-    """The shipped benchmark prompts (workers/benchset.toml, read as package data)."""
-    resource = resources.files("workers") / "benchset.toml"
-    return tuple(parse_benchset(resource.read_text(encoding="utf-8")))
 
 
 @cache

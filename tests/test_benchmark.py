@@ -114,3 +114,14 @@ def test_bench_run_without_a_holder_is_a_clear_error(redis_url: str) -> None:
         timeout=60,
     )
     assert result.returncode == 2 and "no live worker serves model 'nope'" in result.stderr
+
+
+def test_a_prompt_set_with_a_bad_pattern_is_refused_naming_the_prompt() -> None:
+    import pytest
+
+    from workers.benchmark import parse_benchset
+    from workers.errors import BenchSetError
+
+    text = '[[prompt]]\nid = "p1"\ndomain = "general"\nprompt = "?"\nexpect = ["(unclosed"]\n'
+    with pytest.raises(BenchSetError, match="prompt p1 has a bad regex"):
+        parse_benchset(text)

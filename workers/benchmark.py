@@ -21,6 +21,7 @@ from events.lease import LeaseInfo
 from events.queue import TaskQueues, names_model
 from events.task import Message, TaskMessage
 from projections.snapshot import Snapshot
+from workers.errors import BenchSetError
 
 
 class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,19 +31,39 @@ class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
     domain: str
     prompt: str
     expect: list[str]
-    answer: str | None = None
+    # The canonical answer: the simulated backends answer with it when they answer right.
+    answer: str = ""
     max_tokens: int = 64
+
+    def passes(self, text: str) -> bool:
+        """Whether `text` matches any of the expected patterns."""
+        return any(re.search(pattern, text) for pattern in self.expect)
 
 
 class _Set(msgspec.Struct):
     prompt: list[BenchPrompt]
 
 
+def parse_benchset(text: str, source: str = "benchset.toml") -> list[BenchPrompt]:
+    """Prompts from TOML text; a malformed set or a bad regex raises BenchSetError naming it."""
+    try:
+        prompts = msgspec.toml.decode(text, type=_Set).prompt
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BenchSetError(f"{source} is not a valid benchmark set: {exc}") from None
+    for p in prompts:
+        for pattern in p.expect:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise BenchSetError(f"{source}: prompt {p.id} has a bad regex {pattern!r}: {exc}") from None
+    return prompts
+
+
 @cache
 def benchset() -> tuple[BenchPrompt, ...]:
-    """The prompt set shipped in workers/benchset.toml."""
+    """The prompt set shipped in workers/benchset.toml (package data)."""
     text = (resources.files("workers") / "benchset.toml").read_text(encoding="utf-8")
-    return tuple(msgspec.toml.decode(text, type=_Set).prompt)
+    return tuple(parse_benchset(text))
 
 
 def prompt_by_id(prompt_id: str) -> BenchPrompt | None:
@@ -55,7 +76,7 @@ def domains() -> list[str]:
 
 def grade(prompt: BenchPrompt, answer: str) -> float:
     """1.0 when the answer matches any of the prompt's expected patterns, else 0.0."""
-    return 1.0 if any(re.search(pattern, answer) for pattern in prompt.expect) else 0.0
+    return 1.0 if prompt.passes(answer) else 0.0
 
 
 def pick(domain: str, count: int, start: int = 0) -> list[BenchPrompt]:
