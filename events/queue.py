@@ -309,6 +309,16 @@ def names_model(entry: ModelEntry, model: str) -> bool:
     return len(model) >= 12 and entry.digest.startswith(model)
 
 
+def require_model(model: str, leases: dict[str, LeaseInfo]) -> str:
+    """The digest `model` names among live workers that serve it; ModelNotServedError if none does."""
+    digest, holders = find_holders(model, leases)
+    if digest is None or not holders:
+        raise ModelNotServedError(
+            f"no live worker serves model {model!r} ({describe_fleet(leases)})", model=model, fleet=leases
+        )
+    return digest
+
+
 def describe_fleet(leases: dict[str, LeaseInfo]) -> str:
     """What the live workers serve, for error messages."""
     if not leases:
@@ -346,12 +356,7 @@ async def submit_task(
     from events.task import Message, estimate_tokens, sha256_hex
 
     live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
-    found, holders = find_holders(model, live)
-    digest = digest or found
-    if digest is None or not holders:
-        raise ModelNotServedError(
-            f"no live worker serves model {model!r} ({describe_fleet(live)})", model=model, fleet=live
-        )
+    digest = digest or require_model(model, live)
     task = TaskMessage(
         task_id=task_id or uuid.uuid4().hex,
         model=model,

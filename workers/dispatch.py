@@ -13,7 +13,7 @@ from typing import Any
 from events.errors import ModelNotServedError
 from events.event import TaskRouted
 from events.lease import live_workers
-from events.queue import TaskQueues, describe_fleet, find_holders, submit_task
+from events.queue import TaskQueues, describe_fleet, require_model, submit_task
 from events.task import Message, TaskMessage
 from router.choose import Decision, classify_domain, decide
 from router.preview import preview
@@ -54,12 +54,7 @@ async def route_and_submit(
             )
         candidates = models
     else:
-        digest, holders = find_holders(model, leases)
-        if digest is None or not holders:
-            raise ModelNotServedError(
-                f"no live worker serves model {model!r} ({describe_fleet(leases)})", model=model, fleet=leases
-            )
-        candidates = {model: digest}
+        candidates = {model: require_model(model, leases)}
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     prompt_tokens = max(1, len(text.encode()) // 4)
     decision = decide(
@@ -109,12 +104,7 @@ async def preview_request(
     leases = await live_workers(view.redis, view.keys)
     models = served_models(leases)
     if model != "auto":
-        digest, holders = find_holders(model, leases)
-        if digest is None or not holders:
-            raise ModelNotServedError(
-                f"no live worker serves model {model!r} ({describe_fleet(leases)})", model=model, fleet=leases
-            )
-        models = {model: digest}
+        models = {model: require_model(model, leases)}
     elif not models:
         raise ModelNotServedError(f"no live worker serves any model ({describe_fleet(leases)})", model=model)
     fleet, est, now, _ = await view.fleet(set(models.values()), leases)
