@@ -13,7 +13,11 @@ from typing import Any, Final
 
 import msgspec
 
-_STANDARD: Final = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_STANDARD: Final = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's ANSI-coloured copy of msg
+}
 _enc: Final = msgspec.json.Encoder(enc_hook=str)
 
 

@@ -212,6 +212,9 @@ def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict
         f"health     {base}/healthz",
         f"Redis      {_mask(url)}{'  (embedded, AOF)' if embedded else ''}",
         f"data dir   {data_dir}",
+        "Open WebUI connections:",
+        f"  OpenAI   {base}/v1   (any API key, or one of api_keys)",
+        f"  Ollama   {base}",
     ]
     for name, host in demo.items():
         lines.append(f"sim        {name:<11} {host}  (simulated Ollama, with a worker)")
@@ -223,14 +226,16 @@ def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict
 def api_cmd(
     host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="Port.")] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Server processes sharing the port.")] = 1,
     data_dir: DataDirOpt = None,
     redis_url: RedisUrlOpt = None,
     config: ConfigOpt = None,
 ) -> None:
     """Serve the HTTP API in the foreground (`up` starts it for you)."""
+    import os
+
     import uvicorn
 
-    from api.app import AppConfig, create_app
     from routeledger.config import redis_url_for
 
     resolved = settings_from(data_dir, redis_url, config, host=host, port=port)
@@ -242,8 +247,46 @@ def api_cmd(
         )
     if not port_is_free(s.host, s.port):
         raise PortTakenError(f"port {s.port} on {s.host} is taken: stop what uses it, or pass --port")
-    app_ = create_app(AppConfig(redis_url=redis_url_for(s), prefix=s.prefix, api_keys=s.api_keys))
-    uvicorn.run(app_, host=s.host, port=s.port, log_level=s.log_level, access_log=False)
+    # Each server process builds its app from the environment (api_from_env), so the resolved
+    # settings travel there; a flag or file value wins over what the environment said.
+    os.environ["ROUTELEDGER_REDIS_URL"] = redis_url_for(s)
+    os.environ["ROUTELEDGER_PREFIX"] = s.prefix
+    os.environ["ROUTELEDGER_LOG_LEVEL"] = s.log_level
+    os.environ["ROUTELEDGER_MAX_BODY_BYTES"] = str(s.max_body_bytes)
+    os.environ["ROUTELEDGER_MAX_MESSAGES"] = str(s.max_messages)
+    if s.api_keys:
+        os.environ["ROUTELEDGER_API_KEYS"] = ",".join(s.api_keys)
+    uvicorn.run(
+        "routeledger.cli:api_from_env",
+        factory=True,
+        host=s.host,
+        port=s.port,
+        workers=workers,
+        log_config=None,
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+
+
+def api_from_env() -> Any:
+    """The API app from `ROUTELEDGER_*` settings: the factory each uvicorn worker process calls."""
+    from api.app import AppConfig, create_app
+    from api.logs import configure
+    from routeledger.config import redis_url_for, resolve
+
+    s = resolve().settings
+    configure(s.log_level)
+    return create_app(
+        AppConfig(
+            redis_url=redis_url_for(s),
+            prefix=s.prefix,
+            api_keys=s.api_keys,
+            max_body_bytes=s.max_body_bytes,
+            max_messages=s.max_messages,
+            wait_timeout_s=s.backend_timeout_s * 2,
+        )
+    )
 
 
 # -- events ---------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ class Settings(msgspec.Struct, kw_only=True):
     demand_half_life_s: float = 300.0
     backend_timeout_s: float = 300.0
     log_level: str = "info"
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 256
 
 
 # What each setting means, for `config show` and the README's table.
@@ -70,6 +72,8 @@ FIELDS: Final[dict[str, str]] = {
     "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
+    "max_body_bytes": "largest request body the API accepts (413 above it)",
+    "max_messages": "most chat messages one API request may carry (413 above it)",
 }
 
 _LIST_FIELDS: Final = {"api_keys"}
@@ -157,6 +161,8 @@ def _validate(s: Settings) -> None:
         (s.half_life_s > 0, "half_life_s must be positive"),
         (s.demand_half_life_s > 0, "demand_half_life_s must be positive"),
         (bool(s.prefix), "prefix must not be empty"),
+        (s.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {s.max_body_bytes}"),
+        (s.max_messages >= 1, f"max_messages must be at least 1, got {s.max_messages}"),
     ]
     for ok, message in checks:
         if not ok:
