@@ -98,14 +98,6 @@ class UnprocessableError(ApiError):
     openai_code = "invalid_request_error"
 
 
-class RateLimitedError(ApiError):
-    """Raised when the API refuses work because too much is already waiting."""
-
-    status = 429
-    type = "rate_limited"
-    openai_code = "rate_limit_exceeded"
-
-
 class GenerationError(ApiError):
     """Raised when a task ended without an answer: it failed, was dead-lettered or cancelled."""
 
