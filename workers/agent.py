@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import signal
 import socket
+import sys
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -46,6 +49,37 @@ from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenErro
 from workers.resources import read_resources
 
 log = logging.getLogger("routeledger.worker")
+
+# TEST HOOK, off by default. `ROUTELEDGER_TEST_CRASH=POINT@N` makes the worker process kill -9
+# itself at POINT of the N-th task it runs, so that the reliability suite can crash it at an exact
+# step rather than at whatever moment an outside kill happens to land. POINT is one of:
+#   claim   the entry is delivered, TaskClaimed not yet appended
+#   stream  the first output chunk is written, the generation goes on
+#   result  the result is stored, TaskCompleted not yet appended
+#   ack     TaskCompleted is appended, the entry not yet acknowledged
+# Never set it outside tests.
+TEST_CRASH_ENV: Final = "ROUTELEDGER_TEST_CRASH"
+CRASH_POINTS: Final = ("claim", "stream", "result", "ack")
+
+
+def _crash_plan(spec: str | None) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    point, _, nth = spec.partition("@")
+    if point not in CRASH_POINTS or not nth.isdigit():
+        raise ValueError(f"{TEST_CRASH_ENV}={spec!r}: expected POINT@N with POINT in {CRASH_POINTS}")
+    return point, int(nth)
+
+
+_CRASH_PLAN: Final = _crash_plan(os.environ.get(TEST_CRASH_ENV))
+
+
+def _test_crash(point: str, ordinal: int) -> None:
+    """The test hook above: kill -9 this process if the plan says so (a no-op when unset)."""
+    if _CRASH_PLAN is not None and (point, ordinal) == _CRASH_PLAN:
+        sys.stderr.write(f"routeledger test hook: kill -9 at {point} of task #{ordinal}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):
@@ -97,6 +131,8 @@ class Running(msgspec.Struct, kw_only=True):
     started_at_ms: int = msgspec.field(default_factory=now_ms)
     task: asyncio.Task[None] | None = None
     lost: bool = False
+    # 1 for the first task this process runs, and so on (for the test crash hook).
+    ordinal: int = 0
 
 
 class WorkerAgent:
@@ -133,6 +169,7 @@ class WorkerAgent:
         self._inventory_changed = asyncio.Event()
         # digest -> monotonic time of the last benchmark this worker requested for itself
         self._benched: dict[str, float] = {}
+        self._ordinal = 0
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -388,7 +425,8 @@ class WorkerAgent:
             task = asyncio.create_task(self._reject_malformed(queue, entry_id, fields, str(exc)))
             self._background.append(task)
             return
-        run = Running(entry=entry, started=time.monotonic())
+        self._ordinal += 1
+        run = Running(entry=entry, started=time.monotonic(), ordinal=self._ordinal)
         self.running[entry_id] = run
         run.task = asyncio.create_task(self._run(run), name=f"task-{entry.task.task_id}")
 
@@ -410,6 +448,7 @@ class WorkerAgent:
                     BackendError("model_missing", f"{self.name} does not serve {task.model}", retryable=True),
                 )
                 return
+            _test_crash("claim", run.ordinal)
             await self._append(
                 TaskClaimed(
                     task_id=task.task_id,
@@ -486,6 +525,7 @@ class WorkerAgent:
                 if len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms:
                     await flush()
                     last_flush = now
+                    _test_crash("stream", run.ordinal)
                 if (now - last_cancel_check) * 1000 >= self.config.cancel_check_ms:
                     last_cancel_check = now
                     if await self.redis.exists(cancel_key):
@@ -508,6 +548,7 @@ class WorkerAgent:
             done_reason=generated.done_reason,
         )
         first = (not run.lost) and await self.queues.record_result(result)
+        _test_crash("result", run.ordinal)
         await flush(Chunk(attempt=entry.attempt, done=True))
         event: Event
         if task.bench_id:
@@ -545,6 +586,7 @@ class WorkerAgent:
             bench_id=task.bench_id,
         )
         await self._append(event)
+        _test_crash("ack", run.ordinal)
         acked = await self.queues.finish(entry.queue, entry.entry_id)
         if acked == 0:
             log.warning(
@@ -620,19 +662,8 @@ class WorkerAgent:
 
     async def _fail(self, run: Running, exc: BackendError) -> None:
         entry = run.entry
-        task = entry.task
-        log.warning("task %s attempt %d failed on %s: %s", task.task_id, entry.attempt, self.name, exc)
-        await self._append(
-            TaskFailed(
-                task_id=task.task_id,
-                worker=self.name,
-                digest=task.digest,
-                attempt=entry.attempt,
-                kind=exc.kind,
-                retryable=exc.retryable,
-                message=exc.message[:500],
-            )
-        )
+        log.warning("task %s attempt %d failed on %s: %s", entry.task.task_id, entry.attempt, self.name, exc)
+        await self._record_failure(run, exc.kind, exc.retryable, exc.message)
         if exc.kind not in ("model_missing", "bad_request"):
             # The backend misbehaves: step back from shared work for a while so others take it.
             self._failures += 1
@@ -644,39 +675,35 @@ class WorkerAgent:
             )
             await self._after_requeue(entry.queue, entry.entry_id, moved, f"{exc.kind}: {exc.message[:200]}")
             return
-        await self.queues.record_result(
-            Result(
-                task_id=task.task_id, status="failed", worker=self.name, attempt=entry.attempt, error=str(exc)
-            )
-        )
-        await self.queues.end_output(task.task_id, entry.attempt, str(exc))
-        await self.queues.finish(entry.queue, entry.entry_id)
+        await self._settle(run, "failed", str(exc))
 
     async def _cancelled(self, run: Running) -> None:
+        log.info("task %s cancelled by its client", run.entry.task.task_id)
+        await self._record_failure(run, "cancelled", False, "cancelled by the client")
+        await self._settle(run, "cancelled", "cancelled")
+
+    async def _record_failure(self, run: Running, kind: str, retryable: bool, message: str) -> None:
         entry = run.entry
-        task = entry.task
-        log.info("task %s cancelled by its client", task.task_id)
         await self._append(
             TaskFailed(
-                task_id=task.task_id,
+                task_id=entry.task.task_id,
                 worker=self.name,
-                digest=task.digest,
+                digest=entry.task.digest,
                 attempt=entry.attempt,
-                kind="cancelled",
-                retryable=False,
-                message="cancelled by the client",
+                kind=kind,
+                retryable=retryable,
+                message=message[:500],
             )
         )
+
+    async def _settle(self, run: Running, status: str, error: str) -> None:
+        """A final outcome without a completion: record it, close the output, finish the entry."""
+        entry = run.entry
+        task_id = entry.task.task_id
         await self.queues.record_result(
-            Result(
-                task_id=task.task_id,
-                status="cancelled",
-                worker=self.name,
-                attempt=entry.attempt,
-                error="cancelled",
-            )
+            Result(task_id=task_id, status=status, worker=self.name, attempt=entry.attempt, error=error)
         )
-        await self.queues.end_output(task.task_id, entry.attempt, "cancelled")
+        await self.queues.end_output(task_id, entry.attempt, error)
         await self.queues.finish(entry.queue, entry.entry_id)
 
     async def _after_requeue(self, queue: str, entry_id: str, moved: Requeue, reason: str) -> None:
