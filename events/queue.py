@@ -88,6 +88,16 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
+# A later run of a completed task finds a stored result whose writer never marked it `logged` (it
+# died between storing the result and appending TaskCompleted): the first such run takes over the
+# ledger record, so that the completion still counts once. KEYS[1] result hash; ARGV attempt.
+# Returns 1 to the one run that takes over, 0 to every other.
+_TAKE_OVER: Final = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'completed' then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'logged') == 1 then return 0 end
+return redis.call('HSETNX', KEYS[1], 'taken', ARGV[1])
+"""
+
 # Withdraw a task that no worker has taken: find its entry by task id and delete it only if it is not
 # in the group's pending list (delivered entries belong to a worker, which is told to stop instead).
 # KEYS[1] queue; ARGV group, task id. Returns {status, entry id, attempt}: 2 removed; 1 delivered
@@ -164,6 +174,7 @@ class TaskQueues:
         self._requeue = redis.register_script(_REQUEUE)
         self._result_once = redis.register_script(_RESULT_ONCE)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
+        self._take_over = redis.register_script(_TAKE_OVER)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -276,6 +287,14 @@ class TaskQueues:
             ],
         )
         return bool(won)
+
+    async def mark_logged(self, task_id: str) -> None:
+        """Say that the counting TaskCompleted of a stored result is in the ledger (see _TAKE_OVER)."""
+        await self.redis.hset(self.keys.result(task_id), "logged", "1")
+
+    async def take_over_log(self, task_id: str, attempt: int) -> bool:
+        """True if this run must append the counting TaskCompleted its result's writer never did."""
+        return bool(await self._take_over(keys=[self.keys.result(task_id)], args=[str(attempt)]))
 
 
 def _s(raw: bytes | str) -> str:

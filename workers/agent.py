@@ -549,6 +549,9 @@ class WorkerAgent:
         )
         first = (not run.lost) and await self.queues.record_result(result)
         _test_crash("result", run.ordinal)
+        if not first and not run.lost:
+            # A stored result without its TaskCompleted: its writer died in between; count ours.
+            first = await self.queues.take_over_log(task.task_id, entry.attempt)
         await flush(Chunk(attempt=entry.attempt, done=True))
         event: Event
         if task.bench_id:
@@ -586,6 +589,8 @@ class WorkerAgent:
             bench_id=task.bench_id,
         )
         await self._append(event)
+        if first:
+            await self.queues.mark_logged(task.task_id)
         _test_crash("ack", run.ordinal)
         acked = await self.queues.finish(entry.queue, entry.entry_id)
         if acked == 0:
