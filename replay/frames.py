@@ -1,8 +1,10 @@
 """The ledger as polars frames: one frame per event kind the tables need, columns per field.
 
-Decoded events are bucketed by type and turned into columns in bulk (a list comprehension per
-field, every `FLUSH_EVERY` events), so that the Python objects of a chunk are dropped early and
-memory stays bounded by the columns. `seq` is the ledger order (0, 1, …) of decodable entries.
+Raw ledger rows are routed by their envelope tag (types no table reads are never decoded), each
+kind of a chunk is decoded in one pass and its columns taken at once (a C-level `map` per field),
+so that the chunk's event objects are dropped early; every `FLUSH_EVERY` events the columns become
+frames, and memory stays bounded by the columns. `seq` is the ledger order (0, 1, …) of the entries
+as read; only its order matters.
 
 Worker reports carry nested values (inventory, loaded models, resources) that only the newest
 report of each worker needs: they stay Python objects, and each flush keeps only the reports that
@@ -11,13 +13,17 @@ can still win, so a ledger full of heartbeats does not pile them up.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any, Final
 
+import msgspec
 import polars as pl
 
+from events.codec import DATA, TYPE, decode_rows
 from events.event import (
+    EVENT_TYPES,
+    AnyEvent,
     BenchmarkResult,
     Event,
     QualityScored,
@@ -33,6 +39,7 @@ from events.event import (
     WorkerOffline,
     WorkerOnline,
 )
+from events.ledger import PoisonHandler, RawEntry
 
 FLUSH_EVERY: Final = 100_000
 
@@ -46,6 +53,7 @@ _BOOL: Final = pl.Boolean
 
 # Column name -> (dtype, attribute path on the event).
 Columns = dict[str, tuple[pl.DataType | type[pl.DataType], str]]
+Getter = Callable[[Any], Any]
 
 _TIMINGS: Final[Columns] = {
     "prompt_eval_count": (_I64, "timings.prompt_eval_count"),
@@ -161,55 +169,176 @@ def _schema(columns: Columns) -> dict[str, Any]:
     return {"seq": _I64, **{name: dtype for name, (dtype, _) in columns.items()}}
 
 
+# The envelope tags the frames take, and the class each tag's data must decode to.
+_TAKEN: Final[tuple[type[Event], ...]] = (*KINDS, WorkerOnline, WorkerHeartbeat)
+_CLASS_OF: Final[dict[bytes, type[Event]]] = {cls.__name__.encode(): cls for cls in _TAKEN}
+# Event types no table reads, by their envelope tag: their entries are not decoded at all
+# (routing breakdowns are the bulkiest part of the ledger).
+UNUSED_TAGS: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES) - _CLASS_OF.keys()
+# The codec's union decoder: the same validation, entry by entry.
+_decode: Final = msgspec.msgpack.Decoder(AnyEvent).decode
+
+
+def _decode_all(data: list[bytes], cls: type[Event]) -> list[Event] | None:
+    """Every entry's data as a `cls`, or None when any is not one (the careful path then says why)."""
+    try:
+        events: list[Event] = list(map(_decode, data))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return events if set(map(type, events)) == {cls} else None
+
+
+def _getters(columns: Columns) -> tuple[list[tuple[str, Getter]], list[tuple[str, Getter]]]:
+    """Per column, how to take it from an event, and (for `timings.x`) from its Timings."""
+    top: list[tuple[str, Getter]] = []
+    nested: list[tuple[str, Getter]] = []
+    for col, (_, path) in columns.items():
+        head, _, tail = path.partition(".")
+        if tail:
+            assert head == "timings", path
+            nested.append((col, attrgetter(tail)))
+        else:
+            top.append((col, attrgetter(head)))
+    return top, nested
+
+
+_GETTERS: Final = {kind: _getters(columns) for kind, (_, columns) in KINDS.items()}
+_timings: Final = attrgetter("timings")
+
+
 class Frames:
-    """Collects decoded ledger batches as columns; `frame(name)` is the whole kind as one frame."""
+    """Collects ledger chunks as columns; `frame(name)` is the whole kind as one frame."""
 
     def __init__(self) -> None:
         self.events = 0
         self._seq = 0
-        self._buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
+        # Per kind, its columns as Python lists until the next flush.
+        self._columns: dict[type[Event], dict[str, list[Any]]] = {}
         self._frames: dict[str, list[pl.DataFrame]] = {name: [] for name, _ in KINDS.values()}
         # Worker reports (WorkerOnline and WorkerHeartbeat): the ones that can still win, with
         # their objects in `reports`, indexed by the `ref` column.
         self.reports: list[WorkerOnline | WorkerHeartbeat] = []
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
+        self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
 
+    def add_rows(self, rows: Sequence[RawEntry], on_poison: PoisonHandler | None = None) -> None:
+        """Take a chunk of raw ledger rows, in ledger order, and decode what the tables read.
+
+        An entry that is not a valid event is handed to `on_poison` (or raises without it),
+        exactly as `events.codec.decode_rows` decides. `seq` is the entry's position in the
+        ledger as read, counting every entry.
+        """
+        base = self._seq
+        self._seq = base + len(rows)
+        unused = UNUSED_TAGS
+        routes: dict[bytes, tuple[list[int], list[bytes]]] = {}
+        odd = False
+        for i, (_, flat) in enumerate(rows):
+            if len(flat) == 6 and flat[0] == TYPE:
+                tag = flat[1]
+                if tag in unused:
+                    continue
+                if flat[4] == DATA:
+                    route = routes.get(tag)
+                    if route is None:
+                        if tag not in _CLASS_OF:
+                            odd = True
+                            break
+                        route = routes[tag] = ([], [])
+                    route[0].append(i)
+                    route[1].append(flat[5])
+                    continue
+            odd = True
+            break
+        decoded: list[tuple[type[Event], list[int], list[Event]]] = []
+        if not odd:
+            for tag, (index, data) in routes.items():
+                cls = _CLASS_OF[tag]
+                events = _decode_all(data, cls)
+                if events is None:
+                    odd = True
+                    break
+                decoded.append((cls, [base + i for i in index], events))
+        if odd:
+            # Something unusual in this chunk: the codec's careful per-entry path, in ledger order.
+            decoded = self._careful(rows, base, on_poison)
+        for cls, seqs, events in decoded:
+            self._take(cls, seqs, events)
+
+    @staticmethod
+    def _careful(
+        rows: Sequence[RawEntry], base: int, on_poison: PoisonHandler | None
+    ) -> list[tuple[type[Event], list[int], list[Event]]]:
+        keep = [
+            row for row in rows if not (len(row[1]) == 6 and row[1][0] == TYPE and row[1][1] in UNUSED_TAGS)
+        ]
+        seq_of = {entry_id: base + i for i, (entry_id, _) in enumerate(rows)}
+        buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
+        for entry_id, event in decode_rows(keep, on_poison):
+            kind = type(event)
+            if kind not in _GETTERS and kind not in (WorkerOnline, WorkerHeartbeat):
+                continue
+            bucket = buckets.get(kind)
+            if bucket is None:
+                bucket = buckets[kind] = ([], [])
+            bucket[0].append(seq_of[entry_id])
+            bucket[1].append(event)
+        return [(kind, seqs, events) for kind, (seqs, events) in buckets.items()]
+
+    def _take(self, kind: type[Event], seqs: list[int], events: list[Event]) -> None:
+        self.events += len(events)
+        self._pending += len(events)
+        if kind is WorkerOnline or kind is WorkerHeartbeat:
+            pending = self._new_reports.get(kind)
+            if pending is None:
+                self._new_reports[kind] = (seqs, events)
+            else:
+                pending[0].extend(seqs)
+                pending[1].extend(events)
+        else:
+            # Columns are taken at once so that the chunk's event objects are dropped early.
+            columns = self._columns.get(kind)
+            if columns is None:
+                columns = self._columns[kind] = {"seq": [], **{c: [] for c in KINDS[kind][1]}}
+            columns["seq"].extend(seqs)
+            top, nested = _GETTERS[kind]
+            for col, get in top:
+                columns[col].extend(map(get, events))
+            if nested:
+                timings = list(map(_timings, events))
+                for col, get in nested:
+                    columns[col].extend(map(get, timings))
+        if self._pending >= FLUSH_EVERY:
+            self.flush()
+
     def add(self, batch: Sequence[tuple[str, Event]]) -> None:
-        """Take a decoded batch, in ledger order."""
-        buckets = self._buckets
-        seq = self._seq
-        for _, event in batch:
+        """Take a decoded batch, in ledger order (each event counts as one ledger position)."""
+        base = self._seq
+        self._seq = base + len(batch)
+        buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
+        for i, (_, event) in enumerate(batch, base):
             kind = type(event)
             bucket = buckets.get(kind)
             if bucket is None:
                 bucket = buckets[kind] = ([], [])
-            bucket[0].append(seq)
+            bucket[0].append(i)
             bucket[1].append(event)
-            seq += 1
-        self._pending += seq - self._seq
-        self._seq = seq
-        self.events += len(batch)
-        if self._pending >= FLUSH_EVERY:
-            self.flush()
+        for kind, (seqs, events) in buckets.items():
+            if kind in _GETTERS or kind is WorkerOnline or kind is WorkerHeartbeat:
+                self._take(kind, seqs, events)
 
     def flush(self) -> None:
-        """Turn the buffered events into columns."""
-        for kind, (seqs, events) in self._buckets.items():
-            if kind in (WorkerOnline, WorkerHeartbeat):
-                self._add_reports(seqs, events, ONLINE if kind is WorkerOnline else HEARTBEAT)
-                if kind is WorkerOnline:
-                    self._add_status(seqs, events)
-                continue
-            spec = KINDS.get(kind)
-            if spec is None:
-                continue
-            name, columns = spec
-            data: dict[str, list[Any]] = {"seq": seqs}
-            for col, (_, path) in columns.items():
-                data[col] = list(map(attrgetter(path), events))
-            self._frames[name].append(pl.DataFrame(data, schema=_schema(columns)))
-        self._buckets = {}
+        """Turn the buffered columns into frames."""
+        for kind, columns in self._columns.items():
+            name, spec = KINDS[kind]
+            self._frames[name].append(pl.DataFrame(columns, schema=_schema(spec)))
+        self._columns = {}
+        for kind, (seqs, events) in self._new_reports.items():
+            self._add_reports(seqs, events, ONLINE if kind is WorkerOnline else HEARTBEAT)
+            if kind is WorkerOnline:
+                self._add_status(seqs, events)
+        self._new_reports = {}
         self._pending = 0
         self._compact_reports()
 

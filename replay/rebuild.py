@@ -14,36 +14,23 @@ import datetime as dt
 import gc
 import re
 from collections.abc import Callable, Iterator
-from typing import Final
 
 import msgspec
 import redis.asyncio as aioredis
 
-from events.codec import TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import EVENT_TYPES, WorkerHeartbeat, WorkerOnline
 from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.tables import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S, Tables
 from replay.errors import BadUntilError
 from replay.fold import fold_frames
-from replay.frames import KINDS, Frames
+from replay.frames import Frames
 
 READ_CHUNK = 5000
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
 
 Progress = Callable[[int], None]
-
-# Event types no table reads, by their envelope tag: their entries are not decoded at all
-# (routing breakdowns are the bulkiest part of the ledger).
-_UNUSED_TYPES: Final = frozenset(
-    t.__name__.encode() for t in EVENT_TYPES if t not in KINDS and t not in (WorkerOnline, WorkerHeartbeat)
-)
-
-
-def _unused(flat: list[bytes]) -> bool:
-    return len(flat) == 6 and flat[0] == TYPE and flat[1] in _UNUSED_TYPES
 
 
 class RebuildResult(msgspec.Struct, kw_only=True):
@@ -106,7 +93,7 @@ async def build(
     read = 0
     last: str | None = None
     async for rows in ledger.read_raw("-", stop, chunk=chunk):
-        frames.add(decode_rows([r for r in rows if not _unused(r[1])], poison.append))
+        frames.add_rows(rows, poison.append)
         read += len(rows)
         last = rows[-1][0]
         if progress is not None:
