@@ -219,6 +219,14 @@ class Ledger:
             for item in _decode_in_order(batch, on_poison):
                 yield item
 
+    async def wait_for_entries(self, streams: Sequence[str], block_ms: int) -> bool:
+        """Block until any of `streams` gets a new entry (reading none of them); False on timeout."""
+        if not streams:
+            await asyncio.sleep(block_ms / 1000)
+            return False
+        reply: Any = await self.redis.xread(dict.fromkeys(streams, "$"), count=1, block=block_ms)
+        return bool(reply)
+
     # -- consumer groups ----------------------------------------------------------------------
     async def ensure_group(self, stream: str, group: str = WORKERS_GROUP, start: str = "0") -> bool:
         """Create `group` on `stream` (and the stream) unless it exists; True when it was created."""

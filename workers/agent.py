@@ -332,13 +332,13 @@ class WorkerAgent:
     async def _read_work(self) -> list[tuple[str, str, dict[bytes, bytes]]]:
         """Up to `free_slots` entries: pinned first, then the shared queues the gate admits."""
         queues = [self.pinned]
-        held_back = False
+        held_back: list[str] = []
         if time.monotonic() >= self._cooldown_until:
             shared = self.shared_queues()
             for queue in shared:
                 await self.queues.ensure_group(queue)
             admitted = await self.gate.admit(self, shared)
-            held_back = len(admitted) < len(shared)
+            held_back = [q for q in shared if q not in admitted]
             queues += admitted
         got: list[tuple[str, str, dict[bytes, bytes]]] = []
         # Non-blocking, one queue at a time, so that no more than the free slots are taken.
@@ -350,10 +350,17 @@ class WorkerAgent:
                 got.extend((stream, entry_id, fields) for entry_id, fields in rows)
         if got:
             return got
-        # Nothing waiting: block on all of them until one gets an entry. A worker the gate held
-        # back re-checks soon: the backlog or the fleet may change without writing to its streams.
-        block = min(self.config.block_ms, self.config.recheck_ms) if held_back else self.config.block_ms
-        reply = await self.ledger.group_read(self.name, dict.fromkeys(queues, ">"), count=1, block_ms=block)
+        if held_back:
+            # The gate decides on every new task, so a held-back worker must not consume on the
+            # wake-up: it waits (XREAD, no group) until any of its streams gets an entry, and asks
+            # the gate again. The backlog's owners or the fleet may change without writing to its
+            # streams, so it asks again after `recheck_ms` in any case.
+            await self.ledger.wait_for_entries([*queues, *held_back], self.config.recheck_ms)
+            return []
+        # Nothing waiting and nothing held back: block on all of them until one gets an entry.
+        reply = await self.ledger.group_read(
+            self.name, dict.fromkeys(queues, ">"), count=1, block_ms=self.config.block_ms
+        )
         for stream, rows in reply:
             got.extend((stream, entry_id, fields) for entry_id, fields in rows)
         for queue, entry_id, _ in got[self.free_slots :]:
