@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import msgspec
 import polars as pl
 
 from events.event import WorkerHeartbeat, WorkerOnline
@@ -343,5 +342,13 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
         "pipeline_id",
         "completed_attempt",
     )
-    rows = msgspec.convert(table.to_dicts(), list[TaskRow])
-    tables.tasks = {r.task_id: r for r in rows}
+    tables.tasks = _task_rows(table)
+
+
+def _task_rows(table: pl.DataFrame) -> dict[str, TaskRow]:
+    """The rows as TaskRow structs, from whole columns: `to_dicts` then `msgspec.convert` costs
+    twice as much. The columns already have TaskRow's types (the select above names them all)."""
+    names = table.columns
+    columns = [column.to_list() for column in table.get_columns()]
+    rows = [TaskRow(**dict(zip(names, values, strict=True))) for values in zip(*columns, strict=True)]
+    return {r.task_id: r for r in rows}
