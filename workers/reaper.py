@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from events.event import TaskReclaimed, TaskStalled, now_ms
 from events.keys import WORKERS_GROUP, Keys
-from events.lease import SingletonLease
+from events.lease import SingletonLease, decode_lease
 from events.ledger import Ledger, next_id
 from events.queue import REQUEUED, TaskQueues
 from events.task import F_ID
@@ -114,6 +114,7 @@ class Reaper:
             owner = _s(consumer["name"])
             if owner in live:
                 report.skipped_live += int(consumer["pending"])
+                await self._reclaim_abandoned(queue, owner, report)
                 continue
             start = "-"
             while True:
@@ -126,13 +127,55 @@ class Reaper:
                     break
                 start = next_id(batch[-1].entry_id)
 
-    async def _reclaim(self, queue: str, owner: str, entry_id: str, idle_ms: int, report: Sweep) -> None:
+    async def _reclaim_abandoned(self, queue: str, owner: str, report: Sweep) -> None:
+        """Reclaim what a live worker holds but no longer runs.
+
+        A live worker refreshes every entry it runs each heartbeat, so an entry of its idle for two
+        leases is one it let go of without acknowledging: its run failed while Redis was down, or a
+        kill -9 of Redis lost the acknowledgement from the AOF. Left alone it would wait for the
+        worker's next restart. An entry the worker's lease still lists as running is left alone.
+        """
+        idle = 2 * self.config.lease_ms
+        batch = await self.ledger.pending(queue, consumer=owner, min_idle_ms=idle, count=100)
+        if not batch:
+            return
+        raw: bytes | None = await self.redis.get(self.keys.live(owner))  # type: ignore[assignment]
+        running: set[str] = set()
+        if raw is not None:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                running = {r.task_id for r in decode_lease(raw).running}
+        for pending in batch:
+            fields = await self.queues.entry(queue, pending.entry_id)
+            if fields is not None and _s(fields.get(F_ID, b"")) in running:
+                continue
+            report.skipped_live -= 1
+            await self._reclaim(
+                queue,
+                owner,
+                pending.entry_id,
+                pending.idle_ms,
+                report,
+                min_idle_ms=idle,
+                why=f"its worker {owner} let it go without an ack (idle {pending.idle_ms} ms)",
+            )
+
+    async def _reclaim(
+        self,
+        queue: str,
+        owner: str,
+        entry_id: str,
+        idle_ms: int,
+        report: Sweep,
+        *,
+        min_idle_ms: int | None = None,
+        why: str | None = None,
+    ) -> None:
         moved = await self.queues.requeue(
             queue,
             entry_id,
             delivery_limit=self.config.delivery_limit,
             owner=owner,
-            min_idle_ms=self.config.lease_ms,
+            min_idle_ms=min_idle_ms or self.config.lease_ms,
         )
         if moved.status == REQUEUED:
             report.reclaimed += 1
@@ -155,7 +198,7 @@ class Reaper:
                 )
             )
             return
-        reason = f"its worker {owner} died (lease expired, idle {idle_ms} ms)"
+        reason = why or f"its worker {owner} died (lease expired, idle {idle_ms} ms)"
         if await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
             report.dead_lettered += 1
 

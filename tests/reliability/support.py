@@ -78,3 +78,13 @@ async def queues_settled(redis: aioredis.Redis, keys: Keys) -> bool:
         if any(g["name"] in (WORKERS_GROUP, WORKERS_GROUP.encode()) and g["pending"] for g in groups):
             return False
     return True
+
+
+async def describe_queues(redis: aioredis.Redis, keys: Keys) -> str:
+    """Length and pending entries (owner, idle) of every task queue, for failure messages."""
+    parts = []
+    async for raw in redis.scan_iter(match=keys.queue_pattern, _type="stream"):
+        pending: Any = await redis.xpending_range(raw, WORKERS_GROUP, "-", "+", 20)
+        owners = [(p["consumer"], p["time_since_delivered"], p["times_delivered"]) for p in pending]
+        parts.append(f"{raw!r}: len {await redis.xlen(raw)}, pending {owners}")
+    return "; ".join(parts) or "no queues"
