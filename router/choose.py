@@ -11,13 +11,22 @@ equal rank, whatever the names.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
 from router.errors import NoHolderError, NoModelError
 from router.estimate import Estimator, Field
-from router.plan import FleetView, Plan, PlanParams, PlanState, plan_queue, slot_free_times
+from router.plan import (
+    FleetView,
+    Plan,
+    PlanParams,
+    PlanState,
+    WorkerView,
+    holders_by_digest,
+    plan_state,
+    slot_free_times,
+)
 
 DomainClassifier = Callable[[str], str]
 
@@ -90,6 +99,22 @@ def _ranks(values: list[float]) -> list[int]:
     return ranks
 
 
+def _first_best(values: list[float]) -> int:
+    """The index `_ranks` would put first: the earliest-registered of those ranked 1."""
+    if len(values) == 1:
+        return 0
+    ordered = sorted(values)
+    top = ordered[0]
+    for v in ordered[1:]:
+        if v - top > 1e-9:
+            break
+        top = v
+    for i, v in enumerate(values):
+        if v <= top:
+            return i
+    return 0
+
+
 def rank_workers(
     view: FleetView,
     est: Estimator,
@@ -101,31 +126,27 @@ def rank_workers(
     max_tokens: int | None = None,
     params: PlanParams | None = None,
     free: Mapping[str, list[float]] | None = None,
+    holders: Sequence[WorkerView] | None = None,
 ) -> Ranking:
     """Every live holder of `digest`, ranked by when it would finish a new task queued behind the backlog.
 
-    `free`: every worker's slot free times, when the caller ranks several models on one view.
+    `free`: every worker's slot free times, when the caller ranks several models on one view;
+    `holders`: the digest's live holders, when the caller already has them.
     """
     p = params or PlanParams()
-    holders = view.holders(digest)
-    if not holders:
+    hs = view.holders(digest) if holders is None else holders
+    if not hs:
         raise NoHolderError(digest)
-    plan = plan_queue(view, est, digest, now_ms, params=p, free=free)
-    state = PlanState(holders, est, digest, now_ms, p, free=plan.free_s)
-    planned = {a.worker for a in plan.assignments}
+    plan, state = plan_state(view, est, digest, now_ms, params=p, free=free, holders=hs)
+    assert state is not None
     prompt = p.default_prompt_tokens if prompt_tokens is None else prompt_tokens
     out_field = est.output_tokens(digest, domain)
     quality = est.quality(digest, domain)
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
-    for i, w in enumerate(holders):
+    for i, w in enumerate(hs):
         sp = est.speed(w.name, digest)
-        loaded = digest in w.loaded or w.name in planned
-        wait = state.free[i][0]
-        load = 0.0 if loaded else sp.load_s.value
-        prompt_s = prompt / sp.prompt_tps.value
-        decode_s = out / sp.decode_tps.value
-        finish = wait + load + prompt_s + decode_s
+        wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
         terms = {
             "wait_s": wait,
             "load_s": load,
@@ -141,6 +162,10 @@ def rank_workers(
             "output_tokens": out_field,
             "quality": quality,
         }
+        if state.fac[i] is not None:
+            # Its other slots' tasks share the machine with this one: the time that costs, and why.
+            terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)
+            fields["parallel_exponent"] = est.concurrency(w.name, digest).exponent
         rows.append((w.name, finish, terms, fields))
     ranks = _ranks([r[1] for r in rows])
     candidates = [
@@ -149,6 +174,31 @@ def rank_workers(
     ]
     candidates.sort(key=lambda c: c.rank)
     return Ranking(digest=digest, domain=domain, candidates=candidates, plan=plan)
+
+
+def _best_finish(
+    view: FleetView,
+    est: Estimator,
+    digest: str,
+    holders: Sequence[WorkerView],
+    now_ms: int,
+    *,
+    domain: str,
+    prompt_tokens: int | None,
+    max_tokens: int | None,
+    params: PlanParams,
+    free: Mapping[str, list[float]],
+) -> tuple[str, float]:
+    """(worker, expected finish) of the candidate `rank_workers` would put first, without the
+    assignment records and breakdowns a ranking carries (`auto` needs them for one model only)."""
+    state = PlanState(holders, est, digest, now_ms, params, free=free)
+    state.lay_out(view.backlog.get(digest, []))
+    prompt = params.default_prompt_tokens if prompt_tokens is None else prompt_tokens
+    out_value = est.output_tokens(digest, domain).value
+    out = out_value if max_tokens is None else min(out_value, float(max_tokens))
+    finishes = state.finishes(prompt, out)
+    i = _first_best(finishes)
+    return state.names[i], finishes[i]
 
 
 class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -209,19 +259,22 @@ def choose_model(
     """`auto`: the model (name -> digest in `models`) with the best utility for `domain`."""
     p = params or ChooseParams()
     pp = plan_params or PlanParams()
-    # Slot free times depend on the worker, not the model: once for all models.
+    # Holders and slot free times depend on the fleet, not the model: once for all models.
     free = {w.name: slot_free_times(w, est, now_ms, pp) for w in view.workers}
-    scored: list[tuple[str, str, float, Field, Ranking]] = []
+    by_digest = holders_by_digest(view)
+    scored: list[tuple[str, str, float, Field, str, float]] = []
     seen: set[str] = set()
     for name, digest in sorted(models.items()):
         # Aliases of one digest are one model: the same weights, the same answers.
-        if digest in seen or not view.holders(digest):
+        holders = by_digest.get(digest)
+        if digest in seen or not holders:
             continue
         seen.add(digest)
-        ranking = rank_workers(
+        worker, finish = _best_finish(
             view,
             est,
             digest,
+            holders,
             now_ms,
             domain=domain,
             prompt_tokens=prompt_tokens,
@@ -230,9 +283,8 @@ def choose_model(
             free=free,
         )
         quality = est.quality(digest, domain)
-        finish = ranking.best.expected_finish_s
         utility = p.quality_weight * quality.value - p.latency_weight * finish / p.latency_scale_s
-        scored.append((name, digest, utility, quality, ranking))
+        scored.append((name, digest, utility, quality, worker, finish))
     if not scored:
         raise NoModelError(f"no model has a live holder for domain {domain!r}")
     ranks = _ranks([-s[2] for s in scored])
@@ -243,20 +295,33 @@ def choose_model(
             rank=rank,
             utility=utility,
             quality=quality,
-            expected_finish_s=ranking.best.expected_finish_s,
-            best_worker=ranking.best.worker,
+            expected_finish_s=finish,
+            best_worker=worker,
         )
-        for (name, digest, utility, quality, ranking), rank in zip(scored, ranks, strict=True)
+        for (name, digest, utility, quality, worker, finish), rank in zip(scored, ranks, strict=True)
     ]
     order = sorted(range(len(scored)), key=lambda i: candidates[i].rank)
     best = order[0]
+    # Only the chosen model's ranking is kept: its plan and every holder's breakdown.
+    ranking = rank_workers(
+        view,
+        est,
+        scored[best][1],
+        now_ms,
+        domain=domain,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        params=pp,
+        free=free,
+        holders=by_digest[scored[best][1]],
+    )
     return Choice(
         model=scored[best][0],
         digest=scored[best][1],
         domain=domain,
         params=p,
         candidates=[candidates[i] for i in order],
-        ranking=scored[best][4],
+        ranking=ranking,
     )
 
 

@@ -10,6 +10,12 @@ section 5):
   whose speed agrees with its prior moves no total.
 - output tokens and quality of (digest, domain): the model's pooled value over other domains;
   else a default. Both belong to the digest, so a worker that gains a model has them at once.
+- concurrency of (worker, digest): with k generations at once each runs at k**(e-1) of its solo
+  speed. The speed table keeps the in-flight count of every sample but only as its own moments
+  (no cross term with speed), so the exponent is read from how much the decode speed varies
+  beyond the noise that rows with a constant in-flight count show: the speed's coefficient of
+  variation over the in-flight count's is the elasticity 1 - e (delta method). It is shrunk
+  toward e = 1 (no slowdown) and is 1 exactly where the in-flight count never varied.
 
 `Estimator` does the fits once per snapshot; a decision then only looks numbers up. Resource
 metrics (CPU, GPU, VRAM) are not read here at all: self-reported load misled the story's router.
@@ -39,6 +45,9 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     default_output_tokens: float = 256.0
     default_quality: float = 0.5
     fit_iterations: int = 12
+    # Prior strength of "no concurrency slowdown" (in samples) and the floor of the exponent.
+    k_concurrency: float = 5.0
+    min_parallel_exponent: float = 0.2
 
     def default(self, field: str) -> float:
         """The last prior of a field."""
@@ -66,6 +75,31 @@ class SpeedEstimate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     decode_tps: Field
     prompt_tps: Field
     load_s: Field
+
+
+class Concurrency(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """How a worker shares itself: k tasks at once each run at k**(exponent-1) of solo speed.
+
+    `mean_in_flight` is the in-flight count the speed samples were taken at on average, so that
+    the measured (blended) speed can be turned into the solo speed: solo = measured / share(mean).
+    """
+
+    exponent: Field
+    mean_in_flight: float = 1.0
+
+    def share(self, k: float) -> float:
+        """Each task's speed with `k` at once, relative to running alone."""
+        e = self.exponent.value
+        return 1.0 if e == 1.0 or k <= 1.0 else float(k ** (e - 1.0))
+
+    def factor(self, k: int) -> float:
+        """Seconds with `k` at once per second the measured speeds predict (1.0 when e = 1)."""
+        if self.exponent.value == 1.0:
+            return 1.0
+        return self.share(self.mean_in_flight) / self.share(float(k))
+
+
+_NO_SLOWDOWN_SOURCE = "no concurrency evidence (in-flight count never varied)"
 
 
 class _Prior(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -245,6 +279,7 @@ class Estimator:
         self.half_life_s = half_life_s
         self.params = params or EstimateParams()
         self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
+        speed = list(speed)
         for row in speed:
             for f in SPEED_FIELDS:
                 c = _cell(getattr(row, f), now_ms, half_life_s)
@@ -270,15 +305,38 @@ class Estimator:
                 self._quality_cells[(qrow.digest, qrow.domain)] = c
                 self._quality_pools.setdefault(qrow.digest, _Pool()).add(qrow.domain, c)
         self._speed_cache: dict[tuple[str, str], SpeedEstimate] = {}
+        self._concurrency_rows: dict[tuple[str, str], tuple[float, float, float, float, int, int | None]] = {}
+        noise_w, noise_cv2 = 0.0, 0.0
+        for row in speed:
+            moments = _concurrency_moments(row, now_ms, half_life_s)
+            if moments is None:
+                continue
+            cv2, k_mean, k_var, weight = moments
+            if k_var <= 1e-9:
+                # Its in-flight count never varied: all its spread is noise, not sharing.
+                noise_w += weight
+                noise_cv2 += weight * cv2
+            else:
+                self._concurrency_rows[(row.worker, row.digest)] = (
+                    cv2,
+                    k_mean,
+                    k_var,
+                    weight,
+                    row.in_flight.n,
+                    row.in_flight.updated_at,
+                )
+        self._noise_cv2 = noise_cv2 / noise_w if noise_w > 0 else 0.0
+        self._concurrency_cache: dict[tuple[str, str], Concurrency] = {}
         # Values other router modules derive from these estimates, cached with them (the plan's
         # per (worker, digest, domain) service coefficients): valid exactly as long as the estimates.
-        self.memo: dict[tuple[str, str, str], object] = {}
+        self.memo: dict[object, object] = {}
         self._length_cache: dict[tuple[str, str], Field] = {}
         self._quality_cache: dict[tuple[str, str], Field] = {}
 
     def clear_cache(self) -> None:
         """Forget the looked-up estimates (the fits stay): for benchmarks of a cold decision."""
         self._speed_cache.clear()
+        self._concurrency_cache.clear()
         self._length_cache.clear()
         self._quality_cache.clear()
         self.memo.clear()
@@ -329,6 +387,37 @@ class Estimator:
         self._speed_cache[key] = est
         return est
 
+    def concurrency(self, worker: str, digest: str) -> Concurrency:
+        """How `worker` slows down running several tasks of `digest` at once (exponent 1: not at all)."""
+        key = (worker, digest)
+        hit = self._concurrency_cache.get(key)
+        if hit is not None:
+            return hit
+        row = self._concurrency_rows.get(key)
+        if row is None:
+            hit = Concurrency(
+                exponent=Field(value=1.0, n=0, source=_NO_SLOWDOWN_SOURCE, age_s=None, prior=1.0)
+            )
+        else:
+            cv2, k_mean, k_var, weight, n, updated_at = row
+            spread = math.sqrt(max(0.0, cv2 - self._noise_cv2))
+            elasticity = spread * k_mean / math.sqrt(k_var)
+            shrunk = weight * elasticity / (weight + self.params.k_concurrency)
+            exponent = min(1.0, max(self.params.min_parallel_exponent, 1.0 - shrunk))
+            hit = Concurrency(
+                exponent=Field(
+                    value=exponent,
+                    n=n,
+                    source=f"worker n={n} speed spread vs in-flight + prior none",
+                    age_s=self._age(updated_at),
+                    weight=weight,
+                    prior=1.0,
+                ),
+                mean_in_flight=k_mean,
+            )
+        self._concurrency_cache[key] = hit
+        return hit
+
     def _by_domain(
         self,
         cells: dict[tuple[str, str], _Cell],
@@ -373,6 +462,23 @@ class Estimator:
             )
             self._quality_cache[key] = hit
         return hit
+
+
+def _concurrency_moments(
+    row: SpeedRow, now_ms: int, half_life_s: float
+) -> tuple[float, float, float, float] | None:
+    """(decode speed's squared coefficient of variation, in-flight mean, in-flight variance, weight)
+    from the decayed moments, or None without two samples of both."""
+    d, k = row.decode_tps, row.in_flight
+    if d.n < 2 or k.n < 2 or d.dn <= 0 or k.dn <= 0:
+        return None
+    d_mean = d.dsum / d.dn
+    k_mean = k.dsum / k.dn
+    if d_mean <= 0 or k_mean <= 0:
+        return None
+    cv2 = max(0.0, d.dsumsq / d.dn - d_mean * d_mean) / (d_mean * d_mean)
+    k_var = max(0.0, k.dsumsq / k.dn - k_mean * k_mean)
+    return cv2, k_mean, k_var, k.weight_at(now_ms, half_life_s)
 
 
 def build_estimator(snapshot: Snapshot, now_ms: int, params: EstimateParams | None = None) -> Estimator:

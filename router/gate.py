@@ -91,7 +91,7 @@ def should_take(
     phantoms = int(expected + 0.5)
     entries = list(queue) + [queue[-1]] * phantoms
     for pos, entry in enumerate(entries):
-        i, _start, finish = state.best(entry)
+        i, start, finish = state.best(entry)
         if i == mine:
             return GateDecision(
                 take=True,
@@ -110,7 +110,7 @@ def should_take(
                     "my_finish_s": finish,
                 },
             )
-        state.assign(i, finish)
+        state.assign(i, finish, start, entry)
     return GateDecision(
         take=False,
         worker=worker,

@@ -140,6 +140,8 @@ class _Coef(msgspec.Struct, kw_only=True, gc=False):
     per_prompt: float
     per_out: float
     out: float
+    prompt_tps: float
+    decode_tps: float
 
     def seconds(self, prompt_tokens: int, max_tokens: int | None, loaded: bool) -> float:
         out = self.out if max_tokens is None or max_tokens >= self.out else float(max_tokens)
@@ -157,9 +159,54 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
         per_prompt=1.0 / sp.prompt_tps.value,
         per_out=1.0 / sp.decode_tps.value,
         out=est.output_tokens(digest, domain).value,
+        prompt_tps=sp.prompt_tps.value,
+        decode_tps=sp.decode_tps.value,
     )
     est.memo[key] = coef
     return coef
+
+
+Factors = tuple[float, ...]
+
+
+def _factors(est: Estimator, worker: str, digest: str, slots: int) -> Factors | None:
+    """Wall seconds per expected second with k tasks at once (index k, 1..slots), or None when
+    running several at once slows none of them (one slot, or no evidence of sharing)."""
+    if slots <= 1:
+        return None
+    key = (worker, digest, slots)
+    memo = est.memo
+    if key in memo:
+        return memo[key]  # type: ignore[return-value]
+    conc = est.concurrency(worker, digest)
+    fac = None if conc.exponent.value == 1.0 else tuple(conc.factor(max(1, k)) for k in range(slots + 1))
+    memo[key] = fac
+    return fac
+
+
+def _shared_ends(start: float, works: Sequence[float], fac: Factors) -> list[float]:
+    """When each of several tasks running together from `start` ends, `works` in expected seconds
+    at the speed one alone would have, each slowed by how many share the machine at each moment."""
+    order = sorted(range(len(works)), key=works.__getitem__)
+    ends = [0.0] * len(works)
+    t, done, k = start, 0.0, len(works)
+    for j in order:
+        t += (works[j] - done) * fac[min(k, len(fac) - 1)]
+        done = works[j]
+        ends[j] = t
+        k -= 1
+    return ends
+
+
+def _works_left(start: float, ends: Sequence[float], fac: Factors) -> list[float]:
+    """The inverse of `_shared_ends`: the work left at `start` of tasks sharing until `ends` (sorted)."""
+    out: list[float] = []
+    t, acc, k = start, 0.0, len(ends)
+    for e in ends:
+        acc += (e - t) / fac[min(k, len(fac) - 1)]
+        out.append(acc)
+        t, k = e, k - 1
+    return out
 
 
 def slot_free_times(
@@ -169,6 +216,14 @@ def slot_free_times(
     p = params or PlanParams()
     if not worker.running:
         return [0.0] * max(1, worker.slots)
+    slots = max(1, worker.slots)
+    fac = None
+    for t in worker.running:
+        fac = _factors(est, worker.name, t.digest, slots)
+        if fac is not None:
+            break
+    m = min(len(worker.running), slots)
+    share = 1.0 if fac is None else fac[m]
     remaining: list[float] = []
     for t in worker.running:
         expected = t.expected_s
@@ -176,9 +231,14 @@ def slot_free_times(
             prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
             expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
-        remaining.append(max(expected - elapsed, p.overdue_fraction * expected))
+        if fac is None:
+            remaining.append(max(expected - elapsed, p.overdue_fraction * expected))
+        else:
+            # Work done so far went at the speed of `m` sharing: the rest is in solo-expected seconds.
+            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected))
     remaining.sort()
-    slots = max(1, worker.slots)
+    if fac is not None:
+        remaining[:slots] = _shared_ends(0.0, remaining[:slots], fac)
     free = [0.0] * max(0, slots - len(remaining)) + remaining[:slots]
     # More running than slots (it serves several queues): the extra ones wait for a slot.
     for extra in remaining[slots:]:
@@ -223,10 +283,65 @@ class Plan(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         }
 
 
-class PlanState:
-    """Mutable slot state of the holders of one model while a plan is laid out."""
+class _Speeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Per holder of one model (in holder order), what the plan multiplies by: seconds per prompt
+    and per output token, load seconds, the speeds themselves, and the sharing factors."""
 
-    __slots__ = ("_digest", "_est", "coefs", "default_prompt", "free", "loaded", "names")
+    per_prompt: list[float]
+    per_out: list[float]
+    load_s: list[float]
+    prompt_tps: list[float]
+    decode_tps: list[float]
+    fac: list[Factors | None]
+    shared: bool
+
+
+def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Speeds:
+    names = tuple([w.name for w in holders])
+    slots = tuple([w.slots for w in holders])
+    key = ("#holders", digest, names, slots)
+    hit = est.memo.get(key)
+    if isinstance(hit, _Speeds):
+        return hit
+    sps = [est.speed(n, digest) for n in names]
+    fac = [_factors(est, n, digest, max(1, s)) for n, s in zip(names, slots, strict=True)]
+    out = _Speeds(
+        per_prompt=[1.0 / sp.prompt_tps.value for sp in sps],
+        per_out=[1.0 / sp.decode_tps.value for sp in sps],
+        load_s=[sp.load_s.value for sp in sps],
+        prompt_tps=[sp.prompt_tps.value for sp in sps],
+        decode_tps=[sp.decode_tps.value for sp in sps],
+        fac=fac,
+        shared=any(f is not None for f in fac),
+    )
+    est.memo[key] = out
+    return out
+
+
+class PlanState:
+    """Mutable slot state of the holders of one model while a plan is laid out.
+
+    `free[i]` is holder i's slot free times as a heap (earliest first), `head[i]` its earliest.
+    On a worker whose slots slow each other down (`fac[i]` not None) a task's finish is worked out
+    by sharing the machine with whatever its other slots still run, and giving it a task stretches
+    those. Output tokens belong to the model, so one figure per domain serves every holder.
+    """
+
+    __slots__ = (
+        "_digest",
+        "_est",
+        "_own",
+        "default_prompt",
+        "fac",
+        "free",
+        "head",
+        "load_left",
+        "loaded",
+        "names",
+        "outs",
+        "shared",
+        "sp",
+    )
 
     def __init__(
         self,
@@ -237,52 +352,169 @@ class PlanState:
         params: PlanParams,
         free: Mapping[str, list[float]] | None = None,
     ) -> None:
-        self.names = [w.name for w in holders]
-        known = free or {}
-        self.free = [
-            list(known[w.name]) if w.name in known else slot_free_times(w, est, now_ms, params)
-            for w in holders
-        ]
+        self.names = names = [w.name for w in holders]
+        # Slot lists are shared with `free` until a task is assigned there (most holders get none).
+        self._own: set[int] = set()
+        try:
+            self.free = [free[n] for n in names]  # type: ignore[index]
+        except (KeyError, TypeError):
+            known = free or {}
+            self.free = [
+                known[w.name] if w.name in known else slot_free_times(w, est, now_ms, params) for w in holders
+            ]
+        self.head = [f[0] for f in self.free]
         self.loaded = [digest in w.loaded for w in holders]
-        self.coefs: dict[str, list[_Coef]] = {}
+        self.sp = _speeds(est, holders, digest)
+        self.fac = self.sp.fac
+        self.shared = self.sp.shared
+        # Load seconds a task would pay there: none once the model is loaded (or planned there).
+        self.load_left = [0.0 if ld else s for ld, s in zip(self.loaded, self.sp.load_s, strict=True)]
+        self.outs: dict[str, float] = {}
         self.default_prompt = params.default_prompt_tokens
         self._est = est
         self._digest = digest
 
-    def coefs_for(self, domain: str) -> list[_Coef]:
-        c = self.coefs.get(domain)
-        if c is None:
-            c = [_coef(self._est, n, self._digest, domain) for n in self.names]
-            self.coefs[domain] = c
-        return c
-
-    def best(self, entry: BacklogEntry, ready_s: float = 0.0) -> tuple[int, float, float]:
-        """(holder index, start, finish) of the slot that would finish `entry` earliest."""
-        coefs = self.coefs_for(entry.domain)
-        prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+    def _out(self, entry: BacklogEntry) -> float:
+        out = self.outs.get(entry.domain)
+        if out is None:
+            out = self._est.output_tokens(self._digest, entry.domain).value
+            self.outs[entry.domain] = out
         cap = entry.max_tokens
-        best_i, best_start, best_finish = -1, 0.0, math.inf
-        free, loaded = self.free, self.loaded
-        for i, c in enumerate(coefs):
-            start = free[i][0]
-            if start < ready_s:
-                start = ready_s
-            out = c.out if cap is None or cap >= c.out else cap
-            finish = start + prompt * c.per_prompt + out * c.per_out + (0.0 if loaded[i] else c.load_s)
-            if finish < best_finish:
-                best_i, best_start, best_finish = i, start, finish
-        return best_i, best_start, best_finish
+        return out if cap is None or cap >= out else cap
 
-    def best_on(self, i: int, entry: BacklogEntry, ready_s: float = 0.0) -> float:
-        """When holder `i` would finish `entry` if it were given it next."""
-        c = self.coefs_for(entry.domain)[i]
+    def _shared_finish(self, i: int, start: float, work: float) -> float:
+        fac = self.fac[i]
+        assert fac is not None
+        busy = sorted(f for f in self.free[i][1:] if f > start)
+        if not busy:
+            return start + work * fac[1]
+        works = _works_left(start, busy, fac)
+        works.append(work)
+        return _shared_ends(start, works, fac)[-1]
+
+    def best(self, entry: BacklogEntry) -> tuple[int, float, float]:
+        """(holder index, start, finish) of the slot that would finish `entry` earliest."""
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
-        return max(self.free[i][0], ready_s) + c.seconds(prompt, entry.max_tokens, self.loaded[i])
+        out = self._out(entry)
+        sp = self.sp
+        finishes = [
+            h + prompt * a + out * b + ld
+            for h, a, b, ld in zip(self.head, sp.per_prompt, sp.per_out, self.load_left, strict=True)
+        ]
+        if self.shared:
+            for i, fac in enumerate(self.fac):
+                if fac is not None:
+                    work = prompt * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
+                    finishes[i] = self._shared_finish(i, self.head[i], work)
+        finish = min(finishes)
+        # The first of equals wins: holders are in registration order.
+        i = finishes.index(finish)
+        return i, self.head[i], finish
 
-    def assign(self, i: int, finish: float) -> None:
+    def _work(self, i: int, entry: BacklogEntry) -> float:
+        prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+        return prompt * self.sp.per_prompt[i] + self._out(entry) * self.sp.per_out[i] + self.load_left[i]
+
+    def best_on(self, i: int, entry: BacklogEntry) -> float:
+        """When holder `i` would finish `entry` if it were given it next."""
+        work = self._work(i, entry)
+        start = self.head[i]
+        return start + work if self.fac[i] is None else self._shared_finish(i, start, work)
+
+    def assign(self, i: int, finish: float, start: float = 0.0, entry: BacklogEntry | None = None) -> None:
+        """Give holder `i` the task `best` placed there (from `start` to `finish`)."""
         slots = self.free[i]
-        heapq.heapreplace(slots, finish)
+        if i not in self._own:
+            slots = self.free[i] = list(slots)
+            self._own.add(i)
+        fac = self.fac[i]
+        if fac is None or entry is None:
+            heapq.heapreplace(slots, finish)
+        else:
+            # The tasks it shares the machine with now take longer: their ends move too.
+            busy = sorted(f for f in slots[1:] if f > start)
+            idle = [f for f in slots[1:] if f <= start]
+            works = _works_left(start, busy, fac)
+            works.append(self._work(i, entry))
+            slots[:] = sorted([*idle, *_shared_ends(start, works, fac)])
+        self.head[i] = slots[0]
         self.loaded[i] = True
+        self.load_left[i] = 0.0
+
+    def lay_out(self, entries: Iterable[BacklogEntry], record: bool = False) -> list[Assignment]:
+        """Assign `entries` in order, each to the holder finishing it earliest; the assignments
+        when `record` (a ranking needs only the slots' state afterwards)."""
+        out: list[Assignment] = []
+        names = self.names
+        if self.shared:
+            for e in entries:
+                i, start, finish = self.best(e)
+                self.assign(i, finish, start, e)
+                if record:
+                    out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
+            return out
+        # `best` and `assign` inlined: this loop is most of a decision's time.
+        head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
+        default_prompt, replace = self.default_prompt, heapq.heapreplace
+        for e in entries:
+            prompt = default_prompt if e.prompt_tokens is None else e.prompt_tokens
+            o = self._out(e)
+            finishes = [
+                h + prompt * a + o * b + ld
+                for h, a, b, ld in zip(head, per_prompt, per_out, load_left, strict=True)
+            ]
+            finish = min(finishes)
+            i = finishes.index(finish)
+            start = head[i]
+            slots = free[i]
+            if i not in own:
+                slots = free[i] = list(slots)
+                own.add(i)
+            replace(slots, finish)
+            head[i] = slots[0]
+            loaded[i] = True
+            load_left[i] = 0.0
+            if record:
+                out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
+        return out
+
+    def new_task(self, i: int, prompt_tokens: int, out: float) -> tuple[float, float, float, float, float]:
+        """(wait, load, prompt, decode, finish) seconds of a new task given to holder `i` after the plan."""
+        wait = self.head[i]
+        load = self.load_left[i]
+        prompt_s = prompt_tokens / self.sp.prompt_tps[i]
+        decode_s = out / self.sp.decode_tps[i]
+        if self.fac[i] is None:
+            return wait, load, prompt_s, decode_s, wait + load + prompt_s + decode_s
+        return wait, load, prompt_s, decode_s, self._shared_finish(i, wait, load + prompt_s + decode_s)
+
+    def finishes(self, prompt_tokens: int, out: float) -> list[float]:
+        """`new_task`'s finish on every holder (the same arithmetic, without the terms)."""
+        sp = self.sp
+        res = [
+            h + ld + prompt_tokens / p + out / d
+            for h, ld, p, d in zip(self.head, self.load_left, sp.prompt_tps, sp.decode_tps, strict=True)
+        ]
+        if self.shared:
+            for i, fac in enumerate(self.fac):
+                if fac is not None:
+                    work = self.load_left[i] + prompt_tokens / sp.prompt_tps[i] + out / sp.decode_tps[i]
+                    res[i] = self._shared_finish(i, self.head[i], work)
+        return res
+
+
+def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:
+    """Every digest's live holders in registration order: one pass over the fleet for all models."""
+    out: dict[str, list[WorkerView]] = {}
+    for w in view.workers:
+        for d in w.holds:
+            lst = out.get(d)
+            if lst is None:
+                out[d] = [w]
+            else:
+                lst.append(w)
+    return out
 
 
 def plan_queue(
@@ -299,18 +531,30 @@ def plan_queue(
 
     `free`: each worker's slot free times (`slot_free_times`) when the caller already has them.
     """
+    plan, _ = plan_state(view, est, digest, now_ms, backlog=backlog, params=params, free=free)
+    return plan
+
+
+def plan_state(
+    view: FleetView,
+    est: Estimator,
+    digest: str,
+    now_ms: int,
+    *,
+    backlog: Iterable[BacklogEntry] | None = None,
+    params: PlanParams | None = None,
+    free: Mapping[str, list[float]] | None = None,
+    holders: Sequence[WorkerView] | None = None,
+) -> tuple[Plan, PlanState | None]:
+    """`plan_queue`, with the slot state after it (None without a holder) for ranking a new task."""
     p = params or PlanParams()
-    holders = view.holders(digest)
+    hs = view.holders(digest) if holders is None else holders
     entries = view.backlog.get(digest, []) if backlog is None else backlog
-    if not holders:
-        return Plan(digest=digest, assignments=[], free_s={})
-    state = PlanState(holders, est, digest, now_ms, p, free=free)
-    out: list[Assignment] = []
-    for e in entries:
-        i, start, finish = state.best(e)
-        state.assign(i, finish)
-        out.append(Assignment(task_id=e.task_id, worker=state.names[i], start_s=start, finish_s=finish))
-    return Plan(digest=digest, assignments=out, free_s=dict(zip(state.names, state.free, strict=True)))
+    if not hs:
+        return Plan(digest=digest, assignments=[], free_s={}), None
+    state = PlanState(hs, est, digest, now_ms, p, free=free)
+    out = state.lay_out(entries, record=True)
+    return Plan(digest=digest, assignments=out, free_s=dict(zip(state.names, state.free, strict=True))), state
 
 
 def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: float | None = None) -> float:
