@@ -1,0 +1,127 @@
+"""The projector and the reaper killed with SIGKILL while work flows, then restarted: the tables
+equal a fresh rebuild (`routeledger replay verify` exits 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from events.event import TaskClaimed, TaskReclaimed
+from events.keys import Keys
+from events.ledger import Ledger
+from events.queue import TaskQueues, submit_task
+from events.task import Message
+from projections import store
+from projections.reader import lag
+from sim.host import SimHosts
+from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
+
+ROUNDS = 3
+TASKS_PER_ROUND = 10
+
+
+@pytest.fixture
+async def hosts() -> AsyncIterator[SimHosts]:
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=13) as sim:
+        yield sim
+
+
+def singleton(role: str, redis_url: str, log: Path) -> subprocess.Popen[bytes]:
+    """`routeledger projector` or `routeledger reaper`, with short leases."""
+    env = {
+        **os.environ,
+        "ROUTELEDGER_LEASE_MS": "1500",
+        "ROUTELEDGER_HEARTBEAT_MS": "300",
+        "ROUTELEDGER_LOG_LEVEL": "warning",
+    }
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "routeledger", role, "--redis-url", redis_url],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+
+
+async def _caught_up(redis: aioredis.Redis) -> bool:
+    return await store.current(redis, Keys()) is not None and await lag(redis, Keys()) == (0, 0)
+
+
+@pytest.mark.slow
+async def test_the_projector_and_reaper_killed_and_restarted_leave_tables_equal_to_a_rebuild(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, tmp_path: Path
+) -> None:
+    rng = random.Random(4242)
+    log = tmp_path / "singletons.log"
+    queues = TaskQueues(redis_client, Keys(), ledger)
+    every: list[subprocess.Popen[bytes]] = []
+    ids: list[str] = []
+    kills = 0
+    # Worker `a` is a process, killed once mid-run so that the reaper has something to reclaim.
+    victim = spawn_worker(redis_url, hosts.url("a"), "a", log)
+    every.append(victim)
+    try:
+        async with running_agent(redis_client, hosts.url("b"), fast_config("b")):
+            await wait_until(lambda: _exists(redis_client, Keys().live("a")), timeout=60)
+            for round_ in range(ROUNDS):
+                procs = [singleton("projector", redis_url, log), singleton("reaper", redis_url, log)]
+                every += procs
+                for i in range(TASKS_PER_ROUND):
+                    task, _ = await submit_task(
+                        queues,
+                        model="m",
+                        messages=[Message(role="user", content=f"round {round_} task {i}")],
+                        max_tokens=60,
+                    )
+                    ids.append(task.task_id)
+                    await asyncio.sleep(rng.uniform(0.05, 0.25))
+                if round_ == 0:
+                    await wait_until(lambda: _claimed_by(ledger, "a"), timeout=30, every=0.01)
+                    victim.send_signal(signal.SIGKILL)
+                for proc in procs:
+                    await asyncio.sleep(rng.uniform(0.0, 0.5))
+                    proc.send_signal(signal.SIGKILL)
+                    kills += 1
+                for proc in procs:
+                    await asyncio.to_thread(proc.wait, 10)
+            final = [singleton("projector", redis_url, log), singleton("reaper", redis_url, log)]
+            every += final
+
+            async def settled() -> bool:
+                done = await counted_completions(ledger)
+                return set(done) >= set(ids) and await queues_settled(redis_client, Keys())
+
+            await wait_until(settled, timeout=90, every=0.25)
+        # The worker's offline event and the last heartbeats are folded too.
+        await wait_until(lambda: _caught_up(redis_client), timeout=60, every=0.1)
+        verify = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "routeledger", "replay", "verify", "--redis-url", redis_url,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(verify.communicate(), 120)
+    finally:
+        await asyncio.to_thread(stop_all, every)
+    reclaims = await events_of(ledger, TaskReclaimed)
+    print(f"\nprojector and reaper kills: {kills}; tasks {len(ids)}; reclaims {len(reclaims)}")
+    assert verify.returncode == 0, out.decode()
+    assert reclaims, "the killed worker's task was reclaimed by a restarted reaper"
+    counted = await counted_completions(ledger)
+    assert all(counted[t] == 1 for t in ids)
+
+
+async def _exists(redis: aioredis.Redis, key: str) -> bool:
+    return bool(await redis.exists(key))
+
+
+async def _claimed_by(ledger: Ledger, worker: str) -> bool:
+    return any(c.worker == worker for c in await events_of(ledger, TaskClaimed))
