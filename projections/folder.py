@@ -47,6 +47,9 @@ NS_PER_S: Final = 1e9
 MAX_DECODE_TPS: Final = 10_000.0
 # Prompt processing is batched and far faster than decoding; only nonsense is above this.
 MAX_PROMPT_TPS: Final = 1_000_000.0
+# No model writes a million tokens in one answer; a larger count is a broken report, and one such
+# value would swamp the length table's mean.
+MAX_OUTPUT_TOKENS: Final = 1_000_000
 
 # A terminal status outranks every non-terminal one; among terminals the higher rank wins, so the
 # final status does not depend on the order terminal events arrive in.
@@ -281,7 +284,7 @@ class Folder:
             # so they say nothing of output length either.
             return
         self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at)
-        if t.eval_count is not None and t.eval_count >= 0:
+        if t.eval_count is not None and 0 <= t.eval_count <= MAX_OUTPUT_TOKENS:
             key = (e.digest, e.domain)
             length = self.tables.length.get(key)
             if length is None:

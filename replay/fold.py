@@ -12,7 +12,14 @@ from typing import Any, Final
 import polars as pl
 
 from events.event import WorkerHeartbeat, WorkerOnline
-from projections.folder import MAX_DECODE_TPS, MAX_PROMPT_TPS, NS_PER_S, TERMINAL_RANK, resources_dict
+from projections.folder import (
+    MAX_DECODE_TPS,
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TPS,
+    NS_PER_S,
+    TERMINAL_RANK,
+    resources_dict,
+)
 from projections.snapshot import (
     DemandRow,
     FleetRow,
@@ -139,7 +146,9 @@ def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
 
 def _length(tables: Tables, counted: pl.DataFrame) -> None:
     ec = pl.col("eval_count")
-    samples = counted.filter(ec >= 0).select("at", "digest", "domain", ec.cast(pl.Float64).alias("x"))
+    samples = counted.filter((ec >= 0) & (ec <= MAX_OUTPUT_TOKENS)).select(
+        "at", "digest", "domain", ec.cast(pl.Float64).alias("x")
+    )
     keys = ["digest", "domain"]
     for key, stat in _stat_rows(stats(samples, keys, "x", tables.half_life_s), keys).items():
         tables.length[key] = LengthRow(digest=key[0], domain=key[1], output_tokens=stat)
