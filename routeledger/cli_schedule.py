@@ -113,10 +113,21 @@ def schedule(
             _fmt(r.vs_lower_bound, 2),
         )
     if plot is not None:
-        err_console.print(
-            "[yellow]--plot: no PNG written; matplotlib is not installed and routeledger adds no"
-            " plotting dependency. The --json output has every figure for plotting elsewhere.[/]"
+        from sim.plot import line_chart
+
+        series: dict[str, list[tuple[float, float]]] = {}
+        bound: dict[float, float] = {}
+        for r in rows:
+            series.setdefault(r.policy, []).append((r.load, r.mean_s))
+            if r.vs_lower_bound:
+                bound[r.load] = r.mean_s / r.vs_lower_bound
+        png, _ = line_chart(
+            series,
+            shade_below=sorted(bound.items()),
+            title=f"fleet {spec_fleet.name or '?'}, {chosen}: mean response vs load",
         )
+        plot.write_bytes(png)
+        err_console.print(f"[dim]wrote {plot}[/]", highlight=False)
     if json_:
         results = [msgspec.to_builtins(r) for r in rows]
         for r in results:
