@@ -67,6 +67,11 @@ class Keys:
         # What the API recorded at submission (queue, model, routing breakdown), for lookups; expires.
         return f"{self.prefix}task:{task_id}"
 
+    def pipeline(self, pipeline_id: str) -> str:
+        # A pipeline's state (status, children, plan, outcome), so that any API process can answer
+        # for it; the ledger keeps its history. Expires.
+        return f"{self.prefix}pipeline:{pipeline_id}"
+
     @property
     def stalled(self) -> str:
         # Set of "queue entry-id" members already reported stalled, so each is reported once.

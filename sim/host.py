@@ -17,6 +17,10 @@ waits enter `total_duration` as wall time divided by `time_scale`. Keep-alive ex
 windows run on the wall clock times `time_scale` (unscaled when it is 0). The OpenAI-compatible API
 carries no timings; a client timing it sees scaled wall time.
 
+JSON mode: a chat or generate request that sets Ollama's `format` is answered with a JSON array of
+short pseudo-sentences (sim.text.json_answer; schemas are not read), unless the model's preset says
+`follows_format = false`, in which case it answers prose as usual.
+
 Faults are drawn once per generation request from a seeded stream: an error answers HTTP 500 with
 Ollama's `{"error": …}` at once; a hang answers nothing and holds no slot until the client leaves;
 a disconnect sends some chunks (none, for a non-streaming request) and then closes the connection.
@@ -78,6 +82,7 @@ class _ChatRequest(msgspec.Struct):
     stream: bool | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
+    format: str | dict[str, Any] | None = None
 
 
 class _GenerateRequest(msgspec.Struct):
@@ -87,6 +92,7 @@ class _GenerateRequest(msgspec.Struct):
     stream: bool | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
+    format: str | dict[str, Any] | None = None
 
 
 class _OpenAIChatRequest(msgspec.Struct):
@@ -625,6 +631,7 @@ class MachineApp:
             max_tokens=_int_option(req.options, "num_predict"),
             keep_alive=req.keep_alive,
             load_only=not messages,
+            wants_json=bool(req.format),
         )
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -643,6 +650,7 @@ class MachineApp:
             max_tokens=_int_option(req.options, "num_predict"),
             keep_alive=req.keep_alive,
             load_only=not prompt,
+            wants_json=bool(req.format),
         )
 
     async def _v1_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -684,11 +692,18 @@ class MachineApp:
         max_tokens: int | None,
         keep_alive: object,
         load_only: bool,
+        wants_json: bool = False,
     ) -> None:
         m = self.machine
         try:
             job = m.plan(
-                model, prompt, last_user, request_seed=seed, max_tokens=max_tokens, keep_alive=keep_alive
+                model,
+                prompt,
+                last_user,
+                request_seed=seed,
+                max_tokens=max_tokens,
+                keep_alive=keep_alive,
+                wants_json=wants_json,
             )
         except UnknownModelError as exc:
             await _respond(send, 404, fmt.error(str(exc)))

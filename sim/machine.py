@@ -23,7 +23,16 @@ import msgspec
 
 from events.errors import RouteledgerError
 from sim.fleet import Fleet, ModelSpec, WorkerModel, WorkerSpec
-from sim.text import bench_answer, bench_prompt, count_tokens, filler, is_japanese, sample_length, seed_of
+from sim.text import (
+    bench_answer,
+    bench_prompt,
+    count_tokens,
+    filler,
+    is_japanese,
+    json_answer,
+    sample_length,
+    seed_of,
+)
 
 # Tokens are released to a streaming client at most this late (wall seconds); fewer wake-ups.
 STREAM_QUANTUM_S = 0.002
@@ -293,8 +302,12 @@ class SimMachine:
         request_seed: int | None = None,
         max_tokens: int | None = None,
         keep_alive: object = None,
+        wants_json: bool = False,
     ) -> Job:
-        """A job for `prompt` (the whole input) whose last user message is `last_user`."""
+        """A job for `prompt` (the whole input) whose last user message is `last_user`.
+
+        `wants_json`: the request set Ollama's `format`; a model that follows it answers JSON.
+        """
         self.counters.requests += 1
         try:
             model = self.find(model_name)
@@ -310,6 +323,8 @@ class SimMachine:
         if bench is not None:
             # A model without a number for the domain answers like a coin toss: the sim needs some value.
             tokens = bench_answer(rng, last_user, model.spec.quality.get(bench.domain, 0.5))
+        if tokens is None and wants_json and model.spec.follows_format:
+            tokens = json_answer(rng, is_japanese(last_user))
         if tokens is None:
             tokens = filler(rng, sample_length(rng, model.spec.output), is_japanese(last_user))
         fault = self._draw_fault()

@@ -8,6 +8,7 @@ outputs. A token is one pseudo-word (with its leading space), one chunk on the w
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import re
@@ -102,6 +103,16 @@ def filler(rng: random.Random, n: int, japanese: bool) -> list[str]:
     if out:
         out[0] = out[0].lstrip()
     return out
+
+
+def json_answer(rng: random.Random, japanese: bool, items: int = 3) -> list[str]:
+    """Tokens of a JSON answer, for a request that sets Ollama's `format`: an array of `items` short
+    pseudo-sentences (the pipeline decomposer's sub-prompts). The simulator does not read a format's
+    schema: any request for JSON gets this shape, deterministic for its seed."""
+    parts = ["".join(filler(rng, 8, japanese)).strip() for _ in range(items)]
+    text = json.dumps(parts, ensure_ascii=False)
+    # About four bytes a token, as count_tokens reads text.
+    return [text[i : i + 4] for i in range(0, len(text), 4)]
 
 
 # -- the benchmark set ----------------------------------------------------------------------------
