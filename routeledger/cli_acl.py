@@ -1,0 +1,122 @@
+"""`routeledger acl worker NAME`: Redis ACL lines for a worker that runs on another machine.
+
+A worker's Redis user may touch only what a worker touches (read from workers/ and events/):
+
+| keys | access | why |
+|---|---|---|
+| `rl:q:{12 hex}` | read, write | shared queues of models: read through the group, ack, re-queue (scripts) |
+| `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
+| `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
+| `rl:live:NAME` | read, write | its own lease |
+| `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
+| `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
+| `rl:events`, `rl:dead` | XADD only | it appends to the ledger and to the dead letters, never rewrites them |
+
+The last line is a Redis 7 *selector*, and read-only keys use Redis 7's `%R~`: Redis 6.2 rejects
+both. Only Redis 7 checks the commands a Lua script runs against the caller's key permissions; on
+6.2 a script may touch any key, so these lines need Redis 7 to mean what they say.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+from typing import Annotated
+
+import typer
+
+from events.keys import Keys
+from routeledger.runtime import ConfigOpt, DataDirOpt, RedisUrlOpt, fail, guarded, keys_for, settings_from
+
+acl_app = typer.Typer(help="Redis ACLs for processes on other machines.", no_args_is_help=True)
+
+# Every command the worker agent, its gate and its benchmarks send. Not CLIENT SETINFO: redis-py
+# sends it on connect and ignores a refusal, and Redis 7.0 does not know it.
+WORKER_COMMANDS: tuple[str, ...] = (
+    "ping",
+    "select",
+    "time",
+    "scan",
+    "get",
+    "set",
+    "del",
+    "exists",
+    "mget",
+    "pexpire",
+    "srem",
+    "smembers",
+    "sismember",
+    "sscan",
+    "hset",
+    "hget",
+    "hgetall",
+    "hmget",
+    "hexists",
+    "hsetnx",
+    "xadd",
+    "xack",
+    "xdel",
+    "xclaim",
+    "xautoclaim",
+    "xpending",
+    "xrange",
+    "xrevrange",
+    "xlen",
+    "xread",
+    "xreadgroup",
+    "xinfo|groups",
+    "xinfo|stream",
+    "xgroup|create",
+    "evalsha",
+    "eval",
+    "script|load",
+    "script|exists",
+)
+
+_HEX12 = "[0-9a-f]" * 12
+
+
+def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list[str]:
+    """The ACL SETUSER rules (after the user name) for worker `name`, Redis 7 syntax."""
+    if not name or any(c.isspace() or c in "*?[]\\" for c in name):
+        raise ValueError(f"a worker name for an ACL must have no spaces or glob characters: {name!r}")
+    k = keys or Keys()
+    rules = ["reset", "on", f">{password}", "resetchannels"]
+    rules += [
+        f"~{k.prefix}q:{_HEX12}",
+        f"~{k.pinned(name)}",
+        f"~{k.out('*')}",
+        f"~{k.result('*')}",
+        f"~{k.live(name)}",
+        f"~{k.forgotten}",
+        f"%R~{k.live('*')}",
+        f"%R~{k.prefix}p:*",
+        f"%R~{k.cancel('*')}",
+    ]
+    rules += [f"+{c}" for c in WORKER_COMMANDS]
+    # Append-only: XADD (directly or from the batch-append script), and nothing else, on these two.
+    rules.append(f"(~{k.events} ~{k.dead} +xadd +evalsha +eval)")
+    return rules
+
+
+@acl_app.command("worker")
+@guarded
+def acl_worker(
+    name: Annotated[str, typer.Argument(help="The worker's name (its --id); also the Redis user name.")],
+    password: Annotated[
+        str | None, typer.Option(help="The user's password (default: a new random one, printed).")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Print the ACL SETUSER line that lets worker NAME touch only what a worker needs (Redis 7)."""
+    keys = keys_for(settings_from(data_dir, redis_url, config))
+    secret = password or secrets.token_urlsafe(24)
+    try:
+        rules = worker_acl_rules(name, secret, keys)
+    except ValueError as exc:
+        fail(str(exc))
+    print("# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < this-file; then run the worker with")  # noqa: T201
+    print(f"#   routeledger worker --id {name} --redis-url redis://{name}:PASSWORD@HOST:PORT/0")  # noqa: T201
+    print(" ".join(shlex.quote(p) for p in ["ACL", "SETUSER", name, *rules]))  # noqa: T201
