@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from api import fleet, native, ollama, openai
+from api import dashboard, fleet, native, ollama, openai
 from api.auth import Guard
 from api.common import JSON, Limits
 from api.errors import (
@@ -85,11 +85,14 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.metrics = metrics
     app.state.limits = Limits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
     app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    # Outside the guard: a browser cannot send a key with a page load; the shell holds no data.
+    app.add_middleware(dashboard.Shell)
     _handlers(app)
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ollama.router)
     app.include_router(fleet.router)
+    app.include_router(dashboard.router)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> JSON:

@@ -52,7 +52,8 @@ def _since(leases: dict[str, LeaseInfo], m: ModelInfo) -> float:
 
 @router.get("/", include_in_schema=False)
 async def root() -> PlainTextResponse:
-    # The ollama CLI and some UIs probe the root for this exact text.
+    # The ollama CLI and some UIs probe the root for this exact text. Browsers (Accept: text/html)
+    # never get here: dashboard.Shell sends them to the dashboard first.
     return PlainTextResponse("Ollama is running")
 
 
