@@ -25,6 +25,8 @@ from routeledger.cli_bench import bench_app
 from routeledger.cli_replay import projector_cmd, replay_app
 from routeledger.cli_route import route_app
 from routeledger.cli_sim import sim_app
+from routeledger.cli_status import status_cmd
+from routeledger.cli_traffic import traffic_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
 from routeledger.embedded import EmbeddedRedis, free_port, port_is_free, write_private
@@ -65,6 +67,8 @@ app.add_typer(task_app, name="task")
 app.command("reaper")(guarded(reaper_cmd))
 app.add_typer(bench_app, name="bench")
 app.add_typer(route_app, name="route")
+app.command("status")(status_cmd)
+sim_app.command("traffic")(traffic_cmd)
 app.add_typer(acl_app, name="acl")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -205,11 +209,14 @@ def _spawn_demo_fleet(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> d
         if machine.get("serves") == []:
             argv += ["--models", ""]  # the story's retired server: registered, serving nothing
         sup.spawn(f"worker {machine['name']}", argv, env=env)
+    # A light trickle of requests, so that the dashboard is alive on first sight.
+    sup.spawn("traffic", python_argv("sim", "traffic", "--rate", "0.2"), env=env)
     return hosts
 
 
 def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict[str, str]) -> None:
     lines = [
+        f"dashboard  {base}/dashboard",
         f"API        {base}",
         f"health     {base}/healthz",
         f"Redis      {_mask(url)}{'  (embedded, AOF)' if embedded else ''}",

@@ -1,0 +1,207 @@
+"""`routeledger status [--watch]`: the dashboard in the terminal, read from Redis directly.
+
+The same data as GET /v1/dashboard/overview (api.dashboard.overview), so it works without the
+API running: the fleet, capacity and queues per model, recent tasks with who ran them and why,
+and recent reclaims, stalls and dead letters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import time
+from typing import Annotated, Any
+
+import msgspec
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from api.dashboard import overview
+from routeledger.runtime import (
+    ConfigOpt,
+    DataDirOpt,
+    RedisUrlOpt,
+    connect,
+    console,
+    guarded,
+    keys_for,
+    run_async,
+    settings_from,
+)
+
+_STATUS_STYLE = {
+    "online": "green",
+    "completed": "green",
+    "draining": "yellow",
+    "running": "yellow",
+    "queued": "yellow",
+    "retrying": "yellow",
+    "reclaimed": "yellow",
+}
+
+
+def _clock(ms: int | None) -> str:
+    return "-" if ms is None else dt.datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S")
+
+
+def _ago(ms: int | None, now: int) -> str:
+    if ms is None:
+        return ""
+    s = max(0, (now - ms) // 1000)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    return f"{s // 3600}h {s % 3600 // 60}m"
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _known(v: object) -> str:
+    return "?" if v is None else str(v)
+
+
+def _status(s: str) -> Text:
+    return Text(s, style=_STATUS_STYLE.get(s, "red"))
+
+
+def fleet_table(o: dict[str, Any]) -> Table:
+    now = o["now"]
+    t = Table(title="fleet", title_justify="left", expand=True)
+    for col in ("worker", "status", "since", "slots busy", "models (* loaded)", "lease"):
+        t.add_column(col)
+    for w in o["workers"]:
+        models = ", ".join(
+            f"{'*' if m['loaded'] else ''}{m['name']}{'' if m['serving'] else ' (not served)'}"
+            for m in w["models"]
+        )
+        lease = "expired" if w["lease_age_s"] is None else f"renewed {w['lease_age_s']:.1f}s ago"
+        t.add_row(
+            w["id"],
+            _status(w["status"]),
+            f"{_clock(w['since'])} ({_ago(w['since'], now)})",
+            f"{_known(w['busy'])} / {_known(w['slots'])}",
+            models or "none",
+            lease,
+        )
+    if not o["workers"]:
+        t.add_row("no worker has registered", "", "", "", "", "")
+    return t
+
+
+def models_table(o: dict[str, Any]) -> Table:
+    t = Table(title="capacity and queues", title_justify="left", expand=True)
+    t.add_column("model")
+    t.add_column("capacity (live slots)", justify="right")
+    t.add_column("holders (* loaded)")
+    t.add_column("queued", justify="right")
+    t.add_column("running", justify="right")
+    for m in o["models"]:
+        holders = ", ".join(f"{'*' if w in m['loaded_on'] else ''}{w}" for w in m["holders"])
+        queued = "?" if m["queued"] is None else str(m["queued"])
+        running = "?" if m["running"] is None else str(m["running"])
+        t.add_row(m["name"], str(m["capacity"]), holders, queued, running)
+    if not o["models"]:
+        t.add_row("no live worker serves a model", "", "", "", "")
+    return t
+
+
+def tasks_table(o: dict[str, Any], limit: int = 12) -> Table:
+    t = Table(title="recent tasks", title_justify="left", expand=True)
+    for col in ("when", "task", "model", "domain", "status", "ran on", "why: expected finish per candidate"):
+        t.add_column(col)
+    t.add_column("tok/s", justify="right")
+    t.add_column("wall", justify="right")
+    for task in o["tasks"][:limit]:
+        why = " · ".join(f"{r['worker']} {r['expected_finish_s']:.1f}s" for r in task["ranking"]) or "-"
+        model = f"auto → {task['model']}" if task["auto"] else task["model"]
+        wall = "-" if task["wall_ms"] is None else f"{task['wall_ms'] / 1000:.1f}s"
+        t.add_row(
+            _clock(task["submitted_at"]),
+            task["task_id"][:8],
+            model,
+            task["domain"],
+            _status(task["status"]),
+            task["worker"] or "-",
+            why,
+            _num(task["decode_tps"]),
+            wall,
+        )
+    if not o["tasks"]:
+        t.add_row("no task yet", *[""] * 8)
+    return t
+
+
+def incidents_table(o: dict[str, Any], limit: int = 10) -> Table:
+    t = Table(title="reclaims, stalls and dead letters", title_justify="left", expand=True)
+    for col in ("when", "kind", "task", "model", "detail"):
+        t.add_column(col)
+    names: dict[str, str] = o.get("names", {})
+    for i in o["incidents"][:limit]:
+        digest = i["digest"]
+        model = next((n for d, n in names.items() if d.startswith(digest)), digest)
+        t.add_row(_clock(i["at"]), i["type"].removeprefix("Task"), i["task_id"][:8], model, i["detail"])
+    if not o["incidents"]:
+        t.add_row("none recently", "", "", "", "")
+    return t
+
+
+def render(o: dict[str, Any]) -> Group:
+    p = o["projection"]
+    lag = (
+        f"projector {p['lag_entries']} entries behind ({(p['lag_ms'] or 0) / 1000:.1f}s)"
+        if p.get("lag_entries") is not None
+        else f"projection: {p.get('status')}"
+    )
+    head = Text(f"routeledger status at {_clock(o['now'])} · {lag}", style="bold")
+    return Group(head, fleet_table(o), models_table(o), tasks_table(o), incidents_table(o))
+
+
+@guarded
+def status_cmd(
+    watch: Annotated[bool, typer.Option("--watch", help="Keep the tables on screen, refreshed.")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.2, help="Seconds between refreshes with --watch.")
+    ] = 2.0,
+    json_: Annotated[bool, typer.Option("--json", help="Print the data as JSON, once.")] = False,
+    data_dir: DataDirOpt = None,
+    redis_url: RedisUrlOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """The fleet, capacity, queues, recent tasks, reclaims, stalls and dead letters (from Redis)."""
+    resolved = settings_from(data_dir, redis_url, config)
+    keys = keys_for(resolved)
+
+    async def once() -> dict[str, Any]:
+        client = connect(resolved)
+        try:
+            return await overview(client, keys)
+        finally:
+            await client.aclose()
+
+    if json_:
+        print(msgspec.json.encode(run_async(once())).decode())  # noqa: T201
+        return
+    if not watch:
+        console.print(render(run_async(once())))
+        return
+
+    async def follow() -> None:
+        client = connect(resolved)
+        try:
+            with Live(render(await overview(client, keys)), console=console, auto_refresh=False) as live:
+                while True:
+                    started = time.monotonic()
+                    live.update(render(await overview(client, keys)), refresh=True)
+                    await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        finally:
+            await client.aclose()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run_async(follow())
