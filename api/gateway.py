@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -29,16 +28,16 @@ from api.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from api.routing import FleetState, catalog, fleet_view
-from events.codec import decode_rows, encode_fields
-from events.event import Event, TaskCancelled, TaskRouted, TaskSubmitted, now_ms
+from api.routing import catalog
+from events.codec import decode_rows
+from events.errors import ModelNotServedError
+from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.lease import LeaseInfo
 from events.ledger import Ledger
 from events.queue import (
     CANCEL_REMOVED,
     CANCEL_RUNNING,
-    RESULT_TTL_MS,
     TaskQueues,
     describe_fleet,
     find_holders,
@@ -49,16 +48,14 @@ from events.task import (
     Result,
     TaskMessage,
     chunk_decoder,
-    estimate_tokens,
-    queue_fields,
     result_decoder,
-    sha256_hex,
 )
 from projections.errors import ProjectionError
 from projections.reader import get_task
 from projections.snapshot import TaskRow
-from router.choose import Decision, classify_domain, decide
-from router.errors import RouterError
+from router.choose import Decision
+from workers.dispatch import route_and_submit
+from workers.view import LiveView
 
 log = logging.getLogger("routeledger.api")
 
@@ -116,7 +113,7 @@ class Gateway:
         self.keys = keys
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
-        self.fleet = FleetState(redis, keys)
+        self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
         self.cancel_ttl_s = cancel_ttl_s
@@ -153,58 +150,9 @@ class Gateway:
             raise model_not_found(model, leases)
         return digest, leases
 
-    async def route(
-        self, req: TaskRequest, domain: str, prompt_tokens: int
-    ) -> tuple[str, str, Decision | None, dict[str, LeaseInfo]]:
-        """(model name, digest, decision, leases) for a request; `auto` asks the router for the model."""
-        if req.model == "auto":
-            leases = await self.fleet.leases()
-            models = {m.name: m.entry.digest for m in catalog(leases)}
-            if not models:
-                leases = await self.fleet.leases(fresh=True)
-                models = {m.name: m.entry.digest for m in catalog(leases)}
-            if not models:
-                raise model_not_found("auto", leases)
-            decision = await self._decide("auto", models, leases, domain, prompt_tokens, req.max_tokens)
-            if decision is None:
-                raise model_not_found("auto", leases)
-            return decision.model, decision.digest, decision, leases
-        digest, leases = await self.resolve(req.model)
-        decision = await self._decide(
-            req.model, {req.model: digest}, leases, domain, prompt_tokens, req.max_tokens
-        )
-        return req.model, digest, decision, leases
-
-    async def _decide(
-        self,
-        model: str,
-        models: dict[str, str],
-        leases: dict[str, LeaseInfo],
-        domain: str,
-        prompt_tokens: int,
-        max_tokens: int | None,
-    ) -> Decision | None:
-        evidence = await self.fleet.evidence()
-        now = now_ms()
-        view = fleet_view(leases, evidence.snapshot, now, {})
-        try:
-            return decide(
-                model,
-                models,
-                view,
-                evidence.estimator,
-                now,
-                domain=domain,
-                prompt_tokens=prompt_tokens,
-                max_tokens=max_tokens,
-            )
-        except RouterError as exc:
-            log.warning("router could not decide for model %s: %s", model, exc)
-            return None
-
     # -- submission -----------------------------------------------------------------------------
     async def submit(self, req: TaskRequest) -> Submitted:
-        """Resolve the model, record TaskSubmitted and TaskRouted, and queue the task, in one round trip."""
+        """Validate, then route and queue through the one submission path (workers.dispatch)."""
         if req.kind == "chat" and not req.messages:
             raise BadRequestError(
                 "messages must not be empty", param="messages", hint="send at least one message"
@@ -212,80 +160,29 @@ class Gateway:
         if req.kind == "generate" and req.prompt is None:
             raise BadRequestError("prompt is required", param="prompt")
         _check_encodable(req)
-        text = _prompt_text(req)
-        domain = req.domain or classify_domain(text)
-        prompt_tokens = estimate_tokens(text)
-        task_id = uuid.uuid4().hex
-        model, digest, decision, _ = await self.retrying(lambda: self.route(req, domain, prompt_tokens))
-        task = TaskMessage(
-            task_id=task_id,
-            model=model,
-            digest=digest,
-            kind=req.kind,
-            messages=req.messages,
-            prompt=req.prompt,
-            system=req.system,
-            domain=domain,
-            options=req.options,
-            max_tokens=req.max_tokens,
-            format=req.format,
-            priority=req.priority,
-            prompt_tokens=prompt_tokens,
-        )
-        queue = self.keys.queue(digest)
-        submitted = TaskSubmitted(
-            task_id=task_id,
-            model=model,
-            digest=digest,
-            queue=queue,
-            domain=domain,
-            kind=req.kind,
-            prompt_tokens=prompt_tokens,
-            max_tokens=req.max_tokens,
-            priority=req.priority,
-            prompt_bytes=len(text.encode()),
-            prompt_sha256=sha256_hex(text),
-            client=req.client,
-        )
-        events: list[Event] = [submitted]
-        routed_json = b""
-        if decision is not None:
-            breakdown = decision.to_dict()
-            best = decision.ranking.best
-            events.append(
-                TaskRouted(
-                    task_id=task_id,
-                    digest=digest,
-                    queue=queue,
-                    breakdown=breakdown,
-                    expected_worker=best.worker,
-                    expected_finish_s=best.expected_finish_s,
-                )
-            )
-            routed_json = msgspec.json.encode(breakdown)
 
-        async def write() -> None:
-            await self.queues.ensure_group(queue)
-            pipe = self.redis.pipeline(transaction=False)
-            for event in events:
-                pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
-            info_key = self.keys.task(task_id)
-            pipe.hset(
-                info_key,
-                mapping={
-                    "queue": queue,
-                    "model": model,
-                    "digest": digest,
-                    "domain": domain,
-                    "submitted_at": str(task.submitted_at),
-                    "routed": routed_json,
-                },
+        async def go() -> tuple[TaskMessage, str, Decision | None]:
+            return await route_and_submit(
+                self.queues,
+                self.fleet,
+                model=req.model,
+                messages=req.messages,
+                prompt=req.prompt,
+                system=req.system,
+                kind=req.kind,
+                domain=req.domain,
+                options=req.options,
+                max_tokens=req.max_tokens,
+                format=req.format,
+                priority=req.priority,
+                client=req.client,
             )
-            pipe.pexpire(info_key, RESULT_TTL_MS)
-            pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
-            await pipe.execute()
 
-        await self.retrying(write)
+        try:
+            task, queue, decision = await self.retrying(go)
+        except ModelNotServedError as exc:
+            leases = exc.fleet if isinstance(exc.fleet, dict) else await self.fleet.leases(fresh=True)
+            raise model_not_found(req.model, leases) from None
         return Submitted(task=task, queue=queue, decision=decision)
 
     # -- results ----------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
+from events.codec import encode_fields
 from events.errors import ModelNotServedError
-from events.event import Event, ModelEntry, TaskDeadLettered, TaskSubmitted, now_ms
+from events.event import Event, ModelEntry, TaskDeadLettered, TaskRouted, TaskSubmitted, now_ms
 from events.keys import WORKERS_GROUP, Keys
 from events.lease import LeaseInfo, live_workers
 from events.ledger import Ledger
@@ -355,22 +356,25 @@ async def submit_task(
     model: str,
     messages: Sequence[Any] = (),
     prompt: str | None = None,
+    system: str | None = None,
     kind: str = "chat",
     domain: str = "general",
     options: dict[str, Any] | None = None,
     max_tokens: int | None = None,
+    format: Any = None,
     priority: int = 0,
     task_id: str | None = None,
     client: str | None = None,
     pipeline_id: str | None = None,
     leases: dict[str, LeaseInfo] | None = None,
     digest: str | None = None,
-    routed: Callable[[TaskMessage, str], Event] | None = None,
+    routed: Callable[[TaskMessage, str], TaskRouted] | None = None,
 ) -> tuple[TaskMessage, str]:
-    """Resolve `model` among live workers, record TaskSubmitted and queue the task.
+    """Resolve `model` among live workers, record TaskSubmitted (and the routing decision), queue the task.
 
-    Returns the task and its queue. Raises ModelNotServedError at once when no live worker serves
-    the model, naming the model and what the live workers serve.
+    Everything is written in one round trip, in this order: the ledger events, the task's lookup
+    hash, the queue entry, so that no worker sees a task the ledger has not recorded. Returns the
+    task and its queue. Raises ModelNotServedError at once when no live worker serves the model.
     """
     from events.task import Message, estimate_tokens, sha256_hex
 
@@ -383,33 +387,57 @@ async def submit_task(
         kind=kind,
         messages=[m if isinstance(m, Message) else msgspec.convert(m, Message) for m in messages],
         prompt=prompt,
+        system=system,
         domain=domain,
         options=options or {},
         max_tokens=max_tokens,
+        format=format,
         priority=priority,
         pipeline_id=pipeline_id,
     )
     text = task.prompt_text()
     task = msgspec.structs.replace(task, prompt_tokens=estimate_tokens(text))
     queue = queues.keys.queue(digest)
+    events: list[Event] = [
+        TaskSubmitted(
+            task_id=task.task_id,
+            model=model,
+            digest=digest,
+            queue=queue,
+            domain=domain,
+            kind=kind,
+            prompt_tokens=task.prompt_tokens,
+            max_tokens=max_tokens,
+            priority=priority,
+            prompt_bytes=len(text.encode()),
+            prompt_sha256=sha256_hex(text),
+            pipeline_id=pipeline_id,
+            client=client,
+        )
+    ]
+    breakdown = b""
+    if routed is not None:
+        decision = routed(task, queue)
+        events.append(decision)
+        breakdown = msgspec.json.encode(decision.breakdown)
     await queues.ensure_group(queue)
-    submitted = TaskSubmitted(
-        task_id=task.task_id,
-        model=model,
-        digest=digest,
-        queue=queue,
-        domain=domain,
-        kind=kind,
-        prompt_tokens=task.prompt_tokens,
-        max_tokens=max_tokens,
-        priority=priority,
-        prompt_bytes=len(text.encode()),
-        prompt_sha256=sha256_hex(text),
-        pipeline_id=pipeline_id,
-        client=client,
+    keys = queues.keys
+    pipe = queues.redis.pipeline(transaction=False)
+    for event in events:
+        pipe.xadd(keys.events, encode_fields(event))  # type: ignore[arg-type]
+    info_key = keys.task(task.task_id)
+    pipe.hset(
+        info_key,
+        mapping={
+            "queue": queue,
+            "model": model,
+            "digest": digest,
+            "domain": domain,
+            "submitted_at": str(task.submitted_at),
+            "routed": breakdown,
+        },
     )
-    # The decision is recorded with the submission, before a worker can see the task.
-    events: list[Event] = [submitted] if routed is None else [submitted, routed(task, queue)]
-    await queues.ledger.append_many(events)
-    await queues.enqueue(queue, task)
+    pipe.pexpire(info_key, RESULT_TTL_MS)
+    pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
+    await pipe.execute()
     return task, queue

@@ -75,7 +75,7 @@ def projector_cmd(
         finally:
             await client.aclose()
 
-    run_async(go())
+    run_async(go(), fast=True)
 
 
 class _Rate:

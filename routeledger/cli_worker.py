@@ -132,7 +132,7 @@ def worker(
             await be.aclose()
             await client.aclose()
 
-    run_async(go())
+    run_async(go(), fast=True)
 
 
 async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
@@ -190,7 +190,7 @@ def reaper_cmd(
         finally:
             await client.aclose()
 
-    run_async(go())
+    run_async(go(), fast=True)
 
 
 @task_app.command("submit")
@@ -230,15 +230,14 @@ def task_submit(
                 max_tokens=max_tokens,
                 client="cli",
             )
-            best = decision.ranking.best
             out: dict[str, object] = {
                 "task_id": task.task_id,
                 "model": task.model,
                 "digest": task.digest,
                 "domain": task.domain,
                 "queue": queue,
-                "expected_worker": best.worker,
-                "expected_finish_s": round(best.expected_finish_s, 3),
+                "expected_worker": decision.ranking.best.worker if decision else None,
+                "expected_finish_s": round(decision.ranking.best.expected_finish_s, 3) if decision else None,
             }
             if wait:
                 out.update(await _wait_result(client, keys, task.task_id, timeout))

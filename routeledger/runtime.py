@@ -107,24 +107,57 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     return wrapper
 
 
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a command's coroutine, on uvloop where it is installed (it cuts the cost per request of
-    the long-running processes by about a quarter). Ctrl-C or SIGTERM cancels it and surfaces as
-    KeyboardInterrupt: uvloop does not interrupt a blocking read for a signal by itself."""
+# Seconds a cancelled command may take to unwind before the process exits anyway.
+CANCEL_GRACE_S = 3.0
 
-    async def main() -> T:
+
+def _exit_now() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(130)
+
+
+def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
+    """Run a command's coroutine. Ctrl-C or SIGTERM cancels it and surfaces as KeyboardInterrupt
+    once the loop has closed.
+
+    `fast` runs it on uvloop (about a quarter less CPU per request): for the long-running
+    processes, which handle their own signals. A short command keeps asyncio's own loop, whose
+    signal wake-up interrupts a blocking read reliably; uvloop's was seen to miss a Ctrl-C under load.
+    """
+    interrupted = False
+
+    async def main() -> T | None:
+        nonlocal interrupted
         task = asyncio.ensure_future(coro)
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            task.cancel()
+            # A cancelled Redis read has been seen, rarely, to leave the task waiting for ever;
+            # a user who pressed Ctrl-C is not made to wait for that.
+            loop.call_later(CANCEL_GRACE_S, _exit_now)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, task.cancel)
+                loop.add_signal_handler(sig, on_signal)
         try:
             return await task
         except asyncio.CancelledError:
-            raise KeyboardInterrupt from None
+            interrupted = True
+            return None
 
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
-        return asyncio.run(main())
-    return uvloop.run(main())
+    result: T | None
+    if fast:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvicorn[standard] brings it on Linux and macOS
+            result = asyncio.run(main())
+        else:
+            result = uvloop.run(main())
+    else:
+        result = asyncio.run(main())
+    if interrupted:
+        raise KeyboardInterrupt
+    return result  # type: ignore[return-value]

@@ -8,9 +8,11 @@ worker, the preview command and the API all read the fleet through this one modu
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -20,10 +22,14 @@ from events.keys import WORKERS_GROUP, Keys
 from events.lease import LeaseInfo, live_workers
 from events.ledger import next_id
 from events.task import F_TASK, decode_task
+from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
 from router.estimate import Estimator, build_estimator
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rate
+
+log = logging.getLogger("routeledger.view")
+T = TypeVar("T")
 
 # The plan looks this far down each queue; tasks behind it cannot change who takes the head.
 BACKLOG_DEPTH = 64
@@ -63,51 +69,103 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
     ]
 
 
-class LiveView:
-    """Builds FleetViews; the snapshot and the estimator's fit are refreshed at most once a period."""
+class Cached(Generic[T]):
+    """A value refreshed at most every `ttl_s`, with one refresh in flight at a time."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, snapshot_every_s: float = 1.0) -> None:
+    def __init__(self, load: Callable[[], Awaitable[T]], ttl_s: float) -> None:
+        self._load = load
+        self._ttl_s = ttl_s
+        self._value: T | None = None
+        self._at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, fresh: bool = False) -> T:
+        if not fresh and self._value is not None and time.monotonic() - self._at < self._ttl_s:
+            return self._value
+        async with self._lock:
+            if not fresh and self._value is not None and time.monotonic() - self._at < self._ttl_s:
+                return self._value
+            value = await self._load()
+            self._value, self._at = value, time.monotonic()
+            return value
+
+
+class Evidence(msgspec.Struct, kw_only=True):
+    """A projection snapshot and the estimator fitted to it; `error` when the tables were unreadable."""
+
+    snapshot: Snapshot
+    estimator: Estimator
+    error: str | None = None
+
+
+class LiveView:
+    """Builds FleetViews from Redis. The leases and the evidence change on the scale of heartbeats
+    and projector batches, not requests, so both are read through short caches; the estimator's
+    fit, the costly part, is redone once per snapshot."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        snapshot_every_s: float = 1.0,
+        leases_every_s: float = 0.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys
-        self.snapshot_every_s = snapshot_every_s
-        self._snapshot: Snapshot | None = None
-        self._estimator: Estimator | None = None
-        self._taken_at = 0.0
+        self._leases = Cached(self._load_leases, leases_every_s)
+        self._evidence = Cached(self._load_evidence, snapshot_every_s)
+
+    async def _load_leases(self) -> dict[str, LeaseInfo]:
+        return await live_workers(self.redis, self.keys)
+
+    async def _load_evidence(self) -> Evidence:
+        now = now_ms()
+        try:
+            snap = await snapshot(self.redis, self.keys, now_ms=now)
+            error = None
+        except ProjectionError as exc:
+            # Route on priors rather than refuse: the projection is evidence, not a precondition.
+            log.warning("projection unreadable, routing on priors: %s", exc)
+            snap, error = Snapshot(taken_at=now), str(exc)
+        return Evidence(snapshot=snap, estimator=build_estimator(snap, now), error=error)
+
+    async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:
+        """Live workers' leases (cached for `leases_every_s`)."""
+        return await self._leases.get(fresh)
+
+    async def evidence(self, fresh: bool = False) -> Evidence:
+        """The snapshot and its estimator (cached for `snapshot_every_s`)."""
+        return await self._evidence.get(fresh)
 
     async def estimates(self) -> tuple[Snapshot, Estimator]:
-        if self._snapshot is None or time.monotonic() - self._taken_at > self.snapshot_every_s:
-            self._snapshot = await snapshot(self.redis, self.keys)
-            self._estimator = build_estimator(self._snapshot, now_ms())
-            self._taken_at = time.monotonic()
-        assert self._estimator is not None
-        return self._snapshot, self._estimator
+        ev = await self.evidence()
+        return ev.snapshot, ev.estimator
 
     async def backlog(self, digest: str) -> list[BacklogEntry]:
         """The entries of the model's queue that no worker has read yet, head first."""
-        queue = self.keys.queue(digest)
-        try:
-            groups: Any = await self.redis.xinfo_groups(queue)
-        except aioredis.ResponseError:
-            return []  # no queue yet: nothing was ever submitted for this model
-        last = next((g["last-delivered-id"] for g in groups if _s(g["name"]) == WORKERS_GROUP), b"0-0")
-        rows: Any = await self.redis.xrange(queue, next_id(_s(last)), "+", count=BACKLOG_DEPTH)
-        out: list[BacklogEntry] = []
-        for raw_id, fields in rows:
-            try:
-                task = decode_task(fields[F_TASK])
-            except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
-                continue  # a malformed entry is the worker's to dead-letter, not the plan's
-            out.append(
-                BacklogEntry(
-                    task_id=task.task_id,
-                    digest=digest,
-                    enqueued_at_ms=int(_s(raw_id).split("-")[0]),
-                    domain=task.domain,
-                    prompt_tokens=task.prompt_tokens,
-                    max_tokens=task.max_tokens,
-                )
-            )
-        return out
+        return (await self.backlogs([digest]))[digest]
+
+    async def backlogs(self, digests: Iterable[str]) -> dict[str, list[BacklogEntry]]:
+        """Each model's unread queue entries, head first, in two round trips for all of them."""
+        wanted = sorted(set(digests))
+        if not wanted:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for digest in wanted:
+            pipe.xinfo_groups(self.keys.queue(digest))
+        groups: list[Any] = await pipe.execute(raise_on_error=False)
+        pipe = self.redis.pipeline(transaction=False)
+        for digest, reply in zip(wanted, groups, strict=True):
+            last = b"0-0"
+            if isinstance(reply, list):
+                last = next((g["last-delivered-id"] for g in reply if _s(g["name"]) == WORKERS_GROUP), b"0-0")
+            pipe.xrange(self.keys.queue(digest), next_id(_s(last)), "+", count=BACKLOG_DEPTH)
+        rows: list[Any] = await pipe.execute(raise_on_error=False)
+        return {
+            digest: _entries(digest, r if isinstance(r, list) else [])
+            for digest, r in zip(wanted, rows, strict=True)
+        }
 
     async def fleet(
         self, digests: Iterable[str] | None = None, leases: dict[str, LeaseInfo] | None = None
@@ -115,11 +173,31 @@ class LiveView:
         """The FleetView for `digests` (every served model when None), the estimator, now, the leases."""
         snap, est = await self.estimates()
         now = now_ms()
-        live = leases if leases is not None else await live_workers(self.redis, self.keys)
+        live = leases if leases is not None else await self.leases()
         wanted = set(digests) if digests is not None else set(served_models(live).values())
-        backlog = {d: await self.backlog(d) for d in sorted(wanted)}
+        backlog = await self.backlogs(wanted)
         rates = {d: arrival_rate(snap, d, now, snap.demand_half_life_s) for d in wanted}
         return FleetView(workers=worker_views(live), backlog=backlog, arrival_rate=rates), est, now, live
+
+
+def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
+    out: list[BacklogEntry] = []
+    for raw_id, fields in rows:
+        try:
+            task = decode_task(fields[F_TASK])
+        except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
+            continue  # a malformed entry is the worker's to dead-letter, not the plan's
+        out.append(
+            BacklogEntry(
+                task_id=task.task_id,
+                digest=digest,
+                enqueued_at_ms=int(_s(raw_id).split("-")[0]),
+                domain=task.domain,
+                prompt_tokens=task.prompt_tokens,
+                max_tokens=task.max_tokens,
+            )
+        )
+    return out
 
 
 def _s(raw: bytes | str) -> str:
