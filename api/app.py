@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from api import dashboard, fleet, native, ollama, openai
+from api import dashboard, fleet, native, ollama, openai, pipelines
 from api.auth import Guard
 from api.common import JSON, Limits
 from api.errors import (
@@ -55,6 +55,8 @@ class AppConfig(msgspec.Struct, kw_only=True):
     retry_budget_s: float = 1.5
     # Each waiting or streaming request blocks one connection on its output stream.
     redis_max_connections: int = 2048
+    # The model of a pipeline's decomposer, children and integration when a request names none.
+    pipeline_model: str = "auto"
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -83,6 +85,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app = FastAPI(title="routeledger", version="0.1.0", lifespan=lifespan)
     metrics = Metrics()
     app.state.metrics = metrics
+    app.state.pipeline_model = config.pipeline_model
     app.state.limits = Limits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
     app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes, metrics=metrics)
     # Outside the guard: a browser cannot send a key with a page load; the shell holds no data.
@@ -92,6 +95,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(ollama.router)
     app.include_router(fleet.router)
+    app.include_router(pipelines.router)
     app.include_router(dashboard.router)
 
     @app.get("/healthz", tags=["operations"])

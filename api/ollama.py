@@ -17,6 +17,7 @@ from starlette.responses import PlainTextResponse, Response
 from api.common import JSON, check_messages, encode, gateway, mark, stream, task_headers
 from api.errors import OLLAMA, ApiError, BadRequestError, GenerationError, render
 from api.gateway import Gateway, Submitted, TaskRequest, model_not_found
+from api.pipelines import PIPELINE_MODEL, ollama_chat
 from api.routing import ModelInfo, catalog
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from events.lease import LeaseInfo
@@ -78,6 +79,18 @@ async def tags(request: Request) -> JSON:
         }
         for m in catalog(leases)
     ]
+    if models:
+        # Open WebUI's Ollama connection lists models from here, so the pipeline must be among them.
+        models.append(
+            {
+                "name": PIPELINE_MODEL,
+                "model": PIPELINE_MODEL,
+                "modified_at": rfc3339(),
+                "size": 0,
+                "digest": "",
+                "details": {"parent_model": "", "format": "", "family": "routeledger-pipeline"},
+            }
+        )
     return JSON({"models": models})
 
 
@@ -187,6 +200,8 @@ async def _answer(request: Request, sub: Submitted, streaming: bool, key: str) -
 async def chat(body: OllamaChat, request: Request) -> Response:
     messages = body.messages or []
     check_messages(request, len(messages))
+    if body.model == PIPELINE_MODEL:
+        return await ollama_chat(body, request)
     gw = gateway(request)
     if not messages:
         # Ollama loads the model and answers at once when there is nothing to say.

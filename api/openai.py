@@ -30,6 +30,7 @@ from api.common import (
 )
 from api.errors import OPENAI, BadRequestError, GenerationError
 from api.gateway import Gateway, Submitted, TaskRequest, model_not_found
+from api.pipelines import PIPELINE_MODEL, model_entry, openai_chat
 from api.routing import catalog
 from api.schemas import ChatCompletionCreate, CompletionCreate
 from events.task import Result
@@ -71,6 +72,7 @@ async def list_models(request: Request) -> JSON:
         data.append(
             _model("auto", {"description": "routeledger picks the model by quality and expected latency"})
         )
+        data.append(_model(PIPELINE_MODEL, model_entry()))
     return JSON({"object": "list", "data": data})
 
 
@@ -84,6 +86,8 @@ async def read_model(model: str, request: Request) -> JSON:
             return JSON(_model(m.name, {"digest": m.entry.digest, "holders": m.holders, "slots": m.slots}))
     if model == "auto" and catalog(leases):
         return JSON(_model("auto", {}))
+    if model == PIPELINE_MODEL and catalog(leases):
+        return JSON(_model(PIPELINE_MODEL, model_entry()))
     raise model_not_found(model, leases)
 
 
@@ -95,6 +99,8 @@ def _model(name: str, extra: dict[str, Any]) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionCreate, request: Request) -> Response:
     _single(body.n)
     check_messages(request, len(body.messages))
+    if body.model == PIPELINE_MODEL:
+        return await openai_chat(body, request)
     gw = gateway(request)
     fmt = body.response_format or {}
     sub = await gw.submit(

@@ -46,7 +46,7 @@ async def test_the_ollama_client_generates_lists_shows_and_reads_what_is_loaded(
         texts = {r.text for r in await stored_results(redis_client)}
     assert generated.done_reason == "length" and generated.eval_count == 5
     assert streamed in texts
-    assert [m.model for m in listed.models] == ["m:latest"]
+    assert [m.model for m in listed.models] == ["m:latest", "pipeline"]
     assert listed.models[0].digest
     assert shown.details is not None and shown.details.quantization_level == "Q4_K_M"
     assert [m.model for m in loaded.models] == ["m:latest"]

@@ -84,7 +84,7 @@ async def test_the_async_client_completes_and_streams_both_endpoints(
     assert legacy.choices[0].finish_reason == "length"
     assert len(legacy.choices[0].text.split()) == 5
     assert streamed in texts
-    assert models == ["m:latest", "auto"]
+    assert models == ["m:latest", "auto", "pipeline"]
 
 
 async def test_a_streamed_answer_delivers_its_first_chunk_before_the_generation_ends(
