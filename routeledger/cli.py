@@ -22,6 +22,7 @@ from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.cli_acl import acl_app
 from routeledger.cli_bench import bench_app
+from routeledger.cli_pipeline import pipeline_app
 from routeledger.cli_replay import projector_cmd, replay_app
 from routeledger.cli_route import route_app
 from routeledger.cli_sim import sim_app
@@ -67,6 +68,7 @@ app.add_typer(task_app, name="task")
 app.command("reaper")(guarded(reaper_cmd))
 app.add_typer(bench_app, name="bench")
 app.add_typer(route_app, name="route")
+app.add_typer(pipeline_app, name="pipeline")
 app.command("status")(status_cmd)
 sim_app.command("traffic")(traffic_cmd)
 app.add_typer(acl_app, name="acl")
