@@ -383,14 +383,20 @@ class PlanState:
         return out if cap is None or cap >= out else cap
 
     def _shared_finish(self, i: int, start: float, work: float) -> float:
+        return self._shared(i, start, work)[0]
+
+    def _shared(self, i: int, start: float, work: float) -> tuple[float, float]:
+        """(finish of a task of `work` started on holder i at `start`, how much later the tasks
+        it shares the machine with finish because of it, summed)."""
         fac = self.fac[i]
         assert fac is not None
         busy = sorted(f for f in self.free[i][1:] if f > start)
         if not busy:
-            return start + work * fac[1]
+            return start + work * fac[1], 0.0
         works = _works_left(start, busy, fac)
         works.append(work)
-        return _shared_ends(start, works, fac)[-1]
+        ends = _shared_ends(start, works, fac)
+        return ends[-1], sum(ends[:-1]) - sum(busy)
 
     def best(self, entry: BacklogEntry) -> tuple[int, float, float]:
         """(holder index, start, finish) of the slot that would finish `entry` earliest."""
@@ -401,15 +407,21 @@ class PlanState:
             h + prompt * a + out * b + ld
             for h, a, b, ld in zip(self.head, sp.per_prompt, sp.per_out, self.load_left, strict=True)
         ]
-        if self.shared:
-            for i, fac in enumerate(self.fac):
-                if fac is not None:
-                    work = prompt * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
-                    finishes[i] = self._shared_finish(i, self.head[i], work)
-        finish = min(finishes)
-        # The first of equals wins: holders are in registration order.
-        i = finishes.index(finish)
-        return i, self.head[i], finish
+        if not self.shared:
+            finish = min(finishes)
+            # The first of equals wins: holders are in registration order.
+            i = finishes.index(finish)
+            return i, self.head[i], finish
+        # On a shared machine the task also delays the ones already there: the system pays both
+        # (the head finishing sooner is not worth more in total waiting than it costs them).
+        costs = list(finishes)
+        for i, fac in enumerate(self.fac):
+            if fac is not None:
+                work = prompt * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
+                finishes[i], delay = self._shared(i, self.head[i], work)
+                costs[i] = finishes[i] + delay
+        i = costs.index(min(costs))
+        return i, self.head[i], finishes[i]
 
     def _work(self, i: int, entry: BacklogEntry) -> float:
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
