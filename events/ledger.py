@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -51,8 +51,10 @@ _XRANGE: Final = b"XRANGE"
 _XREAD: Final = b"XREAD"
 
 Entry = tuple[str, dict[bytes, bytes]]
-# A ledger entry as Redis sends it: its id and the flat [field, value, ...] list.
+# A ledger entry with its id as a string and the flat [field, value, ...] list Redis sends.
 RawEntry = tuple[str, list[bytes]]
+# A ledger entry exactly as Redis sends it: [id as bytes, [field, value, ...]].
+WireEntry = list[Any]
 PoisonHandler = Callable[[UndecodableEntryError], None]
 
 
@@ -122,10 +124,11 @@ class Ledger:
     async def _raw(self, *args: Any) -> Any:
         return await self.redis.execute_command(*args)  # type: ignore[no-untyped-call]
 
-    async def read_raw(
+    async def read_wire(
         self, start: str = "-", stop: str = "+", count: int | None = None, chunk: int = 2000
-    ) -> AsyncIterator[list[RawEntry]]:
-        """Undecoded entries from `start` to `stop` (both inclusive), in chunks of up to `chunk`.
+    ) -> AsyncGenerator[list[WireEntry], None]:
+        """Entries from `start` to `stop` (both inclusive) as Redis sends them, in chunks of up to
+        `chunk`: for a bulk reader that needs few of the ids as strings.
 
         The next chunk is fetched while the caller works on the current one, so that Redis and the
         decoder run side by side.
@@ -135,17 +138,17 @@ class Ledger:
         pending = asyncio.ensure_future(self._xrange(start, stop, n))
         try:
             while True:
-                rows = await pending
+                rows: list[WireEntry] = await pending
                 if not rows:
                     return
-                batch: list[RawEntry] = [(row[0].decode(), row[1]) for row in rows]
                 if remaining is not None:
-                    remaining -= len(batch)
+                    remaining -= len(rows)
                 more = len(rows) == n and (remaining is None or remaining > 0)
                 if more:
                     n = chunk if remaining is None else min(chunk, remaining)
-                    pending = asyncio.ensure_future(self._xrange(next_id(batch[-1][0]), stop, n))
-                yield batch
+                    after = next_id(rows[-1][0].decode())
+                    pending = asyncio.ensure_future(self._xrange(after, stop, n))
+                yield rows
                 if not more:
                     return
         finally:
@@ -153,6 +156,16 @@ class Ledger:
                 pending.cancel()
                 with contextlib.suppress(asyncio.CancelledError, RedisError):
                     await pending
+
+    async def read_raw(
+        self, start: str = "-", stop: str = "+", count: int | None = None, chunk: int = 2000
+    ) -> AsyncIterator[list[RawEntry]]:
+        """Undecoded entries from `start` to `stop` (both inclusive), in chunks of up to `chunk`
+        (fetched ahead, as `read_wire`)."""
+        # Closed with this generator, so that an early exit cancels the chunk fetched ahead.
+        async with contextlib.aclosing(self.read_wire(start, stop, count, chunk)) as chunks:
+            async for rows in chunks:
+                yield [(row[0].decode(), row[1]) for row in rows]
 
     async def read_batches(
         self,

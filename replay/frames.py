@@ -39,7 +39,7 @@ from events.event import (
     WorkerOffline,
     WorkerOnline,
 )
-from events.ledger import PoisonHandler, RawEntry
+from events.ledger import PoisonHandler, WireEntry
 
 FLUSH_EVERY: Final = 100_000
 
@@ -222,8 +222,9 @@ class Frames:
         self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
 
-    def add_rows(self, rows: Sequence[RawEntry], on_poison: PoisonHandler | None = None) -> None:
-        """Take a chunk of raw ledger rows, in ledger order, and decode what the tables read.
+    def add_rows(self, rows: Sequence[WireEntry], on_poison: PoisonHandler | None = None) -> None:
+        """Take a chunk of ledger rows as Redis sends them, in ledger order, and decode what the
+        tables read.
 
         An entry that is not a valid event is handed to `on_poison` (or raises without it),
         exactly as `events.codec.decode_rows` decides. `seq` is the entry's position in the
@@ -268,12 +269,14 @@ class Frames:
 
     @staticmethod
     def _careful(
-        rows: Sequence[RawEntry], base: int, on_poison: PoisonHandler | None
+        rows: Sequence[WireEntry], base: int, on_poison: PoisonHandler | None
     ) -> list[tuple[type[Event], list[int], list[Event]]]:
         keep = [
-            row for row in rows if not (len(row[1]) == 6 and row[1][0] == TYPE and row[1][1] in UNUSED_TAGS)
+            (entry_id.decode(), flat)
+            for entry_id, flat in rows
+            if not (len(flat) == 6 and flat[0] == TYPE and flat[1] in UNUSED_TAGS)
         ]
-        seq_of = {entry_id: base + i for i, (entry_id, _) in enumerate(rows)}
+        seq_of = {entry_id.decode(): base + i for i, (entry_id, _) in enumerate(rows)}
         buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
         for entry_id, event in decode_rows(keep, on_poison):
             kind = type(event)

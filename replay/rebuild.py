@@ -91,15 +91,15 @@ async def build(
     frames = Frames()
     poison: list[UndecodableEntryError] = []
     read = 0
-    last: str | None = None
-    async for rows in ledger.read_raw("-", stop, chunk=chunk):
+    last_id: bytes | None = None
+    async for rows in ledger.read_wire("-", stop, chunk=chunk):
         frames.add_rows(rows, poison.append)
         read += len(rows)
-        last = rows[-1][0]
+        last_id = rows[-1][0]
         if progress is not None:
             progress(len(rows))
     tables = fold_frames(frames, half_life_s, demand_half_life_s)
-    tables.checkpoint = last
+    tables.checkpoint = None if last_id is None else last_id.decode()
     tables.folded = read
     return tables, len(poison)
 

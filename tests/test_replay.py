@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import polars as pl
 import pytest
 import redis.asyncio as aioredis
@@ -214,6 +215,39 @@ async def test_until_shows_the_tables_as_they_were_then(
     tables, _ = await build(redis_client, keys, until=first)
     assert tables.checkpoint == first
     assert tables.speed["w1", D1].decode_tps.mean == pytest.approx(10.0)
+
+
+async def test_a_rebuild_skips_what_the_projector_dead_letters_and_folds_the_rest_of_each_chunk(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    await ledger.append_many(
+        [completed("t1", "w1"), TaskClaimed(at=T0, task_id="t2", worker="w1", digest=D1, attempt=1)]
+    )
+    # The standard layout with data that does not decode, or decodes to another type than the envelope's.
+    await redis_client.xadd(keys.events, {"type": "TaskCompleted", "v": "1", "data": b"\xc1\xff"})
+    mislabelled = msgspec.msgpack.encode(completed("x", "w1"))
+    await redis_client.xadd(keys.events, {"type": "TaskClaimed", "v": "1", "data": mislabelled})
+    await ledger.append_many([completed("t2", "w1", timings=timings(tps=30.0)), completed("t3", "w2")])
+    # Not the standard layout: no data, or fields in another order.
+    await redis_client.xadd(keys.events, {"type": "TaskCompleted"})
+    reordered = msgspec.msgpack.encode(completed("t4", "w1", timings=timings(tps=70.0)))
+    await redis_client.xadd(keys.events, {"data": reordered, "v": "1", "type": "TaskCompleted"})
+    await ledger.append_many(
+        [completed("t5", "w1"), WorkerHeartbeat(at=T0, worker="w1", slots=2, loaded=[D1])]
+    )
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    await projector.catch_up()
+    ns = await store.current(redis_client, keys)
+    assert ns is not None
+    live = await store.load(redis_client, keys, ns)
+    assert live.speed["w1", D1].decode_tps.n == 4
+    # Whatever the chunking, the poison lands alone or among good entries, first or last.
+    for chunk in (1, 2, 3, 4, 1000):
+        rebuilt, poison = await build(redis_client, keys, chunk=chunk)
+        assert poison == 3
+        assert diff_tables(live, rebuilt) == []
+        assert rebuilt.tasks["t2"].status == "completed" and rebuilt.tasks["t4"].worker == "w1"
 
 
 def test_until_accepts_a_stream_id_or_a_time_and_refuses_anything_else() -> None:
