@@ -363,3 +363,50 @@ async def test_the_pipeline_model_is_listed_and_streams_its_integration_through_
     assert view["status"] == "completed" and view["fan_out"] == 3 and len(view["decomposer"]) == 1
     assert "".join(pieces) == view["result"]["text"]
     assert ollama.status_code == 200 and ollama.json()["done"] and ollama.json()["message"]["content"]
+
+
+BROKEN_FLEET = f"""
+name = "broken"
+[model."m"]
+digest = "{"cd" * 32}"
+output = {{ dist = "fixed", mean = 20 }}
+[model."bad"]
+digest = "{"ef" * 32}"
+output = {{ dist = "fixed", mean = 20 }}
+[[worker]]
+name = "a"
+[worker.models."m"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+[[worker]]
+name = "b"
+error_rate = 1.0
+[worker.models."bad"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+"""
+
+
+async def test_best_effort_integrates_what_succeeded_and_fail_fast_fails_naming_the_failed_child(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    children = [{"prompt": "works", "model": "m"}, {"prompt": "breaks", "model": "bad"}]
+    async with (
+        SimHosts(parse_fleet(BROKEN_FLEET, "broken.toml"), time_scale=0.1, seed=6) as hosts,
+        running_agent(redis_client, hosts.url("a"), fast_config("a")),
+        running_agent(redis_client, hosts.url("b"), fast_config("b", delivery_limit=1)),
+        _api(redis_url) as http,
+    ):
+        lenient = await http.post(
+            "/v1/pipelines", json={"children": children, "integration_model": "m", "policy": "best_effort"}
+        )
+        strict = await http.post("/v1/pipelines", json={"children": children, "integration_model": "m"})
+        strict_view = (await http.get(f"/v1/pipelines/{strict.json()['error']['pipeline_id']}")).json()
+    assert lenient.status_code == 200, lenient.text
+    body = lenient.json()
+    assert body["status"] == "completed" and body["failed_children"] == [body["children"][1]["task_id"]]
+    assert [c["status"] for c in body["children"]] == ["completed", "dead"]
+    assert strict.status_code == 502 and "child 1" in strict.json()["error"]["message"]
+    assert strict_view["status"] == "failed" and strict_view["integration"] is None
