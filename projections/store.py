@@ -22,7 +22,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain
+from itertools import chain, islice
 from typing import Any, Final
 
 import hiredis
@@ -155,14 +155,18 @@ def decode_tasks(raw: dict[Any, Any]) -> dict[str, TaskRow]:
 
 def table_fields(tables: Tables) -> dict[str, list[tuple[str, bytes]]]:
     """Every row of `tables` as (hash field, value), by table name."""
+    return {name: list(fields) for name, fields in _lazy_fields(tables).items()}
+
+
+def _lazy_fields(tables: Tables) -> dict[str, Iterator[tuple[str, bytes]]]:
     return {
-        SPEED: [(pair_key(*k), encode_row(r)) for k, r in tables.speed.items()],
-        LENGTH: [(pair_key(*k), encode_row(r)) for k, r in tables.length.items()],
-        QUALITY: [(pair_key(*k), encode_row(r)) for k, r in tables.quality.items()],
-        FLEET: [(k, encode_row(r)) for k, r in tables.fleet.items()],
-        TASKS: [(k, encode_row(r)) for k, r in tables.tasks.items()],
-        DEMAND: [(k, encode_row(r)) for k, r in tables.demand.items()],
-        BENCHED: [(pair_key(*k), b"") for k in tables.benched],
+        SPEED: ((pair_key(*k), encode_row(r)) for k, r in tables.speed.items()),
+        LENGTH: ((pair_key(*k), encode_row(r)) for k, r in tables.length.items()),
+        QUALITY: ((pair_key(*k), encode_row(r)) for k, r in tables.quality.items()),
+        FLEET: ((k, encode_row(r)) for k, r in tables.fleet.items()),
+        TASKS: ((k, encode_row(r)) for k, r in tables.tasks.items()),
+        DEMAND: ((k, encode_row(r)) for k, r in tables.demand.items()),
+        BENCHED: ((pair_key(*k), b"") for k in tables.benched),
     }
 
 
@@ -215,13 +219,12 @@ async def load(redis: aioredis.Redis, keys: Keys, ns: str, *, with_tasks: bool =
 # -- writing -----------------------------------------------------------------------------------
 
 
-def _hset_commands(key: str, fields: Sequence[tuple[str, bytes]]) -> Iterator[bytes]:
+def _hset_commands(key: str, fields: Iterator[tuple[str, bytes]]) -> Iterator[bytes]:
     """HSETs of up to WRITE_CHUNK fields each, packed for the wire by hiredis (in C: redis-py's
-    Python packer costs more than Redis takes to run the commands)."""
-    head = (b"HSET", key)
-    for start in range(0, len(fields), WRITE_CHUNK):
-        args = (*head, *chain.from_iterable(fields[start : start + WRITE_CHUNK]))
-        packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]
+    Python packer costs more than Redis takes to run the commands). Rows are encoded a chunk at
+    a time, so that Redis runs one HSET while the next is encoded."""
+    while chunk := list(islice(fields, WRITE_CHUNK)):
+        packed: bytes = hiredis.pack_command((b"HSET", key, *chain.from_iterable(chunk)))  # type: ignore[arg-type]
         yield packed
 
 
@@ -250,7 +253,7 @@ async def create(redis: aioredis.Redis, keys: Keys, tables: Tables, *, built_by:
     await _send_packed(
         redis,
         chain.from_iterable(
-            _hset_commands(keys.table(ns, name), fields) for name, fields in table_fields(tables).items()
+            _hset_commands(keys.table(ns, name), fields) for name, fields in _lazy_fields(tables).items()
         ),
     )
     pipe = redis.pipeline(transaction=False)
