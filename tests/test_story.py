@@ -128,7 +128,8 @@ async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_
                 # changed on speed alone, not because the laptop's quality fell.
                 assert gpu["fields"]["quality"]["value"] == laptop["fields"]["quality"]["value"]
                 assert abs(laptop["fields"]["quality"]["value"] - laptop_quality["value"]) < 0.05
-                assert gpu["expected_finish_s"] < laptop["expected_finish_s"] / 3
+                # Its own speed is the reason (finish times also hold waits for its benchmark runs).
+                assert gpu["fields"]["decode_tps"]["value"] > 3 * laptop["fields"]["decode_tps"]["value"]
                 assert took < 60
 
                 # ELYZA: the GPU PC gets a copy with the same digest, and ranks first once it holds it.
