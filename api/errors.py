@@ -105,13 +105,6 @@ class GenerationError(ApiError):
     type = "generation_failed"
 
 
-class NotImplementedYetError(ApiError):
-    """Raised when an endpoint's machinery does not exist yet in this build."""
-
-    status = 501
-    type = "not_implemented"
-
-
 class UnavailableError(ApiError):
     """Raised when Redis cannot be reached within the retry budget; the client should retry later."""
 

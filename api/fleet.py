@@ -8,7 +8,7 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 
 from api.common import JSON, gateway
-from api.errors import NotImplementedYetError
+from api.errors import BadRequestError
 from api.gateway import model_not_found
 from api.routing import catalog
 from api.schemas import BenchCreate
@@ -16,6 +16,7 @@ from events.errors import ModelNotServedError
 from events.event import now_ms
 from projections.snapshot import Stamped, Stat
 from router.errors import RouterError
+from workers.benchmark import domains, holders, request_benchmark
 from workers.dispatch import preview_request
 from workers.view import LiveView
 
@@ -127,11 +128,31 @@ async def route_preview(
     return JSON(msgspec.to_builtins(out))
 
 
-@router.post("/v1/bench", status_code=501)
-async def bench(body: BenchCreate) -> JSON:
-    """Benchmark every live holder; not available until the benchmark runner exists."""
-    raise NotImplementedYetError(
-        "benchmark requests are not available in this build: the benchmark runner (router issue part 5) "
-        "does not exist yet",
-        hint="run `routeledger bench run` once it exists; workers are benchmarked when they come online",
-    )
+@router.post("/v1/bench", status_code=202)
+async def bench(request: Request, body: BenchCreate) -> JSON:
+    """Benchmark every live holder of the model (every served model when none is named): the
+    domain's shipped prompts go to each holder's pinned stream, never only to the current winner."""
+    gw = gateway(request)
+    domain = body.domain or "general"
+    if domain not in domains():
+        raise BadRequestError(
+            f"no shipped benchmark prompts for domain {domain!r}",
+            param="domain",
+            hint=f"use one of {domains()}",
+        )
+    leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
+    targets = [t for t in holders(leases, body.model) if body.worker is None or t[0] == body.worker]
+    if not targets:
+        raise model_not_found(body.model or "any model", leases)
+    count = body.count or 3
+    sent = []
+    for worker, local, digest in targets:
+
+        async def send(w: str = worker, n: str = local, d: str = digest) -> str:
+            return await request_benchmark(gw.queues, worker=w, model=n, digest=d, domain=domain, count=count)
+
+        bench_id = await gw.retrying(send)
+        sent.append(
+            {"bench_id": bench_id, "worker": worker, "model": local, "digest": digest, "prompts": count}
+        )
+    return JSON({"domain": domain, "benchmarks": sent}, status_code=202)

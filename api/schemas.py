@@ -133,3 +133,4 @@ class BenchCreate(_Body):
     model: str | None = None
     worker: str | None = None
     domain: str | None = None
+    count: int | None = Field(default=None, ge=1, le=50)

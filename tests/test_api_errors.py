@@ -109,9 +109,13 @@ async def test_an_unknown_route_and_an_unknown_task_are_404(http: httpx.AsyncCli
     assert task.json()["error"]["type"] == "not_found"
 
 
-async def test_the_benchmark_endpoint_says_it_is_not_there_yet(http: httpx.AsyncClient) -> None:
-    response = await http.post("/v1/bench", json={"model": "m"})
-    assert response.status_code == 501 and response.json()["error"]["type"] == "not_implemented"
+async def test_a_benchmark_of_a_model_nobody_serves_is_a_404_that_lists_the_models(
+    http: httpx.AsyncClient,
+) -> None:
+    response = await http.post("/v1/bench", json={"model": "nope"})
+    assert response.status_code == 404 and "nope" in response.json()["error"]["message"]
+    bad = await http.post("/v1/bench", json={"domain": "astrology"})
+    assert bad.status_code == 400 and "general" in bad.json()["error"]["hint"]
 
 
 async def test_with_keys_configured_a_missing_or_wrong_key_is_refused(

@@ -57,3 +57,22 @@ async def test_metrics_count_requests_by_route_and_model_and_show_the_fleet(
     assert "routeledger_queue_depth" in text and "routeledger_dead_letters 0.0" in text
     assert stats.status_code == 200 and set(stats.json()) >= {"speed", "length", "quality"}
     assert ready["status"] == "ready" and "projector" in ready
+
+
+async def test_a_benchmark_request_reaches_every_live_holder(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    from events.event import BenchmarkRequested
+    from events.ledger import Ledger
+    from tests.helpers import events_of
+
+    async with (
+        fleet_and_api(redis_client, redis_url, workers=("a", "b", "c")) as (base, _),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        response = await http.post("/v1/bench", json={"model": "m", "count": 2})
+    assert response.status_code == 202
+    sent = response.json()["benchmarks"]
+    assert sorted(b["worker"] for b in sent) == ["a", "b"] and {b["prompts"] for b in sent} == {2}
+    requested = await events_of(Ledger(redis_client), BenchmarkRequested)
+    assert sorted(r.worker for r in requested) == ["a", "b"]
