@@ -50,6 +50,7 @@ class Settings(msgspec.Struct, kw_only=True):
     demand_half_life_s: float = 300.0
     backend_timeout_s: float = 300.0
     log_level: str = "info"
+    pipeline_model: str = "auto"
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 256
 
@@ -72,6 +73,7 @@ FIELDS: Final[dict[str, str]] = {
     "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
+    "pipeline_model": "model of a pipeline's decomposer, children and integration when a request names none",
     "max_body_bytes": "largest request body the API accepts (413 above it)",
     "max_messages": "most chat messages one API request may carry (413 above it)",
 }
