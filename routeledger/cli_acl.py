@@ -117,6 +117,10 @@ def acl_worker(
         rules = worker_acl_rules(name, secret, keys)
     except ValueError as exc:
         fail(str(exc))
-    print("# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < this-file; then run the worker with")  # noqa: T201
-    print(f"#   routeledger worker --id {name} --redis-url redis://{name}:PASSWORD@HOST:PORT/0")  # noqa: T201
-    print(" ".join(shlex.quote(p) for p in ["ACL", "SETUSER", name, *rules]))  # noqa: T201
+    # Only the ACL line goes to stdout, so that `... > file; redis-cli < file` sends nothing else.
+    typer.echo(
+        f"# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < FILE; then run the worker with\n"
+        f"#   routeledger worker --id {name} --redis-url redis://{name}:PASSWORD@HOST:PORT/0",
+        err=True,
+    )
+    typer.echo(" ".join(shlex.quote(p) for p in ["ACL", "SETUSER", name, *rules]))
