@@ -502,6 +502,11 @@ async def overview(redis: aioredis.Redis, keys: Keys, recent: Recent | None = No
         recent, _ = await load_recent(redis, keys)
     state = await fleet_state(redis, keys)
     state.update(recent.to_dict())
+    names: dict[str, str] = state["names"]
+    for incident in state["incidents"]:
+        # A queue names its model by a digest prefix (or a worker, for pinned queues).
+        prefix = incident["digest"]
+        incident["model"] = next((n for d, n in names.items() if d.startswith(prefix)), prefix)
     return state
 
 

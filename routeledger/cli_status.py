@@ -142,11 +142,8 @@ def incidents_table(o: dict[str, Any], limit: int = 10) -> Table:
     t = Table(title="reclaims, stalls and dead letters", title_justify="left", expand=True)
     for col in ("when", "kind", "task", "model", "detail"):
         t.add_column(col)
-    names: dict[str, str] = o.get("names", {})
     for i in o["incidents"][:limit]:
-        digest = i["digest"]
-        model = next((n for d, n in names.items() if d.startswith(digest)), digest)
-        t.add_row(_clock(i["at"]), i["type"].removeprefix("Task"), i["task_id"][:8], model, i["detail"])
+        t.add_row(_clock(i["at"]), i["type"].removeprefix("Task"), i["task_id"][:8], i["model"], i["detail"])
     if not o["incidents"]:
         t.add_row("none recently", "", "", "", "")
     return t

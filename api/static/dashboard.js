@@ -205,7 +205,7 @@ function renderIncidents() {
       h("td", {}, clock(i.at)),
       h("td", {}, h("span", { class: `status ${i.type === "TaskReclaimed" ? "reclaimed" : i.type === "TaskStalled" ? "stalled" : "dead"}` }, i.type.replace("Task", ""))),
       h("td", { class: "mono" }, short(i.task_id)),
-      h("td", {}, modelName(i.digest)),
+      h("td", {}, i.model),
       h("td", {}, i.detail),
     ),
   );
@@ -363,7 +363,8 @@ function drawChart() {
   } else {
     const now = Date.now();
     const t0 = Math.min(...state.samples.map((s) => s[0]));
-    const t1 = Math.max(now, t0 + 60_000);
+    // The axis ends now, so that a quiet spell shows as one; a young window spans 20 s at least.
+    const t1 = Math.max(now, t0 + 20_000);
     const yMax = Math.max(1, ...state.samples.map((s) => s[3])) * 1.1;
     const x = (t) => pad.l + ((t - t0) / (t1 - t0)) * (width - pad.l - pad.r);
     const y = (v) => height - pad.b - (v / yMax) * (height - pad.t - pad.b);
