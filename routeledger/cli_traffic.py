@@ -59,7 +59,7 @@ async def trickle(
     *,
     rate: float,
     models: tuple[str, ...] = DEFAULT_MODELS,
-    max_tokens: tuple[int, int] = (48, 200),
+    max_tokens: tuple[int, int] = (32, 120),
     count: int | None = None,
     seed: int | None = None,
     stop: asyncio.Event | None = None,
@@ -104,9 +104,10 @@ def traffic_cmd(
     model: Annotated[
         list[str] | None, typer.Option("--model", help="A model to ask (repeatable; default: the demo's).")
     ] = None,
+    # Short answers keep the demo's laptop (12 tok/s, the only ELYZA holder) ahead of its queue.
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=1, help="Most output tokens per request.")
-    ] = 200,
+    ] = 120,
     count: Annotated[int | None, typer.Option("--count", min=1, help="Stop after this many.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of the choices and arrival times.")] = None,
     data_dir: DataDirOpt = None,
@@ -129,7 +130,7 @@ def traffic_cmd(
                 keys_for(resolved),
                 rate=rate,
                 models=tuple(model or DEFAULT_MODELS),
-                max_tokens=(min(48, max_tokens), max_tokens),
+                max_tokens=(min(32, max_tokens), max_tokens),
                 count=count,
                 seed=seed,
                 stop=stop,
