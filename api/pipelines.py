@@ -51,7 +51,7 @@ from api.errors import (
 )
 from api.gateway import TRANSIENT, Gateway, model_not_found, unavailable
 from api.relay import RelayResponse
-from api.schemas import ChatCompletionCreate, OllamaChat
+from api.schemas import MAX_TOKENS, ChatCompletionCreate, OllamaChat
 from events.errors import ModelNotServedError
 from events.event import Event, PipelineChildAdded, PipelineCompleted, PipelineStarted, now_ms
 from events.keys import Keys
@@ -114,7 +114,7 @@ class ChildCreate(_Body):
         None, description="a model the fleet serves, or 'auto'; default: the pipeline's"
     )
     domain: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
 
 
 class PipelineCreate(_Body):
@@ -131,8 +131,8 @@ class PipelineCreate(_Body):
     integration_prompt: str | None = Field(None, description="how to combine the answers")
     integration_model: str | None = None
     policy: Literal["fail_fast", "best_effort"] = FAIL_FAST
-    max_tokens: int | None = Field(None, ge=1, description="each child's output limit")
-    integration_max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="each child's output limit")
+    integration_max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_children: int = Field(8, ge=1, le=MAX_CHILDREN, description="most sub-prompts a decomposer may give")
     wait: bool = Field(
         True, description="answer when the pipeline has finished; false: 202 once children are queued"

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from events.task import Message
 
+# Far above any model's context, and small enough to travel to a backend as a 64-bit integer.
+MAX_TOKENS = 1_000_000
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -42,7 +45,7 @@ class TaskCreate(_Body):
     prompt: str | None = Field(None, description="instead of messages: a plain completion prompt")
     system: str | None = None
     options: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     priority: int = 0
     stream: bool = False
     wait: bool = Field(False, description="answer when the task has finished (with its result)")
@@ -60,7 +63,7 @@ class ChatCompletionCreate(_Body):
     messages: list[ChatMessage]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
@@ -80,7 +83,7 @@ class CompletionCreate(_Body):
     prompt: str | list[str]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
