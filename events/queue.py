@@ -289,9 +289,37 @@ class TaskQueues:
         )
         return bool(won)
 
-    async def mark_logged(self, task_id: str) -> None:
-        """Say that the counting TaskCompleted of a stored result is in the ledger (see _TAKE_OVER)."""
-        await self.redis.hset(self.keys.result(task_id), "logged", "1")
+    async def close_run(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:
+        """Store the outcome unless one is stored already, and close the output stream, in one round
+        trip; True for the first outcome (the one that counts)."""
+        out_key = self.keys.out(result.task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        # With a pipeline as the client, the script is only queued (loaded first if Redis lacks it).
+        await self._result_once(
+            keys=[self.keys.result(result.task_id)],
+            args=[
+                encode_result(result),
+                result.status,
+                result.worker or "",
+                str(result.attempt),
+                str(ttl_ms),
+            ],
+            client=pipe,
+        )
+        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=result.attempt, done=True))})
+        pipe.pexpire(out_key, OUTPUT_TTL_MS)
+        replies: list[Any] = await pipe.execute()
+        return bool(replies[0])
+
+    async def log_run(self, task_id: str, events: Sequence[Event], *, counts: bool) -> None:
+        """Append a run's closing events and, when they hold the counting completion, mark its stored
+        result as logged (see _TAKE_OVER), in one round trip and in that order."""
+        pipe = self.redis.pipeline(transaction=False)
+        for event in events:
+            pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
+        if counts:
+            pipe.hset(self.keys.result(task_id), "logged", "1")
+        await pipe.execute()
 
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""

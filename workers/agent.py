@@ -18,12 +18,13 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
     BenchmarkResult,
@@ -252,7 +253,8 @@ class WorkerAgent:
         await self.redis.srem(self.keys.forgotten, self.name)
         await self._write_lease()
 
-    async def _write_lease(self) -> None:
+    def _lease_value(self) -> bytes:
+        """What this worker's lease says now."""
         info = LeaseInfo(
             worker=self.name,
             token=self.token,
@@ -275,7 +277,10 @@ class WorkerAgent:
             ],
             since=self.started_at,
         )
-        await self.redis.set(self.keys.live(self.name), encode_lease(info), px=self.config.lease_ms)
+        return encode_lease(info)
+
+    async def _write_lease(self) -> None:
+        await self.redis.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
@@ -456,20 +461,27 @@ class WorkerAgent:
                 )
                 return
             _test_crash("claim", run.ordinal)
-            await self._append(
-                TaskClaimed(
-                    task_id=task.task_id,
-                    worker=self.name,
-                    digest=task.digest,
-                    attempt=entry.attempt,
-                    queue=entry.queue,
-                    entry_id=entry.entry_id,
-                    in_flight=len(self.running),
-                )
+            # One round trip: the claim, the lease that now lists this task, and the cancel check.
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(
+                self.keys.events,
+                encode_fields(  # type: ignore[arg-type]
+                    TaskClaimed(
+                        task_id=task.task_id,
+                        worker=self.name,
+                        digest=task.digest,
+                        attempt=entry.attempt,
+                        queue=entry.queue,
+                        entry_id=entry.entry_id,
+                        in_flight=len(self.running),
+                    )
+                ),
             )
             if self.eager_lease:
-                await self._write_lease()
-            if await self.redis.exists(self.keys.cancel(task.task_id)):
+                pipe.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
+            pipe.exists(self.keys.cancel(task.task_id))
+            replies: list[Any] = await pipe.execute()
+            if replies[-1]:
                 raise TaskCancelledError(task.task_id)
             await self._generate(run, local)
             self._failures = 0
@@ -554,50 +566,56 @@ class WorkerAgent:
             wall_ms=wall_ms,
             done_reason=generated.done_reason,
         )
-        first = (not run.lost) and await self.queues.record_result(result)
+        if run.lost:
+            first = False
+            await flush(Chunk(attempt=entry.attempt, done=True))
+        else:
+            await flush()
+            first = await self.queues.close_run(result)
         _test_crash("result", run.ordinal)
         if not first and not run.lost:
             # A stored result without its TaskCompleted: its writer died in between; count ours.
             first = await self.queues.take_over_log(task.task_id, entry.attempt)
-        await flush(Chunk(attempt=entry.attempt, done=True))
-        event: Event
-        if task.bench_id:
-            event = BenchmarkResult(
-                bench_id=task.bench_id,
+        closing: list[Event] = []
+        if task.bench_id and first:
+            closing.append(
+                BenchmarkResult(
+                    bench_id=task.bench_id,
+                    worker=self.name,
+                    digest=task.digest,
+                    domain=task.domain,
+                    task_id=task.task_id,
+                    timings=generated.timings,
+                    ttft_ms=ttft_ms,
+                    wall_ms=wall_ms,
+                    in_flight=len(self.running),
+                    prompt_id=task.bench_prompt or "",
+                )
+            )
+            graded = self._graded(
+                task.digest, task.domain, task.bench_id, task.task_id, task.bench_prompt, text
+            )
+            if graded is not None:
+                closing.append(graded)
+        closing.append(
+            TaskCompleted(
+                task_id=task.task_id,
                 worker=self.name,
                 digest=task.digest,
+                attempt=entry.attempt,
                 domain=task.domain,
-                task_id=task.task_id,
                 timings=generated.timings,
                 ttft_ms=ttft_ms,
                 wall_ms=wall_ms,
                 in_flight=len(self.running),
-                prompt_id=task.bench_prompt or "",
+                output_bytes=len(text.encode()),
+                output_sha256=sha256_hex(text),
+                done_reason=generated.done_reason,
+                duplicate=not first,
+                bench_id=task.bench_id,
             )
-            if first:
-                await self._append(event)
-                await self._grade(
-                    task.digest, task.domain, task.bench_id, task.task_id, task.bench_prompt, text
-                )
-        event = TaskCompleted(
-            task_id=task.task_id,
-            worker=self.name,
-            digest=task.digest,
-            attempt=entry.attempt,
-            domain=task.domain,
-            timings=generated.timings,
-            ttft_ms=ttft_ms,
-            wall_ms=wall_ms,
-            in_flight=len(self.running),
-            output_bytes=len(text.encode()),
-            output_sha256=sha256_hex(text),
-            done_reason=generated.done_reason,
-            duplicate=not first,
-            bench_id=task.bench_id,
         )
-        await self._append(event)
-        if first:
-            await self.queues.mark_logged(task.task_id)
+        await self.queues.log_run(task.task_id, closing, counts=first)
         _test_crash("ack", run.ordinal)
         acked = await self.queues.finish(entry.queue, entry.entry_id)
         if acked == 0:
@@ -608,23 +626,21 @@ class WorkerAgent:
                 entry.queue,
             )
 
-    async def _grade(
+    def _graded(
         self, digest: str, domain: str, bench_id: str, task_id: str, prompt_id: str | None, text: str
-    ) -> None:
-        """Grade a benchmark answer by its reference check: a quality sample, separate from speed."""
+    ) -> QualityScored | None:
+        """A benchmark answer graded by its reference check: a quality sample, separate from speed."""
         prompt = prompt_by_id(prompt_id) if prompt_id else None
         if prompt is None:
-            return
-        await self._append(
-            QualityScored(
-                digest=digest,
-                domain=domain,
-                score=grade(prompt, text),
-                grader="reference",
-                task_id=task_id,
-                bench_id=bench_id,
-                worker=self.name,
-            )
+            return None
+        return QualityScored(
+            digest=digest,
+            domain=domain,
+            score=grade(prompt, text),
+            grader="reference",
+            task_id=task_id,
+            bench_id=bench_id,
+            worker=self.name,
         )
 
     async def _benchmark_loop(self) -> None:
