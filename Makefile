@@ -25,8 +25,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Each script prints its figures and a JSON line last; together they take several minutes.
 bench: $(STAMP)
 	$(BIN)/python bench/ledger.py
+	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/router.py
+	$(BIN)/python bench/replay.py
+	$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
