@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -22,6 +23,7 @@ from urllib.parse import quote
 import redis
 
 from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError, RedisStartError
+from routeledger.supervisor import die_with_parent
 
 MIN_VERSION = (6, 2)
 PASSWORD_FILE = "redis.pass"
@@ -172,7 +174,11 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # Its own session, so that a Ctrl-C meant for `up` does not stop Redis before the
+            # processes that still write to it; and a SIGTERM (a clean, AOF-flushing shutdown)
+            # if whatever started it dies without stopping it.
             start_new_session=True,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._wait_ready(timeout)
         return self.url

@@ -23,8 +23,8 @@ log = logging.getLogger("routeledger.supervisor")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec.
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux); runs in a child between fork and exec."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -76,7 +76,7 @@ class Supervisor:
             env.update(child.env)
         kwargs: dict[str, object] = {}
         if sys.platform.startswith("linux"):
-            kwargs["preexec_fn"] = _die_with_parent
+            kwargs["preexec_fn"] = die_with_parent
         child.proc = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL, **kwargs)  # type: ignore[call-overload]
         child.started_at = time.monotonic()
         log.debug("started %s (pid %s)", child.name, child.proc.pid)
