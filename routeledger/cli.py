@@ -42,6 +42,7 @@ from routeledger.runtime import (
     fail,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
     setup_logging,
@@ -373,11 +374,8 @@ def events_count(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> int:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             return await Ledger(client, keys_for(resolved)).length()
-        finally:
-            await client.aclose()
 
     n = run_async(go())
     if json_:

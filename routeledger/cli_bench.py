@@ -18,11 +18,11 @@ from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
     RedisUrlOpt,
-    connect,
     console,
     fail,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
 )
@@ -60,9 +60,8 @@ def bench_run(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> list[dict[str, Any]]:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
             leases = await live_workers(client, keys)
             targets = [t for t in holders(leases, model) if worker is None or t[0] == worker]
             if not targets:
@@ -81,8 +80,6 @@ def bench_run(
             if not wait:
                 return []
             return await _collect(ledger, start, sent, count, wait_s)
-        finally:
-            await client.aclose()
 
     rows = run_async(go())
     if rows:
@@ -143,12 +140,11 @@ def bench_judge(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> tuple[int, int]:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        ledger = Ledger(client, keys)
-        queues = TaskQueues(client, keys, ledger)
-        graded = skipped = 0
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
+            ledger = Ledger(client, keys)
+            queues = TaskQueues(client, keys, ledger)
+            graded = skipped = 0
             judged = {e.task_id async for _, e in _of(ledger, QualityScored) if e.grader.startswith("judge:")}
             async for _, result in _of(ledger, BenchmarkResult):
                 if graded + skipped >= limit or result.task_id in judged:
@@ -186,8 +182,6 @@ def bench_judge(
                 )
                 graded += 1
             return graded, skipped
-        finally:
-            await client.aclose()
 
     graded, skipped = run_async(go())
     console.print(f"graded {graded} answers with {judge}; {skipped} without a usable answer or score")

@@ -15,11 +15,11 @@ from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
     RedisUrlOpt,
-    connect,
     console,
     fail,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
 )
@@ -45,13 +45,10 @@ def pipeline_show(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> dict[str, Any] | None:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
             view = await pipeline_view(client, keys, pipeline_id)
             return view if view is not None else await pipeline_from_ledger(Ledger(client, keys), pipeline_id)
-        finally:
-            await client.aclose()
 
     view = run_async(go())
     if view is None:

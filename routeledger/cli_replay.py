@@ -28,6 +28,7 @@ from routeledger.runtime import (
     err_console,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
     setup_logging,
@@ -121,8 +122,7 @@ def rebuild_cmd(
     until_to_stop(until)  # a bad --until fails before any work
 
     async def go() -> Any:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             total = await Ledger(client, keys_for(resolved)).length()
             bar = _Rate(total, "rebuild")
             started = time.perf_counter()
@@ -137,8 +137,6 @@ def rebuild_cmd(
                     progress=bar,
                 )
             return result, time.perf_counter() - started
-        finally:
-            await client.aclose()
 
     result, seconds = run_async(go())
     if json_:
@@ -172,12 +170,9 @@ def verify_cmd(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> Any:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             with gc_paused():
                 return await verify(client, keys_for(resolved))
-        finally:
-            await client.aclose()
 
     live, diffs = run_async(go())
     if json_:
@@ -215,14 +210,11 @@ def export_cmd(
     until_to_stop(until)
 
     async def go() -> dict[str, pl.DataFrame]:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             total = await Ledger(client, keys_for(resolved)).length()
             bar = _Rate(total, "export")
             with bar.progress, gc_paused():
                 return await ledger_frames(client, keys_for(resolved), until=until, progress=bar)
-        finally:
-            await client.aclose()
 
     written = write_parquet(run_async(go()), parquet)
     for name, rows in sorted(written.items()):
@@ -338,9 +330,8 @@ def stats_cmd(
     until_to_stop(until)
 
     async def go() -> Tables:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
             if until is not None:
                 with gc_paused():
                     tables, _ = await build(
@@ -357,8 +348,6 @@ def stats_cmd(
                     "no projection yet: start `routeledger up` (or `routeledger projector`)"
                 )
             return await store.load(client, keys, ns, with_tasks=False)
-        finally:
-            await client.aclose()
 
     tables = run_async(go())
     rows = stats_rows(tables, worker, model)

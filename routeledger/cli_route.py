@@ -12,10 +12,10 @@ from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
     RedisUrlOpt,
-    connect,
     console,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
 )
@@ -40,13 +40,10 @@ def route_preview(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> dict[str, Any]:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             return await preview_request(
                 LiveView(client, keys_for(resolved)), model=model, domain=domain, tokens=tokens
             )
-        finally:
-            await client.aclose()
 
     result = run_async(go())
     if json_:

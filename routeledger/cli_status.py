@@ -25,10 +25,10 @@ from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
     RedisUrlOpt,
-    connect,
     console,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
 )
@@ -176,11 +176,8 @@ def status_cmd(
     keys = keys_for(resolved)
 
     async def once() -> dict[str, Any]:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             return await overview(client, keys)
-        finally:
-            await client.aclose()
 
     if json_:
         print(msgspec.json.encode(run_async(once())).decode())  # noqa: T201
@@ -190,15 +187,12 @@ def status_cmd(
         return
 
     async def follow() -> None:
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             with Live(render(await overview(client, keys)), console=console, auto_refresh=False) as live:
                 while True:
                     started = time.monotonic()
                     live.update(render(await overview(client, keys)), refresh=True)
                     await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
-        finally:
-            await client.aclose()
 
     with contextlib.suppress(KeyboardInterrupt):
         run_async(follow())

@@ -26,9 +26,9 @@ from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
     RedisUrlOpt,
-    connect,
     guarded,
     keys_for,
+    redis_session,
     settings_from,
     setup_logging,
 )
@@ -123,8 +123,7 @@ def traffic_cmd(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        client = connect(resolved)
-        try:
+        async with redis_session(resolved) as client:
             return await trickle(
                 client,
                 keys_for(resolved),
@@ -135,8 +134,6 @@ def traffic_cmd(
                 seed=seed,
                 stop=stop,
             )
-        finally:
-            await client.aclose()
 
     sent = asyncio.run(go())
     log.info("sent %d requests", sent)

@@ -29,6 +29,7 @@ from routeledger.runtime import (
     fail,
     guarded,
     keys_for,
+    redis_session,
     run_async,
     settings_from,
     setup_logging,
@@ -153,17 +154,14 @@ def forget(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> None:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
             live = await live_workers(client, keys)
             if name in live and not force:
                 fail(f"worker {name!r} is live right now; stop it first, or pass --force")
             await client.sadd(keys.forgotten, name)
             await client.delete(keys.live(name))
             await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
-        finally:
-            await client.aclose()
 
     run_async(go())
     console.print(f"forgot worker {name}")
@@ -181,14 +179,11 @@ def reaper_cmd(
     cfg = ReaperConfig(lease_ms=s.lease_ms, delivery_limit=s.delivery_limit, stall_after_s=s.stall_after_s)
 
     async def go() -> None:
-        client = connect(resolved)
-        stop = asyncio.Event()
-        _stop_on_signals(stop)
-        await wait_for_redis(client)
-        try:
+        async with redis_session(resolved) as client:
+            stop = asyncio.Event()
+            _stop_on_signals(stop)
+            await wait_for_redis(client)
             await Reaper(client, keys_for(resolved), cfg).run(stop)
-        finally:
-            await client.aclose()
 
     run_async(go(), fast=True)
 
@@ -217,9 +212,8 @@ def task_submit(
     resolved = settings_from(data_dir, redis_url, config)
 
     async def go() -> dict[str, object]:
-        client = connect(resolved)
-        keys = keys_for(resolved)
-        try:
+        async with redis_session(resolved) as client:
+            keys = keys_for(resolved)
             queues = TaskQueues(client, keys)
             task, queue, decision = await route_and_submit(
                 queues,
@@ -242,8 +236,6 @@ def task_submit(
             if wait:
                 out.update(await _wait_result(client, keys, task.task_id, timeout))
             return out
-        finally:
-            await client.aclose()
 
     out = run_async(go())
     if json_:

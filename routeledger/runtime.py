@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
@@ -56,6 +56,16 @@ def connect(resolved: Resolved) -> aioredis.Redis:
     """A Redis client for the running instance (see `redis_url_for`)."""
     url = redis_url_for(resolved.settings)
     return aioredis.Redis.from_url(url, socket_connect_timeout=3, health_check_interval=15)
+
+
+@contextlib.asynccontextmanager
+async def redis_session(resolved: Resolved) -> AsyncIterator[aioredis.Redis]:
+    """A Redis client for one command, closed when the command is done."""
+    client = connect(resolved)
+    try:
+        yield client
+    finally:
+        await client.aclose()
 
 
 def keys_for(resolved: Resolved) -> Keys:
