@@ -222,7 +222,7 @@ class TaskView:
     expected_worker: str | None = None
     expected_finish_s: float | None = None
     # Each candidate's expected finish, best first: the short answer to "why this worker".
-    ranking: list[tuple[str, float]] = field(default_factory=list)
+    ranking: list[tuple[str, float | None]] = field(default_factory=list)
     auto: bool = False
     tps: float | None = None
     wall_ms: float | None = None
@@ -248,15 +248,16 @@ class TaskView:
         }
 
 
-def _ranking(breakdown: dict[str, object]) -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
+def _ranking(breakdown: dict[str, object]) -> list[tuple[str, float | None]]:
+    out: list[tuple[str, float | None]] = []
     candidates = breakdown.get("candidates")
     if isinstance(candidates, list):
         for c in candidates:
             if isinstance(c, dict) and isinstance(c.get("worker"), str):
                 finish = c.get("expected_finish_s")
+                # An unknown finish stays unknown (None), never a sentinel.
                 out.append(
-                    (c["worker"], round(float(finish), 2) if isinstance(finish, int | float) else -1.0)
+                    (c["worker"], round(float(finish), 2) if isinstance(finish, int | float) else None)
                 )
     return out
 
