@@ -68,3 +68,23 @@ def test_a_decision_is_plain_data_with_its_numbers() -> None:
     d = should_take("macbookair", fleet(20, rate=0.1), seed(), NOW).to_dict()
     assert d["take"] is True
     assert set(d["numbers"]) >= {"backlog", "expected_arrivals", "arrival_rate_per_s", "my_finish_s"}
+
+
+def test_a_worker_with_more_slots_counts_the_arrivals_until_its_next_free_slot() -> None:
+    est = seed()
+
+    def share(slots: int, running: int) -> float:
+        mac, rtx = worker("macbookair", {QWEN}, slots=slots), worker("rtx3070ti", {QWEN})
+        busy(rtx, QWEN, started_s_ago=5.3, expected_s=7.3)
+        for _ in range(running):
+            busy(mac, QWEN, started_s_ago=1.0)
+        d = should_take("macbookair", view([mac, rtx], {QWEN: backlog(QWEN, 1)}, rate=0.05), est, NOW)
+        assert not d.take
+        n = d.numbers
+        return n["expected_arrivals"] / (n["arrival_rate_per_s"] * n["my_finish_s"])
+
+    weight = GateParams().arrival_weight
+    # One slot: every arrival until I finish the head; two: until one of mine frees up.
+    assert abs(share(1, 0) - weight) < 1e-9
+    assert abs(share(2, 0) - weight / 1.5) < 1e-9
+    assert abs(share(2, 1) - weight / 2.0) < 1e-9
