@@ -83,6 +83,8 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     format: Any = None
     priority: int = 0
     client: str | None = None
+    # False when the caller only waits for the result (see TaskMessage.stream).
+    stream: bool = True
 
 
 class Submitted(msgspec.Struct, kw_only=True):
@@ -176,6 +178,7 @@ class Gateway:
                 format=req.format,
                 priority=req.priority,
                 client=req.client,
+                stream=req.stream,
             )
 
         try:
@@ -190,19 +193,29 @@ class Gateway:
         raw: Any = await self.redis.hget(self.keys.result(task_id), "result")
         return None if raw is None else result_decoder.decode(raw)
 
-    async def _read_out(self, task_id: str, cursor: str, block_ms: int) -> list[tuple[str, Chunk]]:
+    async def _read_out(
+        self, task_id: str, cursor: str, block_ms: int
+    ) -> list[tuple[str, Chunk, Result | None]]:
+        """Chunks after `cursor`, each with the result a done chunk carries (the first outcome's)."""
         reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
             _XREAD, "COUNT", 256, "BLOCK", block_ms, "STREAMS", self.keys.out(task_id), cursor
         )
         if not reply:
             return []
         rows = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        out: list[tuple[str, Chunk]] = []
+        out: list[tuple[str, Chunk, Result | None]] = []
         for entry_id, flat in rows:
             fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
             raw = fields.get(b"c")
             if raw is not None:
-                out.append((entry_id.decode(), chunk_decoder.decode(raw)))
+                carried = fields.get(b"r")
+                out.append(
+                    (
+                        entry_id.decode(),
+                        chunk_decoder.decode(raw),
+                        None if carried is None else result_decoder.decode(carried),
+                    )
+                )
         return out
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
@@ -217,10 +230,10 @@ class Gateway:
                     hint=f"it is still queued or running: GET /v1/tasks/{task_id}",
                 )
             rows = await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms))
-            for entry_id, chunk in rows:
+            for entry_id, chunk, carried in rows:
                 cursor = entry_id
                 if chunk.done:
-                    result = await self.result(task_id)
+                    result = carried or await self.result(task_id)
                     if result is not None:
                         return result
 
@@ -239,7 +252,7 @@ class Gateway:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise WaitTimeoutError(f"task {task_id} did not finish in time")
-            for entry_id, chunk in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
+            for entry_id, chunk, carried in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
                 cursor = entry_id
                 if attempt is None or (chunk.attempt > attempt and not relayed):
                     attempt = chunk.attempt
@@ -254,7 +267,7 @@ class Gateway:
                     relayed = True
                     yield chunk.text
                 if chunk.done:
-                    result = await self.result(task_id)
+                    result = carried or await self.result(task_id)
                     if result is None:
                         continue  # the done chunk of a run whose result is not written yet
                     if result.status != "completed":

@@ -223,6 +223,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
             max_tokens=_max_tokens(body.options),
             format=body.format,
             client=request.headers.get("user-agent"),
+            stream=body.stream is not False,
         )
     )
     mark(request, sub)
@@ -253,6 +254,7 @@ async def generate(body: OllamaGenerate, request: Request) -> Response:
             max_tokens=_max_tokens(body.options),
             format=body.format,
             client=request.headers.get("user-agent"),
+            stream=body.stream is not False,
         )
     )
     mark(request, sub)

@@ -112,6 +112,7 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             max_tokens=body.max_completion_tokens or body.max_tokens,
             format="json" if fmt.get("type") == "json_object" else None,
             client=request.headers.get("user-agent"),
+            stream=bool(body.stream),
         )
     )
     mark(request, sub)
@@ -187,6 +188,7 @@ async def completions(body: CompletionCreate, request: Request) -> Response:
             options=_options(body),
             max_tokens=body.max_tokens,
             client=request.headers.get("user-agent"),
+            stream=bool(body.stream),
         )
     )
     mark(request, sub)

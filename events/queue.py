@@ -89,6 +89,22 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
+# Close a run: its last text piece (if any), then its outcome unless one is stored already, at once.
+# The done chunk follows with the closing events (TaskQueues.log_run), so that a client that sees it
+# finds the completion in the ledger. KEYS[1] result hash, KEYS[2] output stream; ARGV result
+# (msgpack), status, worker, attempt, ttl ms, text chunk ('' = none), output ttl ms.
+# Returns 1 for the first writer, 0 for any later one.
+_CLOSE_RUN: Final = """
+if ARGV[6] ~= '' then
+  redis.call('XADD', KEYS[2], '*', 'c', ARGV[6])
+  redis.call('PEXPIRE', KEYS[2], ARGV[7])
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'result', ARGV[1], 'status', ARGV[2], 'worker', ARGV[3], 'attempt', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
 # A later run of a completed task finds a stored result whose writer never marked it `logged` (it
 # died between storing the result and appending TaskCompleted): the first such run takes over the
 # ledger record, so that the completion still counts once. KEYS[1] result hash; ARGV attempt.
@@ -176,6 +192,7 @@ class TaskQueues:
         self._result_once = redis.register_script(_RESULT_ONCE)
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._take_over = redis.register_script(_TAKE_OVER)
+        self._close_run = redis.register_script(_CLOSE_RUN)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -289,37 +306,56 @@ class TaskQueues:
         )
         return bool(won)
 
-    async def close_run(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:
-        """Store the outcome unless one is stored already, and close the output stream, in one round
-        trip; True for the first outcome (the one that counts)."""
-        out_key = self.keys.out(result.task_id)
-        pipe = self.redis.pipeline(transaction=False)
-        # With a pipeline as the client, the script is only queued (loaded first if Redis lacks it).
-        await self._result_once(
-            keys=[self.keys.result(result.task_id)],
+    async def close_run(self, result: Result, text: str = "", ttl_ms: int = RESULT_TTL_MS) -> bool:
+        """Write the run's last `text` piece and store the outcome unless one is stored already, in
+        one round trip; True for the first outcome (the one that counts). The output stream stays
+        open: log_run closes it."""
+        won = await self._close_run(
+            keys=[self.keys.result(result.task_id), self.keys.out(result.task_id)],
             args=[
                 encode_result(result),
                 result.status,
                 result.worker or "",
                 str(result.attempt),
                 str(ttl_ms),
+                encode_chunk(Chunk(attempt=result.attempt, text=text)) if text else b"",
+                str(OUTPUT_TTL_MS),
             ],
-            client=pipe,
         )
-        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=result.attempt, done=True))})
-        pipe.pexpire(out_key, OUTPUT_TTL_MS)
-        replies: list[Any] = await pipe.execute()
-        return bool(replies[0])
+        return bool(won)
 
-    async def log_run(self, task_id: str, events: Sequence[Event], *, counts: bool) -> None:
+    async def log_run(
+        self,
+        task_id: str,
+        events: Sequence[Event],
+        *,
+        counts: bool,
+        done: Chunk | None = None,
+        carried: Result | None = None,
+        finish: tuple[str, str] | None = None,
+    ) -> int | None:
         """Append a run's closing events and, when they hold the counting completion, mark its stored
-        result as logged (see _TAKE_OVER), in one round trip and in that order."""
+        result as logged (see _TAKE_OVER); then close the output stream with `done` (carrying
+        `carried`, the stored result, so that a waiting client needs no second read); then, given
+        `finish` (queue, entry id), acknowledge and delete the entry. One round trip, in that order.
+        Returns XACK's count, None without `finish`."""
         pipe = self.redis.pipeline(transaction=False)
         for event in events:
             pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
         if counts:
             pipe.hset(self.keys.result(task_id), "logged", "1")
-        await pipe.execute()
+        if done is not None:
+            out_key = self.keys.out(task_id)
+            fields = {b"c": encode_chunk(done)}
+            if carried is not None:
+                fields[b"r"] = encode_result(carried)
+            pipe.xadd(out_key, fields)  # type: ignore[arg-type]
+            pipe.pexpire(out_key, OUTPUT_TTL_MS)
+        if finish is not None:
+            # With a pipeline as the client, the script is only queued (loaded first if Redis lacks it).
+            await self._finish(keys=[finish[0]], args=[WORKERS_GROUP, finish[1]], client=pipe)
+        replies: list[Any] = await pipe.execute()
+        return int(replies[-1]) if finish is not None else None
 
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""
@@ -397,6 +433,7 @@ async def submit_task(
     leases: dict[str, LeaseInfo] | None = None,
     digest: str | None = None,
     routed: Callable[[TaskMessage, str], TaskRouted] | None = None,
+    stream: bool = True,
 ) -> tuple[TaskMessage, str]:
     """Resolve `model` among live workers, record TaskSubmitted (and the routing decision), queue the task.
 
@@ -422,6 +459,7 @@ async def submit_task(
         format=format,
         priority=priority,
         pipeline_id=pipeline_id,
+        stream=stream,
     )
     text = task.prompt_text()
     task = msgspec.structs.replace(task, prompt_tokens=estimate_tokens(text))

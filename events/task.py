@@ -48,6 +48,9 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     bench_id: str | None = None
     bench_prompt: str | None = None
     pipeline_id: str | None = None
+    # False when the submitter only waits for the result: the worker then writes the output once,
+    # with the result, instead of streaming it piece by piece.
+    stream: bool = True
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""

@@ -75,9 +75,14 @@ def _crash_plan(spec: str | None) -> tuple[str, int] | None:
 _CRASH_PLAN: Final = _crash_plan(os.environ.get(TEST_CRASH_ENV))
 
 
+def _crash_armed(point: str, ordinal: int) -> bool:
+    """True if the test hook above will kill this process at `point` of task #`ordinal`."""
+    return _CRASH_PLAN is not None and (point, ordinal) == _CRASH_PLAN
+
+
 def _test_crash(point: str, ordinal: int) -> None:
     """The test hook above: kill -9 this process if the plan says so (a no-op when unset)."""
-    if _CRASH_PLAN is not None and (point, ordinal) == _CRASH_PLAN:
+    if _crash_armed(point, ordinal):
         sys.stderr.write(f"routeledger test hook: kill -9 at {point} of task #{ordinal}\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -541,7 +546,7 @@ class WorkerAgent:
                     ttft_ms = (now - t0) * 1000
                 pieces.append(item)
                 buffer.append(item)
-                if len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms:
+                if task.stream and (len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms):
                     await flush()
                     last_flush = now
                     _test_crash("stream", run.ordinal)
@@ -566,12 +571,18 @@ class WorkerAgent:
             wall_ms=wall_ms,
             done_reason=generated.done_reason,
         )
+        # The output stream's done chunk: None when it is written already (a lost run's, here).
+        done: Chunk | None = Chunk(attempt=entry.attempt, done=True)
+        stored = False  # whether the stored result is this run's, so the done chunk can carry it
         if run.lost:
             first = False
-            await flush(Chunk(attempt=entry.attempt, done=True))
+            await flush(done)
+            done = None
         else:
-            await flush()
-            first = await self.queues.close_run(result)
+            # The last text piece and the result in one round trip.
+            rest = "".join(buffer)
+            buffer.clear()
+            first = stored = await self.queues.close_run(result, rest)
         _test_crash("result", run.ordinal)
         if not first and not run.lost:
             # A stored result without its TaskCompleted: its writer died in between; count ours.
@@ -615,9 +626,23 @@ class WorkerAgent:
                 bench_id=task.bench_id,
             )
         )
-        await self.queues.log_run(task.task_id, closing, counts=first)
-        _test_crash("ack", run.ordinal)
-        acked = await self.queues.finish(entry.queue, entry.entry_id)
+        carried = result if stored else None
+        if _crash_armed("ack", run.ordinal):
+            # The test hook needs a moment between the closing events and the acknowledgement.
+            await self.queues.log_run(task.task_id, closing, counts=first, done=done, carried=carried)
+            _test_crash("ack", run.ordinal)
+            acked = await self.queues.finish(entry.queue, entry.entry_id)
+        else:
+            # The closing events, the done chunk, then the acknowledgement: one round trip, in order.
+            reply = await self.queues.log_run(
+                task.task_id,
+                closing,
+                counts=first,
+                done=done,
+                carried=carried,
+                finish=(entry.queue, entry.entry_id),
+            )
+            acked = reply or 0
         if acked == 0:
             log.warning(
                 "XACK of %s on %s returned 0: the entry was reclaimed while we ran it; "

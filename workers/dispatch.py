@@ -44,6 +44,7 @@ async def route_and_submit(
     task_id: str | None = None,
     client: str | None = None,
     pipeline_id: str | None = None,
+    stream: bool = True,
 ) -> tuple[TaskMessage, str, Decision | None]:
     """Route and queue one request; `model` may be `auto`. The one submission path of the API,
     the CLI and pipelines.
@@ -115,6 +116,7 @@ async def route_and_submit(
         leases=leases,
         digest=digest,
         routed=routed if decision is not None else None,
+        stream=stream,
     )
     return task, queue, decision
 

@@ -20,7 +20,6 @@ import redis.asyncio as aioredis
 from events.event import now_ms
 from events.keys import WORKERS_GROUP, Keys
 from events.lease import LeaseInfo, live_workers
-from events.ledger import next_id
 from events.task import F_TASK, decode_task
 from projections.errors import ProjectionError
 from projections.reader import snapshot
@@ -33,6 +32,30 @@ T = TypeVar("T")
 
 # The plan looks this far down each queue; tasks behind it cannot change who takes the head.
 BACKLOG_DEPTH = 64
+
+# Each queue's entries after its group's last-delivered id (the ones no worker has read), at most
+# ARGV[2] of them, for every queue in KEYS at once. ARGV[1] the group. A missing queue or group
+# reads from the start; a key that is not a stream gives no entries.
+_BACKLOG = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local start = '-'
+  local groups = redis.pcall('XINFO', 'GROUPS', key)
+  if type(groups) == 'table' and groups.err == nil then
+    for _, g in ipairs(groups) do
+      local name, last = nil, nil
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+      if name == ARGV[1] and last ~= nil and last ~= '0-0' then start = '(' .. last end
+    end
+  end
+  local rows = redis.pcall('XRANGE', key, start, '+', 'COUNT', ARGV[2])
+  if type(rows) ~= 'table' or rows.err ~= nil then rows = {} end
+  out[i] = rows
+end
+return out
+"""
 
 
 def served_models(leases: dict[str, LeaseInfo]) -> dict[str, str]:
@@ -115,6 +138,7 @@ class LiveView:
         self.keys = keys
         self._leases = Cached(self._load_leases, leases_every_s)
         self._evidence = Cached(self._load_evidence, snapshot_every_s)
+        self._backlog = redis.register_script(_BACKLOG)
 
     async def _load_leases(self) -> dict[str, LeaseInfo]:
         return await live_workers(self.redis, self.keys)
@@ -147,25 +171,14 @@ class LiveView:
         return (await self.backlogs([digest]))[digest]
 
     async def backlogs(self, digests: Iterable[str]) -> dict[str, list[BacklogEntry]]:
-        """Each model's unread queue entries, head first, in two round trips for all of them."""
+        """Each model's unread queue entries, head first, in one round trip for all of them."""
         wanted = sorted(set(digests))
         if not wanted:
             return {}
-        pipe = self.redis.pipeline(transaction=False)
-        for digest in wanted:
-            pipe.xinfo_groups(self.keys.queue(digest))
-        groups: list[Any] = await pipe.execute(raise_on_error=False)
-        pipe = self.redis.pipeline(transaction=False)
-        for digest, reply in zip(wanted, groups, strict=True):
-            last = b"0-0"
-            if isinstance(reply, list):
-                last = next((g["last-delivered-id"] for g in reply if _s(g["name"]) == WORKERS_GROUP), b"0-0")
-            pipe.xrange(self.keys.queue(digest), next_id(_s(last)), "+", count=BACKLOG_DEPTH)
-        rows: list[Any] = await pipe.execute(raise_on_error=False)
-        return {
-            digest: _entries(digest, r if isinstance(r, list) else [])
-            for digest, r in zip(wanted, rows, strict=True)
-        }
+        rows: Any = await self._backlog(
+            keys=[self.keys.queue(d) for d in wanted], args=[WORKERS_GROUP, BACKLOG_DEPTH]
+        )
+        return {digest: _entries(digest, r) for digest, r in zip(wanted, rows, strict=True)}
 
     async def fleet(
         self, digests: Iterable[str] | None = None, leases: dict[str, LeaseInfo] | None = None
@@ -182,7 +195,8 @@ class LiveView:
 
 def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
     out: list[BacklogEntry] = []
-    for raw_id, fields in rows:
+    for raw_id, flat in rows:
+        fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
         try:
             task = decode_task(fields[F_TASK])
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
