@@ -46,7 +46,7 @@ class TaskCreate(_Body):
     system: str | None = None
     options: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    priority: int = 0
+    priority: int = Field(0, ge=-1000, le=1000)
     stream: bool = False
     wait: bool = Field(False, description="answer when the task has finished (with its result)")
     timeout_s: float | None = Field(None, gt=0, description="how long a waiting or streaming request waits")
@@ -64,12 +64,12 @@ class ChatCompletionCreate(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = Field(1, ge=1, le=MAX_TOKENS)
     response_format: dict[str, Any] | None = None
     user: str | None = None
     # routeledger's own extension: the domain the router should choose for.
@@ -86,9 +86,9 @@ class CompletionCreate(_Body):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = Field(1, ge=1, le=MAX_TOKENS)
     suffix: str | None = None
     user: str | None = None
     domain: str | None = None
