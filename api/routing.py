@@ -6,14 +6,10 @@ read through workers.view.LiveView's short cache.
 
 from __future__ import annotations
 
-import logging
-
 import msgspec
 
 from events.event import ModelEntry
 from events.lease import LeaseInfo
-
-log = logging.getLogger("routeledger.api")
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

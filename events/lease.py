@@ -90,6 +90,24 @@ async def live_workers(redis: aioredis.Redis, keys: Keys) -> dict[str, LeaseInfo
     return out
 
 
+# Compare-and-renew / compare-and-delete of a singleton lease: only the holder's token may act.
+# Shared by SingletonLease and the projector's own fenced lease.
+RENEW_LEASE: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+RELEASE_LEASE: Final = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class SingletonLease:
     """Elects one active instance of a process (projector, reaper) through a key with a TTL.
 
@@ -104,6 +122,8 @@ class SingletonLease:
         self.token = secrets.token_hex(8)
         self.lost = asyncio.Event()
         self._renewer: asyncio.Task[None] | None = None
+        self._renew_script = redis.register_script(RENEW_LEASE)
+        self._release_script = redis.register_script(RELEASE_LEASE)
 
     async def try_take(self) -> bool:
         ok = await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms)
@@ -113,8 +133,7 @@ class SingletonLease:
 
     async def _renew(self) -> bool:
         # Compare-and-renew, atomically: only the holder's token may extend the lease.
-        script = self.redis.register_script(_RENEW)
-        return bool(await script(keys=[self.key], args=[self.token, self.ttl_ms]))
+        return bool(await self._renew_script(keys=[self.key], args=[self.token, self.ttl_ms]))
 
     async def hold(self, poll_s: float | None = None) -> None:
         """Wait until this instance holds the lease, then keep renewing it in the background."""
@@ -145,21 +164,4 @@ class SingletonLease:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
         with contextlib.suppress(RedisError, OSError):
-            script = self.redis.register_script(_RELEASE)
-            await script(keys=[self.key], args=[self.token])
-
-
-_RENEW: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-_RELEASE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
+            await self._release_script(keys=[self.key], args=[self.token])

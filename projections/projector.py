@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from events.codec import decode_rows
 from events.errors import UndecodableEntryError
 from events.keys import Keys
+from events.lease import RELEASE_LEASE, RENEW_LEASE
 from events.ledger import Ledger
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
@@ -33,17 +34,6 @@ from projections.tables import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S, 
 log = logging.getLogger("routeledger.projector")
 
 ROLE: Final = "projector"
-
-_RENEW: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-_RELEASE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 class Projector:
@@ -74,8 +64,8 @@ class Projector:
         self.tables: Tables | None = None
         self._folder: Folder | None = None
         self._writer: store.NamespaceWriter | None = None
-        self._renew = redis.register_script(_RENEW)
-        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(RENEW_LEASE)
+        self._release = redis.register_script(RELEASE_LEASE)
         self._renewed_at = 0.0
         # Entries folded by this instance (for the benchmark and the log).
         self.folded = 0
