@@ -13,9 +13,10 @@ from starlette.responses import Response
 
 from api.auth import MODEL_KEY, TASK_KEY
 from api.errors import ApiError, PayloadTooLargeError, render
-from api.gateway import TRANSIENT, Gateway, Submitted, unavailable
+from api.gateway import TRANSIENT, Gateway, unavailable
 from api.relay import RelayResponse
-from events.task import Result
+from dispatch.payload import Result
+from dispatch.submit import Submitted
 
 _enc: Final = msgspec.json.Encoder()
 

@@ -30,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.common import JSON, gateway
 from api.gateway import TRANSIENT
-from api.routing import catalog
+from dispatch.lease import LeaseInfo, live_workers
+from dispatch.serving import catalog, served
 from events.codec import decode_rows
 from events.event import (
     BenchmarkResult,
@@ -48,7 +49,6 @@ from events.event import (
     now_ms,
 )
 from events.keys import DIGEST_PREFIX_LEN, WORKERS_GROUP, Keys
-from events.lease import LeaseInfo, live_workers
 from events.ledger import Ledger, RawEntry, next_id
 from projections.errors import ProjectionError
 from projections.reader import lag
@@ -384,7 +384,7 @@ def _worker_row(
     name: str, info: LeaseInfo | None, row: FleetRow | None, names: dict[str, str], now: int
 ) -> dict[str, Any]:
     if info is not None:
-        serving = {m.digest for m in info.serving()}
+        serving = {m.digest for m in served(info)}
         return {
             "id": name,
             "status": "draining" if info.draining else "online",

@@ -10,15 +10,16 @@ from fastapi import APIRouter, Query, Request
 from api.common import JSON, gateway
 from api.errors import BadRequestError
 from api.gateway import model_not_found
-from api.routing import catalog
 from api.schemas import BenchCreate
-from events.errors import ModelNotServedError
+from dispatch.benchmark import domains, request_benchmark
+from dispatch.errors import ModelNotServedError
+from dispatch.serving import catalog, holdings, served
+from dispatch.submit import preview_request
+from dispatch.view import LiveView
 from events.event import now_ms
 from projections.snapshot import Stamped, Stat
+from router.choose import RouteQuery
 from router.errors import RouterError
-from workers.benchmark import domains, holders, request_benchmark
-from workers.dispatch import preview_request
-from workers.view import LiveView
 
 router = APIRouter(tags=["fleet"])
 
@@ -55,7 +56,7 @@ async def read_fleet(request: Request) -> JSON:
                 "in_flight": info.in_flight
                 if info is not None
                 else (len(row.in_flight) if row is not None else None),
-                "models": [m.name for m in info.serving()] if info is not None else [],
+                "models": [m.name for m in served(info)] if info is not None else [],
                 "held": [m.name for m in info.inventory] if info is not None else [],
                 "loaded": list(info.loaded) if info is not None else [],
                 "resources": _stamped(row.resources, now) if row is not None else None,
@@ -116,12 +117,13 @@ async def route_preview(
 ) -> JSON:
     """What the router would do with such a request now: candidates with every term, and the plan.
 
-    The same function as `routeledger route preview --json` (workers.dispatch.preview_request).
+    The same function as `routeledger route preview --json` (dispatch.submit.preview_request).
     """
     gw = gateway(request)
     view = LiveView(gw.redis, gw.keys)
+    query = RouteQuery(model=model, domain=domain, max_tokens=tokens)
     try:
-        out = await gw.retrying(lambda: preview_request(view, model=model, domain=domain, tokens=tokens))
+        out = await gw.retrying(lambda: preview_request(view, query))
     except (ModelNotServedError, RouterError):
         leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
         raise model_not_found(model, leases) from None
@@ -141,7 +143,7 @@ async def bench(request: Request, body: BenchCreate) -> JSON:
             hint=f"use one of {domains()}",
         )
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    targets = [t for t in holders(leases, body.model) if body.worker is None or t[0] == body.worker]
+    targets = [t for t in holdings(leases, body.model) if body.worker is None or t[0] == body.worker]
     if not targets:
         raise model_not_found(body.model or "any model", leases)
     count = body.count or 3

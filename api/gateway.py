@@ -28,34 +28,20 @@ from api.errors import (
     UnavailableError,
     WaitTimeoutError,
 )
-from api.routing import catalog
+from dispatch.errors import ModelNotServedError
+from dispatch.lease import LeaseInfo
+from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
+from dispatch.queues import CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
+from dispatch.serving import catalog, describe_fleet, find_holders
+from dispatch.submit import Submitted, TaskRequest, route_and_submit
+from dispatch.view import LiveView
 from events.codec import decode_rows
-from events.errors import ModelNotServedError
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
-from events.lease import LeaseInfo
 from events.ledger import Ledger
-from events.queue import (
-    CANCEL_REMOVED,
-    CANCEL_RUNNING,
-    TaskQueues,
-    describe_fleet,
-    find_holders,
-)
-from events.task import (
-    Chunk,
-    Message,
-    Result,
-    TaskMessage,
-    chunk_decoder,
-    result_decoder,
-)
 from projections.errors import ProjectionError
 from projections.reader import get_task
 from projections.snapshot import TaskRow
-from router.choose import Decision
-from workers.dispatch import route_and_submit
-from workers.view import LiveView
 
 log = logging.getLogger("routeledger.api")
 
@@ -67,36 +53,6 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
 _msgpack: Final = msgspec.msgpack.Encoder()
-
-
-class TaskRequest(msgspec.Struct, kw_only=True):
-    """A request for one generation, whichever surface it came through."""
-
-    model: str
-    kind: str = "chat"  # chat | generate
-    messages: list[Message] = msgspec.field(default_factory=list)
-    prompt: str | None = None
-    system: str | None = None
-    domain: str | None = None
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    max_tokens: int | None = None
-    format: Any = None
-    priority: int = 0
-    client: str | None = None
-    # False when the caller only waits for the result (see TaskMessage.stream).
-    stream: bool = True
-
-
-class Submitted(msgspec.Struct, kw_only=True):
-    """A task accepted and queued."""
-
-    task: TaskMessage
-    queue: str
-    decision: Decision | None = None
-
-    @property
-    def task_id(self) -> str:
-        return self.task.task_id
 
 
 class Gateway:
@@ -154,7 +110,7 @@ class Gateway:
 
     # -- submission -----------------------------------------------------------------------------
     async def submit(self, req: TaskRequest) -> Submitted:
-        """Validate, then route and queue through the one submission path (workers.dispatch)."""
+        """Validate, then route and queue through the one submission path (dispatch.submit)."""
         if req.kind == "chat" and not req.messages:
             raise BadRequestError(
                 "messages must not be empty", param="messages", hint="send at least one message"
@@ -163,30 +119,11 @@ class Gateway:
             raise BadRequestError("prompt is required", param="prompt")
         _check_encodable(req)
 
-        async def go() -> tuple[TaskMessage, str, Decision | None]:
-            return await route_and_submit(
-                self.queues,
-                self.fleet,
-                model=req.model,
-                messages=req.messages,
-                prompt=req.prompt,
-                system=req.system,
-                kind=req.kind,
-                domain=req.domain,
-                options=req.options,
-                max_tokens=req.max_tokens,
-                format=req.format,
-                priority=req.priority,
-                client=req.client,
-                stream=req.stream,
-            )
-
         try:
-            task, queue, decision = await self.retrying(go)
+            return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
         except ModelNotServedError as exc:
             leases = exc.fleet if isinstance(exc.fleet, dict) else await self.fleet.leases(fresh=True)
             raise model_not_found(req.model, leases) from None
-        return Submitted(task=task, queue=queue, decision=decision)
 
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
@@ -427,12 +364,6 @@ def _check_encodable(req: TaskRequest) -> None:
             raise BadRequestError(
                 f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
             ) from None
-
-
-def _prompt_text(req: TaskRequest) -> str:
-    if req.kind == "generate":
-        return (req.system or "") + (req.prompt or "")
-    return "".join(m.content for m in req.messages)
 
 
 def unavailable(exc: BaseException) -> UnavailableError:

@@ -14,7 +14,7 @@ from typing import Any, Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import ResponseError
 
-from api.routing import catalog
+from dispatch.serving import catalog
 from events.keys import WORKERS_GROUP
 from projections.errors import ProjectionError
 from projections.reader import lag

@@ -11,8 +11,9 @@ from starlette.responses import Response
 
 from api.common import JSON, check_messages, encode, gateway, mark, sse, stream, task_headers
 from api.errors import NATIVE, ApiError, NotFoundError, render
-from api.gateway import Gateway, Submitted, TaskRequest
+from api.gateway import Gateway
 from api.schemas import TaskCreate
+from dispatch.submit import Submitted, TaskRequest
 
 router = APIRouter(tags=["tasks"])
 

@@ -16,12 +16,13 @@ from starlette.responses import PlainTextResponse, Response
 
 from api.common import JSON, check_messages, encode, gateway, mark, stream, task_headers
 from api.errors import OLLAMA, ApiError, BadRequestError, GenerationError, render
-from api.gateway import Gateway, Submitted, TaskRequest, model_not_found
+from api.gateway import Gateway, model_not_found
 from api.pipelines import PIPELINE_MODEL, ollama_chat
-from api.routing import ModelInfo, catalog
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
-from events.lease import LeaseInfo
-from events.task import Result
+from dispatch.lease import LeaseInfo
+from dispatch.payload import Result
+from dispatch.serving import ModelInfo, catalog
+from dispatch.submit import Submitted, TaskRequest
 
 router = APIRouter(tags=["ollama"])
 

@@ -29,11 +29,12 @@ from api.common import (
     usage,
 )
 from api.errors import OPENAI, BadRequestError, GenerationError
-from api.gateway import Gateway, Submitted, TaskRequest, model_not_found
+from api.gateway import Gateway, model_not_found
 from api.pipelines import PIPELINE_MODEL, model_entry, openai_chat
-from api.routing import catalog
 from api.schemas import ChatCompletionCreate, CompletionCreate
-from events.task import Result
+from dispatch.payload import Result
+from dispatch.serving import catalog
+from dispatch.submit import Submitted, TaskRequest
 
 router = APIRouter(tags=["openai"])
 

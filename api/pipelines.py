@@ -3,7 +3,7 @@
 `POST /v1/pipelines` takes explicit children (each a prompt with its model or `auto`) or one prompt
 that a decomposer model splits (it must answer JSON; an invalid answer is retried once, then the
 request fails naming what was wrong and no child is queued). Children go to the shared queues
-through the one submission path (workers.dispatch.route_and_submit), so workers pull them through
+through the one submission path (dispatch.submit.route_and_submit), so workers pull them through
 the router's gate like any task. When they are done (or as the policy says: `fail_fast` fails the
 pipeline at the first failed child and cancels the rest; `best_effort` integrates what succeeded
 and names what failed) an integration task combines the answers. The model `pipeline` on the
@@ -52,17 +52,18 @@ from api.errors import (
 from api.gateway import TRANSIENT, Gateway, model_not_found, unavailable
 from api.relay import RelayResponse
 from api.schemas import MAX_TOKENS, ChatCompletionCreate, OllamaChat
-from events.errors import ModelNotServedError
+from dispatch.errors import ModelNotServedError
+from dispatch.lease import LeaseInfo, live_workers
+from dispatch.payload import Message, Result, TaskMessage, estimate_tokens, result_decoder
+from dispatch.queues import RESULT_TTL_MS
+from dispatch.serving import find_holders, served_models
+from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.view import LiveView, worker_views
 from events.event import Event, PipelineChildAdded, PipelineCompleted, PipelineStarted, now_ms
 from events.keys import Keys
-from events.lease import LeaseInfo, live_workers
 from events.ledger import Ledger
-from events.queue import RESULT_TTL_MS, find_holders
-from events.task import Message, Result, TaskMessage, estimate_tokens, result_decoder
 from router.estimate import Estimator
 from router.plan import BacklogEntry, FleetView, plan_queue
-from workers.dispatch import route_and_submit
-from workers.view import LiveView, served_models, worker_views
 
 log = logging.getLogger("routeledger.api")
 
@@ -308,21 +309,17 @@ class Coordinator:
         max_tokens: int | None = None,
         fmt: Any = None,
     ) -> TaskMessage:
-        async def go() -> tuple[TaskMessage, str, Any]:
-            return await route_and_submit(
-                self.gw.queues,
-                self.view,
-                model=model,
-                messages=messages,
-                domain=domain,
-                max_tokens=max_tokens,
-                format=fmt,
-                client=self.client,
-                pipeline_id=self.pipeline_id,
-            )
-
+        req = TaskRequest(
+            model=model,
+            messages=messages,
+            domain=domain,
+            max_tokens=max_tokens,
+            format=fmt,
+            client=self.client,
+            pipeline_id=self.pipeline_id,
+        )
         try:
-            task, _, _ = await self.gw.retrying(go)
+            task = (await self.gw.retrying(lambda: route_and_submit(self.gw.queues, self.view, req))).task
         except ModelNotServedError:
             raise model_not_found(model, await live_workers(self.gw.redis, self.gw.keys)) from None
         return task

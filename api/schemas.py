@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from events.task import Message
+from dispatch.payload import Message
 
 # Far above any model's context, and small enough to travel to a backend as a 64-bit integer.
 MAX_TOKENS = 1_000_000

@@ -33,11 +33,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from dispatch.lease import live_workers
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.keys import Keys
-from events.lease import live_workers
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from routeledger.embedded import EmbeddedRedis
 
 
@@ -93,7 +94,7 @@ async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int) -> float:
 
     async def one() -> None:
         async with sem:
-            await submit_task(queues, model="m", messages=msgs, leases=leases)
+            await submit_task(queues, TaskRequest(model="m", messages=msgs), leases=leases)
 
     await asyncio.gather(*(one() for _ in range(tasks)))
     done = 0
@@ -114,7 +115,7 @@ async def first_chunk_latency(queues: TaskQueues, samples: int) -> list[float]:
     out: list[float] = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        task, _ = await submit_task(queues, model="m", messages=msgs, leases=leases)
+        task = (await submit_task(queues, TaskRequest(model="m", messages=msgs), leases=leases)).task
         reply: Any = await queues.redis.xread({queues.keys.out(task.task_id): "0"}, count=1, block=10_000)
         if not reply:
             raise SystemExit(f"task {task.task_id} produced no output in 10 s")

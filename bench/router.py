@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
-from router.choose import decide  # noqa: E402
+from router.choose import RouteQuery, decide  # noqa: E402
 from router.estimate import build_estimator  # noqa: E402
 from router.gate import should_take  # noqa: E402
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView  # noqa: E402
@@ -119,9 +119,9 @@ def main() -> None:
         for i in range(args.decisions):
             if cold:
                 est.clear_cache()
-            domain = DOMAINS[i % 3]
+            query = RouteQuery(model="auto", domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
             t = time.perf_counter()
-            decide("auto", digests, fleet, est, NOW, domain=domain, prompt_tokens=rng.randint(20, 2000))
+            decide(query, digests, fleet, est, NOW)
             should_take(free[i % len(free)], fleet, est, NOW)
             times.append((time.perf_counter() - t) * 1e6)
         gc.enable()

@@ -128,6 +128,11 @@ def _poison(entry_id: str, flat: Sequence[bytes]) -> UndecodableEntryError:
     return UndecodableEntryError(entry_id, "undecodable", flat_to_dict(flat))
 
 
+def as_str(raw: bytes | str) -> str:
+    """A Redis reply as text: bytes from a client that does not decode, str from one that does."""
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def flat_to_dict(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     """Redis's flat [field, value, ...] list as a dict (an odd trailing item is dropped)."""
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}

@@ -20,12 +20,3 @@ class UndecodableEntryError(LedgerError):
         self.reason = reason
         # Kept so that the projector can dead-letter the raw entry as it was.
         self.fields = fields or {}
-
-
-class ModelNotServedError(RouteledgerError):
-    """Raised when no live worker holds and serves the model a request names."""
-
-    def __init__(self, message: str, *, model: str, fleet: object = None) -> None:
-        super().__init__(message)
-        self.model = model
-        self.fleet = fleet

@@ -24,8 +24,8 @@ from redis.exceptions import RedisError
 from events.codec import decode_rows
 from events.errors import UndecodableEntryError
 from events.keys import Keys
-from events.lease import RELEASE_LEASE, RENEW_LEASE
 from events.ledger import Ledger
+from events.singleton import RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
 from projections.folder import Folder

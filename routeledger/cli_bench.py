@@ -9,11 +9,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from dispatch.benchmark import domains, request_benchmark
+from dispatch.lease import live_workers
+from dispatch.payload import Message, result_decoder
+from dispatch.queues import TaskQueues
+from dispatch.serving import holdings
+from dispatch.submit import TaskRequest, submit_task
 from events.event import BenchmarkResult, QualityScored
-from events.lease import live_workers
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message, result_decoder
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
@@ -26,7 +29,6 @@ from routeledger.runtime import (
     run_async,
     settings_from,
 )
-from workers.benchmark import domains, holders, request_benchmark
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True
@@ -63,7 +65,7 @@ def bench_run(
         async with redis_session(resolved) as client:
             keys = keys_for(resolved)
             leases = await live_workers(client, keys)
-            targets = [t for t in holders(leases, model) if worker is None or t[0] == worker]
+            targets = [t for t in holdings(leases, model) if worker is None or t[0] == worker]
             if not targets:
                 what = f"model {model!r}" if model else "any model"
                 fail(f"no live worker serves {what}{f' on {worker}' if worker else ''}")
@@ -135,7 +137,7 @@ def bench_judge(
     config: ConfigOpt = None,
 ) -> None:
     """Grade stored benchmark answers with a judge model (fixed rubric); appends QualityScored."""
-    from workers.benchmark import prompt_by_id
+    from dispatch.benchmark import prompt_by_id
 
     resolved = settings_from(data_dir, redis_url, config)
 
@@ -156,13 +158,10 @@ def bench_judge(
                     continue
                 answer = result_decoder.decode(raw).text
                 text = RUBRIC.format(question=prompt.prompt, answer=answer)
-                task, _ = await submit_task(
-                    queues,
-                    model=judge,
-                    messages=[Message(role="user", content=text)],
-                    max_tokens=16,
-                    client="judge",
+                req = TaskRequest(
+                    model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
                 )
+                task = (await submit_task(queues, req)).task
                 verdict = await _result_text(client, keys, task.task_id)
                 match = _SCORE.search(verdict or "")
                 if match is None:

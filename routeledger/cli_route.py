@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from dispatch.submit import preview_request
+from dispatch.view import LiveView
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
@@ -19,8 +21,7 @@ from routeledger.runtime import (
     run_async,
     settings_from,
 )
-from workers.dispatch import preview_request
-from workers.view import LiveView
+from router.choose import RouteQuery
 
 route_app = typer.Typer(help="See the router's decisions.", no_args_is_help=True)
 
@@ -41,9 +42,8 @@ def route_preview(
 
     async def go() -> dict[str, Any]:
         async with redis_session(resolved) as client:
-            return await preview_request(
-                LiveView(client, keys_for(resolved)), model=model, domain=domain, tokens=tokens
-            )
+            query = RouteQuery(model=model, domain=domain, max_tokens=tokens)
+            return await preview_request(LiveView(client, keys_for(resolved)), query)
 
     result = run_async(go())
     if json_:

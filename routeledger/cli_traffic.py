@@ -1,6 +1,6 @@
 """`routeledger sim traffic`: a light trickle of varied requests, so that a demo fleet looks alive.
 
-Requests go through the same path as the API's (workers.dispatch.route_and_submit): each is
+Requests go through the same path as the API's (dispatch.submit.route_and_submit): each is
 routed with a recorded breakdown, queued, and run by whichever worker the plan lets take it.
 Nobody waits for the answers; they expire like any other result.
 """
@@ -18,10 +18,12 @@ import redis.asyncio as aioredis
 import typer
 from redis.exceptions import RedisError
 
-from events.errors import ModelNotServedError
+from dispatch.errors import ModelNotServedError
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.view import LiveView
 from events.keys import Keys
-from events.queue import TaskQueues
-from events.task import Message
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
@@ -32,8 +34,6 @@ from routeledger.runtime import (
     settings_from,
     setup_logging,
 )
-from workers.dispatch import route_and_submit
-from workers.view import LiveView
 
 log = logging.getLogger("routeledger.traffic")
 
@@ -78,14 +78,13 @@ async def trickle(
             break
         model = rng.choice(models)
         try:
-            await route_and_submit(
-                queues,
-                view,
+            req = TaskRequest(
                 model=model,
                 messages=[Message(role="user", content=rng.choice(PROMPTS))],
                 max_tokens=rng.randint(*max_tokens),
                 client="sim-traffic",
             )
+            await route_and_submit(queues, view, req)
             sent += 1
             warned.discard(model)
         except ModelNotServedError as exc:

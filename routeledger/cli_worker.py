@@ -14,12 +14,14 @@ import typer
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
+from dispatch.lease import live_workers
+from dispatch.payload import Message, result_decoder
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.view import LiveView
 from events.event import WorkerOffline
 from events.keys import Keys
-from events.lease import live_workers
 from events.ledger import Ledger
-from events.queue import TaskQueues
-from events.task import Message, result_decoder
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,
@@ -36,10 +38,8 @@ from routeledger.runtime import (
 )
 from workers.agent import WorkerAgent, WorkerConfig
 from workers.backend import make_backend
-from workers.dispatch import route_and_submit
 from workers.gate import RouterGate
 from workers.reaper import Reaper, ReaperConfig
-from workers.view import LiveView
 
 log = logging.getLogger("routeledger.cli")
 
@@ -215,15 +215,15 @@ def task_submit(
         async with redis_session(resolved) as client:
             keys = keys_for(resolved)
             queues = TaskQueues(client, keys)
-            task, queue, decision = await route_and_submit(
-                queues,
-                LiveView(client, keys),
+            req = TaskRequest(
                 model=model,
                 messages=[Message(role="user", content=prompt)],
                 domain=domain,
                 max_tokens=max_tokens,
                 client="cli",
             )
+            sub = await route_and_submit(queues, LiveView(client, keys), req)
+            task, queue, decision = sub.task, sub.queue, sub.decision
             out: dict[str, object] = {
                 "task_id": task.task_id,
                 "model": task.model,

@@ -47,6 +47,16 @@ def classify_domain(text: str) -> str:
     return "general"
 
 
+class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
+    """What routing reads of a request: the model it names (or `auto`), its domain and its size."""
+
+    model: str = "auto"
+    domain: str = "general"
+    # Counted (or estimated) before the backend counts them; None: the plan's default.
+    prompt_tokens: int | None = None
+    max_tokens: int | None = None
+
+
 class ChooseParams(msgspec.Struct, kw_only=True, frozen=True):
     """Weights of the `auto` utility (configurable; shown in every breakdown)."""
 
@@ -120,15 +130,14 @@ def rank_workers(
     est: Estimator,
     digest: str,
     now_ms: int,
+    query: RouteQuery | None = None,
     *,
-    domain: str = "general",
-    prompt_tokens: int | None = None,
-    max_tokens: int | None = None,
     params: PlanParams | None = None,
     free: Mapping[str, list[float]] | None = None,
     holders: Sequence[WorkerView] | None = None,
 ) -> Ranking:
-    """Every live holder of `digest`, ranked by when it would finish a new task queued behind the backlog.
+    """Every live holder of `digest`, ranked by when it would finish a new task queued behind the
+    backlog (the task as `query` describes it; its model is `digest` whatever `query.model` says).
 
     `free`: every worker's slot free times, when the caller ranks several models on one view;
     `holders`: the digest's live holders, when the caller already has them.
@@ -139,9 +148,12 @@ def rank_workers(
         raise NoHolderError(digest)
     plan, state = plan_state(view, est, digest, now_ms, params=p, free=free, holders=hs)
     assert state is not None
-    prompt = p.default_prompt_tokens if prompt_tokens is None else prompt_tokens
+    query = query or RouteQuery()
+    domain = query.domain
+    prompt = p.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
     out_field = est.output_tokens(digest, domain)
     quality = est.quality(digest, domain)
+    max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
     for i, w in enumerate(hs):
@@ -182,10 +194,8 @@ def _best_finish(
     digest: str,
     holders: Sequence[WorkerView],
     now_ms: int,
+    query: RouteQuery,
     *,
-    domain: str,
-    prompt_tokens: int | None,
-    max_tokens: int | None,
     params: PlanParams,
     free: Mapping[str, list[float]],
 ) -> tuple[str, float]:
@@ -193,9 +203,9 @@ def _best_finish(
     assignment records and breakdowns a ranking carries (`auto` needs them for one model only)."""
     state = PlanState(holders, est, digest, now_ms, params, free=free)
     state.lay_out(view.backlog.get(digest, []))
-    prompt = params.default_prompt_tokens if prompt_tokens is None else prompt_tokens
-    out_value = est.output_tokens(digest, domain).value
-    out = out_value if max_tokens is None else min(out_value, float(max_tokens))
+    prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
+    out_value = est.output_tokens(digest, query.domain).value
+    out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
     finishes = state.finishes(prompt, out)
     i = _first_best(finishes)
     return state.names[i], finishes[i]
@@ -245,19 +255,18 @@ class Choice(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 def choose_model(
+    query: RouteQuery,
     models: Mapping[str, str],
     view: FleetView,
     est: Estimator,
     now_ms: int,
     *,
-    domain: str = "general",
-    prompt_tokens: int | None = None,
-    max_tokens: int | None = None,
     params: ChooseParams | None = None,
     plan_params: PlanParams | None = None,
 ) -> Choice:
-    """`auto`: the model (name -> digest in `models`) with the best utility for `domain`."""
+    """`auto`: the model (name -> digest in `models`) with the best utility for the query's domain."""
     p = params or ChooseParams()
+    domain = query.domain
     pp = plan_params or PlanParams()
     # Holders and slot free times depend on the fleet, not the model: once for all models.
     free = {w.name: slot_free_times(w, est, now_ms, pp) for w in view.workers}
@@ -270,18 +279,7 @@ def choose_model(
         if digest in seen or not holders:
             continue
         seen.add(digest)
-        worker, finish = _best_finish(
-            view,
-            est,
-            digest,
-            holders,
-            now_ms,
-            domain=domain,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            params=pp,
-            free=free,
-        )
+        worker, finish = _best_finish(view, est, digest, holders, now_ms, query, params=pp, free=free)
         quality = est.quality(digest, domain)
         utility = p.quality_weight * quality.value - p.latency_weight * finish / p.latency_scale_s
         scored.append((name, digest, utility, quality, worker, finish))
@@ -304,16 +302,7 @@ def choose_model(
     best = order[0]
     # Only the chosen model's ranking is kept: its plan and every holder's breakdown.
     ranking = rank_workers(
-        view,
-        est,
-        scored[best][1],
-        now_ms,
-        domain=domain,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        params=pp,
-        free=free,
-        holders=by_digest[scored[best][1]],
+        view, est, scored[best][1], now_ms, query, params=pp, free=free, holders=by_digest[scored[best][1]]
     )
     return Choice(
         model=scored[best][0],
@@ -349,45 +338,27 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 def decide(
-    model: str,
+    query: RouteQuery,
     models: Mapping[str, str],
     view: FleetView,
     est: Estimator,
     now_ms: int,
     *,
-    domain: str = "general",
-    prompt_tokens: int | None = None,
-    max_tokens: int | None = None,
     params: ChooseParams | None = None,
     plan_params: PlanParams | None = None,
 ) -> Decision:
-    """Route one request: `model` is a name in `models` (name -> digest) or 'auto'."""
-    if model == "auto":
-        choice = choose_model(
-            models,
-            view,
-            est,
-            now_ms,
-            domain=domain,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            params=params,
-            plan_params=plan_params,
-        )
+    """Route one request: `query.model` is a name in `models` (name -> digest) or 'auto'."""
+    if query.model == "auto":
+        choice = choose_model(query, models, view, est, now_ms, params=params, plan_params=plan_params)
         return Decision(
-            model=choice.model, digest=choice.digest, domain=domain, ranking=choice.ranking, choice=choice
+            model=choice.model,
+            digest=choice.digest,
+            domain=query.domain,
+            ranking=choice.ranking,
+            choice=choice,
         )
-    digest = models.get(model)
+    digest = models.get(query.model)
     if digest is None:
-        raise NoModelError(f"unknown model {model!r}")
-    ranking = rank_workers(
-        view,
-        est,
-        digest,
-        now_ms,
-        domain=domain,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        params=plan_params,
-    )
-    return Decision(model=model, digest=digest, domain=domain, ranking=ranking)
+        raise NoModelError(f"unknown model {query.model!r}")
+    ranking = rank_workers(view, est, digest, now_ms, query, params=plan_params)
+    return Decision(model=query.model, digest=digest, domain=query.domain, ranking=ranking)

@@ -1,4 +1,4 @@
-"""The preview: what the router would do with a request now, as the JSON of issue 5 part 4.
+"""The preview: what the router would do with a request now, as plain JSON.
 
 `routeledger route preview --json` and the HTTP endpoint both print `preview(...)` as it is:
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.choose import ChooseParams, Decision, decide
+from router.choose import ChooseParams, Decision, RouteQuery, decide
 from router.estimate import Estimator
 from router.plan import FleetView, PlanParams
 
@@ -49,29 +49,14 @@ def preview_of(decision: Decision) -> dict[str, object]:
 
 
 def preview(
+    query: RouteQuery,
+    models: Mapping[str, str],
     view: FleetView,
     est: Estimator,
     now_ms: int,
     *,
-    model: str,
-    models: Mapping[str, str],
-    domain: str = "general",
-    prompt_tokens: int | None = None,
-    max_tokens: int | None = None,
     params: ChooseParams | None = None,
     plan_params: PlanParams | None = None,
 ) -> dict[str, object]:
-    """The preview JSON for a request for `model` (a name in `models`, name -> digest, or 'auto')."""
-    decision = decide(
-        model,
-        models,
-        view,
-        est,
-        now_ms,
-        domain=domain,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        params=params,
-        plan_params=plan_params,
-    )
-    return preview_of(decision)
+    """The preview JSON for a request (`query.model` a name in `models`, name -> digest, or 'auto')."""
+    return preview_of(decide(query, models, view, est, now_ms, params=params, plan_params=plan_params))

@@ -14,8 +14,8 @@ import random
 import re
 from functools import cache
 
+from dispatch.benchmark import BenchPrompt, benchset
 from sim.fleet import OutputLength
-from workers.benchmark import BenchPrompt, benchset
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -116,7 +116,7 @@ def json_answer(rng: random.Random, japanese: bool, items: int = 3) -> list[str]
 
 
 # -- the benchmark set ----------------------------------------------------------------------------
-# One definition of the shipped prompts, the worker's (workers/benchmark.py); the simulator reads
+# One definition of the shipped prompts (dispatch/benchmark.py); the simulator reads
 # their `answer` to answer right or wrong.
 
 

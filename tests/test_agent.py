@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message, result_decoder
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message, result_decoder
 from sim.fleet import load_fleet
 from sim.host import SimHosts
 from tests.helpers import (
@@ -37,9 +38,12 @@ async def hosts() -> AsyncIterator[SimHosts]:
 async def submit(
     queues: TaskQueues, model: str = "m", max_tokens: int | None = None, text: str = "hi"
 ) -> str:
-    task, _ = await submit_task(
-        queues, model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens
-    )
+    task = (
+        await submit_task(
+            queues,
+            TaskRequest(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens),
+        )
+    ).task
     return task.task_id
 
 
@@ -88,7 +92,7 @@ async def test_tasks_for_a_model_two_workers_hold_are_served_by_both_when_both_a
 async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_what_is_served(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    from events.errors import ModelNotServedError
+    from dispatch.errors import ModelNotServedError
 
     queues = TaskQueues(redis_client, Keys(), ledger)
     async with running_agent(redis_client, hosts.url("c"), fast_config("c")):
@@ -147,8 +151,8 @@ async def _has_output(redis: aioredis.Redis, task_id: str) -> bool:
 async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalled_once(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
+    from dispatch.payload import TaskMessage
     from events.event import TaskStalled
-    from events.task import TaskMessage
 
     queues = TaskQueues(redis_client, Keys(), ledger)
     queue = Keys().queue("f" * 64)

@@ -10,8 +10,8 @@ import sys
 import httpx
 import redis.asyncio as aioredis
 
+from dispatch.payload import result_decoder
 from events.keys import Keys
-from events.task import result_decoder
 from routeledger.embedded import free_port
 from sim.host import SimHosts
 from tests.helpers import fast_config, make_test_fleet, running_agent, wait_until

@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from api.app import AppConfig, create_app
+from dispatch.lease import LeaseInfo, encode_lease
+from dispatch.payload import Result, result_decoder
 from events.event import ModelEntry
 from events.keys import Keys
-from events.lease import LeaseInfo, encode_lease
-from events.task import Result, result_decoder
 from sim.host import SimHosts
 from tests.helpers import MODEL_DIGEST, fast_config, make_test_fleet, running_agent
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from dispatch.benchmark import benchset, grade, pick, request_benchmark
+from dispatch.lease import live_workers
+from dispatch.queues import TaskQueues
+from dispatch.serving import holdings
 from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskCompleted
 from events.keys import Keys
-from events.lease import live_workers
 from events.ledger import Ledger
-from events.queue import TaskQueues
 from sim.host import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
-from workers.benchmark import benchset, grade, holders, pick, request_benchmark
 
 
 def test_the_shipped_prompt_set_covers_every_domain_and_its_answers_pass_their_own_checks() -> None:
@@ -55,7 +56,7 @@ async def test_bench_run_reaches_every_live_holder_not_only_the_fastest(
             running_agent(redis_client, sim.url("b"), fast_config("b")),
             running_agent(redis_client, sim.url("c"), fast_config("c")),
         ):
-            targets = holders(await live_workers(redis_client, Keys()), "m")
+            targets = holdings(await live_workers(redis_client, Keys()), "m")
             assert [(w, d) for w, _, d in targets] == [("a", MODEL_DIGEST), ("b", MODEL_DIGEST)]
             for worker, name, digest in targets:
                 await request_benchmark(queues, worker=worker, model=name, digest=digest, count=2)
@@ -119,8 +120,8 @@ def test_bench_run_without_a_holder_is_a_clear_error(redis_url: str) -> None:
 def test_a_prompt_set_with_a_bad_pattern_is_refused_naming_the_prompt() -> None:
     import pytest
 
-    from workers.benchmark import parse_benchset
-    from workers.errors import BenchSetError
+    from dispatch.benchmark import parse_benchset
+    from dispatch.errors import BenchSetError
 
     text = '[[prompt]]\nid = "p1"\ndomain = "general"\nprompt = "?"\nexpect = ["(unclosed"]\n'
     with pytest.raises(BenchSetError, match="prompt p1 has a bad regex"):

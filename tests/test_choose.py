@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.choose import ChooseParams, choose_model, classify_domain, decide, rank_workers
+from router.choose import ChooseParams, RouteQuery, choose_model, classify_domain, decide, rank_workers
 from router.errors import NoHolderError, NoModelError
 from tests.router_helpers import ELYZA, NOW, QWEN, estimator, snapshot, speed_row, view, worker
 
@@ -39,7 +39,7 @@ def test_the_default_classifier_tells_code_japanese_and_general_apart(text: str,
 
 def test_auto_picks_the_model_with_the_better_quality_and_latency_for_the_domain() -> None:
     fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
-    choice = choose_model(MODELS, fv, fleet_est(), NOW, domain="japanese")
+    choice = choose_model(RouteQuery(domain="japanese"), MODELS, fv, fleet_est(), NOW)
     assert choice.model == "elyza-jp-8b"
     assert [c.rank for c in choice.candidates] == [1, 2]
     assert choice.candidates[0].utility > choice.candidates[1].utility
@@ -48,21 +48,21 @@ def test_auto_picks_the_model_with_the_better_quality_and_latency_for_the_domain
 def test_the_latency_weight_can_outweigh_quality() -> None:
     fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
     quality_only = choose_model(
-        MODELS, fv, fleet_est(), NOW, domain="japanese", params=ChooseParams(latency_weight=0.0)
+        RouteQuery(domain="japanese"), MODELS, fv, fleet_est(), NOW, params=ChooseParams(latency_weight=0.0)
     )
     assert quality_only.model == "elyza-jp-8b"
     # ELYZA only on a slow machine: qwen on the fast one finishes far sooner.
     slow = view([worker("rtx3070ti", {QWEN}), worker("macbookair", {ELYZA})])
     est = fleet_est(speed_row("macbookair", ELYZA, 2.0, 10, prompt=50.0, load=8.0))
     latency_heavy = choose_model(
-        MODELS, slow, est, NOW, domain="japanese", params=ChooseParams(latency_weight=10.0)
+        RouteQuery(domain="japanese"), MODELS, slow, est, NOW, params=ChooseParams(latency_weight=10.0)
     )
     assert latency_heavy.model == "qwen3:8b"
 
 
 def test_the_whole_decision_is_plain_json_with_weights_terms_and_sources() -> None:
     fv = view([worker("rtx3070ti", {QWEN, ELYZA}), worker("macbookair", {QWEN, ELYZA})])
-    decision = decide("auto", MODELS, fv, fleet_est(), NOW, domain="japanese")
+    decision = decide(RouteQuery(model="auto", domain="japanese"), MODELS, fv, fleet_est(), NOW)
     data = json.loads(json.dumps(decision.to_dict()))
     assert data["auto"]["weights"]["latency_scale_s"] == ChooseParams().latency_scale_s
     first = data["candidates"][0]
@@ -82,6 +82,6 @@ def test_a_model_nobody_live_holds_is_a_clear_error() -> None:
     with pytest.raises(NoHolderError, match="no live worker holds"):
         rank_workers(view([]), fleet_est(), QWEN, NOW)
     with pytest.raises(NoModelError):
-        choose_model(MODELS, view([]), fleet_est(), NOW)
+        choose_model(RouteQuery(), MODELS, view([]), fleet_est(), NOW)
     with pytest.raises(NoModelError):
-        decide("llama-unknown", MODELS, view([worker("a", {QWEN})]), fleet_est(), NOW)
+        decide(RouteQuery(model="llama-unknown"), MODELS, view([worker("a", {QWEN})]), fleet_est(), NOW)

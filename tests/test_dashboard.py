@@ -29,20 +29,20 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from api.app import AppConfig
 from api.dashboard import CSP
+from dispatch.lease import LeaseInfo, encode_lease
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.view import LiveView
 from events.event import ModelEntry, TaskCompleted, TaskStalled
 from events.keys import Keys
-from events.lease import LeaseInfo, encode_lease
 from events.ledger import Ledger
-from events.queue import TaskQueues
-from events.task import Message
 from projections.projector import Projector
 from routeledger.cli_traffic import trickle
 from sim.fleet import load_fleet
 from sim.host import SimHosts
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
 from tests.test_api_support import fleet_and_api, serving
-from workers.dispatch import route_and_submit
-from workers.view import LiveView
 
 KEY = "dashboard-test-key"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -266,8 +266,7 @@ async def demo(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[str]:
             await route_and_submit(
                 TaskQueues(redis, keys),
                 LiveView(redis, keys),
-                model="mistral:7b",
-                messages=[Message(role="user", content="anyone there?")],
+                TaskRequest(model="mistral:7b", messages=[Message(role="user", content="anyone there?")]),
             )
             sent = await trickle(redis, keys, rate=20.0, count=10, seed=7, max_tokens=(40, 120))
             assert sent == 10
@@ -327,10 +326,12 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
             await route_and_submit(
                 TaskQueues(redis_client, Keys()),
                 LiveView(redis_client, Keys()),
-                model="qwen3:8b",
-                messages=[Message(role="user", content="one more, please")],
-                max_tokens=40,
-                task_id=live_id,
+                TaskRequest(
+                    model="qwen3:8b",
+                    messages=[Message(role="user", content="one more, please")],
+                    max_tokens=40,
+                    task_id=live_id,
+                ),
             )
             await page.wait_for(
                 f"document.querySelector('#tasks tr[data-task=\"{live_id}\"] .ran-on')"

@@ -8,15 +8,16 @@ import sys
 
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, preview_request, route_and_submit
+from dispatch.view import LiveView
 from events.event import TaskRouted, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues
-from events.task import Message
+from router.choose import RouteQuery
 from sim.host import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
-from workers.dispatch import preview_request, route_and_submit
-from workers.view import LiveView
 
 
 async def test_a_routed_submission_records_the_whole_decision_before_the_task_is_queued(
@@ -26,9 +27,9 @@ async def test_a_routed_submission_records_the_whole_decision_before_the_task_is
     queues = TaskQueues(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-            task, queue, decision = await route_and_submit(
-                queues, LiveView(redis_client, keys), model="m", messages=[Message(role="user", content="hi")]
-            )
+            req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+            sub = await route_and_submit(queues, LiveView(redis_client, keys), req)
+            task, queue, decision = sub.task, sub.queue, sub.decision
     submitted = await events_of(ledger, TaskSubmitted)
     routed = await events_of(ledger, TaskRouted)
     assert [s.task_id for s in submitted] == [task.task_id] and [r.task_id for r in routed] == [task.task_id]
@@ -55,9 +56,10 @@ async def test_auto_picks_a_served_model_and_the_domain_is_classified_from_the_p
             msgs = [
                 Message(role="user", content="def add(a, b):\n    return a + b  # fix this Python function")
             ]
-            task, _, decision = await route_and_submit(
-                queues, LiveView(redis_client, keys), model="auto", messages=msgs
+            sub = await route_and_submit(
+                queues, LiveView(redis_client, keys), TaskRequest(model="auto", messages=msgs)
             )
+            task, decision = sub.task, sub.decision
     assert task.model in ("m", "m:latest") and task.digest == MODEL_DIGEST
     assert task.domain == "code" and decision.choice is not None
 
@@ -71,7 +73,7 @@ async def test_the_preview_is_the_documented_json_best_first_with_sources(
             running_agent(redis_client, sim.url("a"), fast_config("a")),
             running_agent(redis_client, sim.url("b"), fast_config("b")),
         ):
-            direct = await preview_request(LiveView(redis_client, keys), model="m", tokens=40)
+            direct = await preview_request(LiveView(redis_client, keys), RouteQuery(model="m", max_tokens=40))
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from projections.snapshot import FleetRow, Stamped
-from router.choose import rank_workers
+from router.choose import RouteQuery, rank_workers
 from router.estimate import EstimateParams, build_estimator
 from router.plan import fleet_view
 from tests.router_helpers import (
@@ -87,7 +87,7 @@ def test_a_fresh_speed_row_that_agrees_with_its_prior_changes_no_total_and_quali
     rtx = worker("rtx3070ti", {QWEN, ELYZA})
     mac = worker("macbookair", {QWEN, ELYZA})
     before_snap = story_snapshot(rtx_qwen_samples=3)
-    before = rank_workers(view([mac, rtx]), estimator(before_snap), ELYZA, NOW, domain="japanese")
+    before = rank_workers(view([mac, rtx]), estimator(before_snap), ELYZA, NOW, RouteQuery(domain="japanese"))
     prior = {
         f: getattr(estimator(before_snap).speed("rtx3070ti", ELYZA), f).value
         for f in ("decode_tps", "prompt_tps", "load_s")
@@ -96,7 +96,7 @@ def test_a_fresh_speed_row_that_agrees_with_its_prior_changes_no_total_and_quali
     after_snap.speed[("rtx3070ti", ELYZA)] = speed_row(
         "rtx3070ti", ELYZA, prior["decode_tps"], 2, prompt=prior["prompt_tps"], load=prior["load_s"]
     )
-    after = rank_workers(view([mac, rtx]), estimator(after_snap), ELYZA, NOW, domain="japanese")
+    after = rank_workers(view([mac, rtx]), estimator(after_snap), ELYZA, NOW, RouteQuery(domain="japanese"))
     cand = next(c for c in after.candidates if c.worker == "rtx3070ti")
     assert cand.fields["decode_tps"].source.startswith("worker n=2")
     assert cand.fields["quality"].source.startswith("model n=20")
@@ -121,7 +121,7 @@ def test_the_story_replayed_the_fast_machine_wins_by_its_own_measured_speed() ->
     assert qualities["rtx3070ti"] == qualities["macbookair"]
     # It is given ELYZA (same digest): top at once, from its measured qwen speed via the two-way prior.
     rtx.holds.add(ELYZA)
-    jp = rank_workers(view([mac, rtx]), est, ELYZA, NOW, domain="japanese")
+    jp = rank_workers(view([mac, rtx]), est, ELYZA, NOW, RouteQuery(domain="japanese"))
     assert jp.best.worker == "rtx3070ti"
     assert jp.best.fields["decode_tps"].source.startswith("two-way")
     assert (

@@ -6,11 +6,12 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from sim.fleet import parse_fleet
 from sim.host import SimHosts
 from tests.helpers import events_of, fast_config, running_agent, wait_until
@@ -72,7 +73,8 @@ async def test_with_one_task_and_the_fast_worker_free_soon_the_slow_worker_leave
         ):
             for _ in range(3):
                 await submit_task(
-                    queues, model="m", messages=[Message(role="user", content="x")], max_tokens=40
+                    queues,
+                    TaskRequest(model="m", messages=[Message(role="user", content="x")], max_tokens=40),
                 )
                 before += 1
                 await wait_until(lambda n=before: _count(ledger, TaskClaimed, n), timeout=20)
@@ -100,7 +102,10 @@ async def test_with_a_long_enough_backlog_the_slow_worker_takes_a_share(
             msgs = [Message(role="user", content="x")]
             # The fast machine alone would need 2.4 s for these; the slow one finishes one in 1 s.
             await asyncio.gather(
-                *(submit_task(queues, model="m", messages=msgs, max_tokens=40) for _ in range(24))
+                *(
+                    submit_task(queues, TaskRequest(model="m", messages=msgs, max_tokens=40))
+                    for _ in range(24)
+                )
             )
             await wait_until(lambda: _count(ledger, TaskClaimed, before + 24), timeout=30)
         claims = (await events_of(ledger, TaskClaimed))[before:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from router.choose import RouteQuery
 from router.preview import preview
 from tests.router_helpers import ELYZA, NOW, QWEN, backlog, estimator, snapshot, speed_row, view, worker
 
@@ -22,7 +23,7 @@ def setup():
 
 def test_the_preview_has_the_model_digest_candidates_best_first_and_the_plan() -> None:
     fv, est = setup()
-    data = json.loads(json.dumps(preview(fv, est, NOW, model="qwen3:8b", models=MODELS)))
+    data = json.loads(json.dumps(preview(RouteQuery(model="qwen3:8b"), MODELS, fv, est, NOW)))
     assert set(data) == {"model", "digest", "candidates", "plan"}
     assert data["model"] == "qwen3:8b"
     assert data["digest"] == QWEN
@@ -43,7 +44,7 @@ def test_the_preview_has_the_model_digest_candidates_best_first_and_the_plan() -
 
 def test_an_auto_preview_shows_the_models_weighed() -> None:
     fv, est = setup()
-    data = preview(fv, est, NOW, model="auto", models=MODELS)
+    data = preview(RouteQuery(model="auto"), MODELS, fv, est, NOW)
     assert data["model"] == "qwen3:8b"
     auto = data["plan"]["auto"]  # type: ignore[index]
     assert auto["models"][0]["model"] == "qwen3:8b"

@@ -15,15 +15,16 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from dispatch.submit import preview_request
+from dispatch.view import LiveView
 from events.event import Event, QualityScored, TaskCompleted, Timings
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
+from router.choose import RouteQuery
 from sim.fleet import load_fleet
 from sim.host import SimHosts
 from tests.helpers import fast_config, running_agent, wait_until
-from workers.dispatch import preview_request
-from workers.view import LiveView
 
 SEED = load_fleet("seed")
 QWEN = SEED.model["qwen3:8b"].digest
@@ -100,7 +101,7 @@ async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_
     async with SimHosts(SEED, time_scale=0.2, seed=2) as sim, projector_running(redis_client):
         async with running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")):
             await asyncio.sleep(1.0)
-            before = await preview_request(view, model="qwen3:8b", tokens=200)
+            before = await preview_request(view, RouteQuery(model="qwen3:8b", max_tokens=200))
             assert [c["worker"] for c in before["candidates"]] == ["macbookair"]
             laptop_quality = before["candidates"][0]["fields"]["quality"]
 
@@ -111,7 +112,7 @@ async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_
 
                 async def rtx_on_top() -> bool:
                     nonlocal top
-                    p = await preview_request(view, model="qwen3:8b", tokens=200)
+                    p = await preview_request(view, RouteQuery(model="qwen3:8b", max_tokens=200))
                     top = p["candidates"][0]  # type: ignore[index]
                     fields = top["fields"]  # type: ignore[index]
                     return top["worker"] == "rtx3070ti" and fields["decode_tps"]["n"] >= 1  # type: ignore[index]
@@ -121,7 +122,7 @@ async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_
                 decode = top["fields"]["decode_tps"]  # type: ignore[index]
                 assert decode["source"].startswith("worker n=") and 1 <= decode["n"] <= 3, decode
                 assert decode["value"] > 3 * 11.4, decode
-                after = await preview_request(view, model="qwen3:8b", tokens=200)
+                after = await preview_request(view, RouteQuery(model="qwen3:8b", max_tokens=200))
                 by_worker = {c["worker"]: c for c in after["candidates"]}  # type: ignore[union-attr]
                 laptop, gpu = by_worker["macbookair"], by_worker["rtx3070ti"]
                 # Quality belongs to the model: both machines carry the same value, so the rank
@@ -136,12 +137,12 @@ async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_
                 sim.give_model("rtx3070ti", "elyza-jp-8b")
 
                 async def rtx_top_for_elyza() -> bool:
-                    p = await preview_request(view, model="elyza-jp-8b", tokens=200)
+                    p = await preview_request(view, RouteQuery(model="elyza-jp-8b", max_tokens=200))
                     best = p["candidates"][0]  # type: ignore[index]
                     return best["worker"] == "rtx3070ti"  # type: ignore[index,no-any-return]
 
                 await wait_until(rtx_top_for_elyza, timeout=60, every=0.3)
-                elyza = await preview_request(view, model="elyza-jp-8b", tokens=200)
+                elyza = await preview_request(view, RouteQuery(model="elyza-jp-8b", max_tokens=200))
                 by_worker = {c["worker"]: c for c in elyza["candidates"]}  # type: ignore[union-attr]
                 assert (
                     by_worker["rtx3070ti"]["fields"]["quality"]["value"]

@@ -24,6 +24,10 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from dispatch.benchmark import grade, needs_benchmark, prompt_by_id, request_benchmark
+from dispatch.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
+from dispatch.payload import Chunk, Result, encode_chunk, sha256_hex
+from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
 from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
@@ -40,12 +44,8 @@ from events.event import (
     now_ms,
 )
 from events.keys import Keys
-from events.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
 from events.ledger import Ledger
-from events.queue import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
-from events.task import Chunk, Result, encode_chunk, sha256_hex
 from workers.backend import Backend, Generated, Inventory
-from workers.benchmark import grade, needs_benchmark, prompt_by_id, request_benchmark
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.resources import read_resources
 

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
+from dispatch.payload import TaskMessage
 from events.event import ModelEntry, Timings
-from events.task import TaskMessage
 from workers.errors import BackendError
 
 

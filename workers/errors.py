@@ -21,7 +21,3 @@ class WorkerNameTakenError(RouteledgerError):
 
 class TaskCancelledError(RouteledgerError):
     """Raised inside a run when the client withdrew the task."""
-
-
-class BenchSetError(RouteledgerError):
-    """Raised when the benchmark prompt set is malformed."""

@@ -2,7 +2,7 @@
 
 Before a worker with a free slot reads a shared queue, it asks `router.gate.should_take` whether
 taking the head task is better for the system than leaving it to the others. The decision is pure;
-its facts come from `workers.view.LiveView`.
+its facts come from `dispatch.view.LiveView`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
+from dispatch.view import LiveView
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, should_take
-from workers.view import LiveView
 
 if TYPE_CHECKING:
     from workers.agent import WorkerAgent

@@ -17,12 +17,13 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from dispatch.lease import decode_lease
+from dispatch.payload import F_ID
+from dispatch.queues import REQUEUED, TaskQueues
 from events.event import TaskReclaimed, TaskStalled, now_ms
 from events.keys import WORKERS_GROUP, Keys
-from events.lease import SingletonLease, decode_lease
 from events.ledger import Ledger, next_id
-from events.queue import REQUEUED, TaskQueues
-from events.task import F_ID
+from events.singleton import SingletonLease
 
 log = logging.getLogger("routeledger.reaper")
 

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskCompleted, TaskDeadLettered, TaskFailed
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from tests.helpers import events_of, fast_config, wait_until
 from tests.reliability.faulty_backend import FaultyBackend, Mode
 from workers.agent import WorkerAgent
@@ -35,7 +36,9 @@ async def backend() -> AsyncIterator[FaultyBackend]:
 
 
 async def _submit(queues: TaskQueues, text: str) -> str:
-    task, _ = await submit_task(queues, model="m", messages=[Message(role="user", content=text)])
+    task = (
+        await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content=text)]))
+    ).task
     return task.task_id
 
 

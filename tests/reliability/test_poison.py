@@ -10,11 +10,11 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import TaskMessage
+from dispatch.queues import TaskQueues
 from events.event import QualityScored, TaskCompleted, TaskDeadLettered, TaskFailed, Timings
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues
-from events.task import TaskMessage
 from projections import store
 from projections.projector import Projector
 from projections.reader import lag, snapshot

@@ -14,10 +14,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from routeledger.embedded import EmbeddedRedis
 from sim.host import SimHosts
 from tests.helpers import make_test_fleet, wait_until
@@ -66,9 +67,14 @@ async def _submit_for(
     while time.monotonic() < end:
         i += 1
         try:
-            task, _ = await submit_task(
-                queues, model="m", messages=[Message(role="user", content=f"{label} {i}")], max_tokens=60
-            )
+            task = (
+                await submit_task(
+                    queues,
+                    TaskRequest(
+                        model="m", messages=[Message(role="user", content=f"{label} {i}")], max_tokens=60
+                    ),
+                )
+            ).task
             acked[task.task_id] = time.monotonic()
         except (RedisError, OSError):
             refused += 1  # Redis is down: not acknowledged, so nothing is promised

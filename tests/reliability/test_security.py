@@ -18,11 +18,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from api.app import AppConfig, create_app
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from routeledger.embedded import find_redis_server, redis_version
 from sim.host import SimHosts
 from tests.helpers import events_of, make_test_fleet, wait_until
@@ -64,7 +65,9 @@ async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projectio
     try:
         await wait_until(lambda: _exists(redis_client, Keys().live("a")), timeout=60)
         queues = TaskQueues(redis_client, Keys(), ledger)
-        task, _ = await submit_task(queues, model="m", messages=[Message(role="user", content="hi")])
+        task = (
+            await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")]))
+        ).task
         await wait_until(lambda: _completed(ledger, task.task_id), timeout=30)
         refused = []
         for command in (

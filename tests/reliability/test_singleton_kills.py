@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from projections import store
 from projections.reader import lag
 from sim.host import SimHosts
@@ -84,12 +85,16 @@ async def test_the_projector_and_reaper_killed_and_restarted_leave_tables_equal_
                 procs = [singleton("projector", redis_url, log), singleton("reaper", redis_url, log)]
                 every += procs
                 for i in range(TASKS_PER_ROUND):
-                    task, _ = await submit_task(
-                        queues,
-                        model="m",
-                        messages=[Message(role="user", content=f"round {round_} task {i}")],
-                        max_tokens=60,
-                    )
+                    task = (
+                        await submit_task(
+                            queues,
+                            TaskRequest(
+                                model="m",
+                                messages=[Message(role="user", content=f"round {round_} task {i}")],
+                                max_tokens=60,
+                            ),
+                        )
+                    ).task
                     ids.append(task.task_id)
                     await asyncio.sleep(rng.uniform(0.05, 0.25))
                     if victim.poll() is None and await _running_on(ledger, "a"):

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskDeadLettered, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
-from events.queue import TaskQueues, submit_task
-from events.task import Message
 from sim.host import SimHosts
 from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
@@ -70,9 +71,14 @@ async def test_workers_killed_at_every_step_of_fifty_tasks_lose_none_and_complet
         async with running_reaper(redis_client, lease_ms=1500, delivery_limit=LIMIT):
             ids = []
             for i in range(TASKS):
-                task, _ = await submit_task(
-                    queues, model="m", messages=[Message(role="user", content=f"task {i}")], max_tokens=20
-                )
+                task = (
+                    await submit_task(
+                        queues,
+                        TaskRequest(
+                            model="m", messages=[Message(role="user", content=f"task {i}")], max_tokens=20
+                        ),
+                    )
+                ).task
                 ids.append(task.task_id)
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline:

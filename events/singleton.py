@@ -1,8 +1,7 @@
-"""Worker leases (`rl:live:{worker}`) and the leases of singleton processes.
+"""Leases of singleton processes: one active projector and one active reaper per Redis.
 
-A worker's lease is a key with a TTL that its heartbeats refresh; its value says what the worker
-holds right now, so that a submission can resolve a model name without waiting for a projection.
-A missing key means the worker is presumed dead: that, and only that, lets the reaper reclaim.
+A lease is a key with a TTL that its holder renews; only the holder's token may renew or release
+it. (Worker leases, which say what a worker holds, live in dispatch/lease.py.)
 """
 
 from __future__ import annotations
@@ -11,84 +10,18 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from typing import Any, Final
+from typing import Final
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from events.event import ModelEntry, now_ms
 from events.keys import Keys
 
 log = logging.getLogger("routeledger.lease")
 
-
-class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A task a worker is running, as its lease reports it (the plan counts what each slot runs)."""
-
-    task_id: str
-    digest: str
-    started_at: int
-    domain: str = "general"
-    prompt_tokens: int | None = None
-    max_tokens: int | None = None
-
-
-class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """The value of a worker's lease key."""
-
-    worker: str
-    token: str
-    slots: int
-    in_flight: int = 0
-    inventory: list[ModelEntry] = msgspec.field(default_factory=list)
-    loaded: list[str] = msgspec.field(default_factory=list)
-    # Model names it serves; None: every model it holds; []: registered, serving nothing.
-    serves: list[str] | None = None
-    draining: bool = False
-    running: list[RunningInfo] = msgspec.field(default_factory=list)
-    since: int = msgspec.field(default_factory=now_ms)
-    renewed_at: int = msgspec.field(default_factory=now_ms)
-
-    def serving(self) -> list[ModelEntry]:
-        """The held models this worker consumes tasks for."""
-        if self.serves is None:
-            return list(self.inventory)
-        wanted = set(self.serves)
-        return [m for m in self.inventory if m.name in wanted or m.digest in wanted]
-
-
-_encoder: Final = msgspec.msgpack.Encoder()
-_decoder: Final = msgspec.msgpack.Decoder(LeaseInfo)
-
-
-def encode_lease(info: LeaseInfo) -> bytes:
-    return _encoder.encode(info)
-
-
-def decode_lease(data: bytes) -> LeaseInfo:
-    return _decoder.decode(data)
-
-
-async def live_workers(redis: aioredis.Redis, keys: Keys) -> dict[str, LeaseInfo]:
-    """Every worker whose lease is alive now, with what it holds (SCAN + one MGET)."""
-    names: list[bytes] = []
-    async for key in redis.scan_iter(match=keys.live_pattern, count=500):
-        names.append(key)
-    if not names:
-        return {}
-    values: list[Any] = await redis.mget(names)
-    out: dict[str, LeaseInfo] = {}
-    for raw in values:
-        if raw is None:
-            continue  # expired between SCAN and MGET
-        try:
-            info = decode_lease(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-        out[info.worker] = info
-    return out
-
+# How long a lease outlives its holder's last renewal unless configured otherwise (`lease_ms`):
+# the default of every lease in routeledger, worker and singleton alike.
+DEFAULT_LEASE_MS: Final = 10_000
 
 # Compare-and-renew / compare-and-delete of a singleton lease: only the holder's token may act.
 # Shared by SingletonLease and the projector's own fenced lease.
@@ -115,7 +48,7 @@ class SingletonLease:
     renewal finds the key taken by someone else, so the holder can stop writing.
     """
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, role: str, ttl_ms: int = 10_000) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, role: str, ttl_ms: int = DEFAULT_LEASE_MS) -> None:
         self.redis = redis
         self.key = keys.singleton(role)
         self.ttl_ms = ttl_ms

@@ -7,6 +7,7 @@ with retention; the ledger records only sizes, token counts and digests.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
@@ -54,9 +55,14 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""
-        if self.kind == "generate":
-            return (self.system or "") + (self.prompt or "")
-        return "".join(m.content for m in self.messages)
+        return prompt_text(self.kind, self.messages, self.prompt, self.system)
+
+
+def prompt_text(kind: str, messages: Sequence[Message], prompt: str | None, system: str | None) -> str:
+    """The text a model reads for a task: a completion's system and prompt, a chat's messages."""
+    if kind == "generate":
+        return (system or "") + (prompt or "")
+    return "".join(m.content for m in messages)
 
 
 _task_encoder: Final = msgspec.msgpack.Encoder()

@@ -17,10 +17,12 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
+from dispatch.lease import LeaseInfo, live_workers
+from dispatch.payload import F_TASK, decode_task
+from dispatch.serving import served, served_models
+from events.codec import as_str
 from events.event import now_ms
 from events.keys import WORKERS_GROUP, Keys
-from events.lease import LeaseInfo, live_workers
-from events.task import F_TASK, decode_task
 from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
@@ -33,38 +35,25 @@ T = TypeVar("T")
 # The plan looks this far down each queue; tasks behind it cannot change who takes the head.
 BACKLOG_DEPTH = 64
 
-# Each queue's entries after its group's last-delivered id (the ones no worker has read), at most
-# ARGV[2] of them, for every queue in KEYS at once. ARGV[1] the group. A missing queue or group
-# reads from the start; a key that is not a stream gives no entries.
+# One queue's entries after its group's last-delivered id (the ones no worker has read), at most
+# ARGV[2] of them. KEYS[1] the queue (one key: the script runs on a cluster); ARGV[1] the group.
+# A missing queue or group reads from the start; a key that is not a stream gives no entries.
 _BACKLOG = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local start = '-'
-  local groups = redis.pcall('XINFO', 'GROUPS', key)
-  if type(groups) == 'table' and groups.err == nil then
-    for _, g in ipairs(groups) do
-      local name, last = nil, nil
-      for j = 1, #g, 2 do
-        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
-      end
-      if name == ARGV[1] and last ~= nil and last ~= '0-0' then start = '(' .. last end
+local start = '-'
+local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+if type(groups) == 'table' and groups.err == nil then
+  for _, g in ipairs(groups) do
+    local name, last = nil, nil
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
     end
+    if name == ARGV[1] and last ~= nil and last ~= '0-0' then start = '(' .. last end
   end
-  local rows = redis.pcall('XRANGE', key, start, '+', 'COUNT', ARGV[2])
-  if type(rows) ~= 'table' or rows.err ~= nil then rows = {} end
-  out[i] = rows
 end
-return out
+local rows = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', ARGV[2])
+if type(rows) ~= 'table' or rows.err ~= nil then rows = {} end
+return rows
 """
-
-
-def served_models(leases: dict[str, LeaseInfo]) -> dict[str, str]:
-    """Every model name (and alias) live workers serve, with its digest."""
-    out: dict[str, str] = {}
-    for info in leases.values():
-        for entry in info.serving():
-            out.setdefault(entry.name, entry.digest)
-    return out
 
 
 def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
@@ -73,7 +62,7 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
         WorkerView(
             name=info.worker,
             slots=info.slots,
-            holds={m.digest for m in info.serving()},
+            holds={m.digest for m in served(info)},
             loaded=set(info.loaded),
             running=[
                 RunningTask(
@@ -90,6 +79,18 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
         for info in sorted(leases.values(), key=lambda i: (i.since, i.worker))
         if not info.draining
     ]
+
+
+def fleet_view(
+    leases: dict[str, LeaseInfo],
+    backlog: dict[str, list[BacklogEntry]],
+    snapshot: Snapshot,
+    now_ms: int,
+) -> FleetView:
+    """The FleetView a decision reads: live workers from their leases, the given backlogs, and each
+    backlog's arrival rate from the snapshot's demand table (the one way production builds it)."""
+    rates = {d: arrival_rate(snapshot, d, now_ms, snapshot.demand_half_life_s) for d in backlog}
+    return FleetView(workers=worker_views(leases), backlog=backlog, arrival_rate=rates)
 
 
 class Cached(Generic[T]):
@@ -171,12 +172,10 @@ class LiveView:
         return (await self.backlogs([digest]))[digest]
 
     async def backlogs(self, digests: Iterable[str]) -> dict[str, list[BacklogEntry]]:
-        """Each model's unread queue entries, head first, in one round trip for all of them."""
+        """Each model's unread queue entries, head first (one script per queue, run side by side)."""
         wanted = sorted(set(digests))
-        if not wanted:
-            return {}
-        rows: Any = await self._backlog(
-            keys=[self.keys.queue(d) for d in wanted], args=[WORKERS_GROUP, BACKLOG_DEPTH]
+        rows: list[Any] = await asyncio.gather(
+            *(self._backlog(keys=[self.keys.queue(d)], args=[WORKERS_GROUP, BACKLOG_DEPTH]) for d in wanted)
         )
         return {digest: _entries(digest, r) for digest, r in zip(wanted, rows, strict=True)}
 
@@ -189,8 +188,7 @@ class LiveView:
         live = leases if leases is not None else await self.leases()
         wanted = set(digests) if digests is not None else set(served_models(live).values())
         backlog = await self.backlogs(wanted)
-        rates = {d: arrival_rate(snap, d, now, snap.demand_half_life_s) for d in wanted}
-        return FleetView(workers=worker_views(live), backlog=backlog, arrival_rate=rates), est, now, live
+        return fleet_view(live, backlog, snap, now), est, now, live
 
 
 def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
@@ -205,14 +203,10 @@ def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
             BacklogEntry(
                 task_id=task.task_id,
                 digest=digest,
-                enqueued_at_ms=int(_s(raw_id).split("-")[0]),
+                enqueued_at_ms=int(as_str(raw_id).split("-")[0]),
                 domain=task.domain,
                 prompt_tokens=task.prompt_tokens,
                 max_tokens=task.max_tokens,
             )
         )
     return out
-
-
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw

@@ -1,4 +1,4 @@
-"""The task queues: submission, and the scripts that finish, re-queue and reclaim entries.
+"""The task queues: the scripts that finish, re-queue, reclaim and cancel entries, and the outcome.
 
 A queue entry is never moved by reading it back and writing it elsewhere in two steps: every change
 that must not be seen half-done is one Lua script on the queue's own key (one hash slot). The ledger
@@ -8,30 +8,28 @@ late or twice.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
 
-from events.codec import encode_fields
-from events.errors import ModelNotServedError
-from events.event import Event, ModelEntry, TaskDeadLettered, TaskRouted, TaskSubmitted, now_ms
-from events.keys import WORKERS_GROUP, Keys
-from events.lease import LeaseInfo, live_workers
-from events.ledger import Ledger
-from events.task import (
+from dispatch.payload import (
     F_ATTEMPT,
     F_ID,
     F_TASK,
     Chunk,
     Result,
     TaskMessage,
+    decode_task,
     encode_chunk,
     encode_result,
     queue_fields,
 )
+from events.codec import as_str, encode_fields
+from events.event import Event, TaskDeadLettered, now_ms
+from events.keys import WORKERS_GROUP, Keys
+from events.ledger import Ledger
 
 # Acknowledge and delete a finished entry (prompts do not outlive their task).
 # KEYS[1] queue; ARGV group, entry id. Returns XACK's count: 0 means the entry was not ours any more.
@@ -172,8 +170,6 @@ class QueueEntry(msgspec.Struct, frozen=True):
 
 def parse_entry(queue: str, entry_id: str, fields: dict[bytes, bytes]) -> QueueEntry:
     """A queue entry's fields as a QueueEntry; raises msgspec errors on a malformed one."""
-    from events.task import decode_task
-
     raw = fields.get(F_TASK)
     if raw is None:
         raise msgspec.ValidationError(f"queue entry {entry_id} has no task field")
@@ -233,13 +229,13 @@ class TaskQueues:
             ],
         )
         status, new, attempt, task_id = reply
-        return Requeue(int(status), _s(new), int(attempt), _s(task_id))
+        return Requeue(int(status), as_str(new), int(attempt), as_str(task_id))
 
     async def cancel_queued(self, queue: str, task_id: str) -> tuple[int, str, int]:
         """Delete `task_id`'s entry unless a worker holds it: (status, entry id, attempt); see above."""
         reply: Any = await self._cancel_queued(keys=[queue], args=[WORKERS_GROUP, task_id])
         status, entry_id, attempt = reply
-        return int(status), _s(entry_id), int(attempt)
+        return int(status), as_str(entry_id), int(attempt)
 
     async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
         """The fields of one entry, or None if it is gone."""
@@ -360,150 +356,3 @@ class TaskQueues:
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""
         return bool(await self._take_over(keys=[self.keys.result(task_id)], args=[str(attempt)]))
-
-
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def find_holders(model: str, leases: dict[str, LeaseInfo]) -> tuple[str | None, list[str]]:
-    """The digest `model` names among live workers that serve it, and those workers.
-
-    A model is named by its name (or alias) or by a digest prefix of at least 12 characters.
-    """
-    digest: str | None = None
-    holders: list[str] = []
-    for info in leases.values():
-        for entry in info.serving():
-            if names_model(entry, model):
-                digest = digest or entry.digest
-                if entry.digest == digest:
-                    holders.append(info.worker)
-                break
-    return digest, sorted(set(holders))
-
-
-def names_model(entry: ModelEntry, model: str) -> bool:
-    """Whether `model` (a name, an alias without `:latest`, or a 12+ digit digest prefix) names `entry`."""
-    if entry.name == model:
-        return True
-    # `qwen3` means `qwen3:latest`, as Ollama reads it.
-    if ":" not in model and entry.name == f"{model}:latest":
-        return True
-    return len(model) >= 12 and entry.digest.startswith(model)
-
-
-def require_model(model: str, leases: dict[str, LeaseInfo]) -> str:
-    """The digest `model` names among live workers that serve it; ModelNotServedError if none does."""
-    digest, holders = find_holders(model, leases)
-    if digest is None or not holders:
-        raise ModelNotServedError(
-            f"no live worker serves model {model!r} ({describe_fleet(leases)})", model=model, fleet=leases
-        )
-    return digest
-
-
-def describe_fleet(leases: dict[str, LeaseInfo]) -> str:
-    """What the live workers serve, for error messages."""
-    if not leases:
-        return "no live workers"
-    parts = []
-    for name, info in sorted(leases.items()):
-        served = ", ".join(sorted(m.name for m in info.serving())) or "nothing"
-        parts.append(f"{name} serves {served}")
-    return "; ".join(parts)
-
-
-async def submit_task(
-    queues: TaskQueues,
-    *,
-    model: str,
-    messages: Sequence[Any] = (),
-    prompt: str | None = None,
-    system: str | None = None,
-    kind: str = "chat",
-    domain: str = "general",
-    options: dict[str, Any] | None = None,
-    max_tokens: int | None = None,
-    format: Any = None,
-    priority: int = 0,
-    task_id: str | None = None,
-    client: str | None = None,
-    pipeline_id: str | None = None,
-    leases: dict[str, LeaseInfo] | None = None,
-    digest: str | None = None,
-    routed: Callable[[TaskMessage, str], TaskRouted] | None = None,
-    stream: bool = True,
-) -> tuple[TaskMessage, str]:
-    """Resolve `model` among live workers, record TaskSubmitted (and the routing decision), queue the task.
-
-    Everything is written in one round trip, in this order: the ledger events, the task's lookup
-    hash, the queue entry, so that no worker sees a task the ledger has not recorded. Returns the
-    task and its queue. Raises ModelNotServedError at once when no live worker serves the model.
-    """
-    from events.task import Message, estimate_tokens, sha256_hex
-
-    live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
-    digest = digest or require_model(model, live)
-    task = TaskMessage(
-        task_id=task_id or uuid.uuid4().hex,
-        model=model,
-        digest=digest,
-        kind=kind,
-        messages=[m if isinstance(m, Message) else msgspec.convert(m, Message) for m in messages],
-        prompt=prompt,
-        system=system,
-        domain=domain,
-        options=options or {},
-        max_tokens=max_tokens,
-        format=format,
-        priority=priority,
-        pipeline_id=pipeline_id,
-        stream=stream,
-    )
-    text = task.prompt_text()
-    task = msgspec.structs.replace(task, prompt_tokens=estimate_tokens(text))
-    queue = queues.keys.queue(digest)
-    events: list[Event] = [
-        TaskSubmitted(
-            task_id=task.task_id,
-            model=model,
-            digest=digest,
-            queue=queue,
-            domain=domain,
-            kind=kind,
-            prompt_tokens=task.prompt_tokens,
-            max_tokens=max_tokens,
-            priority=priority,
-            prompt_bytes=len(text.encode()),
-            prompt_sha256=sha256_hex(text),
-            pipeline_id=pipeline_id,
-            client=client,
-        )
-    ]
-    breakdown = b""
-    if routed is not None:
-        decision = routed(task, queue)
-        events.append(decision)
-        breakdown = msgspec.json.encode(decision.breakdown)
-    await queues.ensure_group(queue)
-    keys = queues.keys
-    pipe = queues.redis.pipeline(transaction=False)
-    for event in events:
-        pipe.xadd(keys.events, encode_fields(event))  # type: ignore[arg-type]
-    info_key = keys.task(task.task_id)
-    pipe.hset(
-        info_key,
-        mapping={
-            "queue": queue,
-            "model": model,
-            "digest": digest,
-            "domain": domain,
-            "submitted_at": str(task.submitted_at),
-            "routed": breakdown,
-        },
-    )
-    pipe.pexpire(info_key, RESULT_TTL_MS)
-    pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
-    await pipe.execute()
-    return task, queue

@@ -16,12 +16,11 @@ from importlib import resources
 
 import msgspec
 
+from dispatch.errors import BenchSetError
+from dispatch.payload import Message, TaskMessage
+from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
-from events.lease import LeaseInfo
-from events.queue import TaskQueues, names_model
-from events.task import Message, TaskMessage
 from projections.snapshot import Snapshot
-from workers.errors import BenchSetError
 
 
 class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,8 +60,8 @@ def parse_benchset(text: str, source: str = "benchset.toml") -> list[BenchPrompt
 
 @cache
 def benchset() -> tuple[BenchPrompt, ...]:
-    """The prompt set shipped in workers/benchset.toml (package data)."""
-    text = (resources.files("workers") / "benchset.toml").read_text(encoding="utf-8")
+    """The prompt set shipped in dispatch/benchset.toml (package data)."""
+    text = (resources.files("dispatch") / "benchset.toml").read_text(encoding="utf-8")
     return tuple(parse_benchset(text))
 
 
@@ -138,13 +137,3 @@ def needs_benchmark(
     if age is not None and age > stale_after_s:
         return min_samples, f"newest sample {age / 3600:.1f} h old"
     return None
-
-
-def holders(leases: dict[str, LeaseInfo], model: str | None) -> list[tuple[str, str, str]]:
-    """(worker, model name, digest) for every live holder of `model` (every served model if None)."""
-    out: list[tuple[str, str, str]] = []
-    for name, info in sorted(leases.items()):
-        for entry in info.serving():
-            if model is None or names_model(entry, model):
-                out.append((name, entry.name, entry.digest))
-    return out

@@ -1,0 +1,224 @@
+"""The one submission path: resolve the model (or `auto`), rank its holders, record it, queue the task.
+
+The API, the CLI, pipelines and the demo traffic submit through `route_and_submit`, each with one
+TaskRequest. The decision (every candidate, every term and source) is appended as TaskRouted
+together with TaskSubmitted, before any worker can see the task; workers still pull, so the
+decision's taker is the plan's expectation, checked later against who ran it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Final
+
+import msgspec
+
+from dispatch.errors import ModelNotServedError
+from dispatch.lease import LeaseInfo, live_workers
+from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, queue_fields, sha256_hex
+from dispatch.queues import RESULT_TTL_MS, TaskQueues
+from dispatch.serving import describe_fleet, require_model, resolve_models, served_models
+from dispatch.view import LiveView
+from events.codec import encode_fields
+from events.event import Event, TaskRouted, TaskSubmitted
+from router.choose import Decision, RouteQuery, classify_domain, decide
+from router.errors import RouterError
+from router.preview import preview
+
+log = logging.getLogger("routeledger.dispatch")
+
+POLICY: Final = "routeledger"
+POLICY_VERSION: Final = 1
+
+
+class TaskRequest(msgspec.Struct, kw_only=True):
+    """A request for one generation, whichever surface or command it came through: the one value
+    passed down the submission path."""
+
+    model: str
+    kind: str = "chat"  # chat | generate
+    messages: list[Message] = msgspec.field(default_factory=list)
+    prompt: str | None = None
+    system: str | None = None
+    # None: classified from the text (router.choose.classify_domain).
+    domain: str | None = None
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    max_tokens: int | None = None
+    format: Any = None
+    priority: int = 0
+    # Who asked (a user agent, `cli`, `judge`…), recorded on TaskSubmitted.
+    client: str | None = None
+    pipeline_id: str | None = None
+    # None: a new id.
+    task_id: str | None = None
+    # False when the caller only waits for the result (see TaskMessage.stream).
+    stream: bool = True
+
+    def text(self) -> str:
+        """All the text the model reads (its size and its domain are read from it)."""
+        return prompt_text(self.kind, self.messages, self.prompt, self.system)
+
+
+class Submitted(msgspec.Struct, kw_only=True):
+    """A task accepted and queued, with the routing decision it was queued under (if any)."""
+
+    task: TaskMessage
+    queue: str
+    decision: Decision | None = None
+
+    @property
+    def task_id(self) -> str:
+        return self.task.task_id
+
+
+async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest) -> Submitted:
+    """Route and queue one request; `req.model` may be `auto`.
+
+    Raises ModelNotServedError at once when no live worker serves the model. A named model the
+    router cannot rank (it never should) is still queued, without a TaskRouted.
+    """
+    text = req.text()
+    domain = req.domain or classify_domain(text)
+    leases = await view.leases()
+    candidates = resolve_models(req.model, leases)
+    if candidates is None:
+        # A worker that came online since the cached read is found at once.
+        leases = await view.leases(fresh=True)
+        candidates = resolve_models(req.model, leases)
+    if candidates is None:
+        require_model(req.model, leases)  # raises, naming what is served
+        raise ModelNotServedError(
+            f"no live worker serves any model ({describe_fleet(leases)})", model=req.model
+        )
+    fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
+    query = RouteQuery(
+        model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
+    )
+    decision: Decision | None
+    try:
+        decision = decide(query, candidates, fleet, est, now)
+    except RouterError as exc:
+        if req.model == "auto":
+            raise ModelNotServedError(
+                f"the router could not choose a model: {exc}", model=req.model
+            ) from None
+        log.warning("router could not rank the holders of %s: %s", req.model, exc)
+        decision = None
+    routed = msgspec.structs.replace(
+        req,
+        model=decision.model if decision is not None else req.model,
+        domain=domain,
+    )
+    digest = decision.digest if decision is not None else candidates[req.model]
+    return await submit_task(queues, routed, leases=leases, digest=digest, decision=decision)
+
+
+async def submit_task(
+    queues: TaskQueues,
+    req: TaskRequest,
+    *,
+    leases: dict[str, LeaseInfo] | None = None,
+    digest: str | None = None,
+    decision: Decision | None = None,
+) -> Submitted:
+    """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
+    `req.model` among live workers unless `digest` says what it is.
+
+    Everything is written in one round trip, in this order: the ledger events, the task's lookup
+    hash, the queue entry, so that no worker sees a task the ledger has not recorded. Raises
+    ModelNotServedError at once when no live worker serves the model.
+    """
+    if digest is None:
+        live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
+        digest = require_model(req.model, live)
+    text = req.text()
+    domain = req.domain or classify_domain(text)
+    task = TaskMessage(
+        task_id=req.task_id or uuid.uuid4().hex,
+        model=req.model,
+        digest=digest,
+        kind=req.kind,
+        messages=list(req.messages),
+        prompt=req.prompt,
+        system=req.system,
+        domain=domain,
+        options=req.options,
+        max_tokens=req.max_tokens,
+        format=req.format,
+        priority=req.priority,
+        pipeline_id=req.pipeline_id,
+        stream=req.stream,
+        prompt_tokens=estimate_tokens(text),
+    )
+    keys = queues.keys
+    queue = keys.queue(digest)
+    events: list[Event] = [
+        TaskSubmitted(
+            task_id=task.task_id,
+            model=task.model,
+            digest=digest,
+            queue=queue,
+            domain=domain,
+            kind=task.kind,
+            prompt_tokens=task.prompt_tokens,
+            max_tokens=task.max_tokens,
+            priority=task.priority,
+            prompt_bytes=len(text.encode()),
+            prompt_sha256=sha256_hex(text),
+            pipeline_id=task.pipeline_id,
+            client=req.client,
+        )
+    ]
+    breakdown = b""
+    if decision is not None:
+        best = decision.ranking.best
+        routed = TaskRouted(
+            task_id=task.task_id,
+            digest=decision.digest,
+            queue=queue,
+            policy=POLICY,
+            policy_version=POLICY_VERSION,
+            breakdown=decision.to_dict(),
+            expected_worker=best.worker,
+            expected_finish_s=best.expected_finish_s,
+        )
+        events.append(routed)
+        breakdown = msgspec.json.encode(routed.breakdown)
+    await queues.ensure_group(queue)
+    pipe = queues.redis.pipeline(transaction=False)
+    for event in events:
+        pipe.xadd(keys.events, encode_fields(event))  # type: ignore[arg-type]
+    info_key = keys.task(task.task_id)
+    pipe.hset(
+        info_key,
+        mapping={
+            "queue": queue,
+            "model": task.model,
+            "digest": digest,
+            "domain": domain,
+            "submitted_at": str(task.submitted_at),
+            "routed": breakdown,
+        },
+    )
+    pipe.pexpire(info_key, RESULT_TTL_MS)
+    pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
+    await pipe.execute()
+    return Submitted(task=task, queue=queue, decision=decision)
+
+
+async def preview_request(view: LiveView, query: RouteQuery) -> dict[str, object]:
+    """The preview JSON (router/preview.py) for a request now: the CLI and the API print this.
+
+    Raises ModelNotServedError when no live worker serves `query.model`.
+    """
+    leases = await view.leases(fresh=True)
+    models = served_models(leases)
+    if query.model != "auto":
+        models = {query.model: require_model(query.model, leases)}
+    elif not models:
+        raise ModelNotServedError(
+            f"no live worker serves any model ({describe_fleet(leases)})", model=query.model
+        )
+    fleet, est, now, _ = await view.fleet(set(models.values()), leases)
+    return preview(query, models, fleet, est, now)
