@@ -1,8 +1,8 @@
 """The FastAPI application: factory, middleware, error handlers, and the operations endpoints.
 
 It keeps no state of its own beyond connections and short caches, so several can run behind a
-balancer. The surfaces live in their own modules (native, openai, ollama, fleet); the logic they
-share lives in gateway.py.
+balancer. The surfaces live in their own modules (native, openai, ollama, fleet, pipelines,
+dashboard); what they share lives in common.py, and everything below HTTP in dispatch/.
 """
 
 from __future__ import annotations
@@ -22,19 +22,21 @@ from starlette.responses import Response
 
 from api import dashboard, fleet, native, ollama, openai, pipelines
 from api.auth import Guard
-from api.common import JSON, Limits
+from api.common import JSON, RequestLimits
 from api.errors import (
     ApiError,
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
     UnprocessableError,
+    answer,
     render,
     surface_of,
 )
-from api.gateway import TRANSIENT, Gateway, unavailable
 from api.metrics import CONTENT_TYPE, Metrics
-from events.keys import Keys
+from dispatch.errors import DispatchError
+from dispatch.gateway import TRANSIENT, Gateway, unavailable
+from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
 
@@ -45,7 +47,7 @@ class AppConfig(msgspec.Struct, kw_only=True):
     """What the API needs to know; built by the composition root."""
 
     redis_url: str
-    prefix: str = "rl:"
+    prefix: str = DEFAULT_PREFIX
     api_keys: list[str] = msgspec.field(default_factory=list)
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 256
@@ -86,7 +88,7 @@ def create_app(config: AppConfig) -> FastAPI:
     metrics = Metrics()
     app.state.metrics = metrics
     app.state.pipeline_model = config.pipeline_model
-    app.state.limits = Limits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
+    app.state.limits = RequestLimits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
     app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes, metrics=metrics)
     # Outside the guard: a browser cannot send a key with a page load; the shell holds no data.
     app.add_middleware(dashboard.Shell)
@@ -148,6 +150,10 @@ def _handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _error_response(request, exc)
 
+    @app.exception_handler(DispatchError)
+    async def dispatch_error(request: Request, exc: DispatchError) -> Response:
+        return _error_response(request, answer(exc))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
@@ -187,8 +193,8 @@ def _handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def redis_down(request: Request, exc: RedisError) -> Response:
         log.warning("Redis error on %s: %s", request.url.path, exc)
-        return _error_response(request, unavailable(exc))
+        return _error_response(request, answer(unavailable(exc)))
 
     @app.exception_handler(ConnectionError)
     async def connection_down(request: Request, exc: ConnectionError) -> Response:
-        return _error_response(request, unavailable(exc))
+        return _error_response(request, answer(unavailable(exc)))

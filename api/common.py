@@ -1,9 +1,9 @@
-"""What every surface's handlers share: the gateway, limits, response helpers, usage."""
+"""What every surface's handlers share: the gateway, limits, submission, answers, response helpers."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
@@ -12,16 +12,18 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from api.auth import MODEL_KEY, TASK_KEY
-from api.errors import ApiError, PayloadTooLargeError, render
-from api.gateway import TRANSIENT, Gateway, unavailable
+from api.errors import ApiError, BadRequestError, GenerationError, PayloadTooLargeError, answer, render
 from api.relay import RelayResponse
+from dispatch.errors import DispatchError
+from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.payload import Result
-from dispatch.submit import Submitted
+from dispatch.submit import Submitted, TaskRequest
 
 _enc: Final = msgspec.json.Encoder()
+_msgpack: Final = msgspec.msgpack.Encoder()
 
 
-class Limits(msgspec.Struct, kw_only=True, frozen=True):
+class RequestLimits(msgspec.Struct, kw_only=True, frozen=True):
     """Per-request limits the app enforces."""
 
     max_body_bytes: int = 4 * 1024 * 1024
@@ -42,8 +44,8 @@ def gateway(request: Request) -> Gateway:
     return gw
 
 
-def limits(request: Request) -> Limits:
-    lim: Limits = request.app.state.limits
+def limits(request: Request) -> RequestLimits:
+    lim: RequestLimits = request.app.state.limits
     return lim
 
 
@@ -57,10 +59,27 @@ def check_messages(request: Request, count: int) -> None:
         )
 
 
-def mark(request: Request, sub: Submitted) -> None:
-    """Tell the guard which model and task this request was for (metrics and the access log)."""
+async def submit(request: Request, req: TaskRequest) -> Submitted:
+    """Check what a surface built, then route and queue it (dispatch.gateway); marks the request
+    with its model and task for the metrics and the access log."""
+    if req.kind == "chat" and not req.messages:
+        raise BadRequestError(
+            "messages must not be empty", param="messages", hint="send at least one message"
+        )
+    if req.kind == "generate" and req.prompt is None:
+        raise BadRequestError("prompt is required", param="prompt")
+    # Options and format travel to the backend as msgpack: refuse what cannot (ints over 64 bits).
+    for name, value in (("options", req.options), ("format", req.format)):
+        try:
+            _msgpack.encode(value)
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise BadRequestError(
+                f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
+            ) from None
+    sub = await gateway(request).submit(req)
     request.scope[MODEL_KEY] = sub.task.model
     request.scope[TASK_KEY] = sub.task_id
+    return sub
 
 
 def task_headers(sub: Submitted, result: Result | None = None) -> dict[str, str]:
@@ -71,6 +90,50 @@ def task_headers(sub: Submitted, result: Result | None = None) -> dict[str, str]
         # Streaming answers start before a worker claims the task: this is the router's expectation.
         headers["X-Routeledger-Expected-Worker"] = sub.decision.ranking.best.worker
     return headers
+
+
+class Answer:
+    """One generation a surface answers with, a task's or a pipeline's: its output as it arrives
+    (text pieces, then its Result), or whole; the headers that name it; what to do when the client
+    leaves a stream. Each surface renders both kinds through the same code."""
+
+    def __init__(
+        self,
+        *,
+        ident: str,
+        model: str,
+        pieces: Callable[[], AsyncIterator[str | Result]],
+        whole: Callable[[], Awaitable[Result]],
+        headers: Callable[[Result | None], dict[str, str]],
+        on_disconnect: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.ident = ident
+        self.model = model
+        self.pieces = pieces
+        self.whole = whole
+        self.headers = headers
+        self.on_disconnect = on_disconnect
+
+
+def task_answer(request: Request, sub: Submitted, timeout_s: float | None = None) -> Answer:
+    """The answer of a submitted task: relayed from its output stream, or awaited whole (a task
+    that ended without an answer is a 502)."""
+    gw = gateway(request)
+
+    async def whole() -> Result:
+        result = await gw.wait(sub.task_id, timeout_s)
+        if result.status != "completed":
+            raise GenerationError(f"task {result.task_id} {result.status}: {result.error or 'no answer'}")
+        return result
+
+    return Answer(
+        ident=sub.task_id,
+        model=sub.task.model,
+        pieces=lambda: gw.relay(sub.task_id, timeout_s),
+        whole=whole,
+        headers=lambda result: task_headers(sub, result),
+        on_disconnect=lambda: gw.cancel_quietly(sub.task_id),
+    )
 
 
 def usage(result: Result) -> dict[str, int | None]:
@@ -89,15 +152,13 @@ def finish_reason(result: Result) -> str:
 
 
 def stream(
-    request: Request,
-    sub: Submitted,
+    ans: Answer,
     lines: AsyncIterator[bytes],
     *,
     media_type: str,
     error_line: Callable[[ApiError], bytes],
 ) -> RelayResponse:
     """A streamed answer: `lines`, then an error line in the surface's shape if the relay fails."""
-    gw = gateway(request)
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -105,14 +166,13 @@ def stream(
                 yield line
         except ApiError as exc:
             yield error_line(exc)
+        except DispatchError as exc:
+            yield error_line(answer(exc))
         except (RedisError, *TRANSIENT) as exc:
-            yield error_line(unavailable(exc))
+            yield error_line(answer(unavailable(exc)))
 
     return RelayResponse(
-        body(),
-        media_type=media_type,
-        headers=task_headers(sub),
-        on_disconnect=lambda: gw.cancel_quietly(sub.task_id),
+        body(), media_type=media_type, headers=ans.headers(None), on_disconnect=ans.on_disconnect
     )
 
 

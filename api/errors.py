@@ -12,6 +12,17 @@ from typing import Any, ClassVar, Final
 
 import msgspec
 
+from dispatch.errors import (
+    DispatchError,
+    ModelNotServedError,
+    RedisUnavailableError,
+    TaskFailedError,
+    TaskFinishedError,
+    TaskNotFoundError,
+    TaskTimeoutError,
+)
+from dispatch.lease import LeaseInfo
+from dispatch.serving import catalog, describe_fleet
 from events.errors import RouteledgerError
 
 NATIVE: Final = "native"
@@ -120,6 +131,36 @@ class WaitTimeoutError(ApiError):
 
 
 _enc: Final = msgspec.json.Encoder()
+
+# How each condition the dispatch layer reports is answered over HTTP.
+_ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
+    TaskNotFoundError: NotFoundError,
+    TaskFinishedError: ConflictError,
+    TaskFailedError: GenerationError,
+    TaskTimeoutError: WaitTimeoutError,
+    RedisUnavailableError: UnavailableError,
+}
+
+
+def answer(exc: DispatchError) -> ApiError:
+    """The HTTP error that answers a dispatch error, with its message, hint and extra data."""
+    if isinstance(exc, ModelNotServedError):
+        return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
+    kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
+    headers = {"Retry-After": "2"} if isinstance(exc, RedisUnavailableError) else None
+    return kind(exc.message, hint=exc.hint, headers=headers, extra=exc.extra)
+
+
+def model_not_found(model: str, leases: dict[str, LeaseInfo]) -> ModelNotFoundError:
+    """404 naming what the live fleet serves, so that a client can pick another model."""
+    names = [m.name for m in catalog(leases)]
+    available = ", ".join(names) if names else "none (no live worker serves anything)"
+    return ModelNotFoundError(
+        f"model {model!r} is not served by any live worker; available: {available}",
+        hint=f"fleet: {describe_fleet(leases)}",
+        param="model",
+        extra={"available": names},
+    )
 
 
 def render(exc: ApiError, surface: str) -> bytes:

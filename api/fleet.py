@@ -8,8 +8,7 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 
 from api.common import JSON, gateway
-from api.errors import BadRequestError
-from api.gateway import model_not_found
+from api.errors import BadRequestError, model_not_found
 from api.schemas import BenchCreate
 from dispatch.benchmark import domains, request_benchmark
 from dispatch.errors import ModelNotServedError

@@ -9,10 +9,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from api.common import JSON, check_messages, encode, gateway, mark, sse, stream, task_headers
+from api.common import JSON, check_messages, encode, gateway, sse, stream, submit, task_answer, task_headers
 from api.errors import NATIVE, ApiError, NotFoundError, render
-from api.gateway import Gateway
 from api.schemas import TaskCreate
+from dispatch.gateway import Gateway
 from dispatch.submit import Submitted, TaskRequest
 
 router = APIRouter(tags=["tasks"])
@@ -40,11 +40,11 @@ async def create_task(body: TaskCreate, request: Request) -> Response:
     """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
     check_messages(request, len(body.messages or []))
     gw = gateway(request)
-    sub = await gw.submit(_request(body, request.headers.get("user-agent")))
-    mark(request, sub)
+    sub = await submit(request, _request(body, request.headers.get("user-agent")))
     if body.stream:
+        ans = task_answer(request, sub, body.timeout_s)
         return stream(
-            request, sub, _events(gw, sub, body.timeout_s), media_type="text/event-stream", error_line=_error
+            ans, _events(gw, sub, body.timeout_s), media_type="text/event-stream", error_line=_error
         )
     if body.wait:
         result = await gw.wait(sub.task_id, body.timeout_s)

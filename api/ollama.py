@@ -14,26 +14,20 @@ from typing import Any, Final
 from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
-from api.common import JSON, check_messages, encode, gateway, mark, stream, task_headers
-from api.errors import OLLAMA, ApiError, BadRequestError, GenerationError, render
-from api.gateway import Gateway, model_not_found
-from api.pipelines import PIPELINE_MODEL, ollama_chat
+from api.common import JSON, Answer, check_messages, encode, gateway, stream, submit, task_answer
+from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
+from api.pipelines import pipeline_answer
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from dispatch.lease import LeaseInfo
+from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
 from dispatch.payload import Result
 from dispatch.serving import ModelInfo, catalog
-from dispatch.submit import Submitted, TaskRequest
+from dispatch.submit import TaskRequest
+from pipelines.coordinator import PIPELINE_MODEL
 
 router = APIRouter(tags=["ollama"])
 
-# The Ollama API version this surface follows (clients check it is recent enough).
-VERSION: Final = "0.12.3"
 NDJSON: Final = "application/x-ndjson"
-
-
-def rfc3339(epoch_s: float | None = None) -> str:
-    t = time.time() if epoch_s is None else epoch_s
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f"{t % 1:.6f}"[1:] + "Z"
 
 
 def _details(m: ModelInfo) -> dict[str, Any]:
@@ -61,7 +55,7 @@ async def root() -> PlainTextResponse:
 
 @router.get("/api/version")
 async def version() -> JSON:
-    return JSON({"version": VERSION})
+    return JSON({"version": OLLAMA_VERSION})
 
 
 @router.get("/api/tags")
@@ -148,115 +142,84 @@ def _max_tokens(options: dict[str, Any] | None) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _final(sub: Submitted, result: Result, key: str) -> dict[str, Any]:
-    t = result.timings
-    out: dict[str, Any] = {"model": sub.task.model, "created_at": rfc3339()}
-    out[key] = {"role": "assistant", "content": ""} if key == "message" else ""
-    out.update(
-        {
-            "done": True,
-            "done_reason": result.done_reason or "stop",
-            "total_duration": t.total_duration,
-            "load_duration": t.load_duration,
-            "prompt_eval_count": t.prompt_eval_count,
-            "prompt_eval_duration": t.prompt_eval_duration,
-            "eval_count": t.eval_count,
-            "eval_duration": t.eval_duration,
-        }
-    )
-    return {k: v for k, v in out.items() if v is not None}
+def _final(ans: Answer, result: Result, key: str) -> dict[str, Any]:
+    empty: Any = {"role": "assistant", "content": ""} if key == "message" else ""
+    return {
+        "model": ans.model,
+        "created_at": rfc3339(),
+        key: empty,
+        **final_fields(result.done_reason, result.timings),
+    }
 
 
-def _failed(result: Result) -> None:
-    if result.status != "completed":
-        raise GenerationError(f"task {result.task_id} {result.status}: {result.error or 'no answer'}")
-
-
-async def _lines(gw: Gateway, sub: Submitted, key: str) -> AsyncIterator[bytes]:
-    model = sub.task.model
-    async for item in gw.relay(sub.task_id):
+async def _lines(ans: Answer, key: str) -> AsyncIterator[bytes]:
+    async for item in ans.pieces():
         if isinstance(item, str):
             piece: Any = {"role": "assistant", "content": item} if key == "message" else item
-            yield encode({"model": model, "created_at": rfc3339(), key: piece, "done": False}) + b"\n"
+            yield encode({"model": ans.model, "created_at": rfc3339(), key: piece, "done": False}) + b"\n"
         else:
-            yield encode(_final(sub, item, key)) + b"\n"
+            yield encode(_final(ans, item, key)) + b"\n"
 
 
 def _error_line(exc: ApiError) -> bytes:
     return render(exc, OLLAMA) + b"\n"
 
 
-async def _answer(request: Request, sub: Submitted, streaming: bool, key: str) -> Response:
-    gw = gateway(request)
+async def _respond(ans: Answer, streaming: bool, key: str) -> Response:
     if streaming:
-        return stream(request, sub, _lines(gw, sub, key), media_type=NDJSON, error_line=_error_line)
-    result = await gw.wait(sub.task_id)
-    _failed(result)
-    body = _final(sub, result, key)
+        return stream(ans, _lines(ans, key), media_type=NDJSON, error_line=_error_line)
+    result = await ans.whole()
+    body = _final(ans, result, key)
     body[key] = {"role": "assistant", "content": result.text} if key == "message" else result.text
-    return JSON(body, headers=task_headers(sub, result))
+    return JSON(body, headers=ans.headers(result))
+
+
+async def _loaded(request: Request, model: str, key: str) -> JSON:
+    """What Ollama answers when there is nothing to say: it loads the model and is done."""
+    if model != PIPELINE_MODEL:
+        gw = gateway(request)
+        await gw.retrying(lambda: gw.resolve(model))
+    empty: Any = {"role": "assistant", "content": ""} if key == "message" else ""
+    return JSON({"model": model, "created_at": rfc3339(), key: empty, "done": True, "done_reason": "load"})
 
 
 @router.post("/api/chat")
 async def chat(body: OllamaChat, request: Request) -> Response:
-    messages = body.messages or []
+    messages = [m.to_message() for m in body.messages or []]
     check_messages(request, len(messages))
-    if body.model == PIPELINE_MODEL:
-        return await ollama_chat(body, request)
-    gw = gateway(request)
     if not messages:
-        # Ollama loads the model and answers at once when there is nothing to say.
-        await gw.retrying(lambda: gw.resolve(body.model))
-        return JSON(
-            {
-                "model": body.model,
-                "created_at": rfc3339(),
-                "message": {"role": "assistant", "content": ""},
-                "done": True,
-                "done_reason": "load",
-            }
-        )
-    sub = await gw.submit(
-        TaskRequest(
+        return await _loaded(request, body.model, "message")
+    if body.model == PIPELINE_MODEL:
+        ans = pipeline_answer(request, messages, _max_tokens(body.options))
+    else:
+        req = TaskRequest(
             model=body.model,
-            messages=[m.to_message() for m in messages],
+            messages=messages,
             options=body.options or {},
             max_tokens=_max_tokens(body.options),
             format=body.format,
             client=request.headers.get("user-agent"),
             stream=body.stream is not False,
         )
-    )
-    mark(request, sub)
-    return await _answer(request, sub, body.stream is not False, "message")
+        ans = task_answer(request, await submit(request, req))
+    return await _respond(ans, body.stream is not False, "message")
 
 
 @router.post("/api/generate")
 async def generate(body: OllamaGenerate, request: Request) -> Response:
-    gw = gateway(request)
     if not body.prompt:
-        await gw.retrying(lambda: gw.resolve(body.model))
-        return JSON(
-            {
-                "model": body.model,
-                "created_at": rfc3339(),
-                "response": "",
-                "done": True,
-                "done_reason": "load",
-            }
-        )
-    sub = await gw.submit(
-        TaskRequest(
-            model=body.model,
-            kind="generate",
-            prompt=body.prompt,
-            system=body.system,
-            options=body.options or {},
-            max_tokens=_max_tokens(body.options),
-            format=body.format,
-            client=request.headers.get("user-agent"),
-            stream=body.stream is not False,
-        )
+        return await _loaded(request, body.model, "response")
+    req = TaskRequest(
+        model=body.model,
+        kind="generate",
+        prompt=body.prompt,
+        system=body.system,
+        options=body.options or {},
+        max_tokens=_max_tokens(body.options),
+        format=body.format,
+        client=request.headers.get("user-agent"),
+        stream=body.stream is not False,
     )
-    mark(request, sub)
-    return await _answer(request, sub, body.stream is not False, "response")
+    return await _respond(
+        task_answer(request, await submit(request, req)), body.stream is not False, "response"
+    )

@@ -16,25 +16,25 @@ from starlette.responses import Response
 
 from api.common import (
     JSON,
+    Answer,
     check_messages,
     encode,
     finish_reason,
     gateway,
-    mark,
     sse,
     sse_error,
     stream,
-    task_headers,
+    submit,
+    task_answer,
     unix_now,
     usage,
 )
-from api.errors import OPENAI, BadRequestError, GenerationError
-from api.gateway import Gateway, model_not_found
-from api.pipelines import PIPELINE_MODEL, model_entry, openai_chat
+from api.errors import OPENAI, BadRequestError, model_not_found
+from api.pipelines import model_entry, pipeline_answer
 from api.schemas import ChatCompletionCreate, CompletionCreate
-from dispatch.payload import Result
 from dispatch.serving import catalog
-from dispatch.submit import Submitted, TaskRequest
+from dispatch.submit import TaskRequest
+from pipelines.coordinator import PIPELINE_MODEL
 
 router = APIRouter(tags=["openai"])
 
@@ -53,11 +53,6 @@ def _options(body: ChatCompletionCreate | CompletionCreate) -> dict[str, Any]:
 def _single(n: int | None) -> None:
     if n not in (None, 1):
         raise BadRequestError("only n=1 is supported", param="n", hint="send n separate requests")
-
-
-def _failed(result: Result) -> None:
-    if result.status != "completed":
-        raise GenerationError(f"task {result.task_id} {result.status}: {result.error or 'no answer'}")
 
 
 @router.get("/v1/models")
@@ -100,41 +95,39 @@ def _model(name: str, extra: dict[str, Any]) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionCreate, request: Request) -> Response:
     _single(body.n)
     check_messages(request, len(body.messages))
+    messages = [m.to_message() for m in body.messages]
+    max_tokens = body.max_completion_tokens or body.max_tokens
     if body.model == PIPELINE_MODEL:
-        return await openai_chat(body, request)
-    gw = gateway(request)
-    fmt = body.response_format or {}
-    sub = await gw.submit(
-        TaskRequest(
+        ans = pipeline_answer(request, messages, max_tokens)
+    else:
+        fmt = body.response_format or {}
+        req = TaskRequest(
             model=body.model,
-            messages=[m.to_message() for m in body.messages],
+            messages=messages,
             domain=body.domain,
             options=_options(body),
-            max_tokens=body.max_completion_tokens or body.max_tokens,
+            max_tokens=max_tokens,
             format="json" if fmt.get("type") == "json_object" else None,
             client=request.headers.get("user-agent"),
             stream=bool(body.stream),
         )
-    )
-    mark(request, sub)
-    cid, created = f"chatcmpl-{sub.task_id}", unix_now()
+        ans = task_answer(request, await submit(request, req))
+    cid, created = f"chatcmpl-{ans.ident}", unix_now()
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         return stream(
-            request,
-            sub,
-            _chat_chunks(gw, sub, cid, created, include),
+            ans,
+            _chat_chunks(ans, cid, created, include),
             media_type="text/event-stream",
             error_line=sse_error(OPENAI),
         )
-    result = await gw.wait(sub.task_id)
-    _failed(result)
+    result = await ans.whole()
     return JSON(
         {
             "id": cid,
             "object": "chat.completion",
             "created": created,
-            "model": sub.task.model,
+            "model": ans.model,
             "choices": [
                 {
                     "index": 0,
@@ -146,14 +139,12 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             "usage": usage(result),
             "system_fingerprint": None,
         },
-        headers=task_headers(sub, result),
+        headers=ans.headers(result),
     )
 
 
-async def _chat_chunks(
-    gw: Gateway, sub: Submitted, cid: str, created: int, include_usage: bool
-) -> AsyncIterator[bytes]:
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": sub.task.model}
+async def _chat_chunks(ans: Answer, cid: str, created: int, include_usage: bool) -> AsyncIterator[bytes]:
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": ans.model}
 
     def chunk(delta: dict[str, Any], reason: str | None = None) -> bytes:
         return sse(
@@ -162,8 +153,9 @@ async def _chat_chunks(
             )
         )
 
+    # The role goes out at once: a pipeline's children run for a while before any text exists.
     yield chunk({"role": "assistant", "content": ""})
-    async for item in gw.relay(sub.task_id):
+    async for item in ans.pieces():
         if isinstance(item, str):
             yield chunk({"content": item})
         else:
@@ -179,69 +171,59 @@ async def completions(body: CompletionCreate, request: Request) -> Response:
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise BadRequestError("exactly one prompt is supported", param="prompt")
-    gw = gateway(request)
-    sub = await gw.submit(
-        TaskRequest(
-            model=body.model,
-            kind="generate",
-            prompt=prompts[0],
-            domain=body.domain,
-            options=_options(body),
-            max_tokens=body.max_tokens,
-            client=request.headers.get("user-agent"),
-            stream=bool(body.stream),
-        )
+    req = TaskRequest(
+        model=body.model,
+        kind="generate",
+        prompt=prompts[0],
+        domain=body.domain,
+        options=_options(body),
+        max_tokens=body.max_tokens,
+        client=request.headers.get("user-agent"),
+        stream=bool(body.stream),
     )
-    mark(request, sub)
-    cid, created = f"cmpl-{sub.task_id}", unix_now()
+    ans = task_answer(request, await submit(request, req))
+    cid, created = f"cmpl-{ans.ident}", unix_now()
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         return stream(
-            request,
-            sub,
-            _completion_chunks(gw, sub, cid, created, include),
+            ans,
+            _completion_chunks(ans, cid, created, include),
             media_type="text/event-stream",
             error_line=sse_error(OPENAI),
         )
-    result = await gw.wait(sub.task_id)
-    _failed(result)
+    result = await ans.whole()
     return JSON(
         {
             "id": cid,
             "object": "text_completion",
             "created": created,
-            "model": sub.task.model,
+            "model": ans.model,
             "choices": [
                 {"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}
             ],
             "usage": usage(result),
         },
-        headers=task_headers(sub, result),
+        headers=ans.headers(result),
     )
 
 
 async def _completion_chunks(
-    gw: Gateway, sub: Submitted, cid: str, created: int, include_usage: bool
+    ans: Answer, cid: str, created: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    head = {"id": cid, "object": "text_completion", "created": created, "model": sub.task.model}
-    async for item in gw.relay(sub.task_id):
+    head = {"id": cid, "object": "text_completion", "created": created, "model": ans.model}
+
+    def chunk(text: str, reason: str | None = None) -> bytes:
+        return sse(
+            encode(
+                {**head, "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
+            )
+        )
+
+    async for item in ans.pieces():
         if isinstance(item, str):
-            yield sse(
-                encode(
-                    {**head, "choices": [{"index": 0, "text": item, "finish_reason": None, "logprobs": None}]}
-                )
-            )
+            yield chunk(item)
         else:
-            yield sse(
-                encode(
-                    {
-                        **head,
-                        "choices": [
-                            {"index": 0, "text": "", "finish_reason": finish_reason(item), "logprobs": None}
-                        ],
-                    }
-                )
-            )
+            yield chunk("", finish_reason(item))
             if include_usage:
                 yield sse(encode({**head, "choices": [], "usage": usage(item)}))
     yield b"data: [DONE]\n\n"

@@ -1,17 +1,56 @@
-"""Errors of the dispatch layer: submission, waiting on a task, cancelling it, looking it up."""
+"""Errors of the dispatch layer: submitting, waiting on, relaying, cancelling and looking up tasks.
+
+Each says what went wrong and, in `hint`, what the caller can do about it; the HTTP API turns
+each into its status code and each surface's error shape (api/errors.py).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from events.errors import RouteledgerError
 
 
-class ModelNotServedError(RouteledgerError):
+class DispatchError(RouteledgerError):
+    """Raised when a task cannot be submitted, awaited or changed as asked; base of this layer's errors."""
+
+    def __init__(self, message: str, *, hint: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        # Plain data a client may act on (ids of what was queued, say), rendered with the error.
+        self.extra = extra or {}
+
+
+class ModelNotServedError(DispatchError):
     """Raised when no live worker serves the model a request names."""
 
     def __init__(self, message: str, *, model: str, fleet: object = None) -> None:
         super().__init__(message)
         self.model = model
+        # The leases the model was looked for in (dict[str, LeaseInfo]), when the raiser had them.
         self.fleet = fleet
+
+
+class TaskNotFoundError(DispatchError):
+    """Raised when a task id names no task that Redis or the ledger still knows."""
+
+
+class TaskFinishedError(DispatchError):
+    """Raised when a change is asked of a task that already has its outcome (cancelling a done task)."""
+
+
+class TaskFailedError(DispatchError):
+    """Raised when a task (or a pipeline) ended without an answer: failed, dead-lettered, cancelled, or
+    re-run after its streamed output had started."""
+
+
+class TaskTimeoutError(DispatchError):
+    """Raised when a task did not finish within the time its caller waits for it."""
+
+
+class RedisUnavailableError(DispatchError):
+    """Raised when Redis cannot be reached within the retry budget; the caller should try again later."""
 
 
 class BenchSetError(RouteledgerError):

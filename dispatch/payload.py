@@ -13,6 +13,7 @@ from typing import Any, Final
 import msgspec
 
 from events.event import Timings, now_ms
+from projections.status import Outcome
 
 # Fields of a queue entry. `attempt` sits outside the payload so that the reclaim script can raise
 # it without decoding the task.
@@ -104,7 +105,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The final outcome of a task, written once to `rl:result:{task}` by the first completion."""
 
     task_id: str
-    status: str  # completed | failed | dead | cancelled
+    status: Outcome
     worker: str | None = None
     attempt: int = 0
     text: str = ""

@@ -15,7 +15,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from events.codec import decode_rows, encode_batch, encode_fields
+from events.codec import as_str, decode_rows, encode_batch, encode_fields
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
@@ -67,10 +67,6 @@ class PendingEntry(msgspec.Struct, frozen=True):
     deliveries: int
 
 
-def _sid(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 def next_id(entry_id: str) -> str:
     """The smallest stream id strictly after `entry_id` (for exclusive ranges on Redis 6.2)."""
     ms, _, seq = entry_id.partition("-")
@@ -93,7 +89,7 @@ class Ledger:
             raw: Any = await self.redis.xadd(self.stream, encode_fields(event))  # type: ignore[arg-type]
         except RedisError as exc:
             raise LedgerError(f"could not append {type(event).__name__}: {exc}") from exc
-        return _sid(raw)
+        return as_str(raw)
 
     async def append_many(self, events: Sequence[Event]) -> list[str]:
         """Append events in order, one round trip per batch of up to MAX_BATCH; returns their ids."""
@@ -104,7 +100,7 @@ class Ledger:
                 raw = await self._append_many(keys=[self.stream], args=[encode_batch(chunk)])
             except RedisError as exc:
                 raise LedgerError(f"could not append a batch of {len(chunk)} events: {exc}") from exc
-            ids.extend(_sid(r) for r in raw)
+            ids.extend(as_str(r) for r in raw)
         return ids
 
     # -- reading ------------------------------------------------------------------------------
@@ -115,7 +111,7 @@ class Ledger:
     async def last_id(self) -> str | None:
         """The id of the newest entry, or None when the ledger is empty."""
         raw: Any = await self.redis.xrevrange(self.stream, count=1)
-        return _sid(raw[0][0]) if raw else None
+        return as_str(raw[0][0]) if raw else None
 
     async def _xrange(self, start: str, stop: str, count: int) -> list[Any]:
         rows: list[Any] = await self._raw(_XRANGE, self.stream, start, stop, "COUNT", count)
@@ -270,7 +266,7 @@ class Ledger:
         out: list[tuple[str, list[Entry]]] = []
         for stream, rows in reply:
             # A pending entry deleted meanwhile comes back with no fields (None).
-            out.append((_sid(stream), [(_sid(i), f or {}) for i, f in rows]))
+            out.append((as_str(stream), [(as_str(i), f or {}) for i, f in rows]))
         return out
 
     async def ack(self, stream: str, *entry_ids: str, group: str = WORKERS_GROUP) -> int:
@@ -294,8 +290,8 @@ class Ledger:
         )
         return [
             PendingEntry(
-                _sid(row["message_id"]),
-                _sid(row["consumer"]),
+                as_str(row["message_id"]),
+                as_str(row["consumer"]),
                 int(row["time_since_delivered"]),
                 int(row["times_delivered"]),
             )
@@ -323,9 +319,9 @@ class Ledger:
             raw: list[Any] = await self.redis.xclaim(
                 stream, group, consumer, min_idle_ms, list(entry_ids), justid=True
             )
-            return [_sid(i) for i in raw]
+            return [as_str(i) for i in raw]
         rows: Any = await self.redis.xclaim(stream, group, consumer, min_idle_ms, list(entry_ids))
-        return [_sid(row[0]) for row in rows if row is not None]
+        return [as_str(row[0]) for row in rows if row is not None]
 
     async def autoclaim(
         self,
@@ -343,10 +339,12 @@ class Ledger:
         `count` entries while the cursor is not yet `0-0`, so callers loop on the cursor.
         """
         reply: Any = await self.redis.xautoclaim(stream, group, consumer, min_idle_ms, start, count=count)
-        cursor = _sid(reply[0])
+        cursor = as_str(reply[0])
         # An entry deleted while pending comes back as None (6.2) or is listed as deleted (7.0).
-        entries = [(_sid(row[0]), row[1] or {}) for row in reply[1] if row is not None and row[0] is not None]
-        deleted = [_sid(i) for i in reply[2]] if len(reply) > 2 else []
+        entries = [
+            (as_str(row[0]), row[1] or {}) for row in reply[1] if row is not None and row[0] is not None
+        ]
+        deleted = [as_str(i) for i in reply[2]] if len(reply) > 2 else []
         return cursor, entries, deleted
 
 

@@ -40,7 +40,19 @@ from projections.snapshot import (
     TaskRow,
     fold,
 )
+from projections.status import fold_status
 from projections.tables import Tables
+
+TaskEvent = (
+    TaskSubmitted
+    | TaskClaimed
+    | TaskCompleted
+    | TaskFailed
+    | TaskReclaimed
+    | TaskStalled
+    | TaskDeadLettered
+    | TaskCancelled
+)
 
 NS_PER_S: Final = 1e9
 # Above this a decode rate is a broken timing, not a fast machine.
@@ -50,10 +62,6 @@ MAX_PROMPT_TPS: Final = 1_000_000.0
 # No model writes a million tokens in one answer; a larger count is a broken report, and one such
 # value would swamp the length table's mean.
 MAX_OUTPUT_TOKENS: Final = 1_000_000
-
-# A terminal status outranks every non-terminal one; among terminals the higher rank wins, so the
-# final status does not depend on the order terminal events arrive in.
-TERMINAL_RANK: Final[dict[str, int]] = {"failed": 1, "dead": 2, "cancelled": 3, "completed": 4}
 
 RESOURCE_FIELDS: Final = (
     "cpu_percent",
@@ -175,11 +183,13 @@ class Folder:
             self.tables.fleet[worker].in_flight = sorted(self._in_flight.get(worker, ()))
 
     # -- rows ----------------------------------------------------------------------------------
-    def _task(self, task_id: str) -> TaskRow:
-        row = self.tables.tasks.get(task_id)
+    def _task(self, e: TaskEvent) -> TaskRow:
+        """The task's row, with its status moved by `e` (projections.status: the one rule)."""
+        row = self.tables.tasks.get(e.task_id)
         if row is None:
-            row = self.tables.tasks[task_id] = TaskRow(task_id=task_id)
-        self.dirty_tasks.add(task_id)
+            row = self.tables.tasks[e.task_id] = TaskRow(task_id=e.task_id)
+        row.status = fold_status(row.status, e)
+        self.dirty_tasks.add(e.task_id)
         return row
 
     def _fleet(self, worker: str) -> FleetRow:
@@ -196,16 +206,6 @@ class Folder:
             row = self.tables.speed[key] = SpeedRow(worker=worker, digest=digest)
         self.dirty_speed.add(key)
         return row
-
-    @staticmethod
-    def _phase(row: TaskRow, status: str) -> None:
-        if row.status not in TERMINAL_RANK:
-            row.status = status
-
-    @staticmethod
-    def _terminal(row: TaskRow, status: str) -> None:
-        if TERMINAL_RANK.get(row.status, 0) < TERMINAL_RANK[status]:
-            row.status = status
 
     def _release(self, worker: str, task_id: str) -> None:
         held = self._in_flight.get(worker)
@@ -239,8 +239,7 @@ class Folder:
 
     # -- tasks ---------------------------------------------------------------------------------
     def _submitted(self, e: TaskSubmitted) -> None:
-        row = self._task(e.task_id)
-        self._phase(row, "queued")
+        row = self._task(e)
         if row.submitted_at is not None:
             return  # a repeated submission: the first one describes the task and counts as demand
         row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue
@@ -253,17 +252,16 @@ class Folder:
         self.dirty_demand.add(e.digest)
 
     def _claimed(self, e: TaskClaimed) -> None:
-        row = self._task(e.task_id)
+        row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
         row.claimed_at = e.at
         if row.completed_attempt is None:
             row.worker = e.worker
-        self._phase(row, "running")
         self._fleet(e.worker)
         self._in_flight.setdefault(e.worker, set()).add(e.task_id)
 
     def _completed(self, e: TaskCompleted) -> None:
-        row = self._task(e.task_id)
+        row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
         self._release(e.worker, e.task_id)
         if e.duplicate or row.completed_attempt is not None:
@@ -278,7 +276,6 @@ class Folder:
         row.decode_tps = decode_tps(t)
         row.ttft_ms = e.ttft_ms
         row.wall_ms = e.wall_ms
-        self._terminal(row, "completed")
         if e.bench_id is not None:
             # Its BenchmarkResult carries the speed sample; benchmark answers are short by design,
             # so they say nothing of output length either.
@@ -295,33 +292,27 @@ class Folder:
             self.dirty_length.add(key)
 
     def _failed(self, e: TaskFailed) -> None:
-        row = self._task(e.task_id)
+        row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
         row.error = task_error(e.kind, e.message)
-        if e.retryable:
-            self._phase(row, "queued")
-        else:
-            self._terminal(row, "failed")
         self._release(e.worker, e.task_id)
 
     def _reclaimed(self, e: TaskReclaimed) -> None:
-        row = self._task(e.task_id)
+        row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
-        self._phase(row, "queued")
         self._release(e.owner, e.task_id)
 
     def _stalled(self, e: TaskStalled) -> None:
-        self._phase(self._task(e.task_id), "stalled")
+        self._task(e)
 
     def _dead_lettered(self, e: TaskDeadLettered) -> None:
-        row = self._task(e.task_id)
+        row = self._task(e)
         row.attempts = max(row.attempts, e.attempts)
         row.error = e.reason
-        self._terminal(row, "dead")
         self._release_everywhere(e.task_id)
 
     def _cancelled(self, e: TaskCancelled) -> None:
-        self._terminal(self._task(e.task_id), "cancelled")
+        self._task(e)
         self._release_everywhere(e.task_id)
 
     # -- workers -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from events.codec import decode_rows
 from events.errors import UndecodableEntryError
 from events.keys import Keys
 from events.ledger import Ledger
-from events.singleton import RELEASE_LEASE, RENEW_LEASE
+from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
 from projections.folder import Folder
@@ -46,7 +46,7 @@ class Projector:
         *,
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S,
-        lease_ms: int = 10_000,
+        lease_ms: int = DEFAULT_LEASE_MS,
         batch: int = 2000,
         block_ms: int | None = None,
     ) -> None:

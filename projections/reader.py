@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
+from events.codec import as_str
 from events.event import now_ms as clock_ms
 from events.keys import Keys
 from events.ledger import next_id
@@ -15,10 +17,6 @@ from projections.errors import NoProjectionError, ProjectionError
 from projections.snapshot import Snapshot, TaskRow
 
 _SNAPSHOT_TABLES = (store.SPEED, store.LENGTH, store.QUALITY, store.FLEET, store.DEMAND)
-
-
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _ms(entry_id: str) -> int:
@@ -45,7 +43,7 @@ async def snapshot(redis: aioredis.Redis, keys: Keys | None = None, *, now_ms: i
     try:
         fleet_rows = store.decode_fleet(fleet)
         snap = Snapshot(
-            checkpoint=None if cp is None else _s(cp),
+            checkpoint=None if cp is None else as_str(cp),
             taken_at=taken_at,
             speed=store.decode_speed(speed),
             length=store.decode_length(length),
@@ -84,6 +82,18 @@ async def get_task(redis: aioredis.Redis, keys: Keys | None, task_id: str) -> Ta
         raise ProjectionError(f"task row {task_id!r} does not decode: {exc}") from None
 
 
+async def get_tasks(redis: aioredis.Redis, keys: Keys, task_ids: Sequence[str]) -> dict[str, TaskRow]:
+    """The tasks rows of `task_ids` that the projection has seen, in one round trip."""
+    ns = await store.current(redis, keys)
+    if ns is None or not task_ids:
+        return {}
+    raw: list[Any] = await redis.hmget(keys.table(ns, store.TASKS), list(task_ids))
+    try:
+        return {t: store.decode_task(r) for t, r in zip(task_ids, raw, strict=True) if r is not None}
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProjectionError(f"a task row of {list(task_ids)} does not decode: {exc}") from None
+
+
 async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int]:
     """(entries behind, ms behind) of the live namespace: how much of the ledger is not folded yet.
 
@@ -101,10 +111,10 @@ async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int
     pipe.xlen(keys.events)
     pipe.time()
     cp_raw, folded_raw, length, (secs, micros) = await pipe.execute()
-    checkpoint = "0-0" if cp_raw is None else _s(cp_raw)
+    checkpoint = "0-0" if cp_raw is None else as_str(cp_raw)
     rows: Any = await redis.xrange(keys.events, next_id(checkpoint), "+", count=1)
     if not rows:
         return 0, 0
     server_ms = int(secs) * 1000 + int(micros) // 1000
     behind = max(1, int(length) - int(folded_raw or 0))
-    return behind, max(0, server_ms - _ms(_s(rows[0][0])))
+    return behind, max(0, server_ms - _ms(as_str(rows[0][0])))

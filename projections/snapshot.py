@@ -12,6 +12,8 @@ import math
 
 import msgspec
 
+from projections.status import TaskStatus
+
 
 class Stat(msgspec.Struct, kw_only=True, gc=False):
     """Sufficient statistics of one field: lifetime (n, sum, sumsq) and exponentially time-decayed.
@@ -98,7 +100,7 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     prompt_tps: Stat = msgspec.field(default_factory=Stat)
     load_s: Stat = msgspec.field(default_factory=Stat)
     ttft_s: Stat = msgspec.field(default_factory=Stat)
-    # Tasks the worker had in flight when each decode sample was taken (to model concurrency later).
+    # Tasks the worker had in flight when each decode sample was taken (the concurrency fit reads it).
     in_flight: Stat = msgspec.field(default_factory=Stat)
 
 
@@ -145,7 +147,7 @@ class TaskRow(msgspec.Struct, kw_only=True, gc=False):
     """tasks[task_id]: what the API shows for a task."""
 
     task_id: str
-    status: str = "queued"  # queued | running | completed | failed | dead | cancelled | stalled
+    status: TaskStatus = "queued"
     model: str = ""
     digest: str = ""
     domain: str = "general"

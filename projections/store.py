@@ -29,6 +29,7 @@ import hiredis
 import msgspec
 import redis.asyncio as aioredis
 
+from events.codec import as_str
 from events.keys import Keys
 from projections.errors import ProjectionError
 from projections.snapshot import DemandRow, FleetRow, LengthRow, QualityRow, SpeedRow, TaskRow
@@ -102,14 +103,10 @@ def table_keys(keys: Keys, ns: str) -> list[str]:
     return [keys.table(ns, t) for t in (*TABLE_NAMES, META)] + [keys.checkpoint(ns), keys.owner(ns)]
 
 
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 async def current(redis: aioredis.Redis, keys: Keys) -> str | None:
     """The live namespace, or None when no projection exists yet."""
     raw: Any = await redis.get(keys.current)
-    return None if raw is None else _s(raw)
+    return None if raw is None else as_str(raw)
 
 
 # -- encoding ----------------------------------------------------------------------------------
@@ -192,13 +189,13 @@ async def load(redis: aioredis.Redis, keys: Keys, ns: str, *, with_tasks: bool =
         if name != TASKS or with_tasks:
             pipe.hgetall(keys.table(ns, name))
     replies: list[Any] = await pipe.execute()
-    cp, meta = replies[0], {_s(k): _s(v) for k, v in replies[1].items()}
+    cp, meta = replies[0], {as_str(k): as_str(v) for k, v in replies[1].items()}
     by_name = dict(zip([n for n in TABLE_NAMES if n != TASKS or with_tasks], replies[2:], strict=True))
     try:
         return Tables(
             half_life_s=float(meta["half_life_s"]),
             demand_half_life_s=float(meta["demand_half_life_s"]),
-            checkpoint=None if cp is None else _s(cp),
+            checkpoint=None if cp is None else as_str(cp),
             folded=int(meta.get("folded", "0")),
             speed=decode_speed(by_name[SPEED]),
             length=decode_length(by_name[LENGTH]),
@@ -206,7 +203,7 @@ async def load(redis: aioredis.Redis, keys: Keys, ns: str, *, with_tasks: bool =
             fleet=decode_fleet(by_name[FLEET]),
             tasks=decode_tasks(by_name[TASKS]) if with_tasks else {},
             demand=decode_demand(by_name[DEMAND]),
-            benched={split_pair(_s(f)) for f in by_name[BENCHED]},
+            benched={split_pair(as_str(f)) for f in by_name[BENCHED]},
         )
     except KeyError as exc:
         raise ProjectionError(
@@ -268,7 +265,7 @@ async def create(redis: aioredis.Redis, keys: Keys, tables: Tables, *, built_by:
 async def switch(redis: aioredis.Redis, keys: Keys, ns: str) -> str | None:
     """Make `ns` the live namespace in one step; the one it replaces expires a minute later."""
     old_raw: Any = await redis.getset(keys.current, ns)
-    old = None if old_raw is None else _s(old_raw)
+    old = None if old_raw is None else as_str(old_raw)
     if old is not None and old != ns:
         await retire(redis, keys, old)
     return old
@@ -308,7 +305,7 @@ class NamespaceWriter:
         raw: Any = await self._adopt(
             keys=[self.keys.owner(self.ns), self.keys.checkpoint(self.ns)], args=[self.token]
         )
-        return None if raw is None else _s(raw)
+        return None if raw is None else as_str(raw)
 
     async def apply(
         self,

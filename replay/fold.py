@@ -17,7 +17,6 @@ from projections.folder import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TPS,
     NS_PER_S,
-    TERMINAL_RANK,
     resources_dict,
 )
 from projections.snapshot import (
@@ -30,6 +29,7 @@ from projections.snapshot import (
     Stat,
     TaskRow,
 )
+from projections.status import TERMINAL_RANK
 from projections.tables import Tables
 from replay.frames import HEARTBEAT, Frames
 

@@ -9,8 +9,8 @@ import typer
 from rich.markup import escape
 from rich.tree import Tree
 
-from api.pipelines import pipeline_from_ledger, pipeline_view
 from events.ledger import Ledger
+from pipelines.history import pipeline_from_ledger, pipeline_view
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,

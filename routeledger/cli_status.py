@@ -1,6 +1,6 @@
 """`routeledger status [--watch]`: the dashboard in the terminal, read from Redis directly.
 
-The same data as GET /v1/dashboard/overview (api.dashboard.overview), so it works without the
+The same data as GET /v1/dashboard/overview (dispatch.overview.overview), so it works without the
 API running: the fleet, capacity and queues per model, recent tasks with who ran them and why,
 and recent reclaims, stalls and dead letters.
 """
@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from api.dashboard import overview
+from dispatch.overview import overview
 from routeledger.runtime import (
     ConfigOpt,
     DataDirOpt,

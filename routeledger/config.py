@@ -15,6 +15,8 @@ from typing import Any, Final
 
 import msgspec
 
+from events.keys import DEFAULT_PREFIX
+from events.singleton import DEFAULT_LEASE_MS
 from routeledger.errors import ConfigError, NotRunningError
 
 ENV_PREFIX: Final = "ROUTELEDGER_"
@@ -38,11 +40,11 @@ class Settings(msgspec.Struct, kw_only=True):
     redis_url: str | None = None
     redis_bind: str = "127.0.0.1"
     redis_port: int = 0
-    prefix: str = "rl:"
+    prefix: str = DEFAULT_PREFIX
     host: str = "127.0.0.1"
     port: int = 8600
     api_keys: list[str] = msgspec.field(default_factory=list)
-    lease_ms: int = 10_000
+    lease_ms: int = DEFAULT_LEASE_MS
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
     stall_after_s: float = 600.0

@@ -45,6 +45,8 @@ from events.event import (
 )
 from events.keys import Keys
 from events.ledger import Ledger
+from events.singleton import DEFAULT_LEASE_MS
+from projections.status import Outcome
 from workers.backend import Backend, Generated, Inventory
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.resources import read_resources
@@ -95,7 +97,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     slots: int = 1
     # Names (or digests) of held models to serve; None: all held; []: registered, serving nothing.
     serves: list[str] | None = None
-    lease_ms: int = 10_000
+    lease_ms: int = DEFAULT_LEASE_MS
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
     block_ms: int = 1_000
@@ -749,7 +751,7 @@ class WorkerAgent:
             )
         )
 
-    async def _settle(self, run: Running, status: str, error: str) -> None:
+    async def _settle(self, run: Running, status: Outcome, error: str) -> None:
         """A final outcome without a completion: record it, close the output, finish the entry."""
         entry = run.entry
         task_id = entry.task.task_id

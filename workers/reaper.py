@@ -20,16 +20,17 @@ from redis.exceptions import RedisError
 from dispatch.lease import decode_lease
 from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
+from events.codec import as_str
 from events.event import TaskReclaimed, TaskStalled, now_ms
 from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger, next_id
-from events.singleton import SingletonLease
+from events.singleton import DEFAULT_LEASE_MS, SingletonLease
 
 log = logging.getLogger("routeledger.reaper")
 
 
 class ReaperConfig(msgspec.Struct, kw_only=True):
-    lease_ms: int = 10_000
+    lease_ms: int = DEFAULT_LEASE_MS
     delivery_limit: int = 3
     stall_after_s: float = 600.0
     # How often to sweep; a reclaim happens within lease + interval of a death.
@@ -84,14 +85,14 @@ class Reaper:
     async def _queue_names(self) -> list[str]:
         names: list[str] = []
         async for key in self.redis.scan_iter(match=self.keys.queue_pattern, count=500, _type="stream"):
-            names.append(key.decode() if isinstance(key, bytes) else key)
+            names.append(as_str(key))
         return sorted(names)
 
     async def _live(self) -> set[str]:
         live: set[str] = set()
         prefix = self.keys.live("")
         async for key in self.redis.scan_iter(match=self.keys.live_pattern, count=500):
-            name = key.decode() if isinstance(key, bytes) else key
+            name = as_str(key)
             live.add(name[len(prefix) :])
         return live
 
@@ -112,7 +113,7 @@ class Reaper:
                 return
             raise
         for consumer in summary.get("consumers") or []:
-            owner = _s(consumer["name"])
+            owner = as_str(consumer["name"])
             if owner in live:
                 report.skipped_live += int(consumer["pending"])
                 await self._reclaim_abandoned(queue, owner, report)
@@ -147,7 +148,7 @@ class Reaper:
                 running = {r.task_id for r in decode_lease(raw).running}
         for pending in batch:
             fields = await self.queues.entry(queue, pending.entry_id)
-            if fields is not None and _s(fields.get(F_ID, b"")) in running:
+            if fields is not None and as_str(fields.get(F_ID, b"")) in running:
                 continue
             report.skipped_live -= 1
             await self._reclaim(
@@ -206,20 +207,22 @@ class Reaper:
     async def _report_stalls(self, queue: str, report: Sweep) -> None:
         """TaskStalled, once, for each entry nobody has read for `stall_after_s`."""
         groups: Any = await self.redis.xinfo_groups(queue)
-        last = next((_s(g["last-delivered-id"]) for g in groups if _s(g["name"]) == WORKERS_GROUP), None)
+        last = next(
+            (as_str(g["last-delivered-id"]) for g in groups if as_str(g["name"]) == WORKERS_GROUP), None
+        )
         if last is None:
             return
         await self._forget_taken(queue, last)
         cutoff = now_ms() - int(self.config.stall_after_s * 1000)
         rows: Any = await self.redis.xrange(queue, next_id(last), f"{cutoff}-0", count=200)
         for raw_id, fields in rows:
-            entry_id = _s(raw_id)
+            entry_id = as_str(raw_id)
             member = f"{queue} {entry_id}"
             if not await self.redis.sadd(self.keys.stalled, member):
                 continue
             report.stalled += 1
             waited = now_ms() - int(entry_id.split("-")[0])
-            task_id = _s(fields.get(F_ID, b""))
+            task_id = as_str(fields.get(F_ID, b""))
             log.warning("task %s on %s has waited %.0fs and nobody took it", task_id, queue, waited / 1000)
             await self.ledger.append(
                 TaskStalled(task_id=task_id, queue=queue, entry_id=entry_id, waited_ms=waited)
@@ -229,7 +232,7 @@ class Reaper:
         """Drop stall markers of entries a worker has since read (the set stays small)."""
         done: list[str] = []
         async for raw in self.redis.sscan_iter(self.keys.stalled, match=f"{queue} *", count=200):
-            member = _s(raw)
+            member = as_str(raw)
             if _id_key(member.split(" ", 1)[1]) <= _id_key(last_delivered):
                 done.append(member)
         if done:
@@ -239,7 +242,3 @@ class Reaper:
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _s(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw

@@ -1,7 +1,8 @@
-"""The one place where the HTTP surfaces meet Redis: submit, wait, relay, cancel, look up.
+"""Where clients of the fleet meet Redis: submit, wait, relay, cancel, look up a task.
 
-Every surface (native, OpenAI, Ollama) turns its request into a TaskRequest and its response out
-of a Result or a relayed stream; nothing here knows any wire format.
+The HTTP surfaces (native, OpenAI, Ollama) and pipelines turn their requests into a TaskRequest
+and their responses out of a Result or a relayed stream; nothing here knows any wire format, and
+every error is a dispatch error that each surface renders in its own shape.
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from api.errors import (
-    BadRequestError,
-    ConflictError,
-    GenerationError,
-    ModelNotFoundError,
-    NotFoundError,
-    UnavailableError,
-    WaitTimeoutError,
+from dispatch.errors import (
+    ModelNotServedError,
+    RedisUnavailableError,
+    TaskFailedError,
+    TaskFinishedError,
+    TaskNotFoundError,
+    TaskTimeoutError,
 )
-from dispatch.errors import ModelNotServedError
 from dispatch.lease import LeaseInfo
 from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
-from dispatch.serving import catalog, describe_fleet, find_holders
+from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import decode_rows
@@ -42,8 +41,9 @@ from events.ledger import Ledger
 from projections.errors import ProjectionError
 from projections.reader import get_task
 from projections.snapshot import TaskRow
+from projections.status import TaskStatus, settle
 
-log = logging.getLogger("routeledger.api")
+log = logging.getLogger("routeledger.gateway")
 
 T = TypeVar("T")
 
@@ -52,7 +52,6 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
-_msgpack: Final = msgspec.msgpack.Encoder()
 
 
 class Gateway:
@@ -78,7 +77,7 @@ class Gateway:
 
     # -- resilience -----------------------------------------------------------------------------
     async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run `op`, retrying while Redis is unreachable within the budget; then 503 with Retry-After."""
+        """Run `op`, retrying while Redis is unreachable within the budget; then RedisUnavailableError."""
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_delay(self.retry_budget_s),
@@ -97,33 +96,25 @@ class Gateway:
         """The digest `model` names among live workers, and the leases it was resolved against.
 
         A miss in the cached leases is checked once more against fresh ones, so that a worker
-        that just came online is found at once.
+        that just came online is found at once. ModelNotServedError when no live worker serves it.
         """
         leases = await self.fleet.leases()
         digest, holders = find_holders(model, leases)
         if digest is None or not holders:
             leases = await self.fleet.leases(fresh=True)
-            digest, holders = find_holders(model, leases)
-        if digest is None or not holders:
-            raise model_not_found(model, leases)
-        return digest, leases
+        return require_model(model, leases), leases
 
     # -- submission -----------------------------------------------------------------------------
     async def submit(self, req: TaskRequest) -> Submitted:
-        """Validate, then route and queue through the one submission path (dispatch.submit)."""
-        if req.kind == "chat" and not req.messages:
-            raise BadRequestError(
-                "messages must not be empty", param="messages", hint="send at least one message"
-            )
-        if req.kind == "generate" and req.prompt is None:
-            raise BadRequestError("prompt is required", param="prompt")
-        _check_encodable(req)
-
+        """Route and queue through the one submission path (dispatch.submit), retrying while Redis
+        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it."""
         try:
             return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
         except ModelNotServedError as exc:
-            leases = exc.fleet if isinstance(exc.fleet, dict) else await self.fleet.leases(fresh=True)
-            raise model_not_found(req.model, leases) from None
+            if isinstance(exc.fleet, dict):
+                raise
+            leases = await self.fleet.leases(fresh=True)
+            raise ModelNotServedError(str(exc), model=req.model, fleet=leases) from None
 
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
@@ -162,7 +153,7 @@ class Gateway:
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise WaitTimeoutError(
+                raise TaskTimeoutError(
                     f"task {task_id} did not finish within {timeout_s or self.wait_timeout_s:.0f}s",
                     hint=f"it is still queued or running: GET /v1/tasks/{task_id}",
                 )
@@ -179,7 +170,7 @@ class Gateway:
 
         One attempt is relayed: the first one seen. A later attempt (the task re-ran after a
         reclaim or a retryable failure) replaces it only while no text was relayed yet; after
-        that, the stream ends with a GenerationError rather than mixing two runs' text.
+        that, the stream ends with a TaskFailedError rather than mixing two runs' text.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
         cursor = "0-0"
@@ -188,7 +179,7 @@ class Gateway:
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                raise WaitTimeoutError(f"task {task_id} did not finish in time")
+                raise TaskTimeoutError(f"task {task_id} did not finish in time")
             for entry_id, chunk, carried in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
                 cursor = entry_id
                 if attempt is None or (chunk.attempt > attempt and not relayed):
@@ -196,7 +187,7 @@ class Gateway:
                 elif chunk.attempt < attempt:
                     continue  # a superseded run finishing late
                 elif chunk.attempt > attempt:
-                    raise GenerationError(
+                    raise TaskFailedError(
                         f"task {task_id} was re-run (attempt {chunk.attempt}) after its output had started",
                         hint="retry the request; streamed text from two runs is never mixed",
                     )
@@ -208,11 +199,11 @@ class Gateway:
                     if result is None:
                         continue  # the done chunk of a run whose result is not written yet
                     if result.status != "completed":
-                        raise GenerationError(
+                        raise TaskFailedError(
                             f"task {task_id} {result.status}: {result.error or chunk.error}"
                         )
                     if relayed and result.attempt != attempt:
-                        raise GenerationError(
+                        raise TaskFailedError(
                             f"task {task_id} completed on another run (attempt {result.attempt})",
                             hint="retry the request; streamed text from two runs is never mixed",
                         )
@@ -221,15 +212,16 @@ class Gateway:
 
     # -- cancelling -------------------------------------------------------------------------------
     async def cancel(self, task_id: str) -> dict[str, Any]:
-        """Withdraw a task: removed if queued, told to stop if running. 404 unknown, 409 finished."""
+        """Withdraw a task: removed if queued, told to stop if running. TaskNotFoundError for an
+        unknown task, TaskFinishedError for one that has its outcome."""
         done = await self.result(task_id)
         if done is not None:
-            raise ConflictError(
+            raise TaskFinishedError(
                 f"task {task_id} already {done.status}", hint="only a queued or running task can be cancelled"
             )
         queue = await self._queue_of(task_id)
         if queue is None:
-            raise NotFoundError(f"no task {task_id}")
+            raise TaskNotFoundError(f"no task {task_id}")
         status, entry_id, attempt = await self.queues.cancel_queued(queue, task_id)
         if status == CANCEL_REMOVED:
             await self.queues.record_result(
@@ -241,7 +233,7 @@ class Gateway:
         if status != CANCEL_RUNNING:
             done = await self.result(task_id)
             if done is not None:
-                raise ConflictError(f"task {task_id} already {done.status}")
+                raise TaskFinishedError(f"task {task_id} already {done.status}")
         # Running (or between a reclaim and its next claim): the worker reads this key while it
         # generates and when it claims, and stops.
         await self.redis.set(self.keys.cancel(task_id), b"1", px=int(self.cancel_ttl_s * 1000))
@@ -253,7 +245,7 @@ class Gateway:
         try:
             await self.cancel(task_id)
             log.info("task %s cancelled: its client disconnected", task_id)
-        except (ConflictError, NotFoundError):
+        except (TaskFinishedError, TaskNotFoundError):
             pass
         except (RedisError, *TRANSIENT) as exc:
             log.warning("could not cancel task %s after its client left: %s", task_id, exc)
@@ -288,8 +280,8 @@ class Gateway:
             self._info(task_id), self._row(task_id), self.result(task_id)
         )
         if not info and row is None and result is None:
-            raise NotFoundError(f"no task {task_id}", hint="task records expire 24 h after they finish")
-        status = result.status if result is not None else row.status if row is not None else "submitted"
+            raise TaskNotFoundError(f"no task {task_id}", hint="task records expire 24 h after they finish")
+        status = task_status(row, result)
         routed = info.get(b"routed")
         out: dict[str, Any] = {
             "task_id": task_id,
@@ -355,31 +347,14 @@ def _int(raw: bytes | None) -> int | None:
     return None if raw is None else int(raw)
 
 
-def _check_encodable(req: TaskRequest) -> None:
-    # Options and format travel to the backend as msgpack: refuse what cannot (ints over 64 bits).
-    for name, value in (("options", req.options), ("format", req.format)):
-        try:
-            _msgpack.encode(value)
-        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
-            raise BadRequestError(
-                f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
-            ) from None
+def task_status(row: TaskRow | None, result: Result | None) -> TaskStatus:
+    """A task's status from its projected row (None: not folded yet) and its stored outcome."""
+    status: TaskStatus = row.status if row is not None else "submitted"
+    return status if result is None else settle(status, result.status)
 
 
-def unavailable(exc: BaseException) -> UnavailableError:
-    return UnavailableError(
+def unavailable(exc: BaseException) -> RedisUnavailableError:
+    return RedisUnavailableError(
         f"Redis is unreachable ({type(exc).__name__})",
         hint="the API retries by itself; try again in a few seconds",
-        headers={"Retry-After": "2"},
-    )
-
-
-def model_not_found(model: str, leases: dict[str, LeaseInfo]) -> ModelNotFoundError:
-    names = [m.name for m in catalog(leases)]
-    available = ", ".join(names) if names else "none (no live worker serves anything)"
-    return ModelNotFoundError(
-        f"model {model!r} is not served by any live worker; available: {available}",
-        hint=f"fleet: {describe_fleet(leases)}",
-        param="model",
-        extra={"available": names},
     )

@@ -1,0 +1,235 @@
+"""What the operator's dashboard and `routeledger status` show: the fleet (live leases and what the
+ledger last said of each worker), capacity and queue depth per model, the projection's lag, and,
+from dispatch/recent.py, the newest tasks and incidents; plus the live feed the page follows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Final
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from dispatch.lease import LeaseInfo, live_workers
+from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
+from dispatch.serving import catalog, served
+from events.codec import decode_rows
+from events.event import now_ms
+from events.keys import DIGEST_PREFIX_LEN, WORKERS_GROUP, Keys
+from events.ledger import Ledger, next_id
+from projections.errors import ProjectionError
+from projections.reader import lag
+from projections.reader import snapshot as read_snapshot
+from projections.snapshot import FleetRow, Snapshot
+
+_XRANGE: Final = b"XRANGE"
+
+
+def model_names(leases: dict[str, LeaseInfo], fleet: dict[str, FleetRow]) -> dict[str, str]:
+    """digest -> the name it is known by (live inventories first, then what the ledger last saw)."""
+    names: dict[str, str] = {}
+    for info in sorted(leases.values(), key=lambda i: i.worker):
+        for m in info.inventory:
+            names.setdefault(m.digest, m.name)
+    for row in fleet.values():
+        inventory = row.inventory.value
+        if isinstance(inventory, dict):
+            for name, digest in inventory.items():
+                if isinstance(name, str) and isinstance(digest, str):
+                    names.setdefault(digest, name)
+    return names
+
+
+def worker_row(
+    name: str, info: LeaseInfo | None, row: FleetRow | None, names: dict[str, str], now: int
+) -> dict[str, Any]:
+    if info is not None:
+        serving = {m.digest for m in served(info)}
+        return {
+            "id": name,
+            "status": "draining" if info.draining else "online",
+            "since": info.since,
+            "lease_age_s": round(max(0.0, (now - info.renewed_at) / 1000), 2),
+            "slots": info.slots,
+            "busy": info.in_flight,
+            "models": [
+                {
+                    "name": m.name,
+                    "digest": m.digest,
+                    "loaded": m.digest in info.loaded,
+                    "serving": m.digest in serving,
+                }
+                for m in info.inventory
+            ],
+            "running": [
+                {
+                    "task_id": r.task_id,
+                    "model": names.get(r.digest, r.digest[:DIGEST_PREFIX_LEN]),
+                    "started_at": r.started_at,
+                }
+                for r in info.running
+            ],
+            "last_heartbeat": row.last_heartbeat if row is not None else None,
+        }
+    inventory = row.inventory.value if row is not None and isinstance(row.inventory.value, dict) else {}
+    loaded = row.loaded.value if row is not None and isinstance(row.loaded.value, list) else []
+    slots = row.slots.value if row is not None and isinstance(row.slots.value, int) else None
+    return {
+        "id": name,
+        "status": row.status if row is not None and row.status != "online" else "offline",
+        "since": row.status_since if row is not None else None,
+        "lease_age_s": None,
+        "slots": slots,
+        "busy": len(row.in_flight) if row is not None else None,
+        "models": [
+            {"name": n, "digest": d, "loaded": d in loaded, "serving": False}
+            for n, d in sorted(inventory.items())
+        ],
+        "running": [],
+        "last_heartbeat": row.last_heartbeat if row is not None else None,
+    }
+
+
+async def queue_depths(
+    redis: aioredis.Redis, keys: Keys, digests: Iterable[str]
+) -> dict[str, dict[str, int | None]]:
+    """Per model queue: entries nobody took yet (`queued`) and taken, not finished (`running`)."""
+    out: dict[str, dict[str, int | None]] = {}
+    for digest in sorted(set(digests)):
+        queue = keys.queue(digest)
+        try:
+            groups: Any = await redis.xinfo_groups(queue)
+        except ResponseError:
+            out[digest] = {"queued": 0, "running": 0}  # no queue yet: nothing was ever submitted
+            continue
+        group = next((g for g in groups if g.get("name") in (WORKERS_GROUP, WORKERS_GROUP.encode())), None)
+        if group is None:
+            out[digest] = {"queued": None, "running": None}
+            continue
+        queued: int | None = None if group.get("lag") is None else int(group["lag"])
+        if queued is None:
+            # Redis 6.2 has no lag (nor does 7 after a deletion): count what lies past the group's cursor.
+            last = group.get("last-delivered-id") or b"0-0"
+            start = next_id(last.decode() if isinstance(last, bytes) else str(last))
+            rows: Any = await redis.execute_command(_XRANGE, queue, start, "+", "COUNT", 10_000)  # type: ignore[no-untyped-call]
+            queued = len(rows)
+        out[digest] = {"queued": queued, "running": int(group.get("pending") or 0)}
+    return out
+
+
+async def fleet_state(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
+    """Workers (live and known), models with capacity and queues, the projection's lag."""
+    now = now_ms()
+    leases = await live_workers(redis, keys)
+    try:
+        snap = await read_snapshot(redis, keys, now_ms=now)
+        projection: dict[str, Any] = {"status": "ok"}
+    except ProjectionError as exc:
+        snap, projection = Snapshot(taken_at=now), {"status": str(exc)}
+    names = model_names(leases, snap.fleet)
+    workers = [
+        worker_row(name, leases.get(name), snap.fleet.get(name), names, now)
+        for name in sorted(set(leases) | set(snap.fleet))
+    ]
+    models = catalog(leases)
+    depths = await queue_depths(redis, keys, [m.entry.digest for m in models])
+    try:
+        entries, ms = await lag(redis, keys)
+        projection.update(lag_entries=entries, lag_ms=ms)
+    except ProjectionError as exc:
+        projection.update(status=str(exc), lag_entries=None, lag_ms=None)
+    return {
+        "now": now,
+        "workers": workers,
+        "models": [
+            {
+                "name": m.name,
+                "digest": m.entry.digest,
+                "capacity": m.slots,
+                "holders": m.holders,
+                "loaded_on": m.loaded_on,
+                **depths.get(m.entry.digest, {"queued": None, "running": None}),
+            }
+            for m in models
+        ],
+        "names": names,
+        "projection": projection,
+    }
+
+
+async def overview(redis: aioredis.Redis, keys: Keys, recent: Recent | None = None) -> dict[str, Any]:
+    """Everything the dashboard and `routeledger status` show, but the speed samples."""
+    if recent is None:
+        recent, _ = await load_recent(redis, keys)
+    state = await fleet_state(redis, keys)
+    state.update(recent.to_dict())
+    names: dict[str, str] = state["names"]
+    for incident in state["incidents"]:
+        # A queue names its model by a digest prefix (or a worker, for pinned queues).
+        prefix = incident["digest"]
+        incident["model"] = next((n for d, n in names.items() if d.startswith(prefix)), prefix)
+    return state
+
+
+# A feed ends itself after this long and the page reconnects (from where it was): an open
+# response would otherwise hold a graceful server shutdown until the supervisor kills it.
+STREAM_LIFETIME_S: Final = 25.0
+# The fleet part (leases, queues, lag) is re-read at most this often, and at least this often.
+_FLEET_MIN_S: Final = 1.0
+_FLEET_MAX_S: Final = 5.0
+
+
+class Update(msgspec.Struct, frozen=True):
+    """One message of the live feed: `overview` (what `overview()` returns), `samples` (new
+    decode-speed samples) or `reconnect` (the feed ended; continue after `entry_id`)."""
+
+    kind: str
+    data: Any
+    entry_id: str
+
+
+async def live_updates(
+    redis: aioredis.Redis, keys: Keys, after: str | None, lifetime_s: float = STREAM_LIFETIME_S
+) -> AsyncIterator[Update]:
+    """The live feed: an `overview` first and whenever something changed, `samples` as they land,
+    and `reconnect` after `lifetime_s`. Each update carries the ledger id it is current to."""
+    recent, loaded_to = await load_recent(redis, keys)
+    # Resuming, the tail is read again from `after` for the samples the page has not seen; what
+    # the fresh load already folded is not folded twice.
+    cursor = after if after is not None and _after(loaded_to, after) else loaded_to
+    ledger = Ledger(redis, keys)
+    state = await overview(redis, keys, recent)
+    yield Update("overview", state, cursor)
+    fleet_at = time.monotonic()
+    dirty = False
+    ends = time.monotonic() + lifetime_s
+    while time.monotonic() < ends:
+        rows = await ledger.read_after(cursor, count=1000, block_ms=int(_FLEET_MIN_S * 1000))
+        found: list[Sample] = []
+        if rows:
+            cursor = rows[-1][0]
+            for entry_id, event in decode_rows(wanted(rows, TASK_TYPES | SAMPLE_TYPES), lambda exc: None):
+                if _after(entry_id, loaded_to):
+                    dirty |= recent.add(entry_id, event)
+                s = sample_of(event)
+                if s is not None:
+                    found.append(s)
+            # Any entry may change the fleet part (heartbeats, workers coming and going, claims).
+            dirty = True
+        if found:
+            yield Update("samples", {"samples": msgspec.to_builtins(found)}, cursor)
+        since = time.monotonic() - fleet_at
+        if (dirty and since >= _FLEET_MIN_S) or since >= _FLEET_MAX_S:
+            state = await overview(redis, keys, recent)
+            yield Update("overview", state, cursor)
+            fleet_at, dirty = time.monotonic(), False
+    yield Update("reconnect", {"after": cursor}, cursor)
+
+
+def _after(a: str, b: str) -> bool:
+    am, _, aseq = a.partition("-")
+    bm, _, bseq = b.partition("-")
+    return (int(am), int(aseq or 0)) > (int(bm), int(bseq or 0))

@@ -1,0 +1,243 @@
+"""Recent activity read back from the ledger: the newest tasks (who ran each and why), recent
+reclaims, stalls and dead letters, and the decode-speed samples. What the dashboard and
+`routeledger status` show beside the fleet (dispatch/overview.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from typing import Any, Final
+
+import msgspec
+import redis.asyncio as aioredis
+
+from events.codec import decode_rows
+from events.event import (
+    BenchmarkResult,
+    Event,
+    TaskClaimed,
+    TaskCompleted,
+    TaskDeadLettered,
+    TaskFailed,
+    TaskReclaimed,
+    TaskRouted,
+    TaskStalled,
+    TaskSubmitted,
+)
+from events.keys import Keys
+from events.ledger import Ledger, RawEntry
+from projections.folder import decode_tps
+from projections.status import TaskStatus, fold_status
+
+_XREVRANGE: Final = b"XREVRANGE"
+SAMPLE_TYPES: Final = frozenset({b"TaskCompleted", b"BenchmarkResult"})
+_INCIDENT_TYPES: Final = frozenset({b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered"})
+TASK_TYPES: Final = frozenset(
+    {b"TaskSubmitted", b"TaskRouted", b"TaskClaimed", b"TaskCompleted", b"TaskFailed", b"TaskCancelled"}
+    | _INCIDENT_TYPES
+)
+# How far back the recent tasks and incidents are looked for (ledger entries, newest first).
+RECENT_WINDOW: Final = 5000
+MAX_SAMPLES: Final = 5000
+
+
+def wanted(rows: Iterable[RawEntry], types: frozenset[bytes]) -> list[RawEntry]:
+    """The entries of `types`: the envelope's type is an entry's second value, so entries are
+    filtered before paying for a decode."""
+    return [(i, flat) for i, flat in rows if len(flat) > 1 and flat[1] in types]
+
+
+class Sample(msgspec.Struct, array_like=True, frozen=True):
+    """One decode-speed sample: [at ms, worker, digest, tok/s, from a benchmark]."""
+
+    at: int
+    worker: str
+    digest: str
+    tps: float
+    bench: bool
+
+
+def sample_of(event: Event) -> Sample | None:
+    """The speed sample an event carries, counted as the projector counts it (once per run)."""
+    if isinstance(event, BenchmarkResult):
+        tps = decode_tps(event.timings)
+        return None if tps is None else Sample(event.at, event.worker, event.digest, round(tps, 2), True)
+    # A benchmark's TaskCompleted repeats its BenchmarkResult; a duplicate changes no statistic.
+    if isinstance(event, TaskCompleted) and event.bench_id is None and not event.duplicate:
+        tps = decode_tps(event.timings)
+        return None if tps is None else Sample(event.at, event.worker, event.digest, round(tps, 2), False)
+    return None
+
+
+async def read_samples(
+    redis: aioredis.Redis, keys: Keys, since_ms: int, limit: int = MAX_SAMPLES
+) -> tuple[list[Sample], str]:
+    """Decode-speed samples appended since `since_ms`, oldest first (the newest `limit` of them),
+    and the id of the last ledger entry read (where a live stream picks up)."""
+    ledger = Ledger(redis, keys)
+    last = await ledger.last_id() or "0-0"
+    kept: deque[Sample] = deque(maxlen=limit)
+    async for batch in ledger.read_raw(f"{max(0, since_ms)}-0", last, chunk=5000):
+        for _, event in decode_rows(wanted(batch, SAMPLE_TYPES), lambda exc: None):
+            s = sample_of(event)
+            if s is not None:
+                kept.append(s)
+    return list(kept), last
+
+
+class TaskView(msgspec.Struct, kw_only=True):
+    """One recent task as the dashboard shows it: who ran it, and why it was routed so."""
+
+    task_id: str
+    model: str
+    digest: str
+    domain: str
+    submitted_at: int
+    entry_id: str
+    status: TaskStatus = "submitted"
+    worker: str | None = None
+    attempts: int = 0
+    expected_worker: str | None = None
+    expected_finish_s: float | None = None
+    # Each candidate's expected finish, best first: the short answer to "why this worker".
+    ranking: list[tuple[str, float | None]] = msgspec.field(default_factory=list)
+    auto: bool = False
+    tps: float | None = None
+    wall_ms: float | None = None
+    finished_at: int | None = None
+
+    def fold(self, event: Event) -> None:
+        """One more event of this task (its status by projections.status, the one rule)."""
+        self.status = fold_status(self.status, event)
+        if isinstance(event, TaskRouted):
+            self.expected_worker = event.expected_worker
+            self.expected_finish_s = event.expected_finish_s
+            self.ranking = _ranking(event.breakdown)
+            self.auto = "auto" in event.breakdown
+        elif isinstance(event, TaskClaimed):
+            self.attempts = max(self.attempts, event.attempt)
+            if self.finished_at is None:
+                self.worker = event.worker
+        elif isinstance(event, TaskCompleted) and not event.duplicate and self.finished_at is None:
+            self.worker = event.worker
+            self.tps = None if (t := decode_tps(event.timings)) is None else round(t, 2)
+            self.wall_ms, self.finished_at = event.wall_ms, event.at
+        elif isinstance(event, TaskFailed) and self.finished_at is None:
+            self.worker = event.worker
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "model": self.model,
+            "digest": self.digest,
+            "domain": self.domain,
+            "submitted_at": self.submitted_at,
+            "status": self.status,
+            "worker": self.worker,
+            "attempts": self.attempts,
+            "expected_worker": self.expected_worker,
+            "expected_finish_s": self.expected_finish_s,
+            "ranking": [{"worker": w, "expected_finish_s": s} for w, s in self.ranking],
+            "auto": self.auto,
+            "decode_tps": self.tps,
+            "wall_ms": self.wall_ms,
+            "finished_at": self.finished_at,
+        }
+
+
+def _ranking(breakdown: dict[str, object]) -> list[tuple[str, float | None]]:
+    out: list[tuple[str, float | None]] = []
+    candidates = breakdown.get("candidates")
+    if isinstance(candidates, list):
+        for c in candidates:
+            if isinstance(c, dict) and isinstance(c.get("worker"), str):
+                finish = c.get("expected_finish_s")
+                # An unknown finish stays unknown (None), never a sentinel.
+                out.append(
+                    (c["worker"], round(float(finish), 2) if isinstance(finish, int | float) else None)
+                )
+    return out
+
+
+def digest_of_queue(queue: str, keys: Keys) -> str:
+    """What a queue's name says of its model: a digest prefix (or `w:NAME`, for a pinned queue)."""
+    return queue.removeprefix(keys.prefix + "q:")
+
+
+class Recent:
+    """The newest tasks and incidents, folded from ledger events (loaded from the tail, then fed live)."""
+
+    def __init__(self, keys: Keys, tasks: int = 25, incidents: int = 25) -> None:
+        self.keys = keys
+        self.max_tasks = tasks
+        self.tasks: OrderedDict[str, TaskView] = OrderedDict()
+        self.incidents: deque[dict[str, Any]] = deque(maxlen=incidents)
+
+    def add(self, entry_id: str, event: Event) -> bool:
+        """Fold one event; True when it changed what is shown."""
+        incident = False
+        if isinstance(event, TaskReclaimed | TaskStalled | TaskDeadLettered):
+            self.incidents.append(self._incident(entry_id, event))
+            incident = True
+        if isinstance(event, TaskSubmitted):
+            view = TaskView(
+                task_id=event.task_id,
+                model=event.model,
+                digest=event.digest,
+                domain=event.domain,
+                submitted_at=event.at,
+                entry_id=entry_id,
+            )
+            view.fold(event)
+            self.tasks[event.task_id] = view
+            while len(self.tasks) > self.max_tasks:
+                self.tasks.popitem(last=False)
+            return True
+        task_id = getattr(event, "task_id", None)
+        found = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        if found is None:
+            return incident
+        found.fold(event)
+        return True
+
+    def _incident(
+        self, entry_id: str, event: TaskReclaimed | TaskStalled | TaskDeadLettered
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": entry_id,
+            "type": type(event).__name__,
+            "at": event.at,
+            "task_id": event.task_id,
+            "digest": digest_of_queue(event.queue, self.keys),
+        }
+        if isinstance(event, TaskReclaimed):
+            out["detail"] = (
+                f"owner {event.owner} gone; attempt {event.attempt} (idle {event.idle_ms / 1000:.1f}s)"
+            )
+            out["worker"] = event.owner
+        elif isinstance(event, TaskStalled):
+            out["detail"] = f"nobody took it for {event.waited_ms / 1000:.1f}s"
+        else:
+            out["detail"] = f"{event.reason} after {event.attempts} attempt(s)"
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tasks": [t.to_dict() for t in reversed(self.tasks.values())],
+            "incidents": list(reversed(self.incidents)),
+        }
+
+
+async def load_recent(redis: aioredis.Redis, keys: Keys, window: int = RECENT_WINDOW) -> tuple[Recent, str]:
+    """Recent tasks and incidents from the newest `window` ledger entries, and the newest id read."""
+    reply: Any = await redis.execute_command(  # type: ignore[no-untyped-call]
+        _XREVRANGE, keys.events, "+", "-", "COUNT", window
+    )
+    rows: list[RawEntry] = [(row[0].decode(), row[1]) for row in reply]
+    last = rows[0][0] if rows else "0-0"
+    rows.reverse()
+    recent = Recent(keys)
+    for entry_id, event in decode_rows(wanted(rows, TASK_TYPES), lambda exc: None):
+        recent.add(entry_id, event)
+    return recent, last
