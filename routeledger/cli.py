@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import httpx
 import msgspec
+import redis.asyncio as aioredis
 import typer
 from rich.panel import Panel
 from rich.table import Table
@@ -32,23 +33,9 @@ from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, url_file
 from routeledger.embedded import EmbeddedRedis, free_port, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    connect,
-    console,
-    err_console,
-    fail,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-    setup_logging,
-)
+from routeledger.runtime import Instance, command, console, err_console, fail, print_json, setup_logging
 from routeledger.supervisor import Supervisor, python_argv
-from sim.fleet import preset_data
+from sim.fleetspec import preset_data
 
 app = typer.Typer(
     name="routeledger",
@@ -66,7 +53,7 @@ app.add_typer(replay_app, name="replay")
 app.command("projector")(projector_cmd)
 app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
-app.command("reaper")(guarded(reaper_cmd))
+app.command("reaper")(reaper_cmd)
 app.add_typer(bench_app, name="bench")
 app.add_typer(route_app, name="route")
 app.add_typer(pipeline_app, name="pipeline")
@@ -112,24 +99,19 @@ def _wait_http(url: str, timeout: float, alive: Any) -> bool:
 
 
 @app.command()
-@guarded
+@command(settings=("host", "port", "redis_bind", "redis_port"))
 def up(
+    inst: Instance,
     host: Annotated[str | None, typer.Option(help="Address the API binds.")] = None,
     port: Annotated[int | None, typer.Option(help="Port of the API.")] = None,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
     redis_bind: Annotated[
         str | None, typer.Option("--redis-bind", help="Address embedded Redis binds (for remote workers).")
     ] = None,
     redis_port: Annotated[int | None, typer.Option("--redis-port", help="Port of embedded Redis.")] = None,
     demo: Annotated[bool, typer.Option("--demo", help="Also run a simulated fleet.")] = False,
-    config: ConfigOpt = None,
 ) -> None:
     """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
-    resolved = settings_from(
-        data_dir, redis_url, config, host=host, port=port, redis_bind=redis_bind, redis_port=redis_port
-    )
-    s = resolved.settings
+    s = inst.settings
     setup_logging(s.log_level)
     if s.host not in LOOPBACK and not s.api_keys:
         raise ConfigError(
@@ -234,14 +216,12 @@ def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict
 
 
 @app.command("api")
-@guarded
+@command(settings=("host", "port"))
 def api_cmd(
+    inst: Instance,
     host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="Port.")] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Server processes sharing the port.")] = 1,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Serve the HTTP API in the foreground (`up` starts it for you)."""
     import os
@@ -250,8 +230,7 @@ def api_cmd(
 
     from routeledger.config import redis_url_for
 
-    resolved = settings_from(data_dir, redis_url, config, host=host, port=port)
-    s = resolved.settings
+    s = inst.settings
     setup_logging(s.log_level)
     if s.host not in LOOPBACK and not s.api_keys:
         raise ConfigError(
@@ -305,11 +284,6 @@ def api_from_env() -> Any:
 # -- events ---------------------------------------------------------------------------------------
 
 
-def _event_json(entry_id: str, event: Event) -> bytes:
-    body = msgspec.to_builtins(event)
-    return msgspec.json.encode({"id": entry_id, **body})
-
-
 def _event_line(entry_id: str, event: Event) -> str:
     when = dt.datetime.fromtimestamp(event.at / 1000).strftime("%H:%M:%S.%f")[:-3]
     fields = msgspec.to_builtins(event)
@@ -320,8 +294,9 @@ def _event_line(entry_id: str, event: Event) -> str:
 
 
 @events_app.command("tail")
-@guarded
+@command()
 def events_tail(
+    inst: Instance,
     type_: Annotated[
         list[str] | None, typer.Option("--type", help="Only events of this type (repeatable).")
     ] = None,
@@ -329,57 +304,39 @@ def events_tail(
     from_id: Annotated[
         str, typer.Option("--from", help="Start after this id; `0` replays everything, `$` only new events.")
     ] = "$",
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Follow the ledger, printing each event as it is appended."""
     wanted = set(type_ or [])
     unknown = wanted - TYPE_NAMES
     if unknown:
         fail(f"unknown event type(s) {sorted(unknown)}; known: {', '.join(sorted(TYPE_NAMES))}")
-    resolved = settings_from(data_dir, redis_url, config)
 
-    async def go() -> None:
-        client = connect(resolved)
-        ledger = Ledger(client, keys_for(resolved))
+    def poison(exc: Exception) -> None:
+        err_console.print(f"[yellow]skipped[/] {exc}")
 
-        def poison(exc: Exception) -> None:
-            err_console.print(f"[yellow]skipped[/] {exc}")
-
-        try:
-            async for entry_id, event in ledger.tail(from_id, block_ms=1000, on_poison=poison):
-                if wanted and type(event).__name__ not in wanted:
-                    continue
-                if json_:
-                    print(_event_json(entry_id, event).decode(), flush=True)  # noqa: T201
-                else:
-                    console.print(_event_line(entry_id, event), highlight=False)
-        finally:
-            await client.aclose()
+    async def follow(client: aioredis.Redis) -> None:
+        ledger = Ledger(client, inst.keys)
+        async for entry_id, event in ledger.tail(from_id, block_ms=1000, on_poison=poison):
+            if wanted and type(event).__name__ not in wanted:
+                continue
+            if json_:
+                print_json({"id": entry_id, **msgspec.to_builtins(event)})
+            else:
+                console.print(_event_line(entry_id, event), highlight=False)
 
     with contextlib.suppress(KeyboardInterrupt):
-        run_async(go())
+        inst.run(follow)
 
 
 @events_app.command("count")
-@guarded
+@command()
 def events_count(
-    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
+    inst: Instance, json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
 ) -> None:
     """How many events the ledger holds."""
-    resolved = settings_from(data_dir, redis_url, config)
-
-    async def go() -> int:
-        async with redis_session(resolved) as client:
-            return await Ledger(client, keys_for(resolved)).length()
-
-    n = run_async(go())
+    n = inst.run(lambda client: Ledger(client, inst.keys).length())
     if json_:
-        print(msgspec.json.encode({"events": n}).decode())  # noqa: T201
+        print_json({"events": n})
     else:
         console.print(n)
 
@@ -388,15 +345,12 @@ def events_count(
 
 
 @config_app.command("show")
-@guarded
+@command()
 def config_show(
-    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
+    inst: Instance, json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
 ) -> None:
     """Print the effective configuration and where each value came from."""
-    resolved = settings_from(data_dir, redis_url, config)
+    resolved = inst.resolved
     values = msgspec.to_builtins(resolved.settings)
     if values.get("redis_url"):
         values["redis_url"] = _mask(values["redis_url"])
@@ -404,7 +358,7 @@ def config_show(
         values["api_keys"] = [f"…{k[-4:]}" if len(k) > 8 else "***" for k in values["api_keys"]]
     if json_:
         out = {k: {"value": values[k], "source": resolved.sources[k]} for k in FIELDS}
-        print(msgspec.json.encode({"settings": out, "config_file": resolved.config_file}).decode())  # noqa: T201
+        print_json({"settings": out, "config_file": resolved.config_file})
         return
     table = Table(title="routeledger configuration")
     table.add_column("setting")

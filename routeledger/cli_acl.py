@@ -26,7 +26,7 @@ from typing import Annotated
 import typer
 
 from events.keys import Keys
-from routeledger.runtime import ConfigOpt, DataDirOpt, RedisUrlOpt, fail, guarded, keys_for, settings_from
+from routeledger.runtime import Instance, command, fail
 
 acl_app = typer.Typer(help="Redis ACLs for processes on other machines.", no_args_is_help=True)
 
@@ -100,18 +100,16 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
 
 
 @acl_app.command("worker")
-@guarded
+@command()
 def acl_worker(
+    inst: Instance,
     name: Annotated[str, typer.Argument(help="The worker's name (its --id); also the Redis user name.")],
     password: Annotated[
         str | None, typer.Option(help="The user's password (default: a new random one, printed).")
     ] = None,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Print the ACL SETUSER line that lets worker NAME touch only what a worker needs (Redis 7)."""
-    keys = keys_for(settings_from(data_dir, redis_url, config))
+    keys = inst.keys
     secret = password or secrets.token_urlsafe(24)
     try:
         rules = worker_acl_rules(name, secret, keys)

@@ -6,6 +6,7 @@ import asyncio
 import re
 from typing import Annotated, Any
 
+import redis.asyncio as aioredis
 import typer
 from rich.table import Table
 
@@ -17,18 +18,7 @@ from dispatch.serving import holdings
 from dispatch.submit import TaskRequest, submit_task
 from events.event import BenchmarkResult, QualityScored
 from events.ledger import Ledger
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    console,
-    fail,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-)
+from routeledger.runtime import Instance, command, console, fail
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True
@@ -44,46 +34,42 @@ _SCORE = re.compile(r"SCORE:\s*([01](?:\.\d+)?)", re.IGNORECASE)
 
 
 @bench_app.command("run")
-@guarded
+@command()
 def bench_run(
+    inst: Instance,
     model: Annotated[str | None, typer.Option(help="Only this model (name or digest prefix).")] = None,
     worker: Annotated[str | None, typer.Option(help="Only this worker.")] = None,
     domain: Annotated[str, typer.Option(help="Domain of the prompt set.")] = "general",
     count: Annotated[int, typer.Option(min=1, help="Prompts per (worker, model).")] = 3,
     wait: Annotated[bool, typer.Option(help="Wait for the results and print them.")] = True,
     wait_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 600.0,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Send the domain's prompt set to every live holder (never only the current winner)."""
     if domain not in domains():
         fail(f"no shipped prompts for domain {domain!r}; domains: {', '.join(domains())}")
-    resolved = settings_from(data_dir, redis_url, config)
+    keys = inst.keys
 
-    async def go() -> list[dict[str, Any]]:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            leases = await live_workers(client, keys)
-            targets = [t for t in holdings(leases, model) if worker is None or t[0] == worker]
-            if not targets:
-                what = f"model {model!r}" if model else "any model"
-                fail(f"no live worker serves {what}{f' on {worker}' if worker else ''}")
-            ledger = Ledger(client, keys)
-            queues = TaskQueues(client, keys, ledger)
-            start = await ledger.last_id() or "0-0"
-            sent = {}
-            for name, local, digest in targets:
-                bench_id = await request_benchmark(
-                    queues, worker=name, model=local, digest=digest, domain=domain, count=count
-                )
-                sent[bench_id] = (name, local)
-                console.print(f"sent {count} {domain} prompts to {name} for {local} (bench {bench_id})")
-            if not wait:
-                return []
-            return await _collect(ledger, start, sent, count, wait_s)
+    async def go(client: aioredis.Redis) -> list[dict[str, Any]]:
+        leases = await live_workers(client, keys)
+        targets = [t for t in holdings(leases, model) if worker is None or t[0] == worker]
+        if not targets:
+            what = f"model {model!r}" if model else "any model"
+            fail(f"no live worker serves {what}{f' on {worker}' if worker else ''}")
+        ledger = Ledger(client, keys)
+        queues = TaskQueues(client, keys, ledger)
+        start = await ledger.last_id() or "0-0"
+        sent = {}
+        for name, local, digest in targets:
+            bench_id = await request_benchmark(
+                queues, worker=name, model=local, digest=digest, domain=domain, count=count
+            )
+            sent[bench_id] = (name, local)
+            console.print(f"sent {count} {domain} prompts to {name} for {local} (bench {bench_id})")
+        if not wait:
+            return []
+        return await _collect(ledger, start, sent, count, wait_s)
 
-    rows = run_async(go())
+    rows = inst.run(go)
     if rows:
         table = Table(title=f"benchmark: {domain}")
         for col in ("worker", "model", "runs", "decode tok/s (median)", "reference pass rate"):
@@ -128,61 +114,57 @@ async def _collect(
 
 
 @bench_app.command("judge")
-@guarded
+@command()
 def bench_judge(
+    inst: Instance,
     judge: Annotated[str, typer.Option(help="The model on the fleet that grades answers.")],
     limit: Annotated[int, typer.Option(min=1, help="Grade at most this many answers.")] = 50,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Grade stored benchmark answers with a judge model (fixed rubric); appends QualityScored."""
     from dispatch.benchmark import prompt_by_id
 
-    resolved = settings_from(data_dir, redis_url, config)
+    keys = inst.keys
 
-    async def go() -> tuple[int, int]:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            ledger = Ledger(client, keys)
-            queues = TaskQueues(client, keys, ledger)
-            graded = skipped = 0
-            judged = {e.task_id async for _, e in _of(ledger, QualityScored) if e.grader.startswith("judge:")}
-            async for _, result in _of(ledger, BenchmarkResult):
-                if graded + skipped >= limit or result.task_id in judged:
-                    continue
-                raw: Any = await client.hget(keys.result(result.task_id), "result")
-                prompt = prompt_by_id(result.prompt_id)
-                if raw is None or prompt is None:
-                    skipped += 1
-                    continue
-                answer = result_decoder.decode(raw).text
-                text = RUBRIC.format(question=prompt.prompt, answer=answer)
-                req = TaskRequest(
-                    model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
+    async def go(client: aioredis.Redis) -> tuple[int, int]:
+        ledger = Ledger(client, keys)
+        queues = TaskQueues(client, keys, ledger)
+        graded = skipped = 0
+        judged = {e.task_id async for _, e in _of(ledger, QualityScored) if e.grader.startswith("judge:")}
+        async for _, result in _of(ledger, BenchmarkResult):
+            if graded + skipped >= limit or result.task_id in judged:
+                continue
+            raw: Any = await client.hget(keys.result(result.task_id), "result")
+            prompt = prompt_by_id(result.prompt_id)
+            if raw is None or prompt is None:
+                skipped += 1
+                continue
+            answer = result_decoder.decode(raw).text
+            text = RUBRIC.format(question=prompt.prompt, answer=answer)
+            req = TaskRequest(
+                model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
+            )
+            task = (await submit_task(queues, req)).task
+            verdict = await _result_text(client, keys, task.task_id)
+            match = _SCORE.search(verdict or "")
+            if match is None:
+                skipped += 1
+                console.print(f"[yellow]judge gave no score for {result.task_id}[/]: {verdict!r:.80}")
+                continue
+            await ledger.append(
+                QualityScored(
+                    digest=result.digest,
+                    domain=result.domain,
+                    score=min(1.0, float(match.group(1))),
+                    grader=f"judge:{judge}",
+                    task_id=result.task_id,
+                    bench_id=result.bench_id,
+                    worker=result.worker,
                 )
-                task = (await submit_task(queues, req)).task
-                verdict = await _result_text(client, keys, task.task_id)
-                match = _SCORE.search(verdict or "")
-                if match is None:
-                    skipped += 1
-                    console.print(f"[yellow]judge gave no score for {result.task_id}[/]: {verdict!r:.80}")
-                    continue
-                await ledger.append(
-                    QualityScored(
-                        digest=result.digest,
-                        domain=result.domain,
-                        score=min(1.0, float(match.group(1))),
-                        grader=f"judge:{judge}",
-                        task_id=result.task_id,
-                        bench_id=result.bench_id,
-                        worker=result.worker,
-                    )
-                )
-                graded += 1
-            return graded, skipped
+            )
+            graded += 1
+        return graded, skipped
 
-    graded, skipped = run_async(go())
+    graded, skipped = inst.run(go)
     console.print(f"graded {graded} answers with {judge}; {skipped} without a usable answer or score")
 
 

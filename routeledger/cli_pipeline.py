@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
+import redis.asyncio as aioredis
 import typer
 from rich.markup import escape
 from rich.tree import Tree
 
 from events.ledger import Ledger
 from pipelines.history import pipeline_from_ledger, pipeline_view
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    console,
-    fail,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-)
+from routeledger.runtime import Instance, command, console, fail, print_json
 
 pipeline_app = typer.Typer(
     help="Look at pipelines (decompose, run in parallel, integrate).", no_args_is_help=True
@@ -30,31 +19,27 @@ pipeline_app = typer.Typer(
 
 
 @pipeline_app.command("show")
-@guarded
+@command()
 def pipeline_show(
+    inst: Instance,
     pipeline_id: Annotated[str, typer.Argument(help="The pipeline's id (X-Routeledger-Pipeline).")],
     json_: Annotated[bool, typer.Option("--json", help="Print the pipeline's JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """The tree: fan-out vs capacity, the plan's makespan, each part's worker and timings.
 
     Read from the pipeline's hash while it lasts (24 h), then from the ledger (no prompts there).
     """
-    resolved = settings_from(data_dir, redis_url, config)
+    keys = inst.keys
 
-    async def go() -> dict[str, Any] | None:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            view = await pipeline_view(client, keys, pipeline_id)
-            return view if view is not None else await pipeline_from_ledger(Ledger(client, keys), pipeline_id)
+    async def go(client: aioredis.Redis) -> dict[str, Any] | None:
+        view = await pipeline_view(client, keys, pipeline_id)
+        return view if view is not None else await pipeline_from_ledger(Ledger(client, keys), pipeline_id)
 
-    view = run_async(go())
+    view = inst.run(go)
     if view is None:
         fail(f"no pipeline {pipeline_id} in the pipeline records or the ledger", code=1)
     if json_:
-        print(json.dumps(view))  # noqa: T201
+        print_json(view)
         return
     console.print(tree(view))
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+import redis.asyncio as aioredis
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -19,20 +19,7 @@ from events.ledger import Ledger
 from projections.projector import Projector
 from projections.snapshot import Stamped, Stat
 from projections.tables import Tables
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    connect,
-    console,
-    err_console,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-    setup_logging,
-)
+from routeledger.runtime import Instance, command, console, err_console, print_json, setup_logging
 
 if TYPE_CHECKING:
     import polars as pl
@@ -47,36 +34,27 @@ UntilOpt = Annotated[
 ]
 
 
-@guarded
-def projector_cmd(
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
-) -> None:
+@command()
+def projector_cmd(inst: Instance) -> None:
     """Fold the ledger into the projection tables, live (one active instance; others wait)."""
-    resolved = settings_from(data_dir, redis_url, config)
-    s = resolved.settings
+    s = inst.settings
     setup_logging(s.log_level)
 
-    async def go() -> None:
-        client = connect(resolved)
+    async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         projector = Projector(
             client,
-            keys_for(resolved),
+            inst.keys,
             half_life_s=s.half_life_s,
             demand_half_life_s=s.demand_half_life_s,
             lease_ms=s.lease_ms,
         )
-        try:
-            await projector.run(stop)
-        finally:
-            await client.aclose()
+        await projector.run(stop)
 
-    run_async(go(), fast=True)
+    inst.run(go, fast=True)
 
 
 class _Rate:
@@ -103,45 +81,40 @@ class _Rate:
 
 
 @replay_app.command("rebuild")
-@guarded
+@command()
 def rebuild_cmd(
+    inst: Instance,
     until: UntilOpt = None,
     no_switch: Annotated[
         bool, typer.Option("--no-switch", help="Write the new namespace but leave the live one in place.")
     ] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Rebuild every table from the ledger into a new namespace and switch to it atomically."""
     from replay.rebuild import gc_paused, rebuild, until_to_stop
 
-    resolved = settings_from(data_dir, redis_url, config)
-    s = resolved.settings
+    s = inst.settings
     until_to_stop(until)  # a bad --until fails before any work
 
-    async def go() -> Any:
-        async with redis_session(resolved) as client:
-            total = await Ledger(client, keys_for(resolved)).length()
-            bar = _Rate(total, "rebuild")
-            started = time.perf_counter()
-            with bar.progress, gc_paused():
-                result = await rebuild(
-                    client,
-                    keys_for(resolved),
-                    until=until,
-                    half_life_s=s.half_life_s,
-                    demand_half_life_s=s.demand_half_life_s,
-                    switch=not no_switch,
-                    progress=bar,
-                )
-            return result, time.perf_counter() - started
+    async def go(client: aioredis.Redis) -> Any:
+        total = await Ledger(client, inst.keys).length()
+        bar = _Rate(total, "rebuild")
+        started = time.perf_counter()
+        with bar.progress, gc_paused():
+            result = await rebuild(
+                client,
+                inst.keys,
+                until=until,
+                half_life_s=s.half_life_s,
+                demand_half_life_s=s.demand_half_life_s,
+                switch=not no_switch,
+                progress=bar,
+            )
+        return result, time.perf_counter() - started
 
-    result, seconds = run_async(go())
+    result, seconds = inst.run(go)
     if json_:
-        body = {**msgspec.to_builtins(result), "seconds": round(seconds, 3)}
-        print(json.dumps(body))  # noqa: T201
+        print_json({**msgspec.to_builtins(result), "seconds": round(seconds, 3)})
         return
     eps = result.events / seconds if seconds > 0 else 0.0
     console.print(
@@ -156,27 +129,22 @@ def rebuild_cmd(
 
 
 @replay_app.command("verify")
-@guarded
+@command()
 def verify_cmd(
+    inst: Instance,
     json_: Annotated[bool, typer.Option("--json", help="Print the differences as JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Rebuild in memory and compare with the live tables; exit 1 if any field differs."""
     from replay.rebuild import gc_paused
     from replay.verify import verify
 
-    resolved = settings_from(data_dir, redis_url, config)
+    async def go(client: aioredis.Redis) -> Any:
+        with gc_paused():
+            return await verify(client, inst.keys)
 
-    async def go() -> Any:
-        async with redis_session(resolved) as client:
-            with gc_paused():
-                return await verify(client, keys_for(resolved))
-
-    live, diffs = run_async(go())
+    live, diffs = inst.run(go)
     if json_:
-        print(msgspec.json.encode({"checkpoint": live.checkpoint, "differences": diffs}).decode())  # noqa: T201
+        print_json({"checkpoint": live.checkpoint, "differences": diffs})
     else:
         for d in diffs:
             console.print(
@@ -192,31 +160,27 @@ def verify_cmd(
 
 
 @replay_app.command("export")
-@guarded
+@command()
 def export_cmd(
+    inst: Instance,
     parquet: Annotated[
         Path, typer.Option("--parquet", help="Directory for one Parquet file per event type.")
     ],
     until: UntilOpt = None,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Write the ledger as Parquet, one file per event type (for polars or duckdb)."""
     from replay.export import ledger_frames, write_parquet
     from replay.rebuild import gc_paused, until_to_stop
 
-    resolved = settings_from(data_dir, redis_url, config)
     until_to_stop(until)
 
-    async def go() -> dict[str, pl.DataFrame]:
-        async with redis_session(resolved) as client:
-            total = await Ledger(client, keys_for(resolved)).length()
-            bar = _Rate(total, "export")
-            with bar.progress, gc_paused():
-                return await ledger_frames(client, keys_for(resolved), until=until, progress=bar)
+    async def go(client: aioredis.Redis) -> dict[str, pl.DataFrame]:
+        total = await Ledger(client, inst.keys).length()
+        bar = _Rate(total, "export")
+        with bar.progress, gc_paused():
+            return await ledger_frames(client, inst.keys, until=until, progress=bar)
 
-    written = write_parquet(run_async(go()), parquet)
+    written = write_parquet(inst.run(go), parquet)
     for name, rows in sorted(written.items()):
         console.print(f"{parquet / (name + '.parquet')}  {rows:,} rows")
 
@@ -308,52 +272,46 @@ def stats_rows(tables: Tables, worker: str | None, model: str | None) -> list[di
 
 
 @replay_app.command("stats")
-@guarded
+@command()
 def stats_cmd(
+    inst: Instance,
     worker: Annotated[str | None, typer.Option("--worker", help="Only this worker's rows.")] = None,
     model: Annotated[
         str | None, typer.Option("--model", help="Only this model digest (or its prefix).")
     ] = None,
     until: UntilOpt = None,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """The tables as tables: field, n, value, updated_at and age (--until: as they were then)."""
     from projections import store
     from projections.errors import NoProjectionError
     from replay.rebuild import build, gc_paused, until_to_stop
 
-    resolved = settings_from(data_dir, redis_url, config)
-    s = resolved.settings
+    s = inst.settings
+    keys = inst.keys
     until_to_stop(until)
 
-    async def go() -> Tables:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            if until is not None:
-                with gc_paused():
-                    tables, _ = await build(
-                        client,
-                        keys,
-                        until=until,
-                        half_life_s=s.half_life_s,
-                        demand_half_life_s=s.demand_half_life_s,
-                    )
-                return tables
-            ns = await store.current(client, keys)
-            if ns is None:
-                raise NoProjectionError(
-                    "no projection yet: start `routeledger up` (or `routeledger projector`)"
+    async def go(client: aioredis.Redis) -> Tables:
+        if until is not None:
+            with gc_paused():
+                tables, _ = await build(
+                    client,
+                    keys,
+                    until=until,
+                    half_life_s=s.half_life_s,
+                    demand_half_life_s=s.demand_half_life_s,
                 )
-            return await store.load(client, keys, ns, with_tasks=False)
+            return tables
+        ns = await store.current(client, keys)
+        if ns is None:
+            raise NoProjectionError("no projection yet: start `routeledger up` (or `routeledger projector`)")
+        return await store.load(client, keys, ns, with_tasks=False)
 
-    tables = run_async(go())
+    tables = inst.run(go)
     rows = stats_rows(tables, worker, model)
     now = int(time.time() * 1000)
     if json_:
-        print(msgspec.json.encode({"checkpoint": tables.checkpoint, "rows": rows}).decode())  # noqa: T201
+        print_json({"checkpoint": tables.checkpoint, "rows": rows})
         return
     table = Table(title=f"projection tables at {tables.checkpoint or '(nothing folded)'}")
     for col in ("table", "key", "field", "n", "value", "updated_at", "age"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import typer
@@ -10,44 +9,26 @@ from rich.table import Table
 
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    console,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-)
+from routeledger.runtime import Instance, command, console, print_json
 from router.choose import RouteQuery
 
 route_app = typer.Typer(help="See the router's decisions.", no_args_is_help=True)
 
 
 @route_app.command("preview")
-@guarded
+@command()
 def route_preview(
+    inst: Instance,
     model: Annotated[str, typer.Option(help="Model name, alias, digest prefix, or auto.")],
     domain: Annotated[str, typer.Option(help="Domain of the request.")] = "general",
     tokens: Annotated[int | None, typer.Option(min=1, help="Output tokens the request may produce.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the preview JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Ranked candidates with every term and source, and the current plan (who would take it now)."""
-    resolved = settings_from(data_dir, redis_url, config)
-
-    async def go() -> dict[str, Any]:
-        async with redis_session(resolved) as client:
-            query = RouteQuery(model=model, domain=domain, max_tokens=tokens)
-            return await preview_request(LiveView(client, keys_for(resolved)), query)
-
-    result = run_async(go())
+    query = RouteQuery(model=model, domain=domain, max_tokens=tokens)
+    result: dict[str, Any] = inst.run(lambda client: preview_request(LiveView(client, inst.keys), query))
     if json_:
-        print(json.dumps(result))  # noqa: T201
+        print_json(result)
         return
     plan = result["plan"]
     console.print(

@@ -60,9 +60,9 @@ def schedule(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write mean response vs load as a PNG.")] = None,
 ) -> None:
     """Simulate the policies on a fleet at several loads, beside the best threshold and the lower bound."""
-    from sim.experiment import parse_policies, run_matrix
-    from sim.fleet import load_fleet
-    from sim.workload import WorkloadSpec, default_model
+    from sim.fleetspec import load_fleet
+    from sim.scheduling.experiment import parse_policies, run_matrix
+    from sim.scheduling.workload import WorkloadSpec, default_model
 
     if (fleet is None) == (fleet_file is None):
         raise FleetError("give exactly one of --fleet NAME or --fleet-file FILE")
@@ -113,7 +113,7 @@ def schedule(
             _fmt(r.vs_lower_bound, 2),
         )
     if plot is not None:
-        from sim.plot import line_chart
+        from sim.scheduling.plot import line_chart
 
         series: dict[str, list[tuple[float, float]]] = {}
         bound: dict[float, float] = {}

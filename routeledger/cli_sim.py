@@ -39,8 +39,8 @@ def hosts(
     ] = False,
 ) -> None:
     """Run simulated Ollama machines, each on its own port, until Ctrl-C."""
-    from sim.fleet import load_fleet
-    from sim.host import SimHosts
+    from sim.backends.hosts import SimHosts
+    from sim.fleetspec import load_fleet
 
     if time_scale < 0:
         raise FleetError(f"--time-scale must be >= 0, got {time_scale}")

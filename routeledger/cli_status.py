@@ -13,7 +13,7 @@ import datetime as dt
 import time
 from typing import Annotated, Any
 
-import msgspec
+import redis.asyncio as aioredis
 import typer
 from rich.console import Group
 from rich.live import Live
@@ -21,17 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dispatch.overview import overview
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    console,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-)
+from routeledger.runtime import Instance, command, console, print_json
 
 _STATUS_STYLE = {
     "online": "green",
@@ -160,39 +150,30 @@ def render(o: dict[str, Any]) -> Group:
     return Group(head, fleet_table(o), models_table(o), tasks_table(o), incidents_table(o))
 
 
-@guarded
+@command()
 def status_cmd(
+    inst: Instance,
     watch: Annotated[bool, typer.Option("--watch", help="Keep the tables on screen, refreshed.")] = False,
     interval: Annotated[
         float, typer.Option("--interval", min=0.2, help="Seconds between refreshes with --watch.")
     ] = 2.0,
     json_: Annotated[bool, typer.Option("--json", help="Print the data as JSON, once.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """The fleet, capacity, queues, recent tasks, reclaims, stalls and dead letters (from Redis)."""
-    resolved = settings_from(data_dir, redis_url, config)
-    keys = keys_for(resolved)
-
-    async def once() -> dict[str, Any]:
-        async with redis_session(resolved) as client:
-            return await overview(client, keys)
-
+    keys = inst.keys
     if json_:
-        print(msgspec.json.encode(run_async(once())).decode())  # noqa: T201
+        print_json(inst.run(lambda client: overview(client, keys)))
         return
     if not watch:
-        console.print(render(run_async(once())))
+        console.print(render(inst.run(lambda client: overview(client, keys))))
         return
 
-    async def follow() -> None:
-        async with redis_session(resolved) as client:
-            with Live(render(await overview(client, keys)), console=console, auto_refresh=False) as live:
-                while True:
-                    started = time.monotonic()
-                    live.update(render(await overview(client, keys)), refresh=True)
-                    await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+    async def follow(client: aioredis.Redis) -> None:
+        with Live(render(await overview(client, keys)), console=console, auto_refresh=False) as live:
+            while True:
+                started = time.monotonic()
+                live.update(render(await overview(client, keys)), refresh=True)
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     with contextlib.suppress(KeyboardInterrupt):
-        run_async(follow())
+        inst.run(follow)

@@ -24,16 +24,7 @@ from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.keys import Keys
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    guarded,
-    keys_for,
-    redis_session,
-    settings_from,
-    setup_logging,
-)
+from routeledger.runtime import Instance, command, setup_logging
 
 log = logging.getLogger("routeledger.traffic")
 
@@ -97,8 +88,9 @@ async def trickle(
     return sent
 
 
-@guarded
+@command()
 def traffic_cmd(
+    inst: Instance,
     rate: Annotated[float, typer.Option("--rate", min=0.001, help="Requests per second, on average.")] = 0.2,
     model: Annotated[
         list[str] | None, typer.Option("--model", help="A model to ask (repeatable; default: the demo's).")
@@ -109,30 +101,26 @@ def traffic_cmd(
     ] = 120,
     count: Annotated[int | None, typer.Option("--count", min=1, help="Stop after this many.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed of the choices and arrival times.")] = None,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Submit a light, varied stream of simulated requests until Ctrl-C."""
-    resolved = settings_from(data_dir, redis_url, config)
     setup_logging("info")
 
-    async def go() -> int:
+    async def go(client: aioredis.Redis) -> int:
+        # Ctrl-C and SIGTERM end the trickle, which then says how many it sent.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with redis_session(resolved) as client:
-            return await trickle(
-                client,
-                keys_for(resolved),
-                rate=rate,
-                models=tuple(model or DEFAULT_MODELS),
-                max_tokens=(min(32, max_tokens), max_tokens),
-                count=count,
-                seed=seed,
-                stop=stop,
-            )
+        return await trickle(
+            client,
+            inst.keys,
+            rate=rate,
+            models=tuple(model or DEFAULT_MODELS),
+            max_tokens=(min(32, max_tokens), max_tokens),
+            count=count,
+            seed=seed,
+            stop=stop,
+        )
 
-    sent = asyncio.run(go())
+    sent = inst.run(go)
     log.info("sent %d requests", sent)

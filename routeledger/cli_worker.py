@@ -22,23 +22,11 @@ from dispatch.view import LiveView
 from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
-from routeledger.runtime import (
-    ConfigOpt,
-    DataDirOpt,
-    RedisUrlOpt,
-    connect,
-    console,
-    fail,
-    guarded,
-    keys_for,
-    redis_session,
-    run_async,
-    settings_from,
-    setup_logging,
-)
-from workers.agent import WorkerAgent, WorkerConfig
+from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
+from workers.admission import RouterGate
+from workers.agent import WorkerAgent
 from workers.backend import make_backend
-from workers.gate import RouterGate
+from workers.config import WorkerConfig
 from workers.reaper import Reaper, ReaperConfig
 
 log = logging.getLogger("routeledger.cli")
@@ -69,8 +57,9 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 
 
 @worker_app.callback()
-@guarded
+@command()
 def worker(
+    inst: Instance,
     ctx: typer.Context,
     backend: Annotated[str | None, typer.Option(help="Backend URL, e.g. http://127.0.0.1:11434.")] = None,
     kind: Annotated[str, typer.Option(help="Backend protocol: ollama or openai.")] = "ollama",
@@ -86,9 +75,6 @@ def worker(
     gate: Annotated[
         str, typer.Option(help="router: take work only when the plan says so; plain: take whatever comes.")
     ] = "router",
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Run a worker: consume the streams of the models the backend holds, through the `workers` group."""
     if ctx.invoked_subcommand is not None:
@@ -99,8 +85,7 @@ def worker(
         fail(f"--kind must be ollama or openai, not {kind!r}")
     if gate not in ("router", "plain"):
         fail(f"--gate must be router or plain, not {gate!r}")
-    resolved = settings_from(data_dir, redis_url, config)
-    s = resolved.settings
+    s = inst.settings
     setup_logging(s.log_level)
     serves = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
     cfg = WorkerConfig(
@@ -113,15 +98,14 @@ def worker(
         auto_bench=bench,
     )
 
-    async def go() -> None:
-        client = connect(resolved)
+    async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()
         _stop_on_signals(stop)
         await wait_for_redis(client)
         be = make_backend(
             backend, kind, timeout_s=s.backend_timeout_s, idle_timeout_s=min(120.0, s.backend_timeout_s)
         )
-        keys = keys_for(resolved)
+        keys = inst.keys
         agent = WorkerAgent(
             client, keys, be, cfg, gate=RouterGate(client, keys) if gate == "router" else None
         )
@@ -131,9 +115,8 @@ def worker(
         finally:
             watcher.cancel()
             await be.aclose()
-            await client.aclose()
 
-    run_async(go(), fast=True)
+    inst.run(go, fast=True)
 
 
 async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
@@ -142,55 +125,47 @@ async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:
 
 
 @worker_app.command("forget")
-@guarded
+@command()
 def forget(
+    inst: Instance,
     name: Annotated[str, typer.Argument(help="The worker to retire for good.")],
     force: Annotated[bool, typer.Option(help="Forget it even though it is live right now.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Retire a machine that is gone for good, so that it stops counting anywhere."""
-    resolved = settings_from(data_dir, redis_url, config)
+    keys = inst.keys
 
-    async def go() -> None:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            live = await live_workers(client, keys)
-            if name in live and not force:
-                fail(f"worker {name!r} is live right now; stop it first, or pass --force")
-            await client.sadd(keys.forgotten, name)
-            await client.delete(keys.live(name))
-            await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
+    async def go(client: aioredis.Redis) -> None:
+        live = await live_workers(client, keys)
+        if name in live and not force:
+            fail(f"worker {name!r} is live right now; stop it first, or pass --force")
+        await client.sadd(keys.forgotten, name)
+        await client.delete(keys.live(name))
+        await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
 
-    run_async(go())
+    inst.run(go)
     console.print(f"forgot worker {name}")
 
 
-def reaper_cmd(
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
-) -> None:
+@command()
+def reaper_cmd(inst: Instance) -> None:
     """Reclaim tasks whose worker died, dead-letter spent ones, report stalled ones (one active at a time)."""
-    resolved = settings_from(data_dir, redis_url, config)
-    s = resolved.settings
+    s = inst.settings
     setup_logging(s.log_level)
     cfg = ReaperConfig(lease_ms=s.lease_ms, delivery_limit=s.delivery_limit, stall_after_s=s.stall_after_s)
 
-    async def go() -> None:
-        async with redis_session(resolved) as client:
-            stop = asyncio.Event()
-            _stop_on_signals(stop)
-            await wait_for_redis(client)
-            await Reaper(client, keys_for(resolved), cfg).run(stop)
+    async def go(client: aioredis.Redis) -> None:
+        stop = asyncio.Event()
+        _stop_on_signals(stop)
+        await wait_for_redis(client)
+        await Reaper(client, inst.keys, cfg).run(stop)
 
-    run_async(go(), fast=True)
+    inst.run(go, fast=True)
 
 
 @task_app.command("submit")
-@guarded
+@command()
 def task_submit(
+    inst: Instance,
     model: Annotated[str, typer.Option(help="Model name, alias, digest prefix, or auto.")],
     prompt: Annotated[str, typer.Option(help="The user message.")],
     domain: Annotated[
@@ -202,44 +177,38 @@ def task_submit(
     wait: Annotated[bool, typer.Option(help="Wait for the result and print it.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait waits.")] = 600.0,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    data_dir: DataDirOpt = None,
-    redis_url: RedisUrlOpt = None,
-    config: ConfigOpt = None,
 ) -> None:
     """Queue a chat task for a model; fails at once if no live worker serves it."""
     if not prompt.strip():
         fail("--prompt is empty; give the model something to answer")
-    resolved = settings_from(data_dir, redis_url, config)
+    keys = inst.keys
+    req = TaskRequest(
+        model=model,
+        messages=[Message(role="user", content=prompt)],
+        domain=domain,
+        max_tokens=max_tokens,
+        client="cli",
+    )
 
-    async def go() -> dict[str, object]:
-        async with redis_session(resolved) as client:
-            keys = keys_for(resolved)
-            queues = TaskQueues(client, keys)
-            req = TaskRequest(
-                model=model,
-                messages=[Message(role="user", content=prompt)],
-                domain=domain,
-                max_tokens=max_tokens,
-                client="cli",
-            )
-            sub = await route_and_submit(queues, LiveView(client, keys), req)
-            task, queue, decision = sub.task, sub.queue, sub.decision
-            out: dict[str, object] = {
-                "task_id": task.task_id,
-                "model": task.model,
-                "digest": task.digest,
-                "domain": task.domain,
-                "queue": queue,
-                "expected_worker": decision.ranking.best.worker if decision else None,
-                "expected_finish_s": round(decision.ranking.best.expected_finish_s, 3) if decision else None,
-            }
-            if wait:
-                out.update(await _wait_result(client, keys, task.task_id, timeout))
-            return out
+    async def go(client: aioredis.Redis) -> dict[str, object]:
+        sub = await route_and_submit(TaskQueues(client, keys), LiveView(client, keys), req)
+        task, decision = sub.task, sub.decision
+        out: dict[str, object] = {
+            "task_id": task.task_id,
+            "model": task.model,
+            "digest": task.digest,
+            "domain": task.domain,
+            "queue": sub.queue,
+            "expected_worker": decision.ranking.best.worker if decision else None,
+            "expected_finish_s": round(decision.ranking.best.expected_finish_s, 3) if decision else None,
+        }
+        if wait:
+            out.update(await _wait_result(client, keys, task.task_id, timeout))
+        return out
 
-    out = run_async(go())
+    out = inst.run(go)
     if json_:
-        print(msgspec.json.encode(out).decode())  # noqa: T201
+        print_json(out)
         return
     console.print(
         f"task {out['task_id']} ({out['model']}, {out['domain']}) queued on {out['queue']};"

@@ -1,18 +1,21 @@
-"""What every command needs at run time: shared options, settings, a Redis connection, clean errors."""
+"""What every command needs at run time: the shared options, the settings, a Redis connection,
+clean errors, and one decorator (`command`) that gives a command all of them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+from typing import Annotated, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
+import msgspec
 import redis.asyncio as aioredis
 import typer
 from redis.exceptions import AuthenticationError, RedisError
@@ -70,6 +73,73 @@ async def redis_session(resolved: Resolved) -> AsyncIterator[aioredis.Redis]:
 
 def keys_for(resolved: Resolved) -> Keys:
     return Keys(resolved.settings.prefix)
+
+
+class Instance:
+    """The routeledger a command works with: its resolved settings, its key names, its Redis."""
+
+    def __init__(self, resolved: Resolved) -> None:
+        self.resolved = resolved
+        self.settings = resolved.settings
+        self.keys = keys_for(resolved)
+
+    def session(self) -> contextlib.AbstractAsyncContextManager[aioredis.Redis]:
+        """A Redis client for the running instance, closed when the block ends."""
+        return redis_session(self.resolved)
+
+    def run(self, work: Callable[[aioredis.Redis], Awaitable[T]], *, fast: bool = False) -> T:
+        """Run `work` with a Redis client of its own (see run_async for Ctrl-C and `fast`)."""
+
+        async def go() -> T:
+            async with self.session() as client:
+                return await work(client)
+
+        return run_async(go(), fast=fast)
+
+
+_SHARED_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("data_dir", DataDirOpt),
+    ("redis_url", RedisUrlOpt),
+    ("config", ConfigOpt),
+)
+
+
+def command(
+    *, settings: Sequence[str] = ()
+) -> Callable[[Callable[Concatenate[Instance, P], T]], Callable[P, T]]:
+    """A command that works with a running routeledger: it gets `--data-dir`, `--redis-url` and
+    `--config`, its settings resolved once (with its own options named in `settings` as flags), the
+    Instance as its first argument, and `guarded`'s clean errors."""
+
+    def wrap(fn: Callable[Concatenate[Instance, P], T]) -> Callable[P, T]:
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
+        shared = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+            for name, kind in _SHARED_OPTIONS
+        ]
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+            shared_values = {name: kwargs.pop(name, None) for name, _ in _SHARED_OPTIONS}
+            flags = {name: kwargs.get(name) for name in settings}
+            resolved = settings_from(
+                shared_values["data_dir"],  # type: ignore[arg-type]
+                shared_values["redis_url"],  # type: ignore[arg-type]
+                shared_values["config"],  # type: ignore[arg-type]
+                **flags,
+            )
+            return fn(Instance(resolved), *args, **kwargs)
+
+        # Typer reads the options from the signature: the command's own, then the shared three.
+        wrapper.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+        return guarded(wrapper)
+
+    return wrap
+
+
+def print_json(data: Any) -> None:
+    """One JSON document on stdout (what every `--json` prints)."""
+    print(msgspec.json.encode(data).decode(), flush=True)  # noqa: T201
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:

@@ -36,7 +36,7 @@ def python_argv(*args: str) -> list[str]:
 
 
 @dataclass
-class Child:
+class ChildProcess:
     """One supervised process."""
 
     name: str
@@ -47,7 +47,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0
-    on_exit: Callable[[Child, int], None] | None = field(default=None, repr=False)
+    on_exit: Callable[[ChildProcess, int], None] | None = field(default=None, repr=False)
 
     @property
     def alive(self) -> bool:
@@ -58,19 +58,19 @@ class Supervisor:
     """A small process supervisor for one machine's routeledger processes."""
 
     def __init__(self, max_backoff_s: float = 30.0) -> None:
-        self.children: list[Child] = []
+        self.children: list[ChildProcess] = []
         self.max_backoff_s = max_backoff_s
         self._stopping = False
 
     def spawn(
         self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, restart: bool = True
-    ) -> Child:
-        child = Child(name=name, argv=list(argv), env=env, restart=restart)
+    ) -> ChildProcess:
+        child = ChildProcess(name=name, argv=list(argv), env=env, restart=restart)
         self.children.append(child)
         self._start(child)
         return child
 
-    def _start(self, child: Child) -> None:
+    def _start(self, child: ChildProcess) -> None:
         env = dict(os.environ)
         if child.env:
             env.update(child.env)
@@ -81,9 +81,9 @@ class Supervisor:
         child.started_at = time.monotonic()
         log.debug("started %s (pid %s)", child.name, child.proc.pid)
 
-    def poll(self) -> list[tuple[Child, int]]:
+    def poll(self) -> list[tuple[ChildProcess, int]]:
         """Check every child once; restart the ones that died. Returns (child, exit code) of those."""
-        died: list[tuple[Child, int]] = []
+        died: list[tuple[ChildProcess, int]] = []
         now = time.monotonic()
         for child in self.children:
             if child.proc is None:

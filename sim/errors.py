@@ -7,3 +7,15 @@ from events.errors import RouteledgerError
 
 class FleetError(RouteledgerError):
     """Raised when a fleet preset or file is missing or malformed."""
+
+
+class SimHostError(RouteledgerError):
+    """Raised when a simulated host is asked for something it does not have."""
+
+
+class UnknownModelError(SimHostError):
+    """Raised when a request names a model the machine does not hold."""
+
+
+class BadRequestError(SimHostError):
+    """Raised when a request body is not what a simulated endpoint takes."""

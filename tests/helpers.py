@@ -16,9 +16,11 @@ import redis.asyncio as aioredis
 from events.event import Event
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.fleet import Fleet, parse_fleet
-from workers.agent import Gate, WorkerAgent, WorkerConfig
+from sim.fleetspec import Fleet, parse_fleet
+from workers.admission import Gate
+from workers.agent import WorkerAgent
 from workers.backend import OllamaBackend
+from workers.config import WorkerConfig
 
 T = TypeVar("T", bound=Event)
 

@@ -16,8 +16,8 @@ from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.fleet import load_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import load_fleet
 from tests.helpers import (
     events_of,
     fast_config,

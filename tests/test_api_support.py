@@ -16,7 +16,7 @@ from dispatch.lease import LeaseInfo, encode_lease
 from dispatch.payload import Result, result_decoder
 from events.event import ModelEntry
 from events.keys import Keys
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, fast_config, make_test_fleet, running_agent
 
 

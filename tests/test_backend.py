@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dispatch.payload import Message, TaskMessage
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, make_test_fleet
 from workers.backend import Generated, OllamaBackend, OpenAIBackend, openai_digest
 from workers.errors import BackendError

@@ -11,7 +11,7 @@ from dispatch.serving import holdings
 from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 
 

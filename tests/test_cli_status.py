@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from events.event import TaskCompleted, TaskDeadLettered, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 
 

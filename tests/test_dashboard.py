@@ -39,8 +39,8 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from routeledger.cli_traffic import trickle
-from sim.fleet import load_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import load_fleet
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
 from tests.test_api_support import fleet_and_api, serving
 

@@ -16,7 +16,7 @@ from events.event import TaskRouted, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from router.choose import RouteQuery
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 
 

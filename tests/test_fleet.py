@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sim.errors import FleetError
-from sim.fleet import default_digest, load_fleet, parse_fleet, preset_names
+from sim.fleetspec import default_digest, load_fleet, parse_fleet, preset_names
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

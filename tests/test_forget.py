@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent
 
 

@@ -12,10 +12,10 @@ from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.fleet import parse_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import parse_fleet
 from tests.helpers import events_of, fast_config, running_agent, wait_until
-from workers.gate import RouterGate
+from workers.admission import RouterGate
 
 # One fast and one slow machine, both already measured, so the plan knows who is who.
 FLEET = """

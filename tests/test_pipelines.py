@@ -34,8 +34,8 @@ from events.event import (
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
-from sim.fleet import Fleet, load_fleet, parse_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import Fleet, load_fleet, parse_fleet
 from tests.helpers import (
     events_of,
     fast_config,
@@ -45,7 +45,7 @@ from tests.helpers import (
     worker_process,
 )
 from tests.test_api_support import fleet_and_api, serving, stored_result
-from workers.gate import RouterGate
+from workers.admission import RouterGate
 
 SEED = load_fleet("seed")
 QWEN = SEED.model["qwen3:8b"].digest

@@ -6,8 +6,8 @@ import pytest
 
 from projections.snapshot import DemandRow, FleetRow, Stamped
 from router.plan import fleet_view, plan_queue, service, slot_free_times
-from sim.fleet import load_fleet
-from sim.limits import burst_optimum
+from sim.fleetspec import load_fleet
+from sim.scheduling.bounds import burst_optimum
 from tests.router_helpers import NOW, QWEN, backlog, busy, estimator, snapshot, speed_row, stat, view, worker
 
 SEED_QWEN = {"macbookair": (11.4, 120.0, 8.0), "rtx3070ti": (83.0, 2000.0, 3.0)}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from routeledger.cli import app
-from sim.plot import BACKGROUND, SHADE, line_chart
+from sim.scheduling.plot import BACKGROUND, SHADE, line_chart
 
 
 def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from routeledger.cli import app
-from sim.experiment import limits_of, sweep_thresholds
-from sim.fleet import Fleet, ModelSpec, OutputLength, WorkerModel, WorkerSpec, parse_fleet
-from sim.policies import POLICIES, make_policy
-from sim.schedule import simulate
-from sim.workload import WorkloadSpec, default_model, generate
+from sim.fleetspec import Fleet, ModelSpec, OutputLength, WorkerModel, WorkerSpec, parse_fleet
+from sim.scheduling.experiment import limits_of, sweep_thresholds
+from sim.scheduling.policies import POLICIES, make_policy
+from sim.scheduling.schedule import simulate
+from sim.scheduling.workload import WorkloadSpec, default_model, generate
 
 ISSUE_TOML = """
 [[worker]]

@@ -21,10 +21,10 @@ import ollama
 import openai
 import pytest
 
-from sim.fleet import Fleet, load_fleet, parse_fleet
-from sim.host import SimHosts
-from sim.machine import keep_alive_seconds
-from sim.text import benchset, count_tokens
+from sim.backends.hosts import SimHosts
+from sim.backends.machine import keep_alive_seconds
+from sim.backends.text import benchset, count_tokens
+from sim.fleetspec import Fleet, load_fleet, parse_fleet
 
 SEED = 1234
 QWEN_DIGEST = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"

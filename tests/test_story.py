@@ -22,8 +22,8 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from router.choose import RouteQuery
-from sim.fleet import load_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import load_fleet
 from tests.helpers import fast_config, running_agent, wait_until
 
 SEED = load_fleet("seed")

@@ -11,32 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import signal
 import socket
-import sys
 import time
-from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.benchmark import grade, needs_benchmark, prompt_by_id, request_benchmark
+from dispatch.benchmark import needs_benchmark, request_benchmark
 from dispatch.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
-from dispatch.payload import Chunk, Result, encode_chunk, sha256_hex
+from dispatch.payload import Chunk, Result, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
 from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
-    BenchmarkResult,
     Event,
     ModelEntry,
-    QualityScored,
     TaskClaimed,
-    TaskCompleted,
     TaskFailed,
     WorkerHeartbeat,
     WorkerOffline,
@@ -45,90 +38,16 @@ from events.event import (
 )
 from events.keys import Keys
 from events.ledger import Ledger
-from events.singleton import DEFAULT_LEASE_MS
 from projections.status import Outcome
+from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Generated, Inventory
+from workers.closing import FinishedRun
+from workers.config import WorkerConfig
+from workers.crash import crash_armed, crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.resources import read_resources
 
 log = logging.getLogger("routeledger.worker")
-
-# TEST HOOK, off by default. `ROUTELEDGER_TEST_CRASH=POINT@N` makes the worker process kill -9
-# itself at POINT of the N-th task it runs, so that the reliability suite can crash it at an exact
-# step rather than at whatever moment an outside kill happens to land. POINT is one of:
-#   claim   the entry is delivered, TaskClaimed not yet appended
-#   stream  the first output chunk is written, the generation goes on
-#   result  the result is stored, TaskCompleted not yet appended
-#   ack     TaskCompleted is appended, the entry not yet acknowledged
-# Never set it outside tests.
-TEST_CRASH_ENV: Final = "ROUTELEDGER_TEST_CRASH"
-CRASH_POINTS: Final = ("claim", "stream", "result", "ack")
-
-
-def _crash_plan(spec: str | None) -> tuple[str, int] | None:
-    if not spec:
-        return None
-    point, _, nth = spec.partition("@")
-    if point not in CRASH_POINTS or not nth.isdigit():
-        raise ValueError(f"{TEST_CRASH_ENV}={spec!r}: expected POINT@N with POINT in {CRASH_POINTS}")
-    return point, int(nth)
-
-
-_CRASH_PLAN: Final = _crash_plan(os.environ.get(TEST_CRASH_ENV))
-
-
-def _crash_armed(point: str, ordinal: int) -> bool:
-    """True if the test hook above will kill this process at `point` of task #`ordinal`."""
-    return _CRASH_PLAN is not None and (point, ordinal) == _CRASH_PLAN
-
-
-def _test_crash(point: str, ordinal: int) -> None:
-    """The test hook above: kill -9 this process if the plan says so (a no-op when unset)."""
-    if _crash_armed(point, ordinal):
-        sys.stderr.write(f"routeledger test hook: kill -9 at {point} of task #{ordinal}\n")
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class WorkerConfig(msgspec.Struct, kw_only=True):
-    """How one worker behaves."""
-
-    name: str = msgspec.field(default_factory=socket.gethostname)
-    slots: int = 1
-    # Names (or digests) of held models to serve; None: all held; []: registered, serving nothing.
-    serves: list[str] | None = None
-    lease_ms: int = DEFAULT_LEASE_MS
-    heartbeat_ms: int = 2_000
-    delivery_limit: int = 3
-    block_ms: int = 1_000
-    # How soon a worker that the gate held back asks again.
-    recheck_ms: int = 250
-    drain_timeout_s: float = 30.0
-    # After a backend failure the worker pauses taking shared work, so the task runs elsewhere.
-    cooldown_s: float = 2.0
-    max_cooldown_s: float = 30.0
-    # Output is flushed to rl:out in small batches: the first piece at once, then this often.
-    flush_ms: float = 25.0
-    cancel_check_ms: float = 250.0
-    # Benchmark itself on start, on gaining a model, and when its speed rows are thin or stale.
-    auto_bench: bool = True
-    bench_min_samples: int = 3
-    bench_stale_after_s: float = 7 * 86_400.0
-    bench_check_s: float = 30.0
-    bench_domain: str = "general"
-
-
-class Gate(Protocol):
-    """The seam for the router's speed-aware gate: which shared queues may this worker read now?"""
-
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]: ...
-
-
-class PlainPull:
-    """Take whatever the streams give (the behaviour before the router's gate)."""
-
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]:
-        return list(queues)
 
 
 class Running(msgspec.Struct, kw_only=True):
@@ -467,7 +386,7 @@ class WorkerAgent:
                     BackendError("model_missing", f"{self.name} does not serve {task.model}", retryable=True),
                 )
                 return
-            _test_crash("claim", run.ordinal)
+            crash_here("claim", run.ordinal)
             # One round trip: the claim, the lease that now lists this task, and the cancel check.
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(
@@ -551,7 +470,7 @@ class WorkerAgent:
                 if task.stream and (len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms):
                     await flush()
                     last_flush = now
-                    _test_crash("stream", run.ordinal)
+                    crash_here("stream", run.ordinal)
                 if (now - last_cancel_check) * 1000 >= self.config.cancel_check_ms:
                     last_cancel_check = now
                     if await self.redis.exists(cancel_key):
@@ -585,54 +504,26 @@ class WorkerAgent:
             rest = "".join(buffer)
             buffer.clear()
             first = stored = await self.queues.close_run(result, rest)
-        _test_crash("result", run.ordinal)
+        crash_here("result", run.ordinal)
         if not first and not run.lost:
             # A stored result without its TaskCompleted: its writer died in between; count ours.
             first = await self.queues.take_over_log(task.task_id, entry.attempt)
-        closing: list[Event] = []
-        if task.bench_id and first:
-            closing.append(
-                BenchmarkResult(
-                    bench_id=task.bench_id,
-                    worker=self.name,
-                    digest=task.digest,
-                    domain=task.domain,
-                    task_id=task.task_id,
-                    timings=generated.timings,
-                    ttft_ms=ttft_ms,
-                    wall_ms=wall_ms,
-                    in_flight=len(self.running),
-                    prompt_id=task.bench_prompt or "",
-                )
-            )
-            graded = self._graded(
-                task.digest, task.domain, task.bench_id, task.task_id, task.bench_prompt, text
-            )
-            if graded is not None:
-                closing.append(graded)
-        closing.append(
-            TaskCompleted(
-                task_id=task.task_id,
-                worker=self.name,
-                digest=task.digest,
-                attempt=entry.attempt,
-                domain=task.domain,
-                timings=generated.timings,
-                ttft_ms=ttft_ms,
-                wall_ms=wall_ms,
-                in_flight=len(self.running),
-                output_bytes=len(text.encode()),
-                output_sha256=sha256_hex(text),
-                done_reason=generated.done_reason,
-                duplicate=not first,
-                bench_id=task.bench_id,
-            )
+        finished = FinishedRun(
+            worker=self.name,
+            task=task,
+            attempt=entry.attempt,
+            generated=generated,
+            text=text,
+            ttft_ms=ttft_ms,
+            wall_ms=wall_ms,
+            in_flight=len(self.running),
         )
+        closing = finished.closing_events(counts=first)
         carried = result if stored else None
-        if _crash_armed("ack", run.ordinal):
+        if crash_armed("ack", run.ordinal):
             # The test hook needs a moment between the closing events and the acknowledgement.
             await self.queues.log_run(task.task_id, closing, counts=first, done=done, carried=carried)
-            _test_crash("ack", run.ordinal)
+            crash_here("ack", run.ordinal)
             acked = await self.queues.finish(entry.queue, entry.entry_id)
         else:
             # The closing events, the done chunk, then the acknowledgement: one round trip, in order.
@@ -652,23 +543,6 @@ class WorkerAgent:
                 entry.entry_id,
                 entry.queue,
             )
-
-    def _graded(
-        self, digest: str, domain: str, bench_id: str, task_id: str, prompt_id: str | None, text: str
-    ) -> QualityScored | None:
-        """A benchmark answer graded by its reference check: a quality sample, separate from speed."""
-        prompt = prompt_by_id(prompt_id) if prompt_id else None
-        if prompt is None:
-            return None
-        return QualityScored(
-            digest=digest,
-            domain=domain,
-            score=grade(prompt, text),
-            grader="reference",
-            task_id=task_id,
-            bench_id=bench_id,
-            worker=self.name,
-        )
 
     async def _benchmark_loop(self) -> None:
         """Benchmark every served model whose speed row on this worker is thin or stale."""

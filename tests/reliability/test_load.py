@@ -25,8 +25,8 @@ import redis.asyncio as aioredis
 
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.fleet import load_fleet
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import load_fleet
 from tests.helpers import wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
 from tests.test_api_support import free_port

@@ -20,7 +20,7 @@ from projections.projector import Projector
 from projections.reader import lag, snapshot
 from replay.rebuild import build
 from replay.verify import diff_tables
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 
 D1 = "a" * 64

@@ -20,7 +20,7 @@ from dispatch.submit import TaskRequest, submit_task
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import make_test_fleet, wait_until
 from tests.reliability.support import (
     counted_completions,

@@ -25,7 +25,7 @@ from events.event import TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import find_redis_server, redis_version
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import spawn_worker, stop_all
 from tests.test_api_support import serving

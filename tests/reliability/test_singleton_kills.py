@@ -23,7 +23,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.reader import lag
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.support import (
     counted_completions,

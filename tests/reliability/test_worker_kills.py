@@ -1,7 +1,7 @@
 """Workers killed with SIGKILL at every step of a task: no task is lost, each completes once.
 
 The kills come from the worker's own test hook (ROUTELEDGER_TEST_CRASH=POINT@N, see
-workers/agent.py) rather than from outside at random times: an outside kill lands wherever the
+workers/crash.py) rather than from outside at random times: an outside kill lands wherever the
 scheduler happens to be, and on a loaded machine it rarely lands in the narrow windows that matter
 (between storing the result and appending TaskCompleted, between TaskCompleted and the ack). The
 hook hits each of them on purpose; which task of an incarnation dies is drawn at random.
@@ -25,10 +25,10 @@ from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskDeadLettered, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
-from sim.host import SimHosts
+from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
-from workers.agent import CRASH_POINTS
+from workers.crash import CRASH_POINTS
 
 TASKS = 50
 LIMIT = 10  # deliveries: high enough that a task crashed on again and again is never dead-lettered

@@ -50,7 +50,7 @@ class ModelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     quality: dict[str, float] = msgspec.field(default_factory=dict)
     output: OutputLength = OutputLength()
     # Whether the model honours Ollama's `format` (JSON mode): True answers a request that sets it
-    # with JSON (see sim.text.json_answer); False ignores it and answers prose, as a model without
+    # with JSON (see sim.backends.text.json_answer); False ignores it and answers prose, as a model without
     # JSON mode would (the pipeline tests use it for a decomposer that answers garbage).
     follows_format: bool = True
 

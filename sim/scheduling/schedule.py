@@ -19,8 +19,8 @@ from typing import Protocol
 import msgspec
 
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
-from sim.fleet import Fleet, WorkerSpec, default_digest
-from sim.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
+from sim.fleetspec import Fleet, WorkerSpec, default_digest
+from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
 
 # A benchmark on join: short prompts, so that it takes seconds (issue 5).
 BENCH_PROMPTS = 3
@@ -87,9 +87,6 @@ class SimWorker:
     def in_system(self) -> int:
         """Tasks it has: running and waiting in its own queue (what least-busy counts)."""
         return len(self.runs) + len(self.own)
-
-    def solo_seconds(self, job: Job) -> float:
-        return self.true.seconds(job.prompt_tokens, job.output_tokens, True)
 
 
 class Policy(Protocol):

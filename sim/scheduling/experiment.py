@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from sim.fleet import Fleet
-from sim.limits import Limits, lower_bounds
-from sim.policies import POLICY_NAMES, Threshold, make_policy
-from sim.schedule import RunResult, simulate
-from sim.workload import Job, WorkloadSpec, generate, serving, speeds
+from sim.fleetspec import Fleet
+from sim.scheduling.bounds import Bounds, lower_bounds
+from sim.scheduling.policies import POLICY_NAMES, Threshold, make_policy
+from sim.scheduling.schedule import RunResult, simulate
+from sim.scheduling.workload import Job, WorkloadSpec, generate, serving, speeds
 
 BEST_THRESHOLD = "best-threshold"
 
@@ -35,7 +35,7 @@ class ResultRow(msgspec.Struct, kw_only=True):
     thresholds: list[int] | None = None
 
 
-def limits_of(fleet: Fleet, model: str, jobs: Sequence[Job]) -> Limits:
+def limits_of(fleet: Fleet, model: str, jobs: Sequence[Job]) -> Bounds:
     """The lower bounds of a run of `jobs` on the serving workers (all assumed online)."""
     workers = serving(fleet, model)
     true = [speeds(w, model) for w in workers]

@@ -1,15 +1,15 @@
-"""The router's speed-aware gate, fed from Redis: the seam `WorkerAgent.gate` plugs into.
+"""Admission: which shared queues a worker with a free slot may read now (the seam `WorkerAgent.gate`).
 
-Before a worker with a free slot reads a shared queue, it asks `router.gate.should_take` whether
-taking the head task is better for the system than leaving it to the others. The decision is pure;
-its facts come from `dispatch.view.LiveView`.
+`RouterGate`, the default, asks `router.gate.should_take` whether taking the head task is better
+for the system than leaving it to the others; the decision is pure, its facts come from
+`dispatch.view.LiveView`. `PlainPull` takes whatever the streams give.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import redis.asyncio as aioredis
 
@@ -21,6 +21,19 @@ if TYPE_CHECKING:
     from workers.agent import WorkerAgent
 
 log = logging.getLogger("routeledger.gate")
+
+
+class Gate(Protocol):
+    """The seam for the router's speed-aware gate: which shared queues may this worker read now?"""
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]: ...
+
+
+class PlainPull:
+    """Take whatever the streams give (the behaviour before the router's gate)."""
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]:
+        return list(queues)
 
 
 class RouterGate:

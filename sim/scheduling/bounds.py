@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 
-class Limits(msgspec.Struct, kw_only=True, frozen=True):
+class Bounds(msgspec.Struct, kw_only=True, frozen=True):
     """The bounds of one run."""
 
     capacity_per_s: float
@@ -64,7 +64,7 @@ def srpt_mean(arrivals: Sequence[float], sizes: Sequence[float]) -> float:
 
 def lower_bounds(
     arrivals: Sequence[float], times: Sequence[Sequence[float]], capacity: Sequence[float]
-) -> Limits:
+) -> Bounds:
     """Makespan (from the first arrival) and mean-response bounds of a run.
 
     `times[j][w]`: job j's solo time on worker w; `capacity[w]`: slots**exponent.
@@ -80,7 +80,7 @@ def lower_bounds(
         suffix += times[j][ref]
         makespan = max(makespan, arrivals[j] - t0 + suffix / speed, arrivals[j] - t0 + fastest[j])
     srpt = srpt_mean(arrivals, [times[j][ref] / speed for j in range(len(times))])
-    return Limits(
+    return Bounds(
         capacity_per_s=speed,
         makespan_s=makespan,
         mean_response_s=max(srpt, sum(fastest) / len(fastest)),

@@ -14,7 +14,7 @@ import random
 import msgspec
 
 from sim.errors import FleetError
-from sim.fleet import Fleet, WorkerSpec
+from sim.fleetspec import Fleet, WorkerSpec
 
 
 class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):

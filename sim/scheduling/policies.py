@@ -18,8 +18,8 @@ from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat,
 from router.estimate import Estimator, build_estimator
 from router.gate import GateParams, should_take
 from sim.errors import FleetError
-from sim.schedule import BENCH_PROMPTS, Measured, Simulation, SimWorker
-from sim.workload import Job
+from sim.scheduling.schedule import BENCH_PROMPTS, Measured, Simulation, SimWorker
+from sim.scheduling.workload import Job
 
 # The sim runs for hours of simulated time, so a week's half-life is "no decay" for speeds; the
 # arrival rate needs a memory of minutes to follow the load.

@@ -1,9 +1,9 @@
 """One simulated machine: the models it holds and has loaded, its slots, its speeds and its faults.
 
-The HTTP layer (sim/host.py) turns requests into `Job`s and runs them here. Time is simulated: every
-duration is computed in simulated seconds from the preset's speeds and reported as such (so that
-`eval_count / eval_duration` is the preset's decode speed whatever the time scale), and the machine
-really waits that duration multiplied by `time_scale` (0: it does not wait at all).
+The HTTP layer (sim/backends/host.py) turns requests into `Generation`s and runs them here. Time
+is simulated: every duration is computed in simulated seconds from the preset's speeds and reported
+as such (so that `eval_count / eval_duration` is the preset's decode speed whatever the time
+scale), and the machine really waits that duration multiplied by `time_scale` (0: it does not wait).
 
 State timers — keep_alive expiry and online windows — run on the wall clock multiplied by
 `time_scale`, or unscaled when `time_scale` is 0, so that a zero-delay run keeps its models loaded.
@@ -21,9 +21,8 @@ from typing import Literal
 
 import msgspec
 
-from events.errors import RouteledgerError
-from sim.fleet import Fleet, ModelSpec, WorkerModel, WorkerSpec
-from sim.text import (
+from dispatch.ollama import rfc3339
+from sim.backends.text import (
     bench_answer,
     bench_prompt,
     count_tokens,
@@ -33,6 +32,8 @@ from sim.text import (
     sample_length,
     seed_of,
 )
+from sim.errors import SimHostError, UnknownModelError
+from sim.fleetspec import Fleet, ModelSpec, WorkerModel, WorkerSpec
 
 # Tokens are released to a streaming client at most this late (wall seconds); fewer wake-ups.
 STREAM_QUANTUM_S = 0.002
@@ -42,14 +43,6 @@ QUIET_QUANTUM_S = 0.005
 ZERO_DELAY_BATCH = 256
 
 Fault = Literal["error", "hang", "disconnect"]
-
-
-class SimHostError(RouteledgerError):
-    """Raised when a simulated host is asked for something it does not have."""
-
-
-class UnknownModelError(SimHostError):
-    """Raised when a request names a model the machine does not hold."""
 
 
 class Faults(msgspec.Struct, kw_only=True):
@@ -171,7 +164,7 @@ class _Model:
         self.load_count = 0
 
 
-class Job:
+class Generation:
     """One generation request, planned up front so that its output is fixed by its seeds."""
 
     __slots__ = (
@@ -282,7 +275,7 @@ class SimMachine:
             )
         full = full_name(key)
         if full not in self.models:
-            self._hold(key, _now_rfc3339())
+            self._hold(key, rfc3339())
         return full
 
     def take_model(self, name: str) -> None:
@@ -303,7 +296,7 @@ class SimMachine:
         max_tokens: int | None = None,
         keep_alive: object = None,
         wants_json: bool = False,
-    ) -> Job:
+    ) -> Generation:
         """A job for `prompt` (the whole input) whose last user message is `last_user`.
 
         `wants_json`: the request set Ollama's `format`; a model that follows it answers JSON.
@@ -336,7 +329,7 @@ class SimMachine:
         elif fault == "disconnect":
             self.counters.disconnects += 1
             disconnect_after = self._fault_rng.randint(0, max(0, len(tokens) // 2))
-        return Job(model, count_tokens(prompt), tokens, max_tokens, ka, fault, disconnect_after)
+        return Generation(model, count_tokens(prompt), tokens, max_tokens, ka, fault, disconnect_after)
 
     def _draw_fault(self) -> Fault | None:
         f = self.faults
@@ -442,7 +435,7 @@ class SimMachine:
         """Seconds-per-token multiplier with k generations at once: each runs at k**e / k of solo speed."""
         return float(k ** (1.0 - self.spec.parallel_exponent)) if k > 1 else 1.0
 
-    async def run(self, job: Job, emit: Emit | None) -> Timings | None:
+    async def run(self, job: Generation, emit: Emit | None) -> Timings | None:
         """Run `job` to its end; None when the client went away (or the fault cut it off) first.
 
         `emit` receives tokens as they are produced (streaming); without it the output is only timed.
@@ -493,7 +486,7 @@ class SimMachine:
                 self._unpin(model, 0.0 if job.unload else job.keep_alive)
             self.release()
 
-    async def _generate(self, job: Job, emit: Emit | None) -> tuple[float, float, int, str] | None:
+    async def _generate(self, job: Generation, emit: Emit | None) -> tuple[float, float, int, str] | None:
         speed = job.model.speed
         tokens = job.tokens
         reason = "stop"
@@ -574,7 +567,7 @@ class SimMachine:
                     name=model.name,
                     digest=model.digest,
                     size=model.spec.size,
-                    expires_at=_rfc3339(time.time() + left) if math.isfinite(left) else _FOREVER,
+                    expires_at=rfc3339(time.time() + left) if math.isfinite(left) else _FOREVER,
                     in_use=model.refs,
                 )
             )
@@ -626,17 +619,7 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def _rfc3339(epoch: float) -> str:
-    t = time.gmtime(epoch)
-    frac = f"{epoch % 1:.6f}"[1:]
-    return time.strftime("%Y-%m-%dT%H:%M:%S", t) + frac + "Z"
-
-
-def _now_rfc3339() -> str:
-    return _rfc3339(time.time())
-
-
 # What Ollama reports for a model kept loaded forever (keep_alive < 0).
 _FOREVER = "2318-01-01T00:00:00Z"
 # The sim's models were "pulled" when the process started.
-_START_STAMP = _now_rfc3339()
+_START_STAMP = rfc3339()

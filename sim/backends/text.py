@@ -15,7 +15,7 @@ import re
 from functools import cache
 
 from dispatch.benchmark import BenchPrompt, benchset
-from sim.fleet import OutputLength
+from sim.fleetspec import OutputLength
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"

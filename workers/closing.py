@@ -1,0 +1,87 @@
+"""The ledger events that close a run: what a worker appends once a generation has finished.
+
+A benchmark run's speed is a BenchmarkResult and its reference grade a QualityScored (quality
+belongs to the model, recorded apart from speed and only for the run that counts); every run ends
+with a TaskCompleted, marked a duplicate when another run's completion already counted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dispatch.benchmark import grade, prompt_by_id
+from dispatch.payload import TaskMessage, sha256_hex
+from events.event import BenchmarkResult, Event, QualityScored, TaskCompleted
+from workers.backend import Generated
+
+
+class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
+    """One run of a task that reached the backend's last chunk."""
+
+    worker: str
+    task: TaskMessage
+    attempt: int
+    generated: Generated
+    text: str
+    ttft_ms: float | None
+    wall_ms: float
+    # Tasks the worker had in flight when this one finished (the concurrency fit reads it).
+    in_flight: int
+
+    def closing_events(self, counts: bool) -> list[Event]:
+        """The events to append, in order; `counts` says this run's completion is the one that counts."""
+        task = self.task
+        out: list[Event] = []
+        if task.bench_id and counts:
+            out.append(
+                BenchmarkResult(
+                    bench_id=task.bench_id,
+                    worker=self.worker,
+                    digest=task.digest,
+                    domain=task.domain,
+                    task_id=task.task_id,
+                    timings=self.generated.timings,
+                    ttft_ms=self.ttft_ms,
+                    wall_ms=self.wall_ms,
+                    in_flight=self.in_flight,
+                    prompt_id=task.bench_prompt or "",
+                )
+            )
+            graded = self.graded()
+            if graded is not None:
+                out.append(graded)
+        out.append(
+            TaskCompleted(
+                task_id=task.task_id,
+                worker=self.worker,
+                digest=task.digest,
+                attempt=self.attempt,
+                domain=task.domain,
+                timings=self.generated.timings,
+                ttft_ms=self.ttft_ms,
+                wall_ms=self.wall_ms,
+                in_flight=self.in_flight,
+                output_bytes=len(self.text.encode()),
+                output_sha256=sha256_hex(self.text),
+                done_reason=self.generated.done_reason,
+                duplicate=not counts,
+                bench_id=task.bench_id,
+            )
+        )
+        return out
+
+    def graded(self) -> QualityScored | None:
+        """A benchmark answer graded by its prompt's reference check, or None for other runs."""
+        task = self.task
+        prompt = prompt_by_id(task.bench_prompt) if task.bench_prompt else None
+        if prompt is None or task.bench_id is None:
+            return None
+        return QualityScored(
+            digest=task.digest,
+            domain=task.domain,
+            score=grade(prompt, self.text),
+            grader="reference",
+            task_id=task.task_id,
+            bench_id=task.bench_id,
+            worker=self.worker,
+        )

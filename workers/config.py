@@ -1,0 +1,37 @@
+"""How one worker behaves: its name, slots, what it serves, and every interval it keeps."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+
+from events.singleton import DEFAULT_LEASE_MS
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    """How one worker behaves."""
+
+    name: str = msgspec.field(default_factory=socket.gethostname)
+    slots: int = 1
+    # Names (or digests) of held models to serve; None: all held; []: registered, serving nothing.
+    serves: list[str] | None = None
+    lease_ms: int = DEFAULT_LEASE_MS
+    heartbeat_ms: int = 2_000
+    delivery_limit: int = 3
+    block_ms: int = 1_000
+    # How soon a worker that the gate held back asks again.
+    recheck_ms: int = 250
+    drain_timeout_s: float = 30.0
+    # After a backend failure the worker pauses taking shared work, so the task runs elsewhere.
+    cooldown_s: float = 2.0
+    max_cooldown_s: float = 30.0
+    # Output is flushed to rl:out in small batches: the first piece at once, then this often.
+    flush_ms: float = 25.0
+    cancel_check_ms: float = 250.0
+    # Benchmark itself on start, on gaining a model, and when its speed rows are thin or stale.
+    auto_bench: bool = True
+    bench_min_samples: int = 3
+    bench_stale_after_s: float = 7 * 86_400.0
+    bench_check_s: float = 30.0
+    bench_domain: str = "general"
