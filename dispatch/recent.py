@@ -180,7 +180,7 @@ class Recent:
         if isinstance(event, TaskReclaimed | TaskStalled | TaskDeadLettered):
             self.incidents.append(self._incident(entry_id, event))
             incident = True
-        if isinstance(event, TaskSubmitted):
+        if isinstance(event, TaskSubmitted) and event.task_id not in self.tasks:
             view = TaskView(
                 task_id=event.task_id,
                 model=event.model,

@@ -1,7 +1,6 @@
 """The Ledger: an append-only log of events on a Redis stream, plus consumer-group helpers.
 
-Works on Redis 6.2 and newer: it uses no command newer than 6.2, and where 7.0 changed a reply
-shape (XAUTOCLAIM) both shapes are read.
+Works on Redis 6.2 and newer: it uses no command newer than 6.2.
 """
 
 from __future__ import annotations
@@ -322,30 +321,6 @@ class Ledger:
             return [as_str(i) for i in raw]
         rows: Any = await self.redis.xclaim(stream, group, consumer, min_idle_ms, list(entry_ids))
         return [as_str(row[0]) for row in rows if row is not None]
-
-    async def autoclaim(
-        self,
-        stream: str,
-        consumer: str,
-        *,
-        group: str = WORKERS_GROUP,
-        min_idle_ms: int = 0,
-        start: str = "0-0",
-        count: int = 100,
-    ) -> tuple[str, list[Entry], list[str]]:
-        """XAUTOCLAIM without JUSTID (so deliveries are counted): (next cursor, entries, deleted ids).
-
-        Redis 6.2 replies with two elements and 7.0 with three; a reply can hold fewer than
-        `count` entries while the cursor is not yet `0-0`, so callers loop on the cursor.
-        """
-        reply: Any = await self.redis.xautoclaim(stream, group, consumer, min_idle_ms, start, count=count)
-        cursor = as_str(reply[0])
-        # An entry deleted while pending comes back as None (6.2) or is listed as deleted (7.0).
-        entries = [
-            (as_str(row[0]), row[1] or {}) for row in reply[1] if row is not None and row[0] is not None
-        ]
-        deleted = [as_str(i) for i in reply[2]] if len(reply) > 2 else []
-        return cursor, entries, deleted
 
 
 def _decode_in_order(batch: list[RawEntry], on_poison: PoisonHandler | None) -> list[tuple[str, Event]]:

@@ -150,11 +150,6 @@ def decode_tasks(raw: dict[Any, Any]) -> dict[str, TaskRow]:
     return {r.task_id: r for r in rows}
 
 
-def table_fields(tables: Tables) -> dict[str, list[tuple[str, bytes]]]:
-    """Every row of `tables` as (hash field, value), by table name."""
-    return {name: list(fields) for name, fields in _lazy_fields(tables).items()}
-
-
 def _lazy_fields(tables: Tables) -> dict[str, Iterator[tuple[str, bytes]]]:
     return {
         SPEED: ((pair_key(*k), encode_row(r)) for k, r in tables.speed.items()),

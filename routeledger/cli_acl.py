@@ -57,7 +57,6 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "xack",
     "xdel",
     "xclaim",
-    "xautoclaim",
     "xpending",
     "xrange",
     "xrevrange",

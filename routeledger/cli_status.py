@@ -29,8 +29,7 @@ _STATUS_STYLE = {
     "draining": "yellow",
     "running": "yellow",
     "queued": "yellow",
-    "retrying": "yellow",
-    "reclaimed": "yellow",
+    "submitted": "yellow",
 }
 
 

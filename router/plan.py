@@ -264,13 +264,6 @@ class Plan(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     assignments: list[Assignment]
     free_s: dict[str, list[float]]
 
-    def first_for(self, worker: str) -> Assignment | None:
-        """The first task the plan gives `worker`, or None."""
-        for a in self.assignments:
-            if a.worker == worker:
-                return a
-        return None
-
     def to_dict(self) -> dict[str, object]:
         return {
             "digest": self.digest,
@@ -577,47 +570,3 @@ def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: floa
     # The demand table is folded with its own short half-life; the weight must decay with the same.
     hl = half_life_s or float(getattr(snapshot, "demand_half_life_s", snapshot.half_life_s))
     return row.arrivals.weight_at(now_ms, hl) / (hl / math.log(2.0))
-
-
-def fleet_view(
-    snapshot: Snapshot,
-    now_ms: int,
-    *,
-    backlog: Mapping[str, Sequence[BacklogEntry]],
-    running: Mapping[str, RunningTask],
-    live: Iterable[str] | None = None,
-    params: PlanParams | None = None,
-) -> FleetView:
-    """A FleetView from the fleet table plus the live facts only Redis has.
-
-    `backlog`: each model's queued entries, head first. `running`: task id -> RunningTask for
-    the ids in each FleetRow's `in_flight` (a task id missing there is counted by its row anyway,
-    as a task started now). `live`: names of workers whose lease is alive; None: status "online".
-    Resource metrics are deliberately not read.
-    """
-    p = params or PlanParams()
-    if live is None and getattr(snapshot, "live", None):
-        live = list(snapshot.live)
-    alive = set(live) if live is not None else None
-    workers: list[WorkerView] = []
-    for row in snapshot.fleet.values():
-        if (alive is not None and row.worker not in alive) or (alive is None and row.status != "online"):
-            continue
-        inventory = row.inventory.value if isinstance(row.inventory.value, dict) else {}
-        serves = row.serves.value
-        held = {str(d) for name, d in inventory.items() if serves is None or name in serves}  # type: ignore[operator]
-        loaded_value = row.loaded.value
-        loaded = {str(d) for d in loaded_value} if isinstance(loaded_value, list) else set()
-        slots_value = row.slots.value
-        slots = slots_value if isinstance(slots_value, int) and slots_value > 0 else 1
-        tasks = [
-            running.get(t) or RunningTask(task_id=t, digest=next(iter(held), ""), started_at_ms=now_ms)
-            for t in row.in_flight
-        ]
-        workers.append(WorkerView(name=row.worker, slots=slots, holds=held, loaded=loaded, running=tasks))
-    digests = set(backlog) | {d for w in workers for d in w.holds}
-    return FleetView(
-        workers=workers,
-        backlog={d: list(entries) for d, entries in backlog.items()},
-        arrival_rate={d: arrival_rate(snapshot, d, now_ms, p.demand_half_life_s) for d in digests},
-    )

@@ -1,7 +1,8 @@
 """Fleet presets: simulated machines and models, from TOML.
 
 One format serves both simulators: `routeledger sim hosts` (Ollama-compatible HTTP backends) and
-`routeledger sim schedule` (the discrete-event scheduling simulator). The issue-given shape is
+`routeledger sim schedule` (the discrete-event scheduling simulator). The documented shape, which
+other people's fleet files use, is
 
     [[worker]]
     name = "macbookair"

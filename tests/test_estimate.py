@@ -6,10 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dispatch.lease import LeaseInfo
+from dispatch.view import fleet_view
+from events.event import ModelEntry
 from projections.snapshot import FleetRow, Stamped
 from router.choose import RouteQuery, rank_workers
 from router.estimate import EstimateParams, build_estimator
-from router.plan import fleet_view
 from tests.router_helpers import (
     ELYZA,
     NOW,
@@ -141,6 +143,17 @@ def _fleet_row(name: str, resources: dict[str, float | None] | None) -> FleetRow
     )
 
 
+def _lease(name: str) -> LeaseInfo:
+    return LeaseInfo(
+        worker=name,
+        token="t",
+        slots=1,
+        inventory=[ModelEntry(name="qwen3:8b", digest=QWEN)],
+        loaded=[QWEN],
+        since=NOW,
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     cpu=st.one_of(st.none(), st.floats(0, 100)),
@@ -153,9 +166,10 @@ def test_a_worker_reporting_no_resources_never_ranks_above_an_identical_one_that
 ) -> None:
     rows = [speed_row("a", QWEN, decode, n), speed_row("b", QWEN, decode, n)] if n else []
     snap = snapshot(rows, LENGTHS, QUALITY)
+    # The resources reach the ledger's fleet table; the view is built from the leases, as in production.
     snap.fleet["a"] = _fleet_row("a", None)
     snap.fleet["b"] = _fleet_row("b", {"cpu_percent": cpu, "gpu_percent": gpu})
-    fv = fleet_view(snap, NOW, backlog={}, running={})
+    fv = fleet_view({"a": _lease("a"), "b": _lease("b")}, {}, snap, NOW)
     ranking = rank_workers(fv, estimator(snap), QWEN, NOW)
     ranks = {c.worker: c.rank for c in ranking.candidates}
     assert ranks["a"] == ranks["b"]

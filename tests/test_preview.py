@@ -1,4 +1,4 @@
-"""The preview JSON, exactly as issue 5 part 4 gives it."""
+"""The preview JSON: the model, its digest, the candidates best first with every term and source, the plan."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from sim.scheduling.policies import POLICIES, make_policy
 from sim.scheduling.schedule import simulate
 from sim.scheduling.workload import WorkloadSpec, default_model, generate
 
-ISSUE_TOML = """
+DOC_TOML = """
 [[worker]]
 name = "macbookair"
 slots = 1
@@ -38,8 +38,8 @@ def one_machine(dist: str = "exp") -> Fleet:
     )
 
 
-def test_the_issues_fleet_toml_parses() -> None:
-    fleet = parse_fleet(ISSUE_TOML)
+def test_the_documented_fleet_toml_parses() -> None:
+    fleet = parse_fleet(DOC_TOML)
     (w,) = fleet.worker
     assert (w.name, w.slots, w.online) == ("macbookair", 1, [(0.0, 1e9)])
     assert w.models["qwen3:8b"].decode_tps == 11.4
@@ -48,7 +48,7 @@ def test_the_issues_fleet_toml_parses() -> None:
 
 def test_the_same_seed_gives_the_same_figures() -> None:
     fleet = parse_fleet(
-        ISSUE_TOML.replace("macbookair", "a") + ISSUE_TOML.replace("macbookair", "b").replace("11.4", "80")
+        DOC_TOML.replace("macbookair", "a") + DOC_TOML.replace("macbookair", "b").replace("11.4", "80")
     )
     spec = WorkloadSpec(load=0.7, tasks=300, seed=3)
     for name in ("routeledger", "random", "litellm-latency"):
@@ -113,8 +113,7 @@ def test_no_policy_beats_the_lower_bounds_on_random_fleets(
 
 def test_a_worker_joining_mid_run_is_benchmarked_and_then_given_work() -> None:
     fleet = parse_fleet(
-        ISSUE_TOML.replace("macbookair", "slow")
-        + ISSUE_TOML.replace("macbookair", "fast").replace("11.4", "80")
+        DOC_TOML.replace("macbookair", "slow") + DOC_TOML.replace("macbookair", "fast").replace("11.4", "80")
     )
     spec = WorkloadSpec(load=0.5, tasks=400, seed=2, joins=(("fast", 2000.0),))
     result = simulate(fleet, "qwen3:8b", spec, make_policy("routeledger"))
@@ -124,7 +123,7 @@ def test_a_worker_joining_mid_run_is_benchmarked_and_then_given_work() -> None:
 
 
 def test_a_worker_going_offline_gives_back_what_it_ran() -> None:
-    fleet = parse_fleet(ISSUE_TOML.replace("macbookair", "a") + ISSUE_TOML.replace("macbookair", "b"))
+    fleet = parse_fleet(DOC_TOML.replace("macbookair", "a") + DOC_TOML.replace("macbookair", "b"))
     spec = WorkloadSpec(load=0.6, tasks=200, seed=5, leaves=(("a", 500.0),))
     for name in ("routeledger", "least-busy"):
         result = simulate(fleet, "qwen3:8b", spec, make_policy(name))
@@ -132,7 +131,7 @@ def test_a_worker_going_offline_gives_back_what_it_ran() -> None:
         assert "b" in result.worker_of
 
 
-def test_the_schedule_command_prints_the_json_of_the_issue_last() -> None:
+def test_the_schedule_command_prints_the_documented_json_last() -> None:
     out = CliRunner().invoke(
         app,
         [

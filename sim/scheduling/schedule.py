@@ -22,7 +22,7 @@ from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from sim.fleetspec import Fleet, WorkerSpec, default_digest
 from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
 
-# A benchmark on join: short prompts, so that it takes seconds (issue 5).
+# A benchmark on join: short prompts, so that measuring a new machine takes seconds, not minutes.
 BENCH_PROMPTS = 3
 BENCH_PROMPT_TOKENS = 32
 BENCH_OUTPUT_TOKENS = 32

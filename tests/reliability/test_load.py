@@ -2,7 +2,7 @@
 with no delay. No request fails, every task the API accepted completes once, and the API's memory
 stays flat.
 
-The issue asks for 200 clients for 60 s. On a 2-core machine that alone would take a quarter of the
+The goal is 200 clients for 60 s. On a 2-core machine that alone would take a quarter of the
 suite's budget, so the default run is 200 clients for 15 s; `ROUTELEDGER_LOAD_SECONDS=60` (and
 `ROUTELEDGER_LOAD_CLIENTS`) make it the full run.
 """
