@@ -33,13 +33,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from dispatch.lease import live_workers
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
-from dispatch.submit import TaskRequest, submit_task
-from events.keys import Keys
-from events.ledger import Ledger
-from routeledger.embedded import EmbeddedRedis
+# This script is named like the package it measures: without its own folder on the path, `import
+# dispatch` finds this file and not the package.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from dispatch.lease import live_workers  # noqa: E402
+from dispatch.payload import Message  # noqa: E402
+from dispatch.queues import TaskQueues  # noqa: E402
+from dispatch.submit import TaskRequest, submit_task  # noqa: E402
+from events.keys import Keys  # noqa: E402
+from events.ledger import Ledger  # noqa: E402
+from routeledger.embedded import EmbeddedRedis  # noqa: E402
 
 
 def fleet_toml(workers: int, slots: int) -> str:
