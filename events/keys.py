@@ -33,6 +33,11 @@ class Keys:
         return f"{self.prefix}events"
 
     @property
+    def archive(self) -> str:
+        # Hash: the archive's state (last archived id, segments, events, bytes, last run, last error).
+        return f"{self.prefix}archive"
+
+    @property
     def dead(self) -> str:
         # Dead-lettered tasks and poison ledger entries, each with its reason.
         return f"{self.prefix}dead"
