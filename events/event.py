@@ -11,9 +11,53 @@ The ledger records sizes, token counts and digests of prompts and outputs, never
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from typing import Annotated, ClassVar, Final
 
 import msgspec
+from msgspec import Meta
+
+# -- ranges -------------------------------------------------------------------------------------
+# Every number an event carries has a range the decoder enforces, so that a column of them fits a
+# 64-bit integer or a finite float and no decoded event can break a columnar rebuild. A value
+# outside its range makes the whole entry poison (dead-lettered with the reason), the same way for
+# the live fold and for replay.
+#
+# What a backend reports (timings, token counts, scores) may be nonsense and still representable: a
+# negative duration decodes, and the fold skips that one field while the rest of the event counts.
+# Only what cannot be held (2**64 - 1, 1e20, NaN) is refused. Producers turn an out-of-range report
+# into None (unknown) before they append.
+
+# Counts: integers a float64 still holds exactly.
+MAX_COUNT: Final = 2**53
+# Nanosecond durations: 146 years.
+MAX_NS: Final = 2**62
+# Milliseconds as floats, and any other reported float: 31 years of milliseconds.
+MAX_REPORTED: Final = 1e12
+# Seconds a plan may expect a task or a pipeline to take: 31 years.
+MAX_SECONDS: Final = 1e9
+# Attempts, slots, in-flight tasks, fan-outs, indexes: far beyond any fleet.
+MAX_SMALL: Final = 1_000_000
+
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+EpochMs = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
+Small = Annotated[int, Meta(ge=0, le=MAX_SMALL)]
+Priority = Annotated[int, Meta(ge=-1000, le=1000)]
+# CPU and GPU utilisation; psutil reports up to 100 per core on some platforms.
+Percent = Annotated[float, Meta(ge=0.0, le=100_000.0)]
+# Reported by a backend or a grader: the fold checks their sense, the schema only their size.
+ReportedCount = Annotated[int, Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
+ReportedNs = Annotated[int, Meta(ge=-MAX_NS, le=MAX_NS)]
+ReportedFloat = Annotated[float, Meta(ge=-MAX_REPORTED, le=MAX_REPORTED)]
+
+
+def bounded_count(value: object, limit: int = MAX_COUNT) -> int | None:
+    """A reported non-negative integer inside `limit`, or None (unknown) for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not (0 <= value <= limit):  # also false for NaN
+        return None
+    return int(value)
 
 
 def now_ms() -> int:
@@ -31,7 +75,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=Tru
     # Bumped when a type gains fields; readers accept any version, since fields only get added.
     version: ClassVar[int] = 1
 
-    at: int = msgspec.field(default_factory=now_ms)
+    at: EpochMs = msgspec.field(default_factory=now_ms)
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -40,12 +84,12 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
     A value the backend did not report is None: unknown, never zero.
     """
 
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
-    load_duration: int | None = None
-    total_duration: int | None = None
+    prompt_eval_count: ReportedCount | None = None
+    prompt_eval_duration: ReportedNs | None = None
+    eval_count: ReportedCount | None = None
+    eval_duration: ReportedNs | None = None
+    load_duration: ReportedNs | None = None
+    total_duration: ReportedNs | None = None
 
 
 class Resources(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -54,12 +98,12 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, g
     Shown to operators only: no score may use it (self-reported load misled the story's router).
     """
 
-    cpu_percent: float | None = None
-    mem_used_bytes: int | None = None
-    mem_total_bytes: int | None = None
-    gpu_percent: float | None = None
-    vram_used_bytes: int | None = None
-    vram_total_bytes: int | None = None
+    cpu_percent: Percent | None = None
+    mem_used_bytes: Count | None = None
+    mem_total_bytes: Count | None = None
+    gpu_percent: Percent | None = None
+    vram_used_bytes: Count | None = None
+    vram_total_bytes: Count | None = None
 
 
 class ModelEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -67,7 +111,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
 
     name: str
     digest: str
-    size: int | None = None
+    size: Count | None = None
     family: str | None = None
     parameter_size: str | None = None
     quantization: str | None = None
@@ -85,10 +129,10 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     queue: str
     domain: str = "general"
     kind: str = "chat"
-    prompt_tokens: int | None = None
-    max_tokens: int | None = None
-    priority: int = 0
-    prompt_bytes: int = 0
+    prompt_tokens: Count | None = None
+    max_tokens: Count | None = None
+    priority: Priority = 0
+    prompt_bytes: Count = 0
     prompt_sha256: str = ""
     pipeline_id: str | None = None
     client: str | None = None
@@ -101,10 +145,10 @@ class TaskRouted(Event, frozen=True, kw_only=True):
     digest: str
     queue: str
     policy: str = "routeledger"
-    policy_version: int = 1
+    policy_version: Small = 1
     breakdown: dict[str, object] = msgspec.field(default_factory=dict)
     expected_worker: str | None = None
-    expected_finish_s: float | None = None
+    expected_finish_s: Seconds | None = None
 
 
 class TaskClaimed(Event, frozen=True, kw_only=True):
@@ -113,10 +157,10 @@ class TaskClaimed(Event, frozen=True, kw_only=True):
     task_id: str
     worker: str
     digest: str
-    attempt: int
+    attempt: Small
     queue: str = ""
     entry_id: str = ""
-    in_flight: int = 1
+    in_flight: Small = 1
 
 
 class TaskCompleted(Event, frozen=True, kw_only=True):
@@ -125,13 +169,13 @@ class TaskCompleted(Event, frozen=True, kw_only=True):
     task_id: str
     worker: str
     digest: str
-    attempt: int
+    attempt: Small
     domain: str = "general"
     timings: Timings = Timings()
-    ttft_ms: float | None = None
-    wall_ms: float | None = None
-    in_flight: int = 1
-    output_bytes: int = 0
+    ttft_ms: ReportedFloat | None = None
+    wall_ms: ReportedFloat | None = None
+    in_flight: Small = 1
+    output_bytes: Count = 0
     output_sha256: str = ""
     done_reason: str | None = None
     duplicate: bool = False
@@ -144,7 +188,7 @@ class TaskFailed(Event, frozen=True, kw_only=True):
     task_id: str
     worker: str
     digest: str
-    attempt: int
+    attempt: Small
     kind: str
     retryable: bool
     message: str = ""
@@ -158,8 +202,8 @@ class TaskReclaimed(Event, frozen=True, kw_only=True):
     old_entry: str
     new_entry: str
     owner: str
-    attempt: int
-    idle_ms: int = 0
+    attempt: Small
+    idle_ms: Count = 0
 
 
 class TaskStalled(Event, frozen=True, kw_only=True):
@@ -168,7 +212,7 @@ class TaskStalled(Event, frozen=True, kw_only=True):
     task_id: str
     queue: str
     entry_id: str
-    waited_ms: int
+    waited_ms: Count
 
 
 class TaskDeadLettered(Event, frozen=True, kw_only=True):
@@ -177,7 +221,7 @@ class TaskDeadLettered(Event, frozen=True, kw_only=True):
     task_id: str
     queue: str
     reason: str
-    attempts: int = 0
+    attempts: Small = 0
 
 
 class TaskCancelled(Event, frozen=True, kw_only=True):
@@ -195,8 +239,8 @@ class WorkerHeartbeat(Event, frozen=True, kw_only=True):
     """A worker is alive: what it holds, what is loaded, its slots and what it could read of its machine."""
 
     worker: str
-    slots: int
-    in_flight: int = 0
+    slots: Small
+    in_flight: Small = 0
     inventory: list[ModelEntry] = msgspec.field(default_factory=list)
     loaded: list[str] = msgspec.field(default_factory=list)
     serves: list[str] | None = None
@@ -207,7 +251,7 @@ class WorkerOnline(Event, frozen=True, kw_only=True):
     """A worker started and took its lease; it is benchmarked at once."""
 
     worker: str
-    slots: int
+    slots: Small
     backend: str = ""
     backend_kind: str = "ollama"
     host: str = ""
@@ -233,7 +277,7 @@ class BenchmarkRequested(Event, frozen=True, kw_only=True):
     digest: str
     model: str = ""
     domain: str = "general"
-    prompts: int = 1
+    prompts: Small = 1
     reason: str = "manual"
 
 
@@ -246,9 +290,9 @@ class BenchmarkResult(Event, frozen=True, kw_only=True):
     domain: str = "general"
     task_id: str = ""
     timings: Timings = Timings()
-    ttft_ms: float | None = None
-    wall_ms: float | None = None
-    in_flight: int = 1
+    ttft_ms: ReportedFloat | None = None
+    wall_ms: ReportedFloat | None = None
+    in_flight: Small = 1
     prompt_id: str = ""
 
 
@@ -257,7 +301,7 @@ class QualityScored(Event, frozen=True, kw_only=True):
 
     digest: str
     domain: str
-    score: float
+    score: ReportedFloat
     grader: str = "reference"
     task_id: str = ""
     bench_id: str = ""
@@ -271,10 +315,10 @@ class PipelineStarted(Event, frozen=True, kw_only=True):
     """A pipeline request was accepted: its fan-out, the capacity beside it and the plan's makespan."""
 
     pipeline_id: str
-    fan_out: int
-    capacity: int | None = None
+    fan_out: Small
+    capacity: Small | None = None
     policy: str = "all"
-    expected_makespan_s: float | None = None
+    expected_makespan_s: Seconds | None = None
 
 
 class PipelineChildAdded(Event, frozen=True, kw_only=True):
@@ -283,7 +327,7 @@ class PipelineChildAdded(Event, frozen=True, kw_only=True):
     pipeline_id: str
     task_id: str
     role: str = "child"
-    index: int = 0
+    index: Small = 0
 
 
 class PipelineCompleted(Event, frozen=True, kw_only=True):

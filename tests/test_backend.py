@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from dispatch.payload import Message, TaskMessage
+from events.event import TaskCompleted, Timings
 from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, make_test_fleet
-from workers.backend import Generated, OllamaBackend, OpenAIBackend, openai_digest
+from workers.backend import Generated, OllamaBackend, OpenAIBackend, _ollama_timings, openai_digest
 from workers.errors import BackendError
 from workers.resources import read_resources
 
@@ -84,3 +86,20 @@ def test_resources_that_cannot_be_read_are_none_never_a_sentinel() -> None:
     assert r.mem_total_bytes is None or r.mem_total_bytes > 0
     for value in (r.gpu_percent, r.vram_used_bytes, r.vram_total_bytes):
         assert value is None or value >= 0  # this machine has no GPU: None; never -1
+
+
+def test_a_backend_timing_no_ledger_column_could_hold_is_recorded_as_unknown() -> None:
+    t = _ollama_timings(
+        {
+            "prompt_eval_count": 2**64 - 1,
+            "prompt_eval_duration": float("nan"),
+            "eval_count": 12,
+            "eval_duration": 1e30,
+            "load_duration": -5,
+            "total_duration": True,
+        }
+    )
+    assert t == Timings(eval_count=12)
+    # What the worker would append decodes again: it can never be poison.
+    event = TaskCompleted(task_id="t", worker="w", digest="d", attempt=1, timings=t)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=TaskCompleted) == event

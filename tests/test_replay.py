@@ -250,6 +250,43 @@ async def test_a_rebuild_skips_what_the_projector_dead_letters_and_folds_the_res
         assert rebuilt.tasks["t2"].status == "completed" and rebuilt.tasks["t4"].worker == "w1"
 
 
+async def test_numbers_no_column_can_hold_are_poison_and_never_break_a_rebuild_verify_or_export(
+    redis_url: str, redis_client: aioredis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    huge = 2**64 - 1
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            completed("ok", "w1"),
+            completed("u64", "w1", timings=Timings(eval_count=huge, eval_duration=10**9)),
+            completed("big-float", "w1", ttft_ms=1e20),
+            completed("nan", "w1", wall_ms=float("nan")),
+            QualityScored(at=T0, digest=D1, domain="general", score=float("inf")),
+            TaskClaimed(at=T0, task_id="neg-attempt", worker="w1", digest=D1, attempt=-1),
+            # Representable nonsense decodes: the fold skips the field and keeps the event.
+            completed("negative", "w1", timings=Timings(eval_count=10, eval_duration=-(10**9))),
+        ],
+    )
+    dead = await redis_client.xrange(keys.dead)
+    assert len(dead) == 5
+    assert all(b"Expected" in fields[b"reason"] for _, fields in dead)
+    rebuilt, poison = await build(redis_client, keys)
+    assert poison == 5
+    assert set(rebuilt.tasks) == {"ok", "negative"}
+    assert rebuilt.tasks["negative"].status == "completed"
+    assert rebuilt.speed["w1", D1].decode_tps.n == 1
+    verified = await asyncio.to_thread(rl, "replay", "verify", "--redis-url", redis_url)
+    assert verified.returncode == 0, verified.stderr
+    exported = await asyncio.to_thread(
+        rl, "replay", "export", "--parquet", str(tmp_path), "--redis-url", redis_url
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "Traceback" not in exported.stderr
+    frame = pl.read_parquet(tmp_path / "TaskCompleted.parquet")
+    assert sorted(frame["task_id"].to_list()) == ["negative", "ok"]
+
+
 def test_until_accepts_a_stream_id_or_a_time_and_refuses_anything_else() -> None:
     assert until_to_stop(None) == "+"
     assert until_to_stop("1764000000000-3") == "1764000000000-3"

@@ -26,7 +26,7 @@ import httpx
 import msgspec
 
 from dispatch.payload import TaskMessage
-from events.event import ModelEntry, Timings
+from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
 
 
@@ -130,7 +130,7 @@ class OllamaBackend:
                 ModelEntry(
                     name=m.get("name") or m.get("model"),
                     digest=str(m.get("digest", "")).removeprefix("sha256:"),
-                    size=m.get("size"),
+                    size=bounded_count(m.get("size")),
                     family=details.get("family") or None,
                     parameter_size=details.get("parameter_size") or None,
                     quantization=details.get("quantization_level") or None,
@@ -187,17 +187,22 @@ class OllamaBackend:
 
 
 def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and value >= 0 else None
+    # A count out of the ledger's range is a broken report: unknown, so that the event stays valid.
+    return bounded_count(value)
+
+
+def _ns_or_none(value: Any) -> int | None:
+    return bounded_count(value, MAX_NS)
 
 
 def _ollama_timings(data: dict[str, Any]) -> Timings:
     return Timings(
         prompt_eval_count=_int_or_none(data.get("prompt_eval_count")),
-        prompt_eval_duration=_int_or_none(data.get("prompt_eval_duration")),
+        prompt_eval_duration=_ns_or_none(data.get("prompt_eval_duration")),
         eval_count=_int_or_none(data.get("eval_count")),
-        eval_duration=_int_or_none(data.get("eval_duration")),
-        load_duration=_int_or_none(data.get("load_duration")),
-        total_duration=_int_or_none(data.get("total_duration")),
+        eval_duration=_ns_or_none(data.get("eval_duration")),
+        load_duration=_ns_or_none(data.get("load_duration")),
+        total_duration=_ns_or_none(data.get("total_duration")),
     )
 
 
