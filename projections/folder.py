@@ -53,6 +53,17 @@ TaskEvent = (
     | TaskDeadLettered
     | TaskCancelled
 )
+# The events that create or change a task row (BenchmarkResult carries a task_id but does not).
+TASK_EVENTS: Final = (
+    TaskSubmitted,
+    TaskClaimed,
+    TaskCompleted,
+    TaskFailed,
+    TaskReclaimed,
+    TaskStalled,
+    TaskDeadLettered,
+    TaskCancelled,
+)
 
 NS_PER_S: Final = 1e9
 # Above this a decode rate is a broken timing, not a fast machine.
@@ -140,6 +151,8 @@ class Folder:
         self.dirty_tasks: set[str] = set()
         self.dirty_demand: set[str] = set()
         self.new_benched: set[tuple[str, str]] = set()
+        # The stream-id ms of the entry being folded: a row or mark it creates lives in its day shard.
+        self._entry_ms = 0
         # The in-flight list of each fleet row as a set while folding; written back by `flush_fleet`.
         self._in_flight: dict[str, set[str]] = {w: set(r.in_flight) for w, r in tables.fleet.items()}
         self._handlers: dict[type[Event], Callable[[Any], None]] = {
@@ -158,10 +171,12 @@ class Folder:
             QualityScored: self._quality,
         }
 
-    def apply(self, event: Event) -> None:
-        """Fold one event; types that feed no table are ignored."""
+    def apply(self, event: Event, entry_ms: int = 0) -> None:
+        """Fold one event (`entry_ms`: the ms part of its ledger entry id); types that feed no
+        table are ignored. A task row or benchmark mark not in `tables` is taken to be new."""
         handler = self._handlers.get(type(event))
         if handler is not None:
+            self._entry_ms = entry_ms
             handler(event)
 
     def clear_dirty(self) -> None:
@@ -187,7 +202,7 @@ class Folder:
         """The task's row, with its status moved by `e` (projections.status: the one rule)."""
         row = self.tables.tasks.get(e.task_id)
         if row is None:
-            row = self.tables.tasks[e.task_id] = TaskRow(task_id=e.task_id)
+            row = self.tables.tasks[e.task_id] = TaskRow(task_id=e.task_id, first_ms=self._entry_ms)
         row.status = fold_status(row.status, e)
         self.dirty_tasks.add(e.task_id)
         return row
@@ -351,7 +366,7 @@ class Folder:
         key = (e.bench_id, e.task_id)
         if key in self.tables.benched:
             return
-        self.tables.benched.add(key)
+        self.tables.benched[key] = self._entry_ms
         self.new_benched.add(key)
         self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at)
 

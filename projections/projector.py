@@ -4,8 +4,16 @@ One instance is active at a time: it holds the lease `rl:lease:projector`, and i
 token into the namespace it folds into, which every write checks, so that an instance that lost
 its lease without noticing (a long pause) has its next write refused instead of counting twice.
 
-The active instance keeps the tables in memory (loaded from Redis when it takes over) and writes
-only the rows a batch changed, together with the checkpoint, in one atomic script. When a rebuild
+The lease is renewed by a background task every third of it, so that long work (a slow batch) does
+not let it lapse; and before each write the projector checks that its last successful renewal is
+recent enough that the lease cannot have expired meanwhile. If it is not, it writes nothing, drops
+the batch and takes the lease again: a projector that may have lost its lease stops before the
+fencing token would have to refuse it.
+
+The active instance keeps the small tables in memory (loaded from Redis when it takes over). Task
+rows and benchmark marks grow with history and are never loaded whole: before folding a batch it
+reads only the rows that batch touches, and forgets them once the batch is written. It writes only
+the rows a batch changed, together with the checkpoint, in one atomic script. When a rebuild
 switches `rl:p:current`, it adopts the new namespace and goes on from that namespace's checkpoint.
 """
 
@@ -15,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Iterable
+import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -23,17 +32,29 @@ from redis.exceptions import RedisError
 
 from events.codec import decode_rows
 from events.errors import UndecodableEntryError
+from events.event import BenchmarkResult, Event, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
-from projections.folder import Folder
-from projections.tables import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S, Tables, pair_key
+from projections.folder import TASK_EVENTS, Folder
+from projections.store import TableChange
+from projections.tables import (
+    DEFAULT_DEMAND_HALF_LIFE_S,
+    DEFAULT_HALF_LIFE_S,
+    DEFAULT_TASK_RETENTION_DAYS,
+    Tables,
+    pair_key,
+    split_pair,
+)
 
 log = logging.getLogger("routeledger.projector")
 
 ROLE: Final = "projector"
+# A write needs a renewal younger than the lease less this share of it: room for the write itself
+# to reach Redis while the lease still holds.
+SAFETY_SHARE: Final = 0.25
 
 
 class Projector:
@@ -46,6 +67,7 @@ class Projector:
         *,
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S,
+        task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
         lease_ms: int = DEFAULT_LEASE_MS,
         batch: int = 2000,
         block_ms: int | None = None,
@@ -55,9 +77,10 @@ class Projector:
         self.ledger = Ledger(redis, self.keys)
         self.half_life_s = half_life_s
         self.demand_half_life_s = demand_half_life_s
+        self.task_retention_days = task_retention_days
         self.lease_ms = lease_ms
         self.batch = batch
-        # Renewals happen between batches, so one blocking read must stay well inside the lease.
+        # A short blocking read lets the loop notice a lost lease (and a stop) soon.
         self.block_ms = block_ms if block_ms is not None else max(10, min(1000, lease_ms // 4))
         self.token = secrets.token_hex(8)
         self.ns: str | None = None
@@ -66,7 +89,14 @@ class Projector:
         self._writer: store.NamespaceWriter | None = None
         self._renew = redis.register_script(RENEW_LEASE)
         self._release = redis.register_script(RELEASE_LEASE)
+        # Loop time at which the last successful renewal was sent: the lease holds until at least
+        # that plus lease_ms.
         self._renewed_at = 0.0
+        # Whether this instance took the lease (acquire); only then does a write wait on it.
+        self._leased = False
+        # Set by the renewal task when the lease turned out to be another's.
+        self._lost = False
+        self._renewer: asyncio.Task[None] | None = None
         # Entries folded by this instance (for the benchmark and the log).
         self.folded = 0
         self.dead_lettered = 0
@@ -78,20 +108,63 @@ class Projector:
 
     async def acquire(self) -> bool:
         """Take the lease if it is free (or already ours); True when this instance is active."""
+        sent = _now()
         got = await self.redis.set(self.lease_key, self.token, nx=True, px=self.lease_ms)
         if not got:
             got = bool(await self._renew(keys=[self.lease_key], args=[self.token, self.lease_ms]))
         if got:
-            self._renewed_at = _now()
+            self._renewed_at, self._leased, self._lost = sent, True, False
         return bool(got)
 
     async def keep_lease(self) -> None:
         """Renew the lease when a third of it has passed; LeaseLostError when another holds it."""
         if _now() - self._renewed_at < self.lease_ms / 3000:
             return
-        if not await self._renew(keys=[self.lease_key], args=[self.token, self.lease_ms]):
+        await self._renew_once()
+        if self._lost:
             raise LeaseLostError("the projector lease expired and another instance may hold it")
-        self._renewed_at = _now()
+
+    async def _renew_once(self) -> None:
+        sent = _now()
+        if await self._renew(keys=[self.lease_key], args=[self.token, self.lease_ms]):
+            self._renewed_at = sent
+        else:
+            self._lost = True
+
+    async def _renewing(self) -> None:
+        """Renew the lease every third of it until it is lost (or the task is cancelled)."""
+        while not self._lost:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                await self._renew_once()
+            except (RedisError, OSError) as exc:
+                # The renewal grows old meanwhile: writes stop on their own if this goes on.
+                log.warning("could not renew the projector lease (%s); retrying", exc)
+
+    def _start_renewing(self) -> None:
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renewing())
+
+    async def _stop_renewing(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        self._leased = False
+
+    def _check_lease(self) -> None:
+        """LeaseLostError unless the lease surely still holds (always true without `acquire`)."""
+        if not self._leased:
+            return
+        if self._lost:
+            raise LeaseLostError("the projector lease was taken by another instance")
+        age_ms = (_now() - self._renewed_at) * 1000
+        if age_ms >= self.lease_ms * (1 - SAFETY_SHARE):
+            raise LeaseLostError(
+                f"the projector lease was last renewed {age_ms:.0f} ms ago (lease {self.lease_ms} ms) "
+                "and may have expired; not writing"
+            )
 
     async def release(self) -> None:
         """Give the lease up (if held) so that a waiting instance takes over at once."""
@@ -100,10 +173,15 @@ class Projector:
 
     # -- the namespace -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Adopt the live namespace (creating the first one if there is none) and load its tables."""
+        """Adopt the live namespace (creating the first one if there is none) and load its small
+        tables; no task row is read."""
         ns = await store.current(self.redis, self.keys)
         if ns is None:
-            empty = Tables(half_life_s=self.half_life_s, demand_half_life_s=self.demand_half_life_s)
+            empty = Tables(
+                half_life_s=self.half_life_s,
+                demand_half_life_s=self.demand_half_life_s,
+                task_retention_days=self.task_retention_days,
+            )
             created = await store.create(self.redis, self.keys, empty, built_by=ROLE, owner=self.token)
             ns = await store.switch_if_unset(self.redis, self.keys, created)
             if ns != created:
@@ -116,7 +194,7 @@ class Projector:
         # Owner first, then read: a write the previous owner makes after this is refused, so what
         # is read below is final.
         await writer.adopt()
-        tables = await store.load(self.redis, self.keys, ns)
+        tables = await store.load(self.redis, self.keys, ns, with_tasks=False)
         if (tables.half_life_s, tables.demand_half_life_s) != (self.half_life_s, self.demand_half_life_s):
             log.warning(
                 "namespace %s was folded with half-lives %s s and %s s (configured: %s s and %s s); "
@@ -126,6 +204,14 @@ class Projector:
                 tables.demand_half_life_s,
                 self.half_life_s,
                 self.demand_half_life_s,
+            )
+        if tables.task_retention_days != self.task_retention_days:
+            log.warning(
+                "namespace %s keeps task rows %s days (configured: %s); continuing with the namespace's; "
+                "`routeledger replay rebuild` applies the configured one",
+                ns,
+                tables.task_retention_days,
+                self.task_retention_days,
             )
         self.ns, self.tables, self._folder, self._writer = ns, tables, Folder(tables), writer
         log.info(
@@ -147,17 +233,26 @@ class Projector:
             return 0
         try:
             poison: list[UndecodableEntryError] = []
-            for _, event in decode_rows(rows, poison.append):
-                folder.apply(event)
-            if poison:
-                await self._dead_letter(poison)
+            batch = list(decode_rows(rows, poison.append))
+            await self._load_rows(tables, batch)
+            for entry_id, event in batch:
+                folder.apply(event, _entry_ms(entry_id))
             folder.flush_fleet()
             checkpoint, folded = rows[-1][0], tables.folded + len(rows)
-            result = await writer.apply(tables.checkpoint, checkpoint, folded, _changes(folder, tables))
+            changes = _changes(folder, tables, _wall_ms())
+            # Fold first, then look at the lease: the fold may have taken long.
+            self._check_lease()
+            if poison:
+                await self._dead_letter(poison)
+            result = await writer.apply(tables.checkpoint, checkpoint, folded, changes)
         except BaseException:
             # The memory may now hold a batch Redis does not: read it all again before going on.
             self.tables = None
             raise
+        finally:
+            # Task rows and marks are kept for one batch only: they grow with history.
+            tables.tasks.clear()
+            tables.benched.clear()
         if result == store.NOT_OWNER:
             self.tables = None
             raise LeaseLostError(f"namespace {self.ns} was adopted by another projector")
@@ -169,6 +264,37 @@ class Projector:
         folder.clear_dirty()
         self.folded += len(rows)
         return len(rows)
+
+    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]]) -> None:
+        """Read into `tables` the task rows and benchmark marks the batch touches (and nothing
+        else), in one pipeline (and one more for rows older than the newest two day shards)."""
+        wanted: dict[store.ShardedField, store.Wanted] = {}
+        for entry_id, event in batch:
+            if isinstance(event, TASK_EVENTS):
+                field = (store.TASKS, event.task_id)
+                # A submission is new or a prompt retry of one, so only the newest shards can hold
+                # its row; any other first event may come long after the task was submitted.
+                near = isinstance(event, TaskSubmitted)
+            elif isinstance(event, BenchmarkResult):
+                field, near = (store.BENCHED, pair_key(event.bench_id, event.task_id)), False
+            else:
+                continue
+            if field not in wanted:
+                wanted[field] = store.Wanted(store.shard_day(_entry_ms(entry_id)), near)
+        assert self.ns is not None
+        found = await store.find_in_shards(
+            self.redis,
+            self.keys,
+            self.ns,
+            wanted,
+            retention_days=tables.task_retention_days,
+            now_ms=_wall_ms(),
+        )
+        for (table, name), raw in found.items():
+            if table == store.TASKS:
+                tables.tasks[name] = store.decode_task(raw)
+            else:
+                tables.benched[split_pair(name)] = int(raw) if raw else 0
 
     async def _dead_letter(self, poison: list[UndecodableEntryError]) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -202,33 +328,47 @@ class Projector:
                     if not await self.acquire():
                         await _wait(stop, idle_s)
                         continue
+                    self._start_renewing()
                     if self.tables is None:
                         await self.start()
                     while not stop.is_set():
-                        await self.keep_lease()
+                        self._check_lease()
                         await self.step(self.block_ms)
                 except LeaseLostError as exc:
                     log.warning("%s; waiting to take over again", exc)
                     self.tables = None
+                    await self._stop_renewing()
                 except (RedisError, OSError) as exc:
                     log.warning("Redis error in the projector (%s); retrying", exc)
                     self.tables = None
+                    await self._stop_renewing()
                     await _wait(stop, idle_s)
         finally:
+            await self._stop_renewing()
             await self.release()
 
 
-def _changes(folder: Folder, t: Tables) -> list[tuple[str, Iterable[tuple[str, bytes]]]]:
+def _changes(folder: Folder, t: Tables, now_ms: int) -> list[TableChange]:
     enc = store.encode_row
+    keep = t.task_retention_days
     return [
-        (store.SPEED, [(pair_key(*k), enc(t.speed[k])) for k in folder.dirty_speed]),
-        (store.LENGTH, [(pair_key(*k), enc(t.length[k])) for k in folder.dirty_length]),
-        (store.QUALITY, [(pair_key(*k), enc(t.quality[k])) for k in folder.dirty_quality]),
-        (store.FLEET, [(k, enc(t.fleet[k])) for k in folder.dirty_fleet]),
-        (store.TASKS, [(k, enc(t.tasks[k])) for k in folder.dirty_tasks]),
-        (store.DEMAND, [(k, enc(t.demand[k])) for k in folder.dirty_demand]),
-        (store.BENCHED, [(pair_key(*k), b"") for k in folder.new_benched]),
+        TableChange(store.SPEED, [(pair_key(*k), enc(t.speed[k])) for k in folder.dirty_speed]),
+        TableChange(store.LENGTH, [(pair_key(*k), enc(t.length[k])) for k in folder.dirty_length]),
+        TableChange(store.QUALITY, [(pair_key(*k), enc(t.quality[k])) for k in folder.dirty_quality]),
+        TableChange(store.FLEET, [(k, enc(t.fleet[k])) for k in folder.dirty_fleet]),
+        TableChange(store.DEMAND, [(k, enc(t.demand[k])) for k in folder.dirty_demand]),
+        *store.task_changes([t.tasks[k] for k in folder.dirty_tasks], keep, now_ms),
+        *store.bench_changes([(k, t.benched[k]) for k in folder.new_benched], keep, now_ms),
     ]
+
+
+def _entry_ms(entry_id: str) -> int:
+    """The ms part of a stream entry id: the time its day shard is named by."""
+    return int(entry_id.partition("-")[0])
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def _now() -> float:

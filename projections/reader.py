@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
@@ -16,7 +16,9 @@ from projections import store
 from projections.errors import NoProjectionError, ProjectionError
 from projections.snapshot import Snapshot, TaskRow
 
-_SNAPSHOT_TABLES = (store.SPEED, store.LENGTH, store.QUALITY, store.FLEET, store.DEMAND)
+_SNAPSHOT_TABLES = store.SMALL_TABLES
+# How far ahead of this process's clock Redis's may be when naming today's shard.
+CLOCK_SKEW_MS: Final = 60_000
 
 
 def _ms(entry_id: str) -> int:
@@ -68,28 +70,23 @@ async def snapshot(redis: aioredis.Redis, keys: Keys | None = None, *, now_ms: i
 
 
 async def get_task(redis: aioredis.Redis, keys: Keys | None, task_id: str) -> TaskRow | None:
-    """The tasks row of `task_id`, or None when the projection has not seen it."""
-    keys = keys or Keys()
-    ns = await store.current(redis, keys)
-    if ns is None:
-        return None
-    raw: Any = await redis.hget(keys.table(ns, store.TASKS), task_id)
-    if raw is None:
-        return None
-    try:
-        return store.decode_task(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProjectionError(f"task row {task_id!r} does not decode: {exc}") from None
+    """The tasks row of `task_id`, or None when the projection has not seen it (or it expired)."""
+    return (await get_tasks(redis, keys or Keys(), [task_id])).get(task_id)
 
 
 async def get_tasks(redis: aioredis.Redis, keys: Keys, task_ids: Sequence[str]) -> dict[str, TaskRow]:
-    """The tasks rows of `task_ids` that the projection has seen, in one round trip."""
+    """The tasks rows of `task_ids` that the projection has seen, from whichever live day shard
+    holds them: the newest two in one round trip, older ones in one more for the rest."""
     ns = await store.current(redis, keys)
     if ns is None or not task_ids:
         return {}
-    raw: list[Any] = await redis.hmget(keys.table(ns, store.TASKS), list(task_ids))
+    now = clock_ms()
+    # Shards are named by Redis's clock (stream ids): allow for it being a little ahead of ours.
+    want = store.Wanted(store.shard_day(now + CLOCK_SKEW_MS))
+    wanted = {(store.TASKS, t): want for t in task_ids}
+    raw = await store.find_in_shards(redis, keys, ns, wanted, retention_days=None, now_ms=now)
     try:
-        return {t: store.decode_task(r) for t, r in zip(task_ids, raw, strict=True) if r is not None}
+        return {t: store.decode_task(raw[store.TASKS, t]) for t in task_ids if (store.TASKS, t) in raw}
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProjectionError(f"a task row of {list(task_ids)} does not decode: {exc}") from None
 

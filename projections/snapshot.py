@@ -167,6 +167,9 @@ class TaskRow(msgspec.Struct, kw_only=True, gc=False):
     pipeline_id: str | None = None
     # The attempt whose completion counted (the first); None until one did. Later ones are duplicates.
     completed_attempt: int | None = None
+    # The stream-id ms of the ledger entry that created this row: its UTC day names the day shard
+    # the row lives in (projections/store.py). None only in rows written before shards existed.
+    first_ms: int | None = None
 
 
 class DemandRow(msgspec.Struct, kw_only=True, gc=False):

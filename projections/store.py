@@ -6,24 +6,31 @@ A namespace `ns` holds, all under the hash tag `{ns}` (one cluster slot):
     rl:p:{ns}:length   hash  digest SEP domain -> msgpack LengthRow
     rl:p:{ns}:quality  hash  digest SEP domain -> msgpack QualityRow
     rl:p:{ns}:fleet    hash  worker            -> msgpack FleetRow
-    rl:p:{ns}:tasks    hash  task_id           -> msgpack TaskRow
     rl:p:{ns}:demand   hash  digest            -> msgpack DemandRow
-    rl:p:{ns}:benched  hash  bench_id SEP task_id -> "" (benchmark results already counted)
-    rl:p:{ns}:meta     hash  half_life_s, demand_half_life_s, folded, built_by, created_at
+    rl:p:{ns}:tasks:<yyyymmdd>    hash  task_id -> msgpack TaskRow
+    rl:p:{ns}:benched:<yyyymmdd>  hash  bench_id SEP task_id -> stream ms (benchmark results counted)
+    rl:p:{ns}:meta     hash  half_life_s, demand_half_life_s, task_retention_days, folded, built_by,
+                             created_at
     rl:p:{ns}:checkpoint  string  the last ledger id folded
     rl:p:{ns}:owner       string  token of the projector allowed to write
 
 Every row carries its own per-field statistics and `updated_at`/`at`, so the timestamps are
 visible in the stored value itself. `rl:p:current` names the live namespace.
+
+Task rows and benchmark marks grow with history, so they are never read whole by the projector:
+they live in day shards, named by the UTC day of the stream id (its ms part) of the ledger entry
+that created them, and each shard expires `task_retention_days` after its day ends. A lookup reads
+only the rows it needs (HMGET), newest shards first (`find_in_shards`).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import hiredis
 import msgspec
@@ -33,7 +40,7 @@ from events.codec import as_str
 from events.keys import Keys
 from projections.errors import ProjectionError
 from projections.snapshot import DemandRow, FleetRow, LengthRow, QualityRow, SpeedRow, TaskRow
-from projections.tables import Tables, pair_key, split_pair
+from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables, pair_key, split_pair
 
 SPEED: Final = "speed"
 LENGTH: Final = "length"
@@ -43,7 +50,16 @@ TASKS: Final = "tasks"
 DEMAND: Final = "demand"
 BENCHED: Final = "benched"
 META: Final = "meta"
-TABLE_NAMES: Final = (SPEED, LENGTH, QUALITY, FLEET, TASKS, DEMAND, BENCHED)
+# Bounded by workers x models x domains: read whole when a projector starts.
+SMALL_TABLES: Final = (SPEED, LENGTH, QUALITY, FLEET, DEMAND)
+# One row per task or benchmark result ever: day-sharded, read row by row.
+SHARDED_TABLES: Final = (TASKS, BENCHED)
+TABLE_NAMES: Final = (*SMALL_TABLES, *SHARDED_TABLES)
+
+DAY_MS: Final = 86_400_000
+# A lookup first reads this many of the newest shards; a task's later events are nearly always
+# within a day of its first one.
+NEAR_SHARDS: Final = 2
 
 # A namespace replaced by a rebuild stays readable this long, for readers that resolved
 # `rl:p:current` just before the switch.
@@ -61,9 +77,9 @@ _demand_dec: Final = msgspec.msgpack.Decoder(DemandRow)
 
 # The table update and the checkpoint in one step, refused unless the caller still owns the
 # namespace (fencing) and the checkpoint is where the caller last left it.
-# KEYS: owner, checkpoint, meta, then the tables that changed.
+# KEYS: owner, checkpoint, meta, then the tables (or day shards) that changed.
 # ARGV: token, expected checkpoint ('' for none), new checkpoint, folded count, then per table
-# its number of fields followed by field, value pairs.
+# its number of fields, its EXPIREAT in unix seconds (0: none), then field, value pairs.
 _APPLY: Final = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local cp = redis.call('GET', KEYS[2]) or ''
@@ -71,11 +87,13 @@ if cp ~= ARGV[2] then return -1 end
 local pos = 5
 for i = 4, #KEYS do
   local n = tonumber(ARGV[pos])
-  pos = pos + 1
+  local expire_at = tonumber(ARGV[pos + 1])
+  pos = pos + 2
   for j = 1, n do
     redis.call('HSET', KEYS[i], ARGV[pos], ARGV[pos + 1])
     pos = pos + 2
   end
+  if expire_at > 0 then redis.call('EXPIREAT', KEYS[i], expire_at) end
 end
 redis.call('SET', KEYS[2], ARGV[3], 'KEEPTTL')
 redis.call('HSET', KEYS[3], 'folded', ARGV[4])
@@ -98,9 +116,66 @@ def new_namespace() -> str:
     return f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def table_keys(keys: Keys, ns: str) -> list[str]:
-    """Every key of namespace `ns`."""
-    return [keys.table(ns, t) for t in (*TABLE_NAMES, META)] + [keys.checkpoint(ns), keys.owner(ns)]
+class TableChange(NamedTuple):
+    """The changed rows of one table (or day shard) for `NamespaceWriter.apply`."""
+
+    name: str
+    fields: Iterable[tuple[str, bytes]]
+    # Unix seconds at which the table's key expires; 0 for a table that never does.
+    expire_at: int = 0
+
+
+# -- day shards --------------------------------------------------------------------------------
+
+
+def shard_day(ms: int) -> int:
+    """The UTC day (days since the epoch) of a stream-id ms: the shard it names."""
+    return ms // DAY_MS
+
+
+def shard_name(table: str, day: int) -> str:
+    """The table name of one day shard, for `Keys.table` (e.g. `tasks:20251124`)."""
+    return f"{table}:{time.strftime('%Y%m%d', time.gmtime(day * 86_400))}"
+
+
+def shard_expire_at(day: int, retention_days: int) -> int:
+    """Unix seconds at which the shard of `day` expires: the end of its day plus the retention."""
+    return (day + 1 + retention_days) * 86_400
+
+
+def shard_alive(day: int, retention_days: int, now_ms: int) -> bool:
+    """Whether the shard of `day` is still within retention at `now_ms`."""
+    return shard_expire_at(day, retention_days) * 1000 > now_ms
+
+
+def live_days(newest: int, retention_days: int, now_ms: int) -> list[int]:
+    """The days from `newest` back whose shards are within retention at `now_ms`, newest first."""
+    oldest = shard_day(now_ms) - retention_days - 1
+    return [d for d in range(newest, oldest - 1, -1) if shard_alive(d, retention_days, now_ms)]
+
+
+def task_day(row: TaskRow, now_ms: int) -> int:
+    """The day shard of a task row (a row from before shards: today's)."""
+    return shard_day(row.first_ms if row.first_ms is not None else now_ms)
+
+
+def drop_expired(tables: Tables, now_ms: int) -> None:
+    """Remove the task rows and benchmark marks whose day shard is past retention at `now_ms`:
+    what a rebuild does not write and the live namespace no longer holds."""
+    keep = tables.task_retention_days
+    tables.tasks = {k: r for k, r in tables.tasks.items() if shard_alive(task_day(r, now_ms), keep, now_ms)}
+    tables.benched = {k: ms for k, ms in tables.benched.items() if shard_alive(shard_day(ms), keep, now_ms)}
+
+
+def table_keys(keys: Keys, ns: str, retention_days: int = DEFAULT_TASK_RETENTION_DAYS) -> list[str]:
+    """Every key of namespace `ns` (the day shards of the retention window as of now included)."""
+    now_ms = time.time_ns() // 1_000_000
+    shards = [
+        keys.table(ns, shard_name(t, d))
+        for t in SHARDED_TABLES
+        for d in live_days(shard_day(now_ms) + 1, retention_days, now_ms)
+    ]
+    return [keys.table(ns, t) for t in (*SMALL_TABLES, META)] + shards + [keys.checkpoint(ns), keys.owner(ns)]
 
 
 async def current(redis: aioredis.Redis, keys: Keys) -> str | None:
@@ -150,22 +225,58 @@ def decode_tasks(raw: dict[Any, Any]) -> dict[str, TaskRow]:
     return {r.task_id: r for r in rows}
 
 
-def _lazy_fields(tables: Tables) -> dict[str, Iterator[tuple[str, bytes]]]:
-    return {
-        SPEED: ((pair_key(*k), encode_row(r)) for k, r in tables.speed.items()),
-        LENGTH: ((pair_key(*k), encode_row(r)) for k, r in tables.length.items()),
-        QUALITY: ((pair_key(*k), encode_row(r)) for k, r in tables.quality.items()),
-        FLEET: ((k, encode_row(r)) for k, r in tables.fleet.items()),
-        TASKS: ((k, encode_row(r)) for k, r in tables.tasks.items()),
-        DEMAND: ((k, encode_row(r)) for k, r in tables.demand.items()),
-        BENCHED: ((pair_key(*k), b"") for k in tables.benched),
-    }
+def encode_mark(ms: int) -> bytes:
+    """The stored value of a benchmark mark: the stream-id ms of its BenchmarkResult."""
+    return str(ms).encode()
+
+
+def task_changes(rows: Iterable[TaskRow], retention_days: int, now_ms: int) -> list[TableChange]:
+    """Task rows grouped into their day shards, each with its EXPIREAT; shards already past
+    retention are left out (a rebuild writes none, and Redis would drop them at once)."""
+    by_day: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
+    for row in rows:
+        by_day[task_day(row, now_ms)].append((row.task_id, encode_row(row)))
+    return _shard_changes(TASKS, by_day, retention_days, now_ms)
+
+
+def bench_changes(
+    marks: Iterable[tuple[tuple[str, str], int]], retention_days: int, now_ms: int
+) -> list[TableChange]:
+    """Benchmark marks grouped into their day shards, as `task_changes`."""
+    by_day: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
+    for key, ms in marks:
+        by_day[shard_day(ms)].append((pair_key(*key), encode_mark(ms)))
+    return _shard_changes(BENCHED, by_day, retention_days, now_ms)
+
+
+def _shard_changes(
+    table: str, by_day: Mapping[int, list[tuple[str, bytes]]], retention_days: int, now_ms: int
+) -> list[TableChange]:
+    return [
+        TableChange(shard_name(table, day), fields, shard_expire_at(day, retention_days))
+        for day, fields in sorted(by_day.items())
+        if shard_alive(day, retention_days, now_ms)
+    ]
+
+
+def _lazy_fields(tables: Tables, now_ms: int) -> list[TableChange]:
+    keep = tables.task_retention_days
+    return [
+        TableChange(SPEED, ((pair_key(*k), encode_row(r)) for k, r in tables.speed.items())),
+        TableChange(LENGTH, ((pair_key(*k), encode_row(r)) for k, r in tables.length.items())),
+        TableChange(QUALITY, ((pair_key(*k), encode_row(r)) for k, r in tables.quality.items())),
+        TableChange(FLEET, ((k, encode_row(r)) for k, r in tables.fleet.items())),
+        TableChange(DEMAND, ((k, encode_row(r)) for k, r in tables.demand.items())),
+        *task_changes(tables.tasks.values(), keep, now_ms),
+        *bench_changes(tables.benched.items(), keep, now_ms),
+    ]
 
 
 def _meta(tables: Tables, built_by: str) -> dict[str, str]:
     return {
         "half_life_s": repr(tables.half_life_s),
         "demand_half_life_s": repr(tables.demand_half_life_s),
+        "task_retention_days": str(tables.task_retention_days),
         "folded": str(tables.folded),
         "built_by": built_by,
         "created_at": str(time.time_ns() // 1_000_000),
@@ -176,36 +287,131 @@ def _meta(tables: Tables, built_by: str) -> dict[str, str]:
 
 
 async def load(redis: aioredis.Redis, keys: Keys, ns: str, *, with_tasks: bool = True) -> Tables:
-    """Every table of namespace `ns`, in one round trip."""
+    """The tables of namespace `ns`: the small ones in one round trip, and with `with_tasks` every
+    live day shard of tasks and benchmark marks too (offline tools only: that grows with history)."""
     pipe = redis.pipeline(transaction=False)
     pipe.get(keys.checkpoint(ns))
     pipe.hgetall(keys.table(ns, META))
-    for name in TABLE_NAMES:
-        if name != TASKS or with_tasks:
-            pipe.hgetall(keys.table(ns, name))
+    for name in SMALL_TABLES:
+        pipe.hgetall(keys.table(ns, name))
     replies: list[Any] = await pipe.execute()
     cp, meta = replies[0], {as_str(k): as_str(v) for k, v in replies[1].items()}
-    by_name = dict(zip([n for n in TABLE_NAMES if n != TASKS or with_tasks], replies[2:], strict=True))
+    by_name = dict(zip(SMALL_TABLES, replies[2:], strict=True))
     try:
-        return Tables(
+        tables = Tables(
             half_life_s=float(meta["half_life_s"]),
             demand_half_life_s=float(meta["demand_half_life_s"]),
+            task_retention_days=int(meta.get("task_retention_days", DEFAULT_TASK_RETENTION_DAYS)),
             checkpoint=None if cp is None else as_str(cp),
             folded=int(meta.get("folded", "0")),
             speed=decode_speed(by_name[SPEED]),
             length=decode_length(by_name[LENGTH]),
             quality=decode_quality(by_name[QUALITY]),
             fleet=decode_fleet(by_name[FLEET]),
-            tasks=decode_tasks(by_name[TASKS]) if with_tasks else {},
             demand=decode_demand(by_name[DEMAND]),
-            benched={split_pair(as_str(f)) for f in by_name[BENCHED]},
         )
+        if with_tasks:
+            await _load_shards(redis, keys, ns, tables)
     except KeyError as exc:
         raise ProjectionError(
             f"namespace {ns!r} has no meta field {exc}: not a projection namespace"
         ) from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise ProjectionError(f"namespace {ns!r} holds a row that does not decode: {exc}") from None
+    return tables
+
+
+async def _load_shards(redis: aioredis.Redis, keys: Keys, ns: str, tables: Tables) -> None:
+    now_ms = time.time_ns() // 1_000_000
+    # One day ahead: the stream ids come from Redis's clock, which may be ahead of this one.
+    days = live_days(shard_day(now_ms) + 1, tables.task_retention_days, now_ms)
+    pipe = redis.pipeline(transaction=False)
+    for day in days:
+        pipe.hgetall(keys.table(ns, shard_name(TASKS, day)))
+        pipe.hgetall(keys.table(ns, shard_name(BENCHED, day)))
+    replies: list[Any] = await pipe.execute()
+    # Oldest first, so that a row somehow present in two shards is the newest one's.
+    for tasks, marks in reversed(list(zip(replies[::2], replies[1::2], strict=True))):
+        tables.tasks.update(decode_tasks(tasks))
+        tables.benched.update(decode_marks(marks))
+
+
+def decode_marks(raw: Mapping[Any, Any]) -> dict[tuple[str, str], int]:
+    """Benchmark marks from a shard's fields and values."""
+    return {split_pair(as_str(f)): int(v) if v else 0 for f, v in raw.items()}
+
+
+class Wanted(NamedTuple):
+    """What a lookup of one row needs to know: the newest day its shard may be, and whether only
+    the newest shards can hold it."""
+
+    newest_day: int
+    near_only: bool = False
+
+
+# A row of a day-sharded table: (table, field), e.g. (TASKS, task_id).
+ShardedField = tuple[str, str]
+
+
+async def find_in_shards(
+    redis: aioredis.Redis,
+    keys: Keys,
+    ns: str,
+    wanted: Mapping[ShardedField, Wanted],
+    *,
+    retention_days: int | None,
+    now_ms: int,
+) -> dict[ShardedField, bytes]:
+    """The stored values of the `wanted` rows of the day-sharded tables, where found.
+
+    The newest NEAR_SHARDS shards of each row come first, all in one pipeline; the rows not found
+    there (unless `near_only`) are looked up in every older live shard, in one more. Without
+    `retention_days` it is read from the namespace's meta in the first round trip.
+    """
+    if not wanted:
+        return {}
+    found: dict[ShardedField, bytes] = {}
+    near: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for (table, field), want in wanted.items():
+        for day in range(want.newest_day, want.newest_day - NEAR_SHARDS, -1):
+            near[table, day].append(field)
+    pipe = redis.pipeline(transaction=False)
+    if retention_days is None:
+        pipe.hget(keys.table(ns, META), "task_retention_days")
+        (raw,) = await _hmget_shards(pipe, keys, ns, near, found, head=1)
+        retention_days = DEFAULT_TASK_RETENTION_DAYS if raw is None else int(raw)
+    else:
+        await _hmget_shards(pipe, keys, ns, near, found)
+    far: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for (table, field), want in wanted.items():
+        if (table, field) in found or want.near_only:
+            continue
+        for day in live_days(want.newest_day - NEAR_SHARDS, retention_days, now_ms):
+            far[table, day].append(field)
+    if far:
+        await _hmget_shards(redis.pipeline(transaction=False), keys, ns, far, found)
+    return found
+
+
+async def _hmget_shards(
+    pipe: Any,
+    keys: Keys,
+    ns: str,
+    shards: Mapping[tuple[str, int], list[str]],
+    found: dict[ShardedField, bytes],
+    head: int = 0,
+) -> list[Any]:
+    """HMGET each shard's fields in `pipe` (after its first `head` commands) and run it; newest
+    day first, the first value found wins. Returns the replies of the `head` commands."""
+    order = sorted(shards, key=lambda shard: -shard[1])
+    for table, day in order:
+        pipe.hmget(keys.table(ns, shard_name(table, day)), shards[table, day])
+    replies: list[Any] = await pipe.execute()
+    for (table, day), values in zip(order, replies[head:], strict=True):
+        for field, value in zip(shards[table, day], values, strict=True):
+            if value is not None and (table, field) not in found:
+                found[table, field] = value
+    return replies[:head]
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -242,13 +448,15 @@ async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes]) -> None
 async def create(redis: aioredis.Redis, keys: Keys, tables: Tables, *, built_by: str, owner: str = "") -> str:
     """Write `tables` into a new namespace and return its name; nothing reads it until `switch`."""
     ns = new_namespace()
+    changes = _lazy_fields(tables, time.time_ns() // 1_000_000)
     await _send_packed(
         redis,
-        chain.from_iterable(
-            _hset_commands(keys.table(ns, name), fields) for name, fields in _lazy_fields(tables).items()
-        ),
+        chain.from_iterable(_hset_commands(keys.table(ns, c.name), iter(c.fields)) for c in changes),
     )
     pipe = redis.pipeline(transaction=False)
+    for change in changes:
+        if change.expire_at:
+            pipe.expireat(keys.table(ns, change.name), change.expire_at)
     pipe.hset(keys.table(ns, META), mapping=_meta(tables, built_by))  # type: ignore[arg-type]
     if tables.checkpoint is not None:
         pipe.set(keys.checkpoint(ns), tables.checkpoint)
@@ -278,8 +486,10 @@ async def switch_if_unset(redis: aioredis.Redis, keys: Keys, ns: str) -> str:
 
 async def retire(redis: aioredis.Redis, keys: Keys, ns: str, after_ms: int = RETIRE_AFTER_MS) -> None:
     """Let every key of namespace `ns` expire after `after_ms`."""
+    raw: Any = await redis.hget(keys.table(ns, META), "task_retention_days")
+    retention_days = DEFAULT_TASK_RETENTION_DAYS if raw is None else int(raw)
     pipe = redis.pipeline(transaction=False)
-    for key in table_keys(keys, ns):
+    for key in table_keys(keys, ns, retention_days):
         pipe.pexpire(key, after_ms)
     await pipe.execute()
 
@@ -307,9 +517,9 @@ class NamespaceWriter:
         expected: str | None,
         checkpoint: str,
         folded: int,
-        changes: Sequence[tuple[str, Iterable[tuple[str, bytes]]]],
+        changes: Sequence[TableChange],
     ) -> int:
-        """Write `changes` (table name, (field, value) pairs) and move the checkpoint from
+        """Write `changes` (table name, (field, value) pairs, expiry) and move the checkpoint from
         `expected` to `checkpoint`. APPLIED, NOT_OWNER (fenced out) or MOVED (someone else wrote)."""
         script_keys = [
             self.keys.owner(self.ns),
@@ -317,12 +527,13 @@ class NamespaceWriter:
             self.keys.table(self.ns, META),
         ]
         args: list[Any] = [self.token, expected or "", checkpoint, folded]
-        for name, fields in changes:
+        for name, fields, expire_at in changes:
             pairs = list(fields)
             if not pairs:
                 continue
             script_keys.append(self.keys.table(self.ns, name))
             args.append(len(pairs))
+            args.append(expire_at)
             for field, value in pairs:
                 args.append(field)
                 args.append(value)

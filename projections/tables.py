@@ -16,6 +16,9 @@ SEP: Final = "\x1f"
 
 DEFAULT_HALF_LIFE_S: Final = 7 * 86_400.0
 DEFAULT_DEMAND_HALF_LIFE_S: Final = 300.0
+# Task rows and benchmark marks live in day shards that expire this long after their day ends: far
+# beyond any retry horizon, so a late event still finds its task's row.
+DEFAULT_TASK_RETENTION_DAYS: Final = 30
 
 
 @dataclass
@@ -24,6 +27,7 @@ class Tables:
 
     half_life_s: float = DEFAULT_HALF_LIFE_S
     demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S
+    task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS
     checkpoint: str | None = None
     # Ledger entries folded so far, poison ones included (the lag estimate compares it with XLEN).
     folded: int = 0
@@ -31,10 +35,13 @@ class Tables:
     length: dict[tuple[str, str], LengthRow] = field(default_factory=dict)
     quality: dict[tuple[str, str], QualityRow] = field(default_factory=dict)
     fleet: dict[str, FleetRow] = field(default_factory=dict)
+    # The live projector holds only the rows of the batch it folds; replay holds them all.
     tasks: dict[str, TaskRow] = field(default_factory=dict)
     demand: dict[str, DemandRow] = field(default_factory=dict)
-    # (bench_id, task_id) of every BenchmarkResult already counted: a repeat changes nothing.
-    benched: set[tuple[str, str]] = field(default_factory=set)
+    # (bench_id, task_id) of every BenchmarkResult already counted (a repeat changes nothing), with
+    # the stream-id ms of its ledger entry, which names its day shard. As `tasks`: the live
+    # projector holds only the marks its batch touches.
+    benched: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def pair_key(a: str, b: str) -> str:

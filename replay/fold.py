@@ -30,7 +30,7 @@ from projections.snapshot import (
     TaskRow,
 )
 from projections.status import TERMINAL_RANK
-from projections.tables import Tables
+from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.frames import HEARTBEAT, Frames
 
 _SPEED_COLS: Final = [
@@ -95,15 +95,25 @@ def counted_completions(frames: Frames) -> pl.DataFrame:
     return done.filter(~pl.col("duplicate")).sort("seq").unique("task_id", keep="first", maintain_order=True)
 
 
-def fold_frames(frames: Frames, half_life_s: float, demand_half_life_s: float) -> Tables:
-    """Every table from the collected frames."""
+def fold_frames(
+    frames: Frames,
+    half_life_s: float,
+    demand_half_life_s: float,
+    task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
+) -> Tables:
+    """Every table from the collected frames (every task row, whatever its day shard)."""
     frames.flush()
-    tables = Tables(half_life_s=half_life_s, demand_half_life_s=demand_half_life_s)
+    tables = Tables(
+        half_life_s=half_life_s,
+        demand_half_life_s=demand_half_life_s,
+        task_retention_days=task_retention_days,
+    )
     counted = counted_completions(frames)
     bench = (
         frames.frame("bench").sort("seq").unique(["bench_id", "task_id"], keep="first", maintain_order=True)
     )
-    tables.benched = set(bench.select("bench_id", "task_id").iter_rows())
+    # Each mark with its first entry's stream ms, which names its day shard.
+    tables.benched = {(b, t): ms for b, t, ms in bench.select("bench_id", "task_id", "ms").iter_rows()}
     # A benchmark run is recorded twice: its BenchmarkResult is the speed sample, and its
     # TaskCompleted only keeps the task's history. Benchmark answers are short by design, so they
     # say nothing of output length either.
@@ -235,7 +245,12 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
     fail, recl, stall = frames.frame("failed"), frames.frame("reclaimed"), frames.frame("stalled")
     dead, canc = frames.frame("dead"), frames.frame("cancelled")
     tid = "task_id"
-    ids = pl.concat([f.select(tid) for f in (sub, clm, done, fail, recl, stall, dead, canc)]).unique()
+    # Every task with the stream ms of its first entry (the projector creates the row there).
+    ids = (
+        pl.concat([f.select(tid, "ms") for f in (sub, clm, done, fail, recl, stall, dead, canc)])
+        .group_by(tid)
+        .agg(pl.col("ms").min().alias("first_ms"))
+    )
     first_sub = (
         sub.sort("seq")
         .unique(tid, keep="first", maintain_order=True)
@@ -350,6 +365,7 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
         ),
         "pipeline_id",
         "completed_attempt",
+        "first_ms",
     )
     tables.tasks = _task_rows(table)
 

@@ -4,7 +4,8 @@ Raw ledger rows are routed by their envelope tag (types no table reads are never
 kind of a chunk is decoded in one pass and its columns taken at once (a C-level `map` per field),
 so that the chunk's event objects are dropped early; every `FLUSH_EVERY` events the columns become
 frames, and memory stays bounded by the columns. `seq` is the ledger order (0, 1, …) of the entries
-as read; only its order matters.
+as read; only its order matters. `ms` is the time part of each entry's stream id: the day shard of a
+task row or benchmark mark is named by the first entry that made it.
 
 Worker reports carry nested values (inventory, loaded models, resources) that only the newest
 report of each worker needs: they stay Python objects, and each flush keeps only the reports that
@@ -166,7 +167,14 @@ _REPORT_SCHEMA: Final = {"seq": _I64, "at": _I64, "worker": _STR, "kind": pl.Int
 
 
 def _schema(columns: Columns) -> dict[str, Any]:
-    return {"seq": _I64, **{name: dtype for name, (dtype, _) in columns.items()}}
+    return {"seq": _I64, "ms": _I64, **{name: dtype for name, (dtype, _) in columns.items()}}
+
+
+def _ms(entry_id: bytes | str) -> int:
+    """The ms part of a stream entry id."""
+    if isinstance(entry_id, bytes):
+        return int(entry_id.partition(b"-")[0])
+    return int(entry_id.partition("-")[0])
 
 
 # The envelope tags the frames take, and the class each tag's data must decode to.
@@ -260,23 +268,24 @@ class Frames:
                 if events is None:
                     odd = True
                     break
-                decoded.append((cls, [base + i for i in index], events))
+                decoded.append((cls, index, events))
         if odd:
             # Something unusual in this chunk: the codec's careful per-entry path, in ledger order.
-            decoded = self._careful(rows, base, on_poison)
-        for cls, seqs, events in decoded:
-            self._take(cls, seqs, events)
+            decoded = self._careful(rows, on_poison)
+        for cls, index, events in decoded:
+            self._take(cls, [base + i for i in index], [_ms(rows[i][0]) for i in index], events)
 
     @staticmethod
     def _careful(
-        rows: Sequence[WireEntry], base: int, on_poison: PoisonHandler | None
+        rows: Sequence[WireEntry], on_poison: PoisonHandler | None
     ) -> list[tuple[type[Event], list[int], list[Event]]]:
+        """Per kind: the positions of its entries in `rows`, and the events."""
         keep = [
             (entry_id.decode(), flat)
             for entry_id, flat in rows
             if not (len(flat) == 6 and flat[0] == TYPE and flat[1] in UNUSED_TAGS)
         ]
-        seq_of = {entry_id.decode(): base + i for i, (entry_id, _) in enumerate(rows)}
+        index_of = {entry_id.decode(): i for i, (entry_id, _) in enumerate(rows)}
         buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
         for entry_id, event in decode_rows(keep, on_poison):
             kind = type(event)
@@ -285,11 +294,11 @@ class Frames:
             bucket = buckets.get(kind)
             if bucket is None:
                 bucket = buckets[kind] = ([], [])
-            bucket[0].append(seq_of[entry_id])
+            bucket[0].append(index_of[entry_id])
             bucket[1].append(event)
         return [(kind, seqs, events) for kind, (seqs, events) in buckets.items()]
 
-    def _take(self, kind: type[Event], seqs: list[int], events: list[Event]) -> None:
+    def _take(self, kind: type[Event], seqs: list[int], ms: list[int], events: list[Event]) -> None:
         self.events += len(events)
         self._pending += len(events)
         if kind is WorkerOnline or kind is WorkerHeartbeat:
@@ -303,8 +312,9 @@ class Frames:
             # Columns are taken at once so that the chunk's event objects are dropped early.
             columns = self._columns.get(kind)
             if columns is None:
-                columns = self._columns[kind] = {"seq": [], **{c: [] for c in KINDS[kind][1]}}
+                columns = self._columns[kind] = {"seq": [], "ms": [], **{c: [] for c in KINDS[kind][1]}}
             columns["seq"].extend(seqs)
+            columns["ms"].extend(ms)
             top, nested = _GETTERS[kind]
             for col, get in top:
                 columns[col].extend(map(get, events))
@@ -319,17 +329,18 @@ class Frames:
         """Take a decoded batch, in ledger order (each event counts as one ledger position)."""
         base = self._seq
         self._seq = base + len(batch)
-        buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
-        for i, (_, event) in enumerate(batch, base):
+        buckets: dict[type[Event], tuple[list[int], list[int], list[Event]]] = {}
+        for i, (entry_id, event) in enumerate(batch, base):
             kind = type(event)
             bucket = buckets.get(kind)
             if bucket is None:
-                bucket = buckets[kind] = ([], [])
+                bucket = buckets[kind] = ([], [], [])
             bucket[0].append(i)
-            bucket[1].append(event)
-        for kind, (seqs, events) in buckets.items():
+            bucket[1].append(_ms(entry_id))
+            bucket[2].append(event)
+        for kind, (seqs, ms, events) in buckets.items():
             if kind in _GETTERS or kind is WorkerOnline or kind is WorkerHeartbeat:
-                self._take(kind, seqs, events)
+                self._take(kind, seqs, ms, events)
 
     def flush(self) -> None:
         """Turn the buffered columns into frames."""
@@ -350,6 +361,7 @@ class Frames:
         frame = pl.DataFrame(
             {
                 "seq": seqs,
+                "ms": [0] * len(online),
                 "at": [e.at for e in online],
                 "worker": [e.worker for e in online],
                 "reason": ["online"] * len(online),

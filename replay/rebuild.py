@@ -22,7 +22,12 @@ from events.errors import UndecodableEntryError
 from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
-from projections.tables import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S, Tables
+from projections.tables import (
+    DEFAULT_DEMAND_HALF_LIFE_S,
+    DEFAULT_HALF_LIFE_S,
+    DEFAULT_TASK_RETENTION_DAYS,
+    Tables,
+)
 from replay.errors import BadUntilError
 from replay.fold import fold_frames
 from replay.frames import Frames
@@ -82,10 +87,12 @@ async def build(
     until: str | None = None,
     half_life_s: float = DEFAULT_HALF_LIFE_S,
     demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S,
+    task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
     progress: Progress | None = None,
     chunk: int = READ_CHUNK,
 ) -> tuple[Tables, int]:
-    """The tables as of `until` (default: the whole ledger), in memory; with the poison count."""
+    """The tables as of `until` (default: the whole ledger), in memory; with the poison count.
+    Task rows and marks of every day are there, those past retention included."""
     ledger = Ledger(redis, keys or Keys())
     stop = until_to_stop(until)
     frames = Frames()
@@ -98,7 +105,7 @@ async def build(
         last_id = rows[-1][0]
         if progress is not None:
             progress(len(rows))
-    tables = fold_frames(frames, half_life_s, demand_half_life_s)
+    tables = fold_frames(frames, half_life_s, demand_half_life_s, task_retention_days)
     tables.checkpoint = None if last_id is None else last_id.decode()
     tables.folded = read
     return tables, len(poison)
@@ -111,10 +118,13 @@ async def rebuild(
     until: str | None = None,
     half_life_s: float = DEFAULT_HALF_LIFE_S,
     demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S,
+    task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
     switch: bool = True,
     progress: Progress | None = None,
 ) -> RebuildResult:
-    """Rebuild every table into a new namespace and (unless `switch` is False) make it live."""
+    """Rebuild every table into a new namespace and (unless `switch` is False) make it live.
+    Task rows and marks go into their day shards, as the projector writes them; shards already
+    past retention are not written."""
     keys = keys or Keys()
     tables, poison = await build(
         redis,
@@ -122,6 +132,7 @@ async def rebuild(
         until=until,
         half_life_s=half_life_s,
         demand_half_life_s=demand_half_life_s,
+        task_retention_days=task_retention_days,
         progress=progress,
     )
     ns = await store.create(redis, keys, tables, built_by="rebuild")

@@ -50,6 +50,7 @@ def projector_cmd(inst: Instance) -> None:
             inst.keys,
             half_life_s=s.half_life_s,
             demand_half_life_s=s.demand_half_life_s,
+            task_retention_days=s.task_retention_days,
             lease_ms=s.lease_ms,
         )
         await projector.run(stop)
@@ -107,6 +108,7 @@ def rebuild_cmd(
                 until=until,
                 half_life_s=s.half_life_s,
                 demand_half_life_s=s.demand_half_life_s,
+                task_retention_days=s.task_retention_days,
                 switch=not no_switch,
                 progress=bar,
             )

@@ -50,6 +50,7 @@ class Settings(msgspec.Struct, kw_only=True):
     stall_after_s: float = 600.0
     half_life_s: float = 7 * 86_400.0
     demand_half_life_s: float = 300.0
+    task_retention_days: int = 30
     backend_timeout_s: float = 300.0
     log_level: str = "info"
     pipeline_model: str = "auto"
@@ -73,6 +74,7 @@ FIELDS: Final[dict[str, str]] = {
     "stall_after_s": "a queued task nobody took for this long is reported stalled",
     "half_life_s": "half-life of the time-decayed statistics",
     "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
+    "task_retention_days": "days the projection keeps a task's row (and benchmark marks) after its UTC day",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
     "pipeline_model": "model of a pipeline's decomposer, children and integration when a request names none",
@@ -164,6 +166,7 @@ def _validate(s: Settings) -> None:
         (s.stall_after_s > 0, "stall_after_s must be positive"),
         (s.half_life_s > 0, "half_life_s must be positive"),
         (s.demand_half_life_s > 0, "demand_half_life_s must be positive"),
+        (s.task_retention_days >= 1, f"task_retention_days must be at least 1, got {s.task_retention_days}"),
         (bool(s.prefix), "prefix must not be empty"),
         (s.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {s.max_body_bytes}"),
         (s.max_messages >= 1, f"max_messages must be at least 1, got {s.max_messages}"),
