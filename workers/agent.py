@@ -29,9 +29,9 @@ from events.errors import RouteledgerError
 from events.event import (
     Event,
     ModelEntry,
+    Resources,
     TaskClaimed,
     TaskFailed,
-    WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
     now_ms,
@@ -45,6 +45,7 @@ from workers.closing import FinishedRun
 from workers.config import WorkerConfig
 from workers.crash import crash_armed, crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
+from workers.liveness import Liveness
 from workers.resources import read_resources
 
 log = logging.getLogger("routeledger.worker")
@@ -97,6 +98,9 @@ class WorkerAgent:
         # digest -> monotonic time of the last benchmark this worker requested for itself
         self._benched: dict[str, float] = {}
         self._ordinal = 0
+        # What the ledger last heard of this worker's state; the machine's figures go only to the lease.
+        self.liveness = Liveness(self.name, config.slots, config.serves)
+        self.resources = Resources()
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -130,18 +134,21 @@ class WorkerAgent:
     async def run(self) -> None:
         """Run until `stopping` is set, then drain and leave."""
         await self._refresh_inventory(first=True)
+        self.resources = read_resources()
         await self._take_lease()
-        await self._append(
-            WorkerOnline(
-                worker=self.name,
-                slots=self.config.slots,
-                backend=self.backend.url,
-                backend_kind=self.backend.kind,
-                host=socket.gethostname(),
-                inventory=list(self.inventory.models),
-                serves=self.config.serves,
-            )
+        online = WorkerOnline(
+            worker=self.name,
+            slots=self.config.slots,
+            backend=self.backend.url,
+            backend_kind=self.backend.kind,
+            host=socket.gethostname(),
+            inventory=list(self.inventory.models),
+            serves=self.config.serves,
         )
+        await self._append(online)
+        self.liveness.online(online)
+        # WorkerOnline does not say what is loaded: the first change event does, at once.
+        await self._report_changes()
         await self.queues.ensure_group(self.pinned)
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
@@ -202,6 +209,7 @@ class WorkerAgent:
                 for r in self.running.values()
             ],
             since=self.started_at,
+            resources=self.resources,
         )
         return encode_lease(info)
 
@@ -306,21 +314,20 @@ class WorkerAgent:
             beat += 1
             try:
                 await self._refresh_inventory()
+                self.resources = read_resources()
                 await self._write_lease()
                 await self._keep_entries_alive()
-                await self._append(
-                    WorkerHeartbeat(
-                        worker=self.name,
-                        slots=self.config.slots,
-                        in_flight=len(self.running),
-                        inventory=list(self.inventory.models),
-                        loaded=list(self.inventory.loaded),
-                        serves=self.config.serves,
-                        resources=read_resources(),
-                    )
-                )
+                await self._report_changes()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc)
+
+    async def _report_changes(self) -> None:
+        """Append WorkerChanged when what the worker holds, has loaded or serves differs from what
+        it last appended; a beat with no news appends nothing (the lease says it is alive)."""
+        changed = self.liveness.beat(now_ms(), self.inventory.models, self.inventory.loaded)
+        if changed is not None:
+            await self._append(changed)
+            self.liveness.said(changed)
 
     async def _refresh_inventory(self, first: bool = False) -> None:
         try:
