@@ -51,6 +51,11 @@ _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(LeaseInfo)
 
 
+def resources_of(info: LeaseInfo) -> dict[str, Any]:
+    """Every resource metric the lease reports, None where the worker could not read it."""
+    return msgspec.structs.asdict(info.resources)
+
+
 def encode_lease(info: LeaseInfo) -> bytes:
     return _encoder.encode(info)
 

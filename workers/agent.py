@@ -136,19 +136,7 @@ class WorkerAgent:
         await self._refresh_inventory(first=True)
         self.resources = read_resources()
         await self._take_lease()
-        online = WorkerOnline(
-            worker=self.name,
-            slots=self.config.slots,
-            backend=self.backend.url,
-            backend_kind=self.backend.kind,
-            host=socket.gethostname(),
-            inventory=list(self.inventory.models),
-            serves=self.config.serves,
-        )
-        await self._append(online)
-        self.liveness.online(online)
-        # WorkerOnline does not say what is loaded: the first change event does, at once.
-        await self._report_changes()
+        await self._announce()
         await self.queues.ensure_group(self.pinned)
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
@@ -166,6 +154,21 @@ class WorkerAgent:
             await self._consume_loop()
         finally:
             await self._drain()
+
+    async def _announce(self) -> None:
+        """WorkerOnline, then what is loaded (WorkerOnline does not say): the ledger's start of a life."""
+        online = WorkerOnline(
+            worker=self.name,
+            slots=self.config.slots,
+            backend=self.backend.url,
+            backend_kind=self.backend.kind,
+            host=socket.gethostname(),
+            inventory=list(self.inventory.models),
+            serves=self.config.serves,
+        )
+        await self._append(online)
+        self.liveness.online(online)
+        await self._report_changes()
 
     async def _take_lease(self) -> None:
         """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin."""
@@ -215,6 +218,13 @@ class WorkerAgent:
 
     async def _write_lease(self) -> None:
         await self.redis.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
+
+    async def _renew_lease(self) -> bool:
+        """Write the lease; True when there was none to renew (it had expired)."""
+        previous: Any = await self.redis.set(
+            self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms, get=True
+        )
+        return previous is None
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
@@ -315,9 +325,15 @@ class WorkerAgent:
             try:
                 await self._refresh_inventory()
                 self.resources = read_resources()
-                await self._write_lease()
+                lapsed = await self._renew_lease()
                 await self._keep_entries_alive()
-                await self._report_changes()
+                if lapsed:
+                    # The lease expired (Redis or this process stalled past it): the reaper may
+                    # have recorded this worker offline, so its life starts again in the ledger.
+                    log.warning("worker %s: its lease had expired; announcing itself again", self.name)
+                    await self._announce()
+                else:
+                    await self._report_changes()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc)
 
