@@ -102,6 +102,23 @@ async def test_a_change_of_loaded_models_appends_exactly_one_change_event(
     assert not [e for e in during if isinstance(e, WorkerHeartbeat)]
 
 
+async def test_a_worker_whose_lease_lapsed_announces_itself_again_once(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    keys = Keys()
+    async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
+        async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
+            await redis_client.delete(keys.live("a"))  # as if Redis or the process stalled past it
+
+            async def again() -> bool:
+                return len(await events_of(ledger, WorkerOnline)) >= 2
+
+            await wait_until(again, timeout=5)
+            await asyncio.sleep(0.5)
+            onlines = await events_of(ledger, WorkerOnline)
+    assert len(onlines) == 2 and onlines[1].at > onlines[0].at
+
+
 def test_liveness_has_news_only_when_inventory_loaded_or_serves_differ_from_what_it_said() -> None:
     m = ModelEntry(name="m", digest=D1)
     n = ModelEntry(name="n", digest=QWEN)
