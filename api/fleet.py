@@ -12,6 +12,7 @@ from api.errors import BadRequestError, model_not_found
 from api.schemas import BenchCreate
 from dispatch.benchmark import domains, request_benchmark
 from dispatch.errors import ModelNotServedError
+from dispatch.lease import resources_of
 from dispatch.serving import catalog, holdings, served
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
@@ -39,12 +40,23 @@ async def read_fleet(request: Request) -> JSON:
     for name in sorted(set(leases) | set(rows)):
         info = leases.get(name)
         row = rows.get(name)
+        # A live worker's machine figures and last sign of life are its lease's; the ledger's
+        # (the projected row) only speak for a worker that is gone.
+        resources: dict[str, Any] | None
         if info is not None:
             status = "draining" if info.draining else "online"
             since: int | None = info.since
+            resources = {
+                "value": resources_of(info),
+                "at": info.renewed_at,
+                "age_s": max(0.0, (now - info.renewed_at) / 1000),
+            }
+            seen: int | None = info.renewed_at
         else:
             status = row.status if row is not None and row.status != "online" else "offline"
             since = row.status_since if row is not None else None
+            resources = _stamped(row.resources, now) if row is not None else None
+            seen = row.last_heartbeat if row is not None else None
         workers.append(
             {
                 "id": name,
@@ -58,8 +70,9 @@ async def read_fleet(request: Request) -> JSON:
                 "models": [m.name for m in served(info)] if info is not None else [],
                 "held": [m.name for m in info.inventory] if info is not None else [],
                 "loaded": list(info.loaded) if info is not None else [],
-                "resources": _stamped(row.resources, now) if row is not None else None,
-                "last_heartbeat": row.last_heartbeat if row is not None else None,
+                "resources": resources,
+                "last_heartbeat": seen,
+                "seen_from": "lease" if info is not None else "ledger" if row is not None else None,
             }
         )
     capacity = {m.name: m.slots for m in catalog(leases)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -14,6 +13,7 @@ from api.errors import NATIVE, ApiError, NotFoundError, render
 from api.schemas import TaskCreate
 from dispatch.gateway import Gateway
 from dispatch.submit import Submitted, TaskRequest
+from events.codec import event_fields
 
 router = APIRouter(tags=["tasks"])
 
@@ -95,7 +95,7 @@ async def task_events(task_id: str, request: Request) -> JSON:
     found = await gw.retrying(lambda: gw.events_of(task_id))
     if not found:
         raise NotFoundError(f"the ledger has no events of task {task_id}")
-    events = [{"id": entry_id, **msgspec.to_builtins(event)} for entry_id, event in found]
+    events = [{"id": entry_id, **event_fields(event)} for entry_id, event in found]
     return JSON({"task_id": task_id, "events": events})
 
 

@@ -1,7 +1,8 @@
 """Worker leases (`rl:live:{worker}`): what a live worker holds, serves, has loaded and runs.
 
 A worker's lease is a key with a TTL that its heartbeats refresh; its value says what the worker
-holds right now, so that a submission can resolve a model name without waiting for a projection.
+holds right now, so that a submission can resolve a model name without waiting for a projection,
+and what it could read of its machine (resources are liveness, not history: never in the ledger).
 A missing key means the worker is presumed dead: that, and only that, lets the reaper reclaim.
 """
 
@@ -12,7 +13,7 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from events.event import ModelEntry, now_ms
+from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
 
 
@@ -42,10 +43,17 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     running: list[RunningInfo] = msgspec.field(default_factory=list)
     since: int = msgspec.field(default_factory=now_ms)
     renewed_at: int = msgspec.field(default_factory=now_ms)
+    # What the worker could read of its machine at `renewed_at` (for operators; no score reads it).
+    resources: Resources = Resources()
 
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(LeaseInfo)
+
+
+def resources_of(info: LeaseInfo) -> dict[str, Any]:
+    """Every resource metric the lease reports, None where the worker could not read it."""
+    return msgspec.structs.asdict(info.resources)
 
 
 def encode_lease(info: LeaseInfo) -> bytes:

@@ -13,7 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from dispatch.lease import LeaseInfo, live_workers
+from dispatch.lease import LeaseInfo, live_workers, resources_of
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
 from events.codec import decode_rows
@@ -72,7 +72,10 @@ def worker_row(
                 }
                 for r in info.running
             ],
-            "last_heartbeat": row.last_heartbeat if row is not None else None,
+            # Liveness is the lease's: the ledger records no beats.
+            "last_heartbeat": info.renewed_at,
+            "resources": resources_of(info),
+            "seen_from": "lease",
         }
     inventory = row.inventory.value if row is not None and isinstance(row.inventory.value, dict) else {}
     loaded = row.loaded.value if row is not None and isinstance(row.loaded.value, list) else []
@@ -90,6 +93,10 @@ def worker_row(
         ],
         "running": [],
         "last_heartbeat": row.last_heartbeat if row is not None else None,
+        "resources": row.resources.value
+        if row is not None and isinstance(row.resources.value, dict)
+        else None,
+        "seen_from": "ledger" if row is not None else None,
     }
 
 

@@ -102,6 +102,10 @@ class TaskView(msgspec.Struct, kw_only=True):
     expected_finish_s: float | None = None
     # Each candidate's expected finish, best first: the short answer to "why this worker".
     ranking: list[tuple[str, float | None]] = msgspec.field(default_factory=list)
+    # Candidates the ledger only counts (a compact TaskRouted keeps the top ones), and the best
+    # expected finish among them; 0 and None for an entry that kept every candidate.
+    others: int = 0
+    others_best_finish_s: float | None = None
     auto: bool = False
     tps: float | None = None
     wall_ms: float | None = None
@@ -114,6 +118,7 @@ class TaskView(msgspec.Struct, kw_only=True):
             self.expected_worker = event.expected_worker
             self.expected_finish_s = event.expected_finish_s
             self.ranking = _ranking(event.breakdown)
+            self.others, self.others_best_finish_s = _others(event.breakdown)
             self.auto = "auto" in event.breakdown
         elif isinstance(event, TaskClaimed):
             self.attempts = max(self.attempts, event.attempt)
@@ -139,6 +144,7 @@ class TaskView(msgspec.Struct, kw_only=True):
             "expected_worker": self.expected_worker,
             "expected_finish_s": self.expected_finish_s,
             "ranking": [{"worker": w, "expected_finish_s": s} for w, s in self.ranking],
+            "others": {"count": self.others, "best_finish_s": self.others_best_finish_s},
             "auto": self.auto,
             "decode_tps": self.tps,
             "wall_ms": self.wall_ms,
@@ -158,6 +164,18 @@ def _ranking(breakdown: dict[str, object]) -> list[tuple[str, float | None]]:
                     (c["worker"], round(float(finish), 2) if isinstance(finish, int | float) else None)
                 )
     return out
+
+
+def _others(breakdown: dict[str, object]) -> tuple[int, float | None]:
+    """(count, best expected finish) of the candidates a compact breakdown only counts."""
+    others = breakdown.get("others")
+    if not isinstance(others, dict):
+        return 0, None  # an older entry: every candidate is in `candidates`
+    count, best = others.get("count"), others.get("best_finish_s")
+    return (
+        count if isinstance(count, int) else 0,
+        round(float(best), 2) if isinstance(best, int | float) else None,
+    )
 
 
 def digest_of_queue(queue: str, keys: Keys) -> str:

@@ -172,19 +172,9 @@ async def submit_task(
     ]
     breakdown = b""
     if decision is not None:
-        best = decision.ranking.best
-        routed = TaskRouted(
-            task_id=task.task_id,
-            digest=decision.digest,
-            queue=queue,
-            policy=POLICY,
-            policy_version=POLICY_VERSION,
-            breakdown=decision.to_dict(),
-            expected_worker=best.worker,
-            expected_finish_s=best.expected_finish_s,
-        )
-        events.append(routed)
-        breakdown = msgspec.json.encode(routed.breakdown)
+        events.append(routed_event(task.task_id, queue, decision))
+        # The whole breakdown (every candidate) stays readable while the task is recent.
+        breakdown = msgspec.json.encode(decision.to_dict())
     await queues.ensure_group(queue)
     pipe = queues.redis.pipeline(transaction=False)
     for event in events:
@@ -205,6 +195,22 @@ async def submit_task(
     pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
     await pipe.execute()
     return Submitted(task=task, queue=queue, decision=decision)
+
+
+def routed_event(task_id: str, queue: str, decision: Decision) -> TaskRouted:
+    """The ledger's record of a decision: the chosen worker and the compact breakdown (the top
+    candidates in full, the rest counted); the task's lookup hash keeps the whole one."""
+    best = decision.ranking.best
+    return TaskRouted(
+        task_id=task_id,
+        digest=decision.digest,
+        queue=queue,
+        policy=POLICY,
+        policy_version=POLICY_VERSION,
+        breakdown=decision.to_record(),
+        expected_worker=best.worker,
+        expected_finish_s=best.expected_finish_s,
+    )
 
 
 async def preview_request(view: LiveView, query: RouteQuery) -> dict[str, object]:

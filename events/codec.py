@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -126,6 +126,15 @@ def _poison(entry_id: str, flat: Sequence[bytes]) -> UndecodableEntryError:
     except UndecodableEntryError as exc:
         return exc
     return UndecodableEntryError(entry_id, "undecodable", flat_to_dict(flat))
+
+
+def event_fields(event: Event) -> dict[str, Any]:
+    """An event as plain data with every field, defaults included: the wire form leaves defaults
+    out (omit_defaults), what people and clients read shows each field."""
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for name in event.__struct_fields__:
+        out[name] = msgspec.to_builtins(getattr(event, name))
+    return out
 
 
 def as_str(raw: bytes | str) -> str:

@@ -65,11 +65,15 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True, gc=False):
+class Event(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True, gc=False, omit_defaults=True
+):
     """Base of every ledger event.
 
     gc=False: an event holds only decoded msgpack values, which cannot form reference cycles, so the
     cyclic garbage collector need not track millions of them (it tripled the cost of a replay).
+    omit_defaults=True: a field at its default is not written (the decoder fills it back in), which
+    shrinks every entry; entries written before, with every field, decode to the same event.
     """
 
     # Bumped when a type gains fields; readers accept any version, since fields only get added.
@@ -236,7 +240,11 @@ class TaskCancelled(Event, frozen=True, kw_only=True):
 
 
 class WorkerHeartbeat(Event, frozen=True, kw_only=True):
-    """A worker is alive: what it holds, what is loaded, its slots and what it could read of its machine."""
+    """A worker is alive: what it holds, what is loaded, its slots and what it could read of its machine.
+
+    No longer appended (liveness lives in the lease, changes in WorkerChanged); older ledgers hold
+    one per worker every beat, and they still decode and fold as they always did.
+    """
 
     worker: str
     slots: Small
@@ -245,6 +253,20 @@ class WorkerHeartbeat(Event, frozen=True, kw_only=True):
     loaded: list[str] = msgspec.field(default_factory=list)
     serves: list[str] | None = None
     resources: Resources = Resources()
+
+
+class WorkerChanged(Event, frozen=True, kw_only=True):
+    """What a live worker holds, has loaded, serves or offers changed since it last said so.
+
+    Liveness itself is not history: a running worker refreshes its lease (`rl:live:{worker}`, with
+    its resources) and appends this only when one of these facts differs from what it last appended.
+    """
+
+    worker: str
+    slots: int
+    inventory: list[ModelEntry] = msgspec.field(default_factory=list)
+    loaded: list[str] = msgspec.field(default_factory=list)
+    serves: list[str] | None = None
 
 
 class WorkerOnline(Event, frozen=True, kw_only=True):
@@ -359,6 +381,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PipelineStarted,
     PipelineChildAdded,
     PipelineCompleted,
+    WorkerChanged,
 )
 
 AnyEvent = (
@@ -380,6 +403,7 @@ AnyEvent = (
     | PipelineStarted
     | PipelineChildAdded
     | PipelineCompleted
+    | WorkerChanged
 )
 
 TYPE_NAMES: frozenset[str] = frozenset(t.__name__ for t in EVENT_TYPES)

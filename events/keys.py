@@ -97,6 +97,11 @@ class Keys:
         # Set of worker names retired for good by `routeledger worker forget`.
         return f"{self.prefix}forgotten"
 
+    @property
+    def expired(self) -> str:
+        # Hash worker -> status_since of the life the reaper ended (lease expired): one WorkerOffline each.
+        return f"{self.prefix}expired"
+
     # -- leases of singleton processes ----------------------------------------------------------
     def singleton(self, role: str) -> str:
         # Lease held by the one active projector or reaper (`role`); others wait for it.

@@ -26,6 +26,7 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
     Timings,
+    WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
@@ -166,6 +167,7 @@ class Folder:
             TaskCancelled: self._cancelled,
             WorkerOnline: self._online,
             WorkerHeartbeat: self._heartbeat,
+            WorkerChanged: self._changed,
             WorkerOffline: self._offline,
             BenchmarkResult: self._bench,
             QualityScored: self._quality,
@@ -354,8 +356,19 @@ class Folder:
         if _stamp(row.slots, e.slots, e.at):
             row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
             row.serves.value, row.serves.at = e.serves, e.at
-        if _stamp(row.loaded, list(e.loaded), e.at):
-            row.resources.value, row.resources.at = resources_dict(e), e.at
+        _stamp(row.loaded, list(e.loaded), e.at)
+        # Stamped on its own (a WorkerChanged stamps `loaded` but carries no resources); in a ledger
+        # of heartbeats only, both come from the newest heartbeat, as they always did.
+        _stamp(row.resources, resources_dict(e), e.at)
+
+    def _changed(self, e: WorkerChanged) -> None:
+        """A heartbeat's facts without the machine's figures: those live in the lease only."""
+        row = self._fleet(e.worker)
+        self._alive_at(row, e.at)
+        if _stamp(row.slots, e.slots, e.at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
+            row.serves.value, row.serves.at = e.serves, e.at
+        _stamp(row.loaded, list(e.loaded), e.at)
 
     def _offline(self, e: WorkerOffline) -> None:
         row = self._fleet(e.worker)

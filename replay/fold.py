@@ -31,7 +31,7 @@ from projections.snapshot import (
 )
 from projections.status import TERMINAL_RANK
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
-from replay.frames import HEARTBEAT, Frames
+from replay.frames import HEARTBEAT, ONLINE, Frames, Report
 
 _SPEED_COLS: Final = [
     "at",
@@ -191,6 +191,9 @@ def _fleet(tables: Tables, frames: Frames) -> None:
     status = pl.concat([frames.frame("online"), offline]).sort("at", "seq").group_by("worker").last()
     reports = frames.report_frame
     newest = reports.sort("at", "seq").group_by("worker").last()
+    # Loaded models come from heartbeats and changes; resources from heartbeats only (a change
+    # carries none: they live in the lease).
+    loaded = reports.filter(pl.col("kind") != ONLINE).sort("at", "seq").group_by("worker").last()
     beats = reports.filter(pl.col("kind") == HEARTBEAT).sort("at", "seq").group_by("worker").last()
     claimed = frames.frame("claimed")
     workers = (
@@ -200,16 +203,19 @@ def _fleet(tables: Tables, frames: Frames) -> None:
     for worker, at, reason in status.select("worker", "at", "reason").iter_rows():
         rows[worker].status, rows[worker].status_since = reason, at
     for worker, at, ref in newest.select("worker", "at", "ref").iter_rows():
-        report: WorkerOnline | WorkerHeartbeat = frames.reports[ref]
+        report: Report = frames.reports[ref]
         row = rows[worker]
         row.last_heartbeat = at
         row.slots = Stamped(value=report.slots, at=at)
         row.inventory = Stamped(value={m.name: m.digest for m in report.inventory}, at=at)
         row.serves = Stamped(value=report.serves, at=at)
+    for worker, at, ref in loaded.select("worker", "at", "ref").iter_rows():
+        said = frames.reports[ref]
+        assert not isinstance(said, WorkerOnline)
+        rows[worker].loaded = Stamped(value=list(said.loaded), at=at)
     for worker, at, ref in beats.select("worker", "at", "ref").iter_rows():
         beat = frames.reports[ref]
         assert isinstance(beat, WorkerHeartbeat)
-        rows[worker].loaded = Stamped(value=list(beat.loaded), at=at)
         rows[worker].resources = Stamped(value=resources_dict(beat), at=at)
     for worker, task_ids in _in_flight(frames, claimed).items():
         rows[worker].in_flight = task_ids

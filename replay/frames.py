@@ -36,6 +36,7 @@ from events.event import (
     TaskReclaimed,
     TaskStalled,
     TaskSubmitted,
+    WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
@@ -46,6 +47,14 @@ FLUSH_EVERY: Final = 100_000
 
 ONLINE: Final = 0
 HEARTBEAT: Final = 1
+CHANGED: Final = 2
+# Worker reports: each kind's code in the report frame.
+REPORT_KINDS: Final[dict[type[Event], int]] = {
+    WorkerOnline: ONLINE,
+    WorkerHeartbeat: HEARTBEAT,
+    WorkerChanged: CHANGED,
+}
+Report = WorkerOnline | WorkerHeartbeat | WorkerChanged
 
 _I64: Final = pl.Int64
 _F64: Final = pl.Float64
@@ -178,7 +187,7 @@ def _ms(entry_id: bytes | str) -> int:
 
 
 # The envelope tags the frames take, and the class each tag's data must decode to.
-_TAKEN: Final[tuple[type[Event], ...]] = (*KINDS, WorkerOnline, WorkerHeartbeat)
+_TAKEN: Final[tuple[type[Event], ...]] = (*KINDS, *REPORT_KINDS)
 _CLASS_OF: Final[dict[bytes, type[Event]]] = {cls.__name__.encode(): cls for cls in _TAKEN}
 # Event types no table reads, by their envelope tag: their entries are not decoded at all
 # (routing breakdowns are the bulkiest part of the ledger).
@@ -223,9 +232,9 @@ class Frames:
         # Per kind, its columns as Python lists until the next flush.
         self._columns: dict[type[Event], dict[str, list[Any]]] = {}
         self._frames: dict[str, list[pl.DataFrame]] = {name: [] for name, _ in KINDS.values()}
-        # Worker reports (WorkerOnline and WorkerHeartbeat): the ones that can still win, with
-        # their objects in `reports`, indexed by the `ref` column.
-        self.reports: list[WorkerOnline | WorkerHeartbeat] = []
+        # Worker reports (WorkerOnline, WorkerHeartbeat, WorkerChanged): the ones that can still
+        # win, with their objects in `reports`, indexed by the `ref` column.
+        self.reports: list[Report] = []
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
         self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
@@ -289,7 +298,7 @@ class Frames:
         buckets: dict[type[Event], tuple[list[int], list[Event]]] = {}
         for entry_id, event in decode_rows(keep, on_poison):
             kind = type(event)
-            if kind not in _GETTERS and kind not in (WorkerOnline, WorkerHeartbeat):
+            if kind not in _GETTERS and kind not in REPORT_KINDS:
                 continue
             bucket = buckets.get(kind)
             if bucket is None:
@@ -301,7 +310,7 @@ class Frames:
     def _take(self, kind: type[Event], seqs: list[int], ms: list[int], events: list[Event]) -> None:
         self.events += len(events)
         self._pending += len(events)
-        if kind is WorkerOnline or kind is WorkerHeartbeat:
+        if kind in REPORT_KINDS:
             pending = self._new_reports.get(kind)
             if pending is None:
                 self._new_reports[kind] = (seqs, events)
@@ -339,7 +348,7 @@ class Frames:
             bucket[1].append(_ms(entry_id))
             bucket[2].append(event)
         for kind, (seqs, ms, events) in buckets.items():
-            if kind in _GETTERS or kind is WorkerOnline or kind is WorkerHeartbeat:
+            if kind in _GETTERS or kind in REPORT_KINDS:
                 self._take(kind, seqs, ms, events)
 
     def flush(self) -> None:
@@ -349,7 +358,7 @@ class Frames:
             self._frames[name].append(pl.DataFrame(columns, schema=_schema(spec)))
         self._columns = {}
         for kind, (seqs, events) in self._new_reports.items():
-            self._add_reports(seqs, events, ONLINE if kind is WorkerOnline else HEARTBEAT)
+            self._add_reports(seqs, events, REPORT_KINDS[kind])
             if kind is WorkerOnline:
                 self._add_status(seqs, events)
         self._new_reports = {}
@@ -372,7 +381,7 @@ class Frames:
 
     def _add_reports(self, seqs: list[int], events: list[Event], kind: int) -> None:
         base = len(self.reports)
-        reports: list[WorkerOnline | WorkerHeartbeat] = events  # type: ignore[assignment]
+        reports: list[Report] = events  # type: ignore[assignment]
         self.reports.extend(reports)
         frame = pl.DataFrame(
             {
@@ -387,13 +396,16 @@ class Frames:
         self._report_frame = pl.concat([self._report_frame, frame])
 
     def _compact_reports(self) -> None:
-        """Keep only each worker's newest report and newest heartbeat (by producer clock, then order)."""
+        """Keep only each worker's newest report, newest report of loaded models (a heartbeat or a
+        change) and newest heartbeat (by producer clock, then order): the ones that can still win."""
         frame = self._report_frame
         if frame.height == 0:
             return
         newest = frame.sort("at", "seq").group_by("worker").last()
-        beats = frame.filter(pl.col("kind") == HEARTBEAT).sort("at", "seq").group_by("worker").last()
-        keep = pl.concat([newest, beats]).unique("seq").sort("seq")
+        kind = pl.col("kind")
+        loaded = frame.filter(kind != ONLINE).sort("at", "seq").group_by("worker").last()
+        beats = frame.filter(kind == HEARTBEAT).sort("at", "seq").group_by("worker").last()
+        keep = pl.concat([newest, loaded, beats]).unique("seq").sort("seq")
         refs = keep["ref"].to_list()
         self.reports = [self.reports[r] for r in refs]
         renumbered = keep.with_columns(pl.int_range(pl.len(), dtype=_I64).alias("ref"))
@@ -411,5 +423,6 @@ class Frames:
 
     @property
     def report_frame(self) -> pl.DataFrame:
-        """Surviving worker reports: seq, at, worker, kind (ONLINE or HEARTBEAT), ref into `reports`."""
+        """Surviving worker reports: seq, at, worker, kind (ONLINE, HEARTBEAT or CHANGED), ref into
+        `reports`."""
         return self._report_frame

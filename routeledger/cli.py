@@ -19,6 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 import routeledger
+from events.codec import event_fields
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.cli_acl import acl_app
@@ -320,7 +321,7 @@ def events_tail(
             if wanted and type(event).__name__ not in wanted:
                 continue
             if json_:
-                print_json({"id": entry_id, **msgspec.to_builtins(event)})
+                print_json({"id": entry_id, **event_fields(event)})
             else:
                 console.print(_event_line(entry_id, event), highlight=False)
 

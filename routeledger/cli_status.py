@@ -60,10 +60,30 @@ def _status(s: str) -> Text:
     return Text(s, style=_STATUS_STYLE.get(s, "red"))
 
 
+def _gib(v: object) -> str:
+    return "?" if not isinstance(v, int | float) else f"{v / 2**30:.1f}"
+
+
+def machine(r: dict[str, Any] | None) -> str:
+    """What a worker could read of its machine (its lease's when live), `-` when nothing."""
+    if not r:
+        return "-"
+    parts: list[str] = []
+    if r.get("cpu_percent") is not None:
+        parts.append(f"cpu {r['cpu_percent']:.0f}%")
+    if r.get("mem_total_bytes") is not None:
+        parts.append(f"mem {_gib(r.get('mem_used_bytes'))}/{_gib(r['mem_total_bytes'])} GiB")
+    if r.get("gpu_percent") is not None:
+        parts.append(f"gpu {r['gpu_percent']:.0f}%")
+    if r.get("vram_total_bytes") is not None:
+        parts.append(f"vram {_gib(r.get('vram_used_bytes'))}/{_gib(r['vram_total_bytes'])} GiB")
+    return " · ".join(parts) or "-"
+
+
 def fleet_table(o: dict[str, Any]) -> Table:
     now = o["now"]
     t = Table(title="fleet", title_justify="left", expand=True)
-    for col in ("worker", "status", "since", "slots busy", "models (* loaded)", "lease"):
+    for col in ("worker", "status", "since", "slots busy", "models (* loaded)", "lease", "machine"):
         t.add_column(col)
     for w in o["workers"]:
         models = ", ".join(
@@ -78,9 +98,10 @@ def fleet_table(o: dict[str, Any]) -> Table:
             f"{_known(w['busy'])} / {_known(w['slots'])}",
             models or "none",
             lease,
+            machine(w.get("resources")),
         )
     if not o["workers"]:
-        t.add_row("no worker has registered", "", "", "", "", "")
+        t.add_row("no worker has registered", "", "", "", "", "", "")
     return t
 
 
@@ -109,6 +130,10 @@ def tasks_table(o: dict[str, Any], limit: int = 12) -> Table:
     t.add_column("wall", justify="right")
     for task in o["tasks"][:limit]:
         why = " · ".join(f"{r['worker']} {r['expected_finish_s']:.1f}s" for r in task["ranking"]) or "-"
+        others = task.get("others") or {}
+        if others.get("count"):
+            best = others.get("best_finish_s")
+            why += f" · +{others['count']} more" + ("" if best is None else f" (best {best:.1f}s)")
         model = f"auto → {task['model']}" if task["auto"] else task["model"]
         wall = "-" if task["wall_ms"] is None else f"{task['wall_ms'] / 1000:.1f}s"
         t.add_row(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 import msgspec
 
@@ -29,6 +30,10 @@ from router.plan import (
 )
 
 DomainClassifier = Callable[[str], str]
+
+# Candidates a decision's ledger record keeps in full; the rest are a count and their best finish
+# (a decision over 28 holders cost 17 KB of ledger otherwise, most of it about losers).
+RECORDED_CANDIDATES: Final = 3
 
 _JAPANESE = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
 _CODE = re.compile(
@@ -335,6 +340,66 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         if self.choice is not None:
             out["auto"] = self.choice.to_dict()
         return out
+
+    def to_record(self, top: int = RECORDED_CANDIDATES) -> dict[str, object]:
+        """The compact breakdown TaskRouted keeps in the ledger (`to_dict()` stays the whole one):
+
+            {"model", "domain", "backlog",
+             "shared": {"terms": {"output_tokens", "quality"}, "fields": {name: [value, n, source, age_s]}},
+             "candidates": [{"worker", "rank", "expected_finish_s", "terms": {...},
+                             "fields": {name: [value, n, source, age_s]}}, ...],
+             "others": {"count", "best_finish_s"}, "auto": {...}}
+
+        The `top` candidates keep every term and source; the rest are `others`: how many, and the
+        best expected finish among them. What is the model's, not the worker's (output length,
+        quality) is written once under `shared`. Numbers are rounded to 4 significant digits (ages to
+        whole seconds). The digest is TaskRouted's own field. Old entries (the whole `to_dict()`) and
+        new ones both list `candidates` with `worker` and `expected_finish_s`.
+        """
+        candidates = self.ranking.candidates
+        rest = candidates[top:]
+        shared_terms = ("output_tokens", "quality")
+        first = candidates[0]
+        out: dict[str, object] = {
+            "model": self.model,
+            "domain": self.domain,
+            "backlog": len(self.ranking.plan.assignments),
+            "shared": {
+                "terms": {k: _short(first.terms[k]) for k in shared_terms if k in first.terms},
+                "fields": {k: _field_record(first.fields[k]) for k in shared_terms if k in first.fields},
+            },
+            "candidates": [
+                {
+                    "worker": c.worker,
+                    "rank": c.rank,
+                    "expected_finish_s": _short(c.expected_finish_s),
+                    "terms": {k: _short(v) for k, v in c.terms.items() if k not in shared_terms},
+                    "fields": {k: _field_record(f) for k, f in c.fields.items() if k not in shared_terms},
+                }
+                for c in candidates[:top]
+            ],
+            "others": {
+                "count": len(rest),
+                "best_finish_s": _short(min(c.expected_finish_s for c in rest)) if rest else None,
+            },
+        }
+        if self.choice is not None:
+            out["auto"] = self.choice.to_dict()
+        return out
+
+
+def _short(x: float) -> float | int:
+    """`x` to 4 significant digits, as an int when that is whole (msgpack writes small ints in
+    1-3 bytes, every float in 9)."""
+    if x != x or x in (float("inf"), float("-inf")):
+        return x
+    r = float(f"{x:.4g}")
+    return int(r) if r.is_integer() and abs(r) < 2**31 else r
+
+
+def _field_record(f: Field) -> list[object]:
+    """A field as [value, n, source, age_s] (age in whole seconds, None when unknown)."""
+    return [_short(f.value), f.n, f.source, None if f.age_s is None else round(f.age_s)]
 
 
 def decide(

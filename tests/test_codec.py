@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from events.codec import decode_entry, encode_fields
+from events.codec import decode_entry, encode_fields, event_fields
 from events.errors import UndecodableEntryError
-from events.event import TaskFailed
+from events.event import Event, TaskFailed
 from tests.factories import one_of_each
 
 
@@ -17,6 +17,31 @@ def test_every_event_type_survives_the_envelope(event: object) -> None:
     assert fields[b"type"] == type(event).__name__.encode()
     assert fields[b"v"] == b"1"
     assert decode_entry("1-0", fields) == event
+
+
+@pytest.mark.parametrize("event", one_of_each(), ids=lambda e: type(e).__name__)
+def test_an_entry_written_with_every_field_as_before_decodes_to_the_same_event(event: Event) -> None:
+    # Before defaults were left out of the wire form, every field was written.
+    full = msgspec.msgpack.encode(event_fields(event))
+    fields = {b"type": type(event).__name__.encode(), b"v": b"1", b"data": full}
+    assert decode_entry("1-0", fields) == event
+    assert len(encode_fields(event)[b"data"]) <= len(full)
+
+
+def test_event_fields_shows_every_field_with_defaults_though_the_wire_form_omits_them() -> None:
+    event = TaskFailed(at=5, task_id="t", worker="w", digest="d", attempt=1, kind="timeout", retryable=True)
+    assert b"message" not in encode_fields(event)[b"data"]
+    assert event_fields(event) == {
+        "type": "TaskFailed",
+        "at": 5,
+        "task_id": "t",
+        "worker": "w",
+        "digest": "d",
+        "attempt": 1,
+        "kind": "timeout",
+        "retryable": True,
+        "message": "",
+    }
 
 
 class _OldBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from events.event import (
     BenchmarkResult,
     Event,
+    ModelEntry,
     QualityScored,
+    Resources,
     TaskCancelled,
     TaskClaimed,
     TaskCompleted,
@@ -29,6 +31,7 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
     Timings,
+    WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
@@ -117,9 +120,30 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
     st.builds(TaskCancelled, at=AT, task_id=TASKS),
     st.builds(WorkerOnline, at=AT, worker=WORKERS, slots=st.integers(1, 4)),
     st.builds(
-        WorkerHeartbeat, at=AT, worker=WORKERS, slots=st.integers(1, 4), loaded=st.lists(DIGESTS, max_size=2)
+        WorkerHeartbeat,
+        at=AT,
+        worker=WORKERS,
+        slots=st.integers(1, 4),
+        loaded=st.lists(DIGESTS, max_size=2),
+        resources=st.builds(Resources, cpu_percent=st.one_of(st.none(), st.sampled_from([5.0, 90.0]))),
     ),
-    st.builds(WorkerOffline, at=AT, worker=WORKERS, reason=st.sampled_from(["lease", "forgotten"])),
+    st.builds(
+        WorkerChanged,
+        at=AT,
+        worker=WORKERS,
+        slots=st.integers(1, 4),
+        inventory=st.lists(
+            st.builds(ModelEntry, name=st.sampled_from(["m", "n"]), digest=DIGESTS), max_size=2
+        ),
+        loaded=st.lists(DIGESTS, max_size=2),
+        serves=st.one_of(st.none(), st.just(["m"])),
+    ),
+    st.builds(
+        WorkerOffline,
+        at=AT,
+        worker=WORKERS,
+        reason=st.sampled_from(["lease expired", "shutdown", "forgotten"]),
+    ),
     st.builds(
         BenchmarkResult,
         at=AT,

@@ -29,9 +29,9 @@ from events.errors import RouteledgerError
 from events.event import (
     Event,
     ModelEntry,
+    Resources,
     TaskClaimed,
     TaskFailed,
-    WorkerHeartbeat,
     WorkerOffline,
     WorkerOnline,
     now_ms,
@@ -45,6 +45,7 @@ from workers.closing import FinishedRun
 from workers.config import WorkerConfig
 from workers.crash import crash_armed, crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
+from workers.liveness import Liveness
 from workers.resources import read_resources
 
 log = logging.getLogger("routeledger.worker")
@@ -97,6 +98,9 @@ class WorkerAgent:
         # digest -> monotonic time of the last benchmark this worker requested for itself
         self._benched: dict[str, float] = {}
         self._ordinal = 0
+        # What the ledger last heard of this worker's state; the machine's figures go only to the lease.
+        self.liveness = Liveness(self.name, config.slots, config.serves)
+        self.resources = Resources()
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -130,18 +134,9 @@ class WorkerAgent:
     async def run(self) -> None:
         """Run until `stopping` is set, then drain and leave."""
         await self._refresh_inventory(first=True)
+        self.resources = read_resources()
         await self._take_lease()
-        await self._append(
-            WorkerOnline(
-                worker=self.name,
-                slots=self.config.slots,
-                backend=self.backend.url,
-                backend_kind=self.backend.kind,
-                host=socket.gethostname(),
-                inventory=list(self.inventory.models),
-                serves=self.config.serves,
-            )
-        )
+        await self._announce()
         await self.queues.ensure_group(self.pinned)
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
@@ -159,6 +154,21 @@ class WorkerAgent:
             await self._consume_loop()
         finally:
             await self._drain()
+
+    async def _announce(self) -> None:
+        """WorkerOnline, then what is loaded (WorkerOnline does not say): the ledger's start of a life."""
+        online = WorkerOnline(
+            worker=self.name,
+            slots=self.config.slots,
+            backend=self.backend.url,
+            backend_kind=self.backend.kind,
+            host=socket.gethostname(),
+            inventory=list(self.inventory.models),
+            serves=self.config.serves,
+        )
+        await self._append(online)
+        self.liveness.online(online)
+        await self._report_changes()
 
     async def _take_lease(self) -> None:
         """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin."""
@@ -202,11 +212,19 @@ class WorkerAgent:
                 for r in self.running.values()
             ],
             since=self.started_at,
+            resources=self.resources,
         )
         return encode_lease(info)
 
     async def _write_lease(self) -> None:
         await self.redis.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
+
+    async def _renew_lease(self) -> bool:
+        """Write the lease; True when there was none to renew (it had expired)."""
+        previous: Any = await self.redis.set(
+            self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms, get=True
+        )
+        return previous is None
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
@@ -306,21 +324,26 @@ class WorkerAgent:
             beat += 1
             try:
                 await self._refresh_inventory()
-                await self._write_lease()
+                self.resources = read_resources()
+                lapsed = await self._renew_lease()
                 await self._keep_entries_alive()
-                await self._append(
-                    WorkerHeartbeat(
-                        worker=self.name,
-                        slots=self.config.slots,
-                        in_flight=len(self.running),
-                        inventory=list(self.inventory.models),
-                        loaded=list(self.inventory.loaded),
-                        serves=self.config.serves,
-                        resources=read_resources(),
-                    )
-                )
+                if lapsed:
+                    # The lease expired (Redis or this process stalled past it): the reaper may
+                    # have recorded this worker offline, so its life starts again in the ledger.
+                    log.warning("worker %s: its lease had expired; announcing itself again", self.name)
+                    await self._announce()
+                else:
+                    await self._report_changes()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc)
+
+    async def _report_changes(self) -> None:
+        """Append WorkerChanged when what the worker holds, has loaded or serves differs from what
+        it last appended; a beat with no news appends nothing (the lease says it is alive)."""
+        changed = self.liveness.beat(now_ms(), self.inventory.models, self.inventory.loaded)
+        if changed is not None:
+            await self._append(changed)
+            self.liveness.said(changed)
 
     async def _refresh_inventory(self, first: bool = False) -> None:
         try:

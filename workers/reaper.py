@@ -1,5 +1,8 @@
 """The reaper: reclaims only delivered entries whose owner died, and reports what nobody took.
 
+It also ends, in the ledger, the life of a worker whose lease expired without a WorkerOffline (it
+was killed, or lost its machine): the projected fleet would otherwise say "online" forever.
+
 Design rule 5: nothing unowned is reaped. An entry enters a consumer's pending list only when a
 worker read it; it is reclaimed only when that worker's lease key is gone AND the entry has been
 idle for longer than a lease (a live worker refreshes its running entries). An entry that nobody
@@ -21,12 +24,19 @@ from dispatch.lease import decode_lease
 from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
 from events.codec import as_str
-from events.event import TaskReclaimed, TaskStalled, now_ms
+from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
 from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger, next_id
 from events.singleton import DEFAULT_LEASE_MS, SingletonLease
+from projections import store
+from projections.errors import ProjectionError
+from projections.snapshot import FleetRow
 
 log = logging.getLogger("routeledger.reaper")
+
+LEASE_EXPIRED = "lease expired"
+# Projected statuses of a worker that is still taking part: its death must be recorded.
+_ALIVE_STATUSES = frozenset({"online", "draining"})
 
 
 class ReaperConfig(msgspec.Struct, kw_only=True):
@@ -45,6 +55,7 @@ class Sweep(msgspec.Struct, kw_only=True):
     dead_lettered: int = 0
     stalled: int = 0
     skipped_live: int = 0
+    offline: int = 0
 
 
 class Reaper:
@@ -73,7 +84,7 @@ class Reaper:
                     await lease.hold()
                 try:
                     report = await self.sweep()
-                    if report.reclaimed or report.dead_lettered or report.stalled:
+                    if report.reclaimed or report.dead_lettered or report.stalled or report.offline:
                         log.info("sweep: %s", msgspec.json.encode(report).decode())
                 except (RedisError, OSError) as exc:
                     log.warning("sweep failed, Redis unavailable (%s); retrying", exc)
@@ -98,12 +109,49 @@ class Reaper:
 
     async def sweep(self) -> Sweep:
         report = Sweep()
+        # The projection first, then the leases: a worker that starts in between has its lease
+        # already, and a death is dated before the sweep looked (a new WorkerOnline is later).
+        fleet = await self._fleet()
+        at = now_ms()
         live = await self._live()
+        await self._end_expired(fleet, live, at, report)
         for queue in await self._queue_names():
             report.queues += 1
             await self._reclaim_dead_owners(queue, live, report)
             await self._report_stalls(queue, report)
         return report
+
+    async def _fleet(self) -> dict[str, FleetRow]:
+        """The projected fleet, or nothing when there is no projection (yet) or it does not decode."""
+        try:
+            ns = await store.current(self.redis, self.keys)
+            if ns is None:
+                return {}
+            raw: Any = await self.redis.hgetall(self.keys.table(ns, store.FLEET))
+            return store.decode_fleet(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, ProjectionError) as exc:
+            log.warning("cannot read the projected fleet (%s); worker deaths wait", exc)
+            return {}
+
+    async def _end_expired(self, fleet: dict[str, FleetRow], live: set[str], at: int, report: Sweep) -> None:
+        """WorkerOffline(reason="lease expired") for each worker the projection says is online whose
+        lease is gone, once per death: `rl:expired` remembers which life (its `status_since`) was
+        ended, across sweeps and restarts, until the projection has folded the event."""
+        raw: Any = await self.redis.hgetall(self.keys.expired)
+        ended = {as_str(k): as_str(v) for k, v in raw.items()}
+        settled = [w for w in ended if w not in fleet or fleet[w].status not in _ALIVE_STATUSES]
+        if settled:
+            await self.redis.hdel(self.keys.expired, *settled)
+        for name, row in sorted(fleet.items()):
+            if row.status not in _ALIVE_STATUSES or name in live:
+                continue
+            life = str(row.status_since)
+            if ended.get(name) == life:
+                continue  # appended already; the projector has not folded it yet
+            await self.ledger.append(WorkerOffline(at=at, worker=name, reason=LEASE_EXPIRED))
+            await self.redis.hset(self.keys.expired, name, life)
+            report.offline += 1
+            log.info("worker %s: lease expired with no goodbye; recorded it offline", name)
 
     async def _reclaim_dead_owners(self, queue: str, live: set[str], report: Sweep) -> None:
         try:

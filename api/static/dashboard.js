@@ -137,10 +137,23 @@ function renderFleet() {
       h("td", { class: "slots" }, bar, `${w.busy ?? "?"} / ${w.slots ?? "?"}`),
       h("td", {}, models),
       h("td", { class: "muted" }, w.lease_age_s === null ? "expired" : `renewed ${num(w.lease_age_s)}s ago`),
+      h("td", { class: "muted" }, machine(w.resources)),
     );
   });
-  fill($("#fleet tbody"), rows, 5, "no worker has ever registered");
+  fill($("#fleet tbody"), rows, 6, "no worker has ever registered");
   renderWorkerDetail();
+}
+
+// What a worker could read of its machine (its lease's while it is live); "-" when nothing.
+function machine(r) {
+  if (!r) return "-";
+  const gib = (v) => (v == null ? "?" : (v / 2 ** 30).toFixed(1));
+  const parts = [];
+  if (r.cpu_percent != null) parts.push(`cpu ${Math.round(r.cpu_percent)}%`);
+  if (r.mem_total_bytes != null) parts.push(`mem ${gib(r.mem_used_bytes)}/${gib(r.mem_total_bytes)} GiB`);
+  if (r.gpu_percent != null) parts.push(`gpu ${Math.round(r.gpu_percent)}%`);
+  if (r.vram_total_bytes != null) parts.push(`vram ${gib(r.vram_used_bytes)}/${gib(r.vram_total_bytes)} GiB`);
+  return parts.length ? parts.join(" · ") : "-";
 }
 
 function selectWorker(id) {
