@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -95,7 +96,11 @@ def diff_tables(live: Tables, rebuilt: Tables) -> list[Difference]:
 
 
 async def verify(
-    redis: aioredis.Redis, keys: Keys | None = None, *, progress: Progress | None = None
+    redis: aioredis.Redis,
+    keys: Keys | None = None,
+    *,
+    progress: Progress | None = None,
+    archive_dir: str | Path | None = None,
 ) -> tuple[Tables, list[Difference]]:
     """Rebuild in memory up to the live checkpoint, with the live half-lives, and diff the two."""
     keys = keys or Keys()
@@ -113,5 +118,6 @@ async def verify(
             half_life_s=live.half_life_s,
             demand_half_life_s=live.demand_half_life_s,
             progress=progress,
+            archive_dir=archive_dir,
         )
     return live, diff_tables(live, rebuilt)
