@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/router.py
 	$(BIN)/python bench/replay.py
+	$(BIN)/python bench/archive.py
 	$(BIN)/python bench/api.py
 
 clean:

@@ -15,3 +15,15 @@ class BadUntilError(ReplayError):
 
 class ExportError(ReplayError):
     """Raised when the Parquet export cannot write its directory."""
+
+
+class ArchiveError(ReplayError):
+    """Raised when the archive cannot be written or read as asked (its directory, a lease, a mismatch)."""
+
+
+class SegmentError(ArchiveError):
+    """Raised when a segment file the manifest lists is missing, has the wrong size or does not read back."""
+
+
+class ArchiverBusyError(ArchiveError):
+    """Raised when another archiver holds the lease and a one-off run cannot wait for it."""

@@ -19,8 +19,8 @@ from events.codec import decode_rows
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, Event
 from events.keys import Keys
-from events.ledger import Ledger
 from replay.errors import ExportError
+from replay.history import History
 from replay.rebuild import Progress, until_to_stop
 
 _FLUSH_EVERY = 100_000
@@ -47,9 +47,10 @@ async def ledger_frames(
     *,
     until: str | None = None,
     progress: Progress | None = None,
+    archive_dir: str | Path | None = None,
 ) -> dict[str, pl.DataFrame]:
-    """The ledger (up to `until`) as one frame per event type present."""
-    ledger = Ledger(redis, keys or Keys())
+    """The ledger (up to `until`, archive included) as one frame per event type present."""
+    history = History(redis, keys or Keys(), archive_dir)
     by_name = {t.__name__: t for t in EVENT_TYPES}
     buffers: dict[str, tuple[list[str], list[int], list[Event]]] = {}
     frames: dict[str, list[pl.DataFrame]] = {}
@@ -63,7 +64,7 @@ async def ledger_frames(
             frames.setdefault(name, []).append(pl.DataFrame(data, strict=False, infer_schema_length=None))
         buffers.clear()
 
-    async for rows in ledger.read_raw("-", until_to_stop(until), chunk=5000):
+    async for rows in history.read_raw("-", until_to_stop(until), chunk=5000):
         for entry_id, event in decode_rows(rows, poison.append):
             name = type(event).__name__
             buf = buffers.get(name)

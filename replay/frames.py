@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -42,6 +43,8 @@ from events.event import (
     WorkerOnline,
 )
 from events.ledger import PoisonHandler, WireEntry
+from replay import segment
+from replay.segment import IdKey
 
 FLUSH_EVERY: Final = 100_000
 
@@ -223,6 +226,37 @@ _GETTERS: Final = {kind: _getters(columns) for kind, (_, columns) in KINDS.items
 _timings: Final = attrgetter("timings")
 
 
+def _typed_columns() -> Columns:
+    """The union of every kind's columns: what an archive segment stores typed, beside the envelope."""
+    union: Columns = {}
+    for cls, (_, columns) in KINDS.items():
+        for col, (dtype, path) in columns.items():
+            if col in segment.ENVELOPE:
+                raise AssertionError(f"{cls.__name__}.{col} would shadow the archive's envelope column")
+            seen = union.get(col)
+            if seen is not None and seen[0] != dtype:
+                raise AssertionError(f"column {col!r} is {seen[0]} in one kind and {dtype} in another")
+            union.setdefault(col, (dtype, path))
+    return union
+
+
+# The typed columns of an archive segment (nullable; each from the kinds that have it).
+TYPED_COLUMNS: Final = _typed_columns()
+
+
+def columns_of(kind: type[Event], events: Sequence[Event]) -> dict[str, list[Any]]:
+    """The kind's columns of `events` (all of that kind), as the frames take them."""
+    out: dict[str, list[Any]] = {}
+    top, nested = _GETTERS[kind]
+    for col, get in top:
+        out[col] = list(map(get, events))
+    if nested:
+        timings = list(map(_timings, events))
+        for col, get in nested:
+            out[col] = list(map(get, timings))
+    return out
+
+
 class Frames:
     """Collects ledger chunks as columns; `frame(name)` is the whole kind as one frame."""
 
@@ -238,6 +272,9 @@ class Frames:
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
         self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
+        # False once an archive segment's frames went in beside buffered events: then a kind's
+        # parts are no longer in ledger order, and `frame` sorts them.
+        self._ordered = True
 
     def add_rows(self, rows: Sequence[WireEntry], on_poison: PoisonHandler | None = None) -> None:
         """Take a chunk of ledger rows as Redis sends them, in ledger order, and decode what the
@@ -249,6 +286,10 @@ class Frames:
         """
         base = self._seq
         self._seq = base + len(rows)
+        self._route(rows, range(base, base + len(rows)), on_poison)
+
+    def _route(self, rows: Sequence[WireEntry], seqs: Sequence[int], on_poison: PoisonHandler | None) -> None:
+        """Decode what the tables read of `rows`, the i-th at ledger position `seqs[i]`."""
         unused = UNUSED_TAGS
         routes: dict[bytes, tuple[list[int], list[bytes]]] = {}
         odd = False
@@ -282,7 +323,7 @@ class Frames:
             # Something unusual in this chunk: the codec's careful per-entry path, in ledger order.
             decoded = self._careful(rows, on_poison)
         for cls, index, events in decoded:
-            self._take(cls, [base + i for i in index], [_ms(rows[i][0]) for i in index], events)
+            self._take(cls, [seqs[i] for i in index], [_ms(rows[i][0]) for i in index], events)
 
     @staticmethod
     def _careful(
@@ -351,6 +392,68 @@ class Frames:
             if kind in _GETTERS or kind in REPORT_KINDS:
                 self._take(kind, seqs, ms, events)
 
+    def add_segment(
+        self, path: Path, upto: IdKey | None = None, on_poison: PoisonHandler | None = None
+    ) -> tuple[int, str | None]:
+        """Take an archive segment (its entries up to id `upto`), next in ledger order; returns the
+        entries taken and the last one's id.
+
+        A kind whose columns the segment stores typed is taken straight from them, without
+        decoding; worker reports, kinds the segment has no columns for (added after it was
+        written), and entries that did not decode when archived (the codec decides again, so a
+        type added since decodes now) go through `data` as the stream's rows do.
+        """
+        schema = segment.segment_schema(path)
+        where = None if upto is None else segment.in_range((0, 0), upto)
+        typed = [c for c in TYPED_COLUMNS if c in schema]
+        # The id's own sequence number is renamed: `seq` is the ledger position in the frames.
+        env: list[str | pl.Expr] = [
+            segment.MS,
+            pl.col(segment.SEQ).alias("id_seq"),
+            segment.KIND,
+            segment.DECODED,
+        ]
+        frame = segment.read_segment(path, [*env, *typed], where)
+        if frame.height == 0:
+            return 0, None
+        base = self._seq
+        self._seq = base + frame.height
+        seq = (pl.int_range(pl.len(), dtype=_I64) + base).alias("seq")
+        frame = frame.with_columns(seq)
+        kind, ok = pl.col(segment.KIND), pl.col(segment.DECODED)
+        by_data = [cls.__name__ for cls in REPORT_KINDS]
+        for cls, (name, columns) in KINDS.items():
+            if not all(c in schema for c in columns):
+                by_data.append(cls.__name__)
+                continue
+            part = frame.filter((kind == cls.__name__) & ok).select(
+                "seq",
+                pl.col(segment.MS).alias("ms"),
+                *[pl.col(c).cast(dtype) for c, (dtype, _) in columns.items()],
+            )
+            if part.height:
+                self._frames[name].append(part)
+                self.events += part.height
+                self._ordered = False
+        # What is read from `data`: the kinds above, and every entry that did not decode when
+        # archived, except those the stream's path would not decode either (standard entries of
+        # types no table reads).
+        unused = [tag.decode() for tag in UNUSED_TAGS]
+        odd = pl.col(segment.RAW).is_not_null() | kind.is_null() | ~kind.is_in(unused)
+        wanted = (kind.is_in(by_data) & ok) | (~ok & odd)
+        picked = segment.read_segment(
+            path,
+            [segment.ID, segment.KIND, segment.V, segment.BODY, segment.RAW, "pos"],
+            wanted if where is None else where & wanted,
+            index="pos",
+        )
+        if picked.height:
+            seqs = (picked["pos"].cast(_I64) + base).to_list()
+            self._route(list(segment.wire_rows(picked)), seqs, on_poison)
+            self._ordered = False
+        ms, sq = frame.select(segment.MS, "id_seq").row(-1)
+        return frame.height, f"{ms}-{sq}"
+
     def flush(self) -> None:
         """Turn the buffered columns into frames."""
         for kind, columns in self._columns.items():
@@ -415,7 +518,8 @@ class Frames:
         """Every event of one kind as one frame (empty, with the right columns, when there is none)."""
         parts = self._frames.get(name, [])
         if parts:
-            return pl.concat(parts)
+            whole = pl.concat(parts)
+            return whole if self._ordered else whole.sort("seq")
         if name == "online":
             return pl.DataFrame(schema=_schema(KINDS[WorkerOffline][1]))
         columns = next(cols for n, cols in KINDS.values() if n == name)

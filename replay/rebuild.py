@@ -1,7 +1,8 @@
 """Rebuild the projection tables from the ledger, in memory or into a new live namespace.
 
-The ledger is read in chunks (raw rows and the codec's batch decoder), turned into polars
-frames, and folded with group_by (replay/fold.py). `rebuild` writes the result into a new
+The ledger's history is read in order (replay/history.py: the archive's segments through their
+typed columns, then the stream in chunks of raw rows), turned into polars frames, and folded with
+group_by (replay/fold.py). `rebuild` writes the result into a new
 namespace and switches `rl:p:current` to it in one SET: readers see the old tables or the new
 ones, never a half-built one, and the live projector adopts the new namespace and goes on from its
 checkpoint.
@@ -14,13 +15,13 @@ import datetime as dt
 import gc
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import redis.asyncio as aioredis
 
 from events.errors import UndecodableEntryError
 from events.keys import Keys
-from events.ledger import Ledger
 from projections import store
 from projections.tables import (
     DEFAULT_DEMAND_HALF_LIFE_S,
@@ -31,6 +32,7 @@ from projections.tables import (
 from replay.errors import BadUntilError
 from replay.fold import fold_frames
 from replay.frames import Frames
+from replay.history import History
 
 READ_CHUNK = 5000
 _STREAM_ID = re.compile(r"^\d+(-\d+)?$")
@@ -90,23 +92,18 @@ async def build(
     task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
     progress: Progress | None = None,
     chunk: int = READ_CHUNK,
+    archive_dir: str | Path | None = None,
 ) -> tuple[Tables, int]:
-    """The tables as of `until` (default: the whole ledger), in memory; with the poison count.
-    Task rows and marks of every day are there, those past retention included."""
-    ledger = Ledger(redis, keys or Keys())
-    stop = until_to_stop(until)
+    """The tables as of `until` (default: the whole ledger, archive included), in memory; with the
+    poison count. Task rows and marks of every day are there, those past retention included."""
+    history = History(redis, keys or Keys(), archive_dir)
     frames = Frames()
     poison: list[UndecodableEntryError] = []
-    read = 0
-    last_id: bytes | None = None
-    async for rows in ledger.read_wire("-", stop, chunk=chunk):
-        frames.add_rows(rows, poison.append)
-        read += len(rows)
-        last_id = rows[-1][0]
-        if progress is not None:
-            progress(len(rows))
+    read, last_id = await history.fold_into(
+        frames, until_to_stop(until), on_poison=poison.append, progress=progress, chunk=chunk
+    )
     tables = fold_frames(frames, half_life_s, demand_half_life_s, task_retention_days)
-    tables.checkpoint = None if last_id is None else last_id.decode()
+    tables.checkpoint = last_id
     tables.folded = read
     return tables, len(poison)
 
@@ -121,6 +118,7 @@ async def rebuild(
     task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
     switch: bool = True,
     progress: Progress | None = None,
+    archive_dir: str | Path | None = None,
 ) -> RebuildResult:
     """Rebuild every table into a new namespace and (unless `switch` is False) make it live.
     Task rows and marks go into their day shards, as the projector writes them; shards already
@@ -134,6 +132,7 @@ async def rebuild(
         demand_half_life_s=demand_half_life_s,
         task_retention_days=task_retention_days,
         progress=progress,
+        archive_dir=archive_dir,
     )
     ns = await store.create(redis, keys, tables, built_by="rebuild")
     previous = await store.switch(redis, keys, ns) if switch else await store.current(redis, keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -96,7 +97,11 @@ def diff_tables(live: Tables, rebuilt: Tables) -> list[Difference]:
 
 
 async def verify(
-    redis: aioredis.Redis, keys: Keys | None = None, *, progress: Progress | None = None
+    redis: aioredis.Redis,
+    keys: Keys | None = None,
+    *,
+    progress: Progress | None = None,
+    archive_dir: str | Path | None = None,
 ) -> tuple[Tables, list[Difference]]:
     """Rebuild in memory up to the live checkpoint, with the live half-lives and retention, and diff
     the two. The live task rows are every live day shard's (read whole: this is an offline tool);
@@ -121,6 +126,7 @@ async def verify(
             demand_half_life_s=live.demand_half_life_s,
             task_retention_days=live.task_retention_days,
             progress=progress,
+            archive_dir=archive_dir,
         )
         store.drop_expired(rebuilt, time.time_ns() // 1_000_000)
     return live, diff_tables(live, rebuilt)

@@ -25,7 +25,7 @@ from events.ledger import Ledger
 from routeledger.cli_acl import acl_app
 from routeledger.cli_bench import bench_app
 from routeledger.cli_pipeline import pipeline_app
-from routeledger.cli_replay import projector_cmd, replay_app
+from routeledger.cli_replay import archive_cmd, projector_cmd, replay_app
 from routeledger.cli_route import route_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_status import status_cmd
@@ -52,6 +52,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
 app.add_typer(replay_app, name="replay")
 app.command("projector")(projector_cmd)
+app.command("archive")(archive_cmd)
 app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
 app.command("reaper")(reaper_cmd)
@@ -148,6 +149,9 @@ def up(
         api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
         sup.spawn("reaper", python_argv("reaper"), env=env)
         sup.spawn("projector", python_argv("projector"), env=env)
+        # The archive directory is resolved here: `--data-dir` given to `up` does not reach children.
+        archiver = ("archive", "--every", str(s.archive_every_s), "--archive-dir", s.archive_dir)
+        sup.spawn("archiver", python_argv(*archiver), env=env)
         demo_hosts = _spawn_demo_fleet(sup, Path(s.data_dir), env) if demo else {}
         base = f"http://{s.host}:{s.port}"
         if not _wait_http(base + "/healthz", 30, lambda: api.alive):
@@ -316,8 +320,10 @@ def events_tail(
         err_console.print(f"[yellow]skipped[/] {exc}")
 
     async def follow(client: aioredis.Redis) -> None:
-        ledger = Ledger(client, inst.keys)
-        async for entry_id, event in ledger.tail(from_id, block_ms=1000, on_poison=poison):
+        from replay.history import History
+
+        history = History(client, inst.keys, inst.settings.archive_dir)
+        async for entry_id, event in history.tail(from_id, block_ms=1000, on_poison=poison):
             if wanted and type(event).__name__ not in wanted:
                 continue
             if json_:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import signal
 import time
 from pathlib import Path
@@ -15,10 +16,11 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from events.ledger import Ledger
+from events.errors import RouteledgerError
 from projections.projector import Projector
 from projections.snapshot import Stamped, Stat
 from projections.tables import Tables
+from routeledger.errors import ConfigError
 from routeledger.runtime import Instance, command, console, err_console, print_json, setup_logging
 
 if TYPE_CHECKING:
@@ -92,13 +94,14 @@ def rebuild_cmd(
     json_: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Rebuild every table from the ledger into a new namespace and switch to it atomically."""
+    from replay.history import History
     from replay.rebuild import gc_paused, rebuild, until_to_stop
 
     s = inst.settings
     until_to_stop(until)  # a bad --until fails before any work
 
     async def go(client: aioredis.Redis) -> Any:
-        total = await Ledger(client, inst.keys).length()
+        total = await History(client, inst.keys, s.archive_dir).count()
         bar = _Rate(total, "rebuild")
         started = time.perf_counter()
         with bar.progress, gc_paused():
@@ -111,6 +114,7 @@ def rebuild_cmd(
                 task_retention_days=s.task_retention_days,
                 switch=not no_switch,
                 progress=bar,
+                archive_dir=s.archive_dir,
             )
         return result, time.perf_counter() - started
 
@@ -142,7 +146,7 @@ def verify_cmd(
 
     async def go(client: aioredis.Redis) -> Any:
         with gc_paused():
-            return await verify(client, inst.keys)
+            return await verify(client, inst.keys, archive_dir=inst.settings.archive_dir)
 
     live, diffs = inst.run(go)
     if json_:
@@ -172,15 +176,17 @@ def export_cmd(
 ) -> None:
     """Write the ledger as Parquet, one file per event type (for polars or duckdb)."""
     from replay.export import ledger_frames, write_parquet
+    from replay.history import History
     from replay.rebuild import gc_paused, until_to_stop
 
     until_to_stop(until)
 
     async def go(client: aioredis.Redis) -> dict[str, pl.DataFrame]:
-        total = await Ledger(client, inst.keys).length()
+        archive_dir = inst.settings.archive_dir
+        total = await History(client, inst.keys, archive_dir).count()
         bar = _Rate(total, "export")
         with bar.progress, gc_paused():
-            return await ledger_frames(client, inst.keys, until=until, progress=bar)
+            return await ledger_frames(client, inst.keys, until=until, progress=bar, archive_dir=archive_dir)
 
     written = write_parquet(inst.run(go), parquet)
     for name, rows in sorted(written.items()):
@@ -302,6 +308,7 @@ def stats_cmd(
                     until=until,
                     half_life_s=s.half_life_s,
                     demand_half_life_s=s.demand_half_life_s,
+                    archive_dir=s.archive_dir,
                 )
             return tables
         ns = await store.current(client, keys)
@@ -328,3 +335,128 @@ def stats_cmd(
             r["table"], r["key"], r["field"], n, shown, _when(r["updated_at"]), _age(r["updated_at"], now)
         )
     console.print(table)
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `90`, `90s`, `30m`, `12h`, `7d` or `2w`."""
+    raw = text.strip().lower()
+    unit = _UNITS.get(raw[-1:])
+    number = raw[:-1] if unit is not None else raw
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        raise ConfigError(
+            f"--hot-window {text!r} is not a duration: write 7d, 12h, 30m, 90s or seconds"
+        ) from None
+    if value < 0 or value != value:
+        raise ConfigError(f"--hot-window {text!r}: a duration must not be negative")
+    return value
+
+
+@command(settings=("archive_dir", "max_hot_entries"))
+def archive_cmd(
+    inst: Instance,
+    hot_window: Annotated[
+        str | None,
+        typer.Option(
+            "--hot-window", help="Keep entries younger than this in Redis (7d, 12h, 30m; default 7d)."
+        ),
+    ] = None,
+    max_hot_entries: Annotated[
+        int | None,
+        typer.Option(
+            "--max-hot-entries",
+            min=0,
+            help="Archive older entries beyond this many, however young (2,000,000).",
+        ),
+    ] = None,
+    archive_dir: Annotated[
+        str | None, typer.Option("--archive-dir", help="Archive directory (default: <data dir>/archive).")
+    ] = None,
+    segment_entries: Annotated[
+        int, typer.Option("--segment-entries", min=1, help="Most entries in one segment file.")
+    ] = 500_000,
+    every: Annotated[
+        float | None,
+        typer.Option(
+            "--every", min=1.0, help="Run again every this many seconds, for ever (what `up` runs)."
+        ),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Move ledger entries older than the hot window into Parquet segments and trim them off Redis."""
+    from events.singleton import SingletonLease
+    from replay.archive import ROLE, ArchiveOptions, ArchiveReport, archive
+    from replay.errors import ArchiverBusyError
+
+    s = inst.settings
+    window = s.hot_window_s if hot_window is None else parse_duration(hot_window)
+    options = ArchiveOptions(
+        directory=s.archive_dir,
+        hot_window_s=window,
+        max_hot_entries=s.max_hot_entries,
+        segment_entries=segment_entries,
+    )
+
+    async def once(client: aioredis.Redis, lease: SingletonLease) -> ArchiveReport | None:
+        # One archiver at a time; the lease is held only while a run works, so that a one-off run
+        # beside `up`'s looping archiver waits for a run, not for ever.
+        deadline = time.monotonic() + 3 * lease.ttl_ms / 1000
+        while not await lease.try_take():
+            if every is not None:
+                return None
+            if time.monotonic() > deadline:
+                raise ArchiverBusyError(
+                    f"another archiver holds {inst.keys.singleton(ROLE)}; wait for it to finish and try again"
+                )
+            await asyncio.sleep(0.2)
+        await lease.hold()
+        try:
+            return await archive(client, inst.keys, options, lease=lease)
+        finally:
+            await lease.release()
+
+    async def go(client: aioredis.Redis) -> ArchiveReport | None:
+        lease = SingletonLease(client, inst.keys, ROLE, ttl_ms=max(3000, s.lease_ms))
+        if every is None:
+            return await once(client, lease)
+        setup_logging(s.log_level)
+        log = logging.getLogger("routeledger.archive")
+        while True:
+            try:
+                report = await once(client, lease)
+            except RouteledgerError as exc:
+                log.error("archive run failed: %s", exc)
+            else:
+                if report is not None:
+                    log.info(
+                        "archive: %s entries archived, %s trimmed, %s hot; %s segments, %s events in %s",
+                        report.archived,
+                        report.trimmed,
+                        report.hot,
+                        report.segments,
+                        report.events,
+                        report.directory,
+                    )
+            await asyncio.sleep(every)
+
+    report = inst.run(go)
+    if report is None:
+        return
+    if json_:
+        print_json(report)
+        return
+    if report.note:
+        console.print(f"[yellow]{report.note}[/]")
+    console.print(
+        f"archived {report.archived:,} entries into {len(report.written)} new segment(s); "
+        f"trimmed {report.trimmed:,} from the stream, {report.hot:,} stay hot"
+    )
+    console.print(
+        f"archive {report.directory}: {report.segments} segment(s), {report.events:,} events, "
+        f"{report.bytes:,} bytes, up to {report.last_id or '(nothing yet)'}",
+        highlight=False,
+    )

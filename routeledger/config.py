@@ -56,6 +56,10 @@ class Settings(msgspec.Struct, kw_only=True):
     pipeline_model: str = "auto"
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 256
+    archive_dir: str = ""
+    hot_window_s: float = 7 * 86_400.0
+    max_hot_entries: int = 2_000_000
+    archive_every_s: float = 3_600.0
 
 
 # What each setting means, for `config show` and the README's table.
@@ -80,6 +84,10 @@ FIELDS: Final[dict[str, str]] = {
     "pipeline_model": "model of a pipeline's decomposer, children and integration when a request names none",
     "max_body_bytes": "largest request body the API accepts (413 above it)",
     "max_messages": "most chat messages one API request may carry (413 above it)",
+    "archive_dir": "the ledger's archive: Parquet segments and manifest.json (default: <data_dir>/archive)",
+    "hot_window_s": "ledger entries younger than this stay in Redis; older ones are archived",
+    "max_hot_entries": "most entries the stream keeps; older ones beyond it are archived, however young",
+    "archive_every_s": "how often `up` runs the archiver",
 }
 
 _LIST_FIELDS: Final = {"api_keys"}
@@ -152,6 +160,8 @@ def resolve(
     sources = {name: layered[name][1] if name in layered else "default" for name in FIELDS}
     if not settings.data_dir:
         settings.data_dir = str(default_data_dir())
+    if not settings.archive_dir:
+        settings.archive_dir = str(Path(settings.data_dir) / "archive")
     _validate(settings)
     return Resolved(settings=settings, sources=sources, config_file=str(path) if path else None)
 
@@ -170,6 +180,9 @@ def _validate(s: Settings) -> None:
         (bool(s.prefix), "prefix must not be empty"),
         (s.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {s.max_body_bytes}"),
         (s.max_messages >= 1, f"max_messages must be at least 1, got {s.max_messages}"),
+        (s.hot_window_s >= 0, f"hot_window_s must not be negative, got {s.hot_window_s}"),
+        (s.max_hot_entries >= 0, f"max_hot_entries must not be negative, got {s.max_hot_entries}"),
+        (s.archive_every_s > 0, f"archive_every_s must be positive, got {s.archive_every_s}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -77,7 +77,7 @@ def test_up_answers_healthz_and_readyz_and_ctrl_c_stops_every_child(
     assert oct(url_file.stat().st_mode & 0o777) == "0o600"
     children = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(c.cmdline()) for c in children)
-    for role in ("redis-server", " api", " projector", " reaper"):
+    for role in ("redis-server", " api", " projector", " reaper", " archive --every"):
         assert role in names, f"{role.strip()} is not among the children of up: {names}"
 
     proc.send_signal(signal.SIGINT)
