@@ -58,7 +58,7 @@ def _stat(value: float, n: int, at_ms: int) -> Stat:
 
 
 def routed_breakdown(holders: int, now_ms: int) -> tuple[dict[str, object], str, float]:
-    """What the real router records for one decision among `holders` workers that hold the model:
+    """What the real router records in the ledger for one decision among `holders` workers that hold the model:
     the breakdown, the chosen worker and its expected finish."""
     snap = Snapshot(half_life_s=_HALF_LIFE_S, taken_at=now_ms)
     workers = []
@@ -86,7 +86,7 @@ def routed_breakdown(holders: int, now_ms: int) -> tuple[dict[str, object], str,
         now_ms,
     )
     best = decision.ranking.best
-    return decision.to_dict(), best.worker, best.expected_finish_s
+    return decision.to_record(), best.worker, best.expected_finish_s
 
 
 class HistoryMaker:
