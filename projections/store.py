@@ -259,7 +259,9 @@ def _shard_changes(
     ]
 
 
-def _lazy_fields(tables: Tables, now_ms: int) -> list[TableChange]:
+def _lazy_fields(
+    tables: Tables, now_ms: int, tasks: Sequence[TableChange] | None = None
+) -> list[TableChange]:
     keep = tables.task_retention_days
     return [
         TableChange(SPEED, ((pair_key(*k), encode_row(r)) for k, r in tables.speed.items())),
@@ -267,7 +269,7 @@ def _lazy_fields(tables: Tables, now_ms: int) -> list[TableChange]:
         TableChange(QUALITY, ((pair_key(*k), encode_row(r)) for k, r in tables.quality.items())),
         TableChange(FLEET, ((k, encode_row(r)) for k, r in tables.fleet.items())),
         TableChange(DEMAND, ((k, encode_row(r)) for k, r in tables.demand.items())),
-        *task_changes(tables.tasks.values(), keep, now_ms),
+        *(task_changes(tables.tasks.values(), keep, now_ms) if tasks is None else tasks),
         *bench_changes(tables.benched.items(), keep, now_ms),
     ]
 
@@ -445,10 +447,23 @@ async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes]) -> None
         await pool.release(conn)
 
 
-async def create(redis: aioredis.Redis, keys: Keys, tables: Tables, *, built_by: str, owner: str = "") -> str:
-    """Write `tables` into a new namespace and return its name; nothing reads it until `switch`."""
+async def create(
+    redis: aioredis.Redis,
+    keys: Keys,
+    tables: Tables,
+    *,
+    built_by: str,
+    owner: str = "",
+    tasks: Sequence[TableChange] | None = None,
+    now_ms: int | None = None,
+) -> str:
+    """Write `tables` into a new namespace and return its name; nothing reads it until `switch`.
+
+    `tasks`, when given, are the task rows' day shards, already grouped and encoded as they are
+    written (a rebuild makes them from its frame, a batch at a time, without TaskRow objects),
+    in place of `tables.tasks`. `now_ms` is the time retention is judged at (default: now)."""
     ns = new_namespace()
-    changes = _lazy_fields(tables, time.time_ns() // 1_000_000)
+    changes = _lazy_fields(tables, time.time_ns() // 1_000_000 if now_ms is None else now_ms, tasks)
     await _send_packed(
         redis,
         chain.from_iterable(_hset_commands(keys.table(ns, c.name), iter(c.fields)) for c in changes),

@@ -3,12 +3,19 @@
 Every statistic is one group_by: n, sum and sum of squares, and the decayed sums referenced to
 the newest sample of the group, T = max(t): sum(x * 2 ** (-(T - t) / H)). That is what folding
 the samples one at a time with `projections.snapshot.fold` gives, in any order.
+
+Task rows are one per task ever, so they stay a frame (`TASK_FIELDS` as columns) until they are
+written: a rebuild encodes them straight from its columns (`encoded_task_rows`), a batch at a time,
+and leaves out, before any row is built, the tasks whose day shard is already past retention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import repeat
 from typing import Any, Final
 
+import msgspec
 import polars as pl
 
 from events.event import WorkerHeartbeat, WorkerOnline
@@ -30,6 +37,7 @@ from projections.snapshot import (
     TaskRow,
 )
 from projections.status import TERMINAL_RANK
+from projections.store import DAY_MS, decode_task, shard_alive, shard_day
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.frames import HEARTBEAT, ONLINE, Frames, Report
 
@@ -46,6 +54,12 @@ _SPEED_COLS: Final = [
     "in_flight",
 ]
 _STAT_COLS: Final = ["n", "sum", "sumsq", "dn", "dsum", "dsumsq", "updated_at"]
+# The task frame's columns: TaskRow's fields, in its order, so that a row encoded from its columns
+# as a map is byte for byte the encoded TaskRow.
+TASK_FIELDS: Final[tuple[str, ...]] = TaskRow.__struct_fields__
+# Task rows encoded per batch: bounds the Python objects alive at once.
+ENCODE_BATCH: Final = 50_000
+_encode: Final = msgspec.msgpack.Encoder().encode
 
 
 def _rate(count: str, duration: str, cap: float) -> pl.Expr:
@@ -95,25 +109,56 @@ def counted_completions(frames: Frames) -> pl.DataFrame:
     return done.filter(~pl.col("duplicate")).sort("seq").unique("task_id", keep="first", maintain_order=True)
 
 
+def oldest_live_ms(retention_days: int, now_ms: int) -> int:
+    """The first stream-id ms whose day shard is still within retention at `now_ms`."""
+    day = shard_day(now_ms) - retention_days - 1
+    while not shard_alive(day, retention_days, now_ms):
+        day += 1
+    while shard_alive(day - 1, retention_days, now_ms):
+        day -= 1
+    return day * DAY_MS
+
+
 def fold_frames(
     frames: Frames,
     half_life_s: float,
     demand_half_life_s: float,
     task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
+    *,
+    now_ms: int | None = None,
 ) -> Tables:
-    """Every table from the collected frames (every task row, whatever its day shard)."""
+    """Every table from the collected frames: with `now_ms`, the task rows and benchmark marks of
+    day shards past retention then are left out (what a rebuild does not write); without it, every
+    one, whatever its day shard."""
+    tables, tasks = fold_tables(frames, half_life_s, demand_half_life_s, task_retention_days, now_ms=now_ms)
+    tables.tasks = task_rows(tasks)
+    return tables
+
+
+def fold_tables(
+    frames: Frames,
+    half_life_s: float,
+    demand_half_life_s: float,
+    task_retention_days: int = DEFAULT_TASK_RETENTION_DAYS,
+    *,
+    now_ms: int | None = None,
+) -> tuple[Tables, pl.DataFrame]:
+    """As `fold_frames`, but the task rows stay a frame (columns `TASK_FIELDS`, one row per task)
+    beside the tables, whose `tasks` is left empty."""
     frames.flush()
     tables = Tables(
         half_life_s=half_life_s,
         demand_half_life_s=demand_half_life_s,
         task_retention_days=task_retention_days,
     )
+    cutoff_ms = None if now_ms is None else oldest_live_ms(task_retention_days, now_ms)
     counted = counted_completions(frames)
     bench = (
         frames.frame("bench").sort("seq").unique(["bench_id", "task_id"], keep="first", maintain_order=True)
     )
+    marks = bench if cutoff_ms is None else bench.filter(pl.col("ms") >= cutoff_ms)
     # Each mark with its first entry's stream ms, which names its day shard.
-    tables.benched = {(b, t): ms for b, t, ms in bench.select("bench_id", "task_id", "ms").iter_rows()}
+    tables.benched = {(b, t): ms for b, t, ms in marks.select("bench_id", "task_id", "ms").iter_rows()}
     # A benchmark run is recorded twice: its BenchmarkResult is the speed sample, and its
     # TaskCompleted only keeps the task's history. Benchmark answers are short by design, so they
     # say nothing of output length either.
@@ -123,8 +168,7 @@ def fold_frames(
     _quality(tables, frames.frame("quality"))
     _demand(tables, frames.frame("submitted"))
     _fleet(tables, frames)
-    _tasks(tables, frames, counted)
-    return tables
+    return tables, task_frame(frames, counted, cutoff_ms)
 
 
 def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
@@ -246,28 +290,60 @@ def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:
     return {w: list(ids) for w, ids in held.iter_rows()}
 
 
-def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
-    sub, clm, done = frames.frame("submitted"), frames.frame("claimed"), frames.frame("completed")
-    fail, recl, stall = frames.frame("failed"), frames.frame("reclaimed"), frames.frame("stalled")
-    dead, canc = frames.frame("dead"), frames.frame("cancelled")
+_TASK_KINDS: Final = (
+    "submitted",
+    "claimed",
+    "completed",
+    "failed",
+    "reclaimed",
+    "stalled",
+    "dead",
+    "cancelled",
+)
+
+
+def _first(frame: pl.LazyFrame, key: str, *, last: bool = False) -> pl.LazyFrame:
+    """The first (or last) row of each `key` in ledger order (the frames are in `seq` order)."""
+    return frame.unique(key, keep="last" if last else "first", maintain_order=False)
+
+
+def task_frame(frames: Frames, counted: pl.DataFrame, cutoff_ms: int | None = None) -> pl.DataFrame:
+    """One row per task (columns `TASK_FIELDS`); with `cutoff_ms`, only the tasks whose first
+    entry's stream ms is at or after it (the row's day shard is named by that entry)."""
     tid = "task_id"
+    parts = {name: frames.frame(name).lazy() for name in _TASK_KINDS}
+    done_counted = counted.lazy()
+    if cutoff_ms is not None:
+        # A task is kept when none of its entries came before the cutoff. Filtering every kind by
+        # its entries' ms, and then leaving out the few tasks that had an entry on both sides,
+        # keeps the joins below to the kept tasks without a group_by over all of history.
+        ms = pl.col("ms")
+        recent = {name: part.filter(ms >= cutoff_ms) for name, part in parts.items()}
+        recent_ids = pl.concat([part.select(tid) for part in recent.values()]).unique()
+        older = pl.concat([part.filter(ms < cutoff_ms).select(tid) for part in parts.values()])
+        straddling = older.join(recent_ids, on=tid, how="semi").unique()
+        # In ledger order still: `_first` takes the first row of each task.
+        parts = {
+            name: part.join(straddling, on=tid, how="anti", maintain_order="left")
+            for name, part in recent.items()
+        }
+        done_counted = done_counted.filter(ms >= cutoff_ms).join(straddling, on=tid, how="anti")
+    sub, clm, done = parts["submitted"], parts["claimed"], parts["completed"]
+    fail, recl, stall = parts["failed"], parts["reclaimed"], parts["stalled"]
+    dead, canc = parts["dead"], parts["cancelled"]
     # Every task with the stream ms of its first entry (the projector creates the row there).
     ids = (
-        pl.concat([f.select(tid, "ms") for f in (sub, clm, done, fail, recl, stall, dead, canc)])
+        pl.concat([part.select(tid, "ms") for part in parts.values()])
         .group_by(tid)
         .agg(pl.col("ms").min().alias("first_ms"))
     )
-    first_sub = (
-        sub.sort("seq")
-        .unique(tid, keep="first", maintain_order=True)
-        .select(tid, "model", "digest", "domain", "queue", pl.col("at").alias("submitted_at"), "pipeline_id")
+    first_sub = _first(sub, tid).select(
+        tid, "model", "digest", "domain", "queue", pl.col("at").alias("submitted_at"), "pipeline_id"
     )
-    last_claim = (
-        clm.sort("seq")
-        .unique(tid, keep="last", maintain_order=True)
-        .select(tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at"))
+    last_claim = _first(clm, tid, last=True).select(
+        tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at")
     )
-    finished = counted.select(
+    finished = done_counted.select(
         tid,
         pl.col("worker").alias("done_worker"),
         pl.col("at").alias("finished_at"),
@@ -296,7 +372,7 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
     terminal = (
         pl.concat(
             [
-                counted.select(tid, pl.lit(rank["completed"]).alias("rank")),
+                done_counted.select(tid, pl.lit(rank["completed"]).alias("rank")),
                 canc.select(tid, pl.lit(rank["cancelled"]).alias("rank")),
                 dead.select(tid, pl.lit(rank["dead"]).alias("rank")),
                 fail.filter(~pl.col("retryable")).select(tid, pl.lit(rank["failed"]).alias("rank")),
@@ -306,9 +382,10 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
         .agg(pl.col("rank").max())
     )
 
-    def phase_of(frame: pl.DataFrame, status: str) -> pl.DataFrame:
+    def phase_of(frame: pl.LazyFrame, status: str) -> pl.LazyFrame:
         return frame.select("seq", tid, pl.lit(status).alias("phase"))
 
+    # The latest of the kinds that set a phase, by ledger position across kinds.
     phase = (
         pl.concat(
             [
@@ -319,9 +396,8 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
                 phase_of(stall, "stalled"),
             ]
         )
-        .sort("seq")
-        .unique(tid, keep="last", maintain_order=True)
-        .select(tid, "phase")
+        .group_by(tid)
+        .agg(pl.col("phase").sort_by("seq").last())
     )
     message = pl.col("message")
     error = (
@@ -338,9 +414,8 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
                 dead.select("seq", tid, pl.col("reason").alias("error")),
             ]
         )
-        .sort("seq")
-        .unique(tid, keep="last", maintain_order=True)
-        .select(tid, "error")
+        .group_by(tid)
+        .agg(pl.col("error").sort_by("seq").last())
     )
     status = pl.col("phase").fill_null("queued")
     for name, r in sorted(rank.items(), key=lambda kv: kv[1]):
@@ -373,13 +448,24 @@ def _tasks(tables: Tables, frames: Frames, counted: pl.DataFrame) -> None:
         "completed_attempt",
         "first_ms",
     )
-    tables.tasks = _task_rows(table)
+    out = table.collect()
+    assert tuple(out.columns) == TASK_FIELDS, out.columns
+    return out
 
 
-def _task_rows(table: pl.DataFrame) -> dict[str, TaskRow]:
-    """The rows as TaskRow structs, from whole columns: `to_dicts` then `msgspec.convert` costs
-    twice as much. The columns already have TaskRow's types (the select above names them all)."""
-    names = table.columns
-    columns = [column.to_list() for column in table.get_columns()]
-    rows = [TaskRow(**dict(zip(names, values, strict=True))) for values in zip(*columns, strict=True)]
-    return {r.task_id: r for r in rows}
+def encoded_task_rows(table: pl.DataFrame) -> Iterator[tuple[str, bytes]]:
+    """(task_id, msgpack TaskRow) of every row of a task frame, `ENCODE_BATCH` rows at a time.
+
+    Each row is encoded as a map of TaskRow's fields in TaskRow's order: the bytes of the encoded
+    TaskRow, without making one. The columns already have TaskRow's types (`task_frame` names them
+    all), and the rows are made and encoded by `map` over the columns, in C."""
+    for offset in range(0, table.height, ENCODE_BATCH):
+        columns = [column.to_list() for column in table.slice(offset, ENCODE_BATCH).get_columns()]
+        rows = map(dict, map(zip, repeat(TASK_FIELDS), zip(*columns, strict=True)))
+        yield from zip(columns[0], map(_encode, rows), strict=True)
+
+
+def task_rows(table: pl.DataFrame) -> dict[str, TaskRow]:
+    """The rows of a task frame as TaskRow structs, keyed by task id (decoded from their encoding:
+    one C-level pass per row, cheaper than building them with keywords)."""
+    return {task_id: decode_task(raw) for task_id, raw in encoded_task_rows(table)}

@@ -275,6 +275,8 @@ class Frames:
         # False once an archive segment's frames went in beside buffered events: then a kind's
         # parts are no longer in ledger order, and `frame` sorts them.
         self._ordered = True
+        # Kinds whose one part is the whole kind in ledger order (until a part is added to them).
+        self._whole: set[str] = set()
 
     def add_rows(self, rows: Sequence[WireEntry], on_poison: PoisonHandler | None = None) -> None:
         """Take a chunk of ledger rows as Redis sends them, in ledger order, and decode what the
@@ -433,6 +435,7 @@ class Frames:
             )
             if part.height:
                 self._frames[name].append(part)
+                self._whole.discard(name)
                 self.events += part.height
                 self._ordered = False
         # What is read from `data`: the kinds above, and every entry that did not decode when
@@ -459,6 +462,7 @@ class Frames:
         for kind, columns in self._columns.items():
             name, spec = KINDS[kind]
             self._frames[name].append(pl.DataFrame(columns, schema=_schema(spec)))
+            self._whole.discard(name)
         self._columns = {}
         for kind, (seqs, events) in self._new_reports.items():
             self._add_reports(seqs, events, REPORT_KINDS[kind])
@@ -481,6 +485,7 @@ class Frames:
             schema=_schema(KINDS[WorkerOffline][1]),
         )
         self._frames["online"] = [*self._frames.get("online", []), frame]
+        self._whole.discard("online")
 
     def _add_reports(self, seqs: list[int], events: list[Event], kind: int) -> None:
         base = len(self.reports)
@@ -517,9 +522,16 @@ class Frames:
     def frame(self, name: str) -> pl.DataFrame:
         """Every event of one kind as one frame (empty, with the right columns, when there is none)."""
         parts = self._frames.get(name, [])
+        if len(parts) == 1 and name in self._whole:
+            return parts[0]
         if parts:
-            whole = pl.concat(parts)
-            return whole if self._ordered else whole.sort("seq")
+            whole = pl.concat(parts, rechunk=False)
+            whole = whole if self._ordered else whole.sort("seq")
+            # The fold asks for some kinds several times: the parts are replaced by their sorted
+            # whole, so that it is sorted once and the parts are freed.
+            self._frames[name] = [whole]
+            self._whole.add(name)
+            return whole
         if name == "online":
             return pl.DataFrame(schema=_schema(KINDS[WorkerOffline][1]))
         columns = next(cols for n, cols in KINDS.values() if n == name)

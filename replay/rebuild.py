@@ -14,10 +14,12 @@ import contextlib
 import datetime as dt
 import gc
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
+import polars as pl
 import redis.asyncio as aioredis
 
 from events.errors import UndecodableEntryError
@@ -30,7 +32,7 @@ from projections.tables import (
     Tables,
 )
 from replay.errors import BadUntilError
-from replay.fold import fold_frames
+from replay.fold import encoded_task_rows, fold_frames, fold_tables
 from replay.frames import Frames
 from replay.history import History
 
@@ -82,6 +84,24 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+async def _read(
+    redis: aioredis.Redis,
+    keys: Keys,
+    until: str | None,
+    progress: Progress | None,
+    chunk: int,
+    archive_dir: str | Path | None,
+) -> tuple[Frames, int, str | None, int]:
+    """The history up to `until` as frames; with the entries read, the last id and the poison count."""
+    history = History(redis, keys, archive_dir)
+    frames = Frames()
+    poison: list[UndecodableEntryError] = []
+    read, last_id = await history.fold_into(
+        frames, until_to_stop(until), on_poison=poison.append, progress=progress, chunk=chunk
+    )
+    return frames, read, last_id, len(poison)
+
+
 async def build(
     redis: aioredis.Redis,
     keys: Keys | None = None,
@@ -93,19 +113,33 @@ async def build(
     progress: Progress | None = None,
     chunk: int = READ_CHUNK,
     archive_dir: str | Path | None = None,
+    now_ms: int | None = None,
 ) -> tuple[Tables, int]:
     """The tables as of `until` (default: the whole ledger, archive included), in memory; with the
-    poison count. Task rows and marks of every day are there, those past retention included."""
-    history = History(redis, keys or Keys(), archive_dir)
-    frames = Frames()
-    poison: list[UndecodableEntryError] = []
-    read, last_id = await history.fold_into(
-        frames, until_to_stop(until), on_poison=poison.append, progress=progress, chunk=chunk
-    )
-    tables = fold_frames(frames, half_life_s, demand_half_life_s, task_retention_days)
+    poison count. Task rows and marks of every day are there, those past retention included,
+    unless `now_ms` is given: then those past retention at `now_ms` are left out before any row is
+    made."""
+    frames, read, last_id, poison = await _read(redis, keys or Keys(), until, progress, chunk, archive_dir)
+    tables = fold_frames(frames, half_life_s, demand_half_life_s, task_retention_days, now_ms=now_ms)
     tables.checkpoint = last_id
     tables.folded = read
-    return tables, len(poison)
+    return tables, poison
+
+
+def task_shards(table: pl.DataFrame, retention_days: int, now_ms: int) -> list[store.TableChange]:
+    """The rows of a task frame (replay/fold.py `task_frame`) grouped into their day shards, each
+    with its EXPIREAT, and encoded only as the write reads them; shards past retention left out."""
+    day = (pl.col("first_ms").fill_null(now_ms) // store.DAY_MS).alias("_day")
+    by_day = table.with_columns(day).partition_by("_day", as_dict=True, include_key=False)
+    return [
+        store.TableChange(
+            store.shard_name(store.TASKS, d),
+            encoded_task_rows(part),
+            store.shard_expire_at(d, retention_days),
+        )
+        for (d,), part in sorted(by_day.items(), key=lambda item: int(item[0][0]))
+        if store.shard_alive(int(d), retention_days, now_ms)
+    ]
 
 
 async def rebuild(
@@ -122,19 +156,18 @@ async def rebuild(
 ) -> RebuildResult:
     """Rebuild every table into a new namespace and (unless `switch` is False) make it live.
     Task rows and marks go into their day shards, as the projector writes them; shards already
-    past retention are not written."""
+    past retention are not written (nor their rows made)."""
     keys = keys or Keys()
-    tables, poison = await build(
-        redis,
-        keys,
-        until=until,
-        half_life_s=half_life_s,
-        demand_half_life_s=demand_half_life_s,
-        task_retention_days=task_retention_days,
-        progress=progress,
-        archive_dir=archive_dir,
-    )
-    ns = await store.create(redis, keys, tables, built_by="rebuild")
+    frames, read, last_id, poison = await _read(redis, keys, until, progress, READ_CHUNK, archive_dir)
+    now_ms = time.time_ns() // 1_000_000
+    tables, tasks = fold_tables(frames, half_life_s, demand_half_life_s, task_retention_days, now_ms=now_ms)
+    # The events' frames are the bulk of the memory: gone before the rows are encoded.
+    del frames
+    tables.checkpoint = last_id
+    tables.folded = read
+    shards = task_shards(tasks, task_retention_days, now_ms)
+    del tasks
+    ns = await store.create(redis, keys, tables, built_by="rebuild", tasks=shards, now_ms=now_ms)
     previous = await store.switch(redis, keys, ns) if switch else await store.current(redis, keys)
     return RebuildResult(
         namespace=ns,

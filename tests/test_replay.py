@@ -41,7 +41,10 @@ from events.ledger import Ledger
 from projections import store
 from projections.projector import Projector
 from projections.reader import snapshot
+from projections.tables import Tables
 from replay.errors import BadUntilError
+from replay.fold import fold_frames
+from replay.frames import Frames
 from replay.rebuild import build, rebuild, until_to_stop
 from replay.verify import diff_tables
 from tests.test_projector import D1, D2, T0, completed, fold_all, timings
@@ -202,6 +205,33 @@ def test_the_live_projector_and_the_polars_rebuild_give_the_same_tables(
     redis_url: str, events: list[Event], actions: list[tuple[int, str]]
 ) -> None:
     asyncio.run(_live_against_rebuild(redis_url, events, actions))
+
+
+# Events with where in the last 30 days each lands (ledger order is by that time), so that a
+# task's entries fall on both sides of the retention cutoff.
+DATED = st.lists(st.tuples(st.integers(0, 30 * DAY), EVENTS), min_size=5, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(dated=DATED, retention=st.integers(0, 25))
+def test_a_fold_that_leaves_out_rows_past_retention_keeps_exactly_the_rows_a_write_would_keep(
+    dated: list[tuple[int, Event]], retention: int
+) -> None:
+    now = T0 + 5 * DAY
+    dated = sorted(dated, key=lambda item: item[0])
+    ids = [f"{now - 30 * DAY + ms}-{i}" for i, (ms, _) in enumerate(dated)]
+    events = [event for _, event in dated]
+    batch = list(zip(ids, events, strict=True))
+
+    def folded(now_ms: int | None) -> Tables:
+        frames = Frames()
+        frames.add(batch)
+        return fold_frames(frames, 3600.0, 300.0, retention, now_ms=now_ms)
+
+    every, kept = folded(None), folded(now)
+    store.drop_expired(every, now)
+    assert diff_tables(every, kept) == []
+    assert kept.tasks == every.tasks and kept.benched == every.benched
 
 
 async def test_a_rebuild_switches_atomically_and_the_live_projector_continues_in_the_new_namespace(
