@@ -58,8 +58,8 @@ def _stat(value: float, n: int, at_ms: int) -> Stat:
 
 
 def routed_breakdown(holders: int, now_ms: int) -> tuple[dict[str, object], str, float]:
-    """What the real router records in the ledger for one decision among `holders` workers that hold the model:
-    the breakdown, the chosen worker and its expected finish."""
+    """What the real router records in the ledger for one decision among `holders` workers that hold
+    the model: the breakdown, the chosen worker and its expected finish."""
     snap = Snapshot(half_life_s=_HALF_LIFE_S, taken_at=now_ms)
     workers = []
     for i, name in enumerate(worker_names(holders)):
