@@ -106,7 +106,7 @@ def _stat_rows(frame: pl.DataFrame, keys: list[str]) -> dict[Any, Stat]:
 def counted_completions(frames: Frames) -> pl.DataFrame:
     """The completion that counts for each task: the first one not flagged as a duplicate."""
     done = frames.frame("completed")
-    return done.filter(~pl.col("duplicate")).sort("seq").unique("task_id", keep="first", maintain_order=True)
+    return done.filter(~pl.col("duplicate")).unique("task_id", keep="first", maintain_order=True)
 
 
 def oldest_live_ms(retention_days: int, now_ms: int) -> int:
@@ -153,9 +153,7 @@ def fold_tables(
     )
     cutoff_ms = None if now_ms is None else oldest_live_ms(task_retention_days, now_ms)
     counted = counted_completions(frames)
-    bench = (
-        frames.frame("bench").sort("seq").unique(["bench_id", "task_id"], keep="first", maintain_order=True)
-    )
+    bench = frames.frame("bench").unique(["bench_id", "task_id"], keep="first", maintain_order=True)
     marks = bench if cutoff_ms is None else bench.filter(pl.col("ms") >= cutoff_ms)
     # Each mark with its first entry's stream ms, which names its day shard.
     tables.benched = {(b, t): ms for b, t, ms in marks.select("bench_id", "task_id", "ms").iter_rows()}
@@ -217,7 +215,7 @@ def _quality(tables: Tables, quality: pl.DataFrame) -> None:
 
 
 def _demand(tables: Tables, submitted: pl.DataFrame) -> None:
-    first = submitted.sort("seq").unique("task_id", keep="first", maintain_order=True)
+    first = submitted.unique("task_id", keep="first", maintain_order=True)
     samples = first.select("at", "digest", pl.lit(1.0).alias("x"))
     for digest, stat in _stat_rows(
         stats(samples, ["digest"], "x", tables.demand_half_life_s), ["digest"]
@@ -269,23 +267,33 @@ def _fleet(tables: Tables, frames: Frames) -> None:
 def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:
     """Claimed tasks whose latest claim (ledger order) came after every release of them."""
     pair = ["worker", "task_id"]
-    released = pl.concat(
+    # Claims and releases of each (worker, task) in one group_by: the pair is held when its last
+    # entry is a claim (and no end of the task came after it).
+    claim = pl.lit(True).alias("claim")
+    release = pl.lit(False).alias("claim")
+    entries = pl.concat(
         [
-            frames.frame("completed").select("seq", *pair),
-            frames.frame("failed").select("seq", *pair),
-            frames.frame("reclaimed").select("seq", pl.col("owner").alias("worker"), "task_id"),
+            claimed.lazy().select("seq", *pair, claim),
+            frames.frame("completed").lazy().select("seq", *pair, release),
+            frames.frame("failed").lazy().select("seq", *pair, release),
+            frames.frame("reclaimed")
+            .lazy()
+            .select("seq", pl.col("owner").alias("worker"), "task_id", release),
         ]
     )
     ended = pl.concat(
         [frames.frame("dead").select("seq", "task_id"), frames.frame("cancelled").select("seq", "task_id")]
-    )
-    claims = claimed.group_by(pair).agg(pl.col("seq").max().alias("claim"))
+    ).lazy()
+    seq = pl.col("seq")
     held = (
-        claims.join(released.group_by(pair).agg(pl.col("seq").max().alias("rel")), on=pair, how="left")
-        .join(ended.group_by("task_id").agg(pl.col("seq").max().alias("end")), on="task_id", how="left")
-        .filter(pl.col("claim") > pl.max_horizontal(pl.col("rel").fill_null(-1), pl.col("end").fill_null(-1)))
+        entries.group_by(pair)
+        .agg(seq.max(), pl.col("claim").get(seq.arg_max()))
+        .filter(pl.col("claim"))
+        .join(ended.group_by("task_id").agg(seq.max().alias("end")), on="task_id", how="left")
+        .filter(seq > pl.col("end").fill_null(-1))
         .group_by("worker")
         .agg(pl.col("task_id").sort())
+        .collect()
     )
     return {w: list(ids) for w, ids in held.iter_rows()}
 

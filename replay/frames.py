@@ -178,8 +178,24 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
 _REPORT_SCHEMA: Final = {"seq": _I64, "at": _I64, "worker": _STR, "kind": pl.Int8, "ref": _I64}
 
 
+# Names with a handful of values each (models, digests, domains, queues, workers), repeated on
+# millions of rows: categorical in the frames, so that each value is held once (a 64-character
+# digest on every task's rows is most of a long history's memory otherwise). The archive keeps
+# them as strings; the fold's lists turn them back into str.
+CATEGORICAL: Final = frozenset({"model", "digest", "domain", "queue", "worker", "owner"})
+
+
+def frame_dtype(name: str, dtype: pl.DataType | type[pl.DataType]) -> pl.DataType | type[pl.DataType]:
+    """The dtype of column `name` in the frames (its event field's, but categorical for names)."""
+    return pl.Categorical if name in CATEGORICAL else dtype
+
+
 def _schema(columns: Columns) -> dict[str, Any]:
-    return {"seq": _I64, "ms": _I64, **{name: dtype for name, (dtype, _) in columns.items()}}
+    return {
+        "seq": _I64,
+        "ms": _I64,
+        **{name: frame_dtype(name, dtype) for name, (dtype, _) in columns.items()},
+    }
 
 
 def _ms(entry_id: bytes | str) -> int:
@@ -272,9 +288,11 @@ class Frames:
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
         self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
-        # False once an archive segment's frames went in beside buffered events: then a kind's
-        # parts are no longer in ledger order, and `frame` sorts them.
-        self._ordered = True
+        # Per kind, the last `seq` of its parts, and the kinds whose parts are not in ledger order
+        # (an archive segment's typed frames went in beside buffered events of the kind): `frame`
+        # sorts only those.
+        self._last_seq: dict[str, int] = {}
+        self._unordered: set[str] = set()
         # Kinds whose one part is the whole kind in ledger order (until a part is added to them).
         self._whole: set[str] = set()
 
@@ -431,13 +449,11 @@ class Frames:
             part = frame.filter((kind == cls.__name__) & ok).select(
                 "seq",
                 pl.col(segment.MS).alias("ms"),
-                *[pl.col(c).cast(dtype) for c, (dtype, _) in columns.items()],
+                *[pl.col(c).cast(frame_dtype(c, dtype)) for c, (dtype, _) in columns.items()],
             )
             if part.height:
-                self._frames[name].append(part)
-                self._whole.discard(name)
+                self._append(name, part)
                 self.events += part.height
-                self._ordered = False
         # What is read from `data`: the kinds above, and every entry that did not decode when
         # archived, except those the stream's path would not decode either (standard entries of
         # types no table reads).
@@ -453,7 +469,6 @@ class Frames:
         if picked.height:
             seqs = (picked["pos"].cast(_I64) + base).to_list()
             self._route(list(segment.wire_rows(picked)), seqs, on_poison)
-            self._ordered = False
         ms, sq = frame.select(segment.MS, "id_seq").row(-1)
         return frame.height, f"{ms}-{sq}"
 
@@ -461,8 +476,7 @@ class Frames:
         """Turn the buffered columns into frames."""
         for kind, columns in self._columns.items():
             name, spec = KINDS[kind]
-            self._frames[name].append(pl.DataFrame(columns, schema=_schema(spec)))
-            self._whole.discard(name)
+            self._append(name, pl.DataFrame(columns, schema=_schema(spec)))
         self._columns = {}
         for kind, (seqs, events) in self._new_reports.items():
             self._add_reports(seqs, events, REPORT_KINDS[kind])
@@ -484,8 +498,7 @@ class Frames:
             },
             schema=_schema(KINDS[WorkerOffline][1]),
         )
-        self._frames["online"] = [*self._frames.get("online", []), frame]
-        self._whole.discard("online")
+        self._append("online", frame)
 
     def _add_reports(self, seqs: list[int], events: list[Event], kind: int) -> None:
         base = len(self.reports)
@@ -519,14 +532,27 @@ class Frames:
         renumbered = keep.with_columns(pl.int_range(pl.len(), dtype=_I64).alias("ref"))
         self._report_frame = renumbered.select(list(_REPORT_SCHEMA))
 
+    def _append(self, name: str, part: pl.DataFrame) -> None:
+        if part.height == 0:
+            return
+        seq = part["seq"]
+        first, last = int(seq.min()), int(seq.max())  # type: ignore[arg-type]
+        if not seq.is_sorted() or first <= self._last_seq.get(name, -1):
+            self._unordered.add(name)
+        self._last_seq[name] = max(self._last_seq.get(name, -1), last)
+        self._frames.setdefault(name, []).append(part)
+        self._whole.discard(name)
+
     def frame(self, name: str) -> pl.DataFrame:
-        """Every event of one kind as one frame (empty, with the right columns, when there is none)."""
+        """Every event of one kind as one frame, in ledger (`seq`) order (empty, with the right
+        columns, when there is none)."""
         parts = self._frames.get(name, [])
         if len(parts) == 1 and name in self._whole:
             return parts[0]
         if parts:
             whole = pl.concat(parts, rechunk=False)
-            whole = whole if self._ordered else whole.sort("seq")
+            whole = whole.sort("seq") if name in self._unordered else whole
+            self._unordered.discard(name)
             # The fold asks for some kinds several times: the parts are replaced by their sorted
             # whole, so that it is sorted once and the parts are freed.
             self._frames[name] = [whole]
