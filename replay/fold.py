@@ -73,7 +73,9 @@ def decode_tps_expr() -> pl.Expr:
     return _rate("eval_count", "eval_duration", MAX_DECODE_TPS)
 
 
-def stats(frame: pl.DataFrame, keys: list[str], value: str, half_life_s: float) -> pl.DataFrame:
+def stats(
+    frame: pl.DataFrame | pl.LazyFrame, keys: list[str], value: str, half_life_s: float
+) -> pl.DataFrame:
     """The sufficient statistics of column `value` per group of `keys` (null values left out)."""
     x, t = pl.col(value), pl.col("at")
     w = pl.lit(2.0).pow(-(t.max() - t) / 1000.0 / half_life_s)
@@ -103,10 +105,14 @@ def _stat_rows(frame: pl.DataFrame, keys: list[str]) -> dict[Any, Stat]:
     return out
 
 
-def counted_completions(frames: Frames) -> pl.DataFrame:
-    """The completion that counts for each task: the first one not flagged as a duplicate."""
-    done = frames.frame("completed")
-    return done.filter(~pl.col("duplicate")).unique("task_id", keep="first", maintain_order=True)
+def counted_completions(frames: Frames) -> pl.LazyFrame:
+    """The completion that counts for each task: the first one not flagged as a duplicate.
+
+    Lazy, over the completed frame: each use collects only its own columns, so that no copy of
+    every completion is made."""
+    fresh = ~pl.col("duplicate")
+    first = pl.when(fresh).then(pl.col("task_id")).is_first_distinct()
+    return frames.frame("completed").lazy().filter(fresh & first)
 
 
 def oldest_live_ms(retention_days: int, now_ms: int) -> int:
@@ -169,12 +175,12 @@ def fold_tables(
     return tables, task_frame(frames, counted, cutoff_ms)
 
 
-def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
-    samples = pl.concat([counted.select(_SPEED_COLS), bench.select(_SPEED_COLS)])
+def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
+    raw = pl.concat([counted.select(_SPEED_COLS), bench.lazy().select(_SPEED_COLS)])
     decode = decode_tps_expr()
     ttft = pl.col("ttft_ms")
     ld = pl.col("load_duration")
-    samples = samples.select(
+    samples = raw.select(
         "at",
         "worker",
         "digest",
@@ -185,7 +191,7 @@ def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
         pl.when(decode.is_not_null() & (pl.col("in_flight") >= 0))
         .then(pl.col("in_flight").cast(pl.Float64))
         .alias("in_flight"),
-    )
+    ).collect()
     keys = ["worker", "digest"]
     h = tables.half_life_s
     for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight"):
@@ -196,7 +202,7 @@ def _speed(tables: Tables, counted: pl.DataFrame, bench: pl.DataFrame) -> None:
             setattr(row, field, stat)
 
 
-def _length(tables: Tables, counted: pl.DataFrame) -> None:
+def _length(tables: Tables, counted: pl.LazyFrame) -> None:
     ec = pl.col("eval_count")
     samples = counted.filter((ec >= 0) & (ec <= MAX_OUTPUT_TOKENS)).select(
         "at", "digest", "domain", ec.cast(pl.Float64).alias("x")
@@ -215,7 +221,7 @@ def _quality(tables: Tables, quality: pl.DataFrame) -> None:
 
 
 def _demand(tables: Tables, submitted: pl.DataFrame) -> None:
-    first = submitted.unique("task_id", keep="first", maintain_order=True)
+    first = submitted.lazy().filter(pl.col("task_id").is_first_distinct())
     samples = first.select("at", "digest", pl.lit(1.0).alias("x"))
     for digest, stat in _stat_rows(
         stats(samples, ["digest"], "x", tables.demand_half_life_s), ["digest"]
@@ -292,10 +298,11 @@ def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:
         .join(ended.group_by("task_id").agg(seq.max().alias("end")), on="task_id", how="left")
         .filter(seq > pl.col("end").fill_null(-1))
         .group_by("worker")
-        .agg(pl.col("task_id").sort())
+        .agg(pl.col("task_id"))
         .collect()
     )
-    return {w: list(ids) for w, ids in held.iter_rows()}
+    # Sorted as strings (as the live projector keeps them), not in the categorical's order.
+    return {w: sorted(ids) for w, ids in held.iter_rows()}
 
 
 _TASK_KINDS: Final = (
@@ -315,12 +322,12 @@ def _first(frame: pl.LazyFrame, key: str, *, last: bool = False) -> pl.LazyFrame
     return frame.unique(key, keep="last" if last else "first", maintain_order=False)
 
 
-def task_frame(frames: Frames, counted: pl.DataFrame, cutoff_ms: int | None = None) -> pl.DataFrame:
+def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = None) -> pl.DataFrame:
     """One row per task (columns `TASK_FIELDS`); with `cutoff_ms`, only the tasks whose first
     entry's stream ms is at or after it (the row's day shard is named by that entry)."""
     tid = "task_id"
     parts = {name: frames.frame(name).lazy() for name in _TASK_KINDS}
-    done_counted = counted.lazy()
+    done_counted = counted
     if cutoff_ms is not None:
         # A task is kept when none of its entries came before the cutoff. Filtering every kind by
         # its entries' ms, and then leaving out the few tasks that had an entry on both sides,

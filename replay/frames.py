@@ -183,10 +183,16 @@ _REPORT_SCHEMA: Final = {"seq": _I64, "at": _I64, "worker": _STR, "kind": pl.Int
 # digest on every task's rows is most of a long history's memory otherwise). The archive keeps
 # them as strings; the fold's lists turn them back into str.
 CATEGORICAL: Final = frozenset({"model", "digest", "domain", "queue", "worker", "owner"})
+# Task ids are one per task, but each is on several entries (submitted, claimed, completed): as a
+# categorical of their own, each id is held once and the fold's joins and group_bys compare
+# integers. Their own categories, apart from the names'.
+TASK_ID: Final = pl.Categorical(pl.Categories("task_id", "routeledger.replay"))
 
 
 def frame_dtype(name: str, dtype: pl.DataType | type[pl.DataType]) -> pl.DataType | type[pl.DataType]:
     """The dtype of column `name` in the frames (its event field's, but categorical for names)."""
+    if name == "task_id":
+        return TASK_ID
     return pl.Categorical if name in CATEGORICAL else dtype
 
 
@@ -425,31 +431,38 @@ class Frames:
         """
         schema = segment.segment_schema(path)
         where = None if upto is None else segment.in_range((0, 0), upto)
-        typed = [c for c in TYPED_COLUMNS if c in schema]
-        # The id's own sequence number is renamed: `seq` is the ledger position in the frames.
-        env: list[str | pl.Expr] = [
-            segment.MS,
-            pl.col(segment.SEQ).alias("id_seq"),
-            segment.KIND,
-            segment.DECODED,
-        ]
-        frame = segment.read_segment(path, [*env, *typed], where)
-        if frame.height == 0:
+        ends = segment.read_segment(
+            path,
+            [
+                pl.len().alias("n"),
+                pl.col(segment.MS).last().alias("ms"),
+                pl.col(segment.SEQ).last().alias("id_seq"),
+            ],
+            where,
+        )
+        count, last_ms, last_sq = ends.row(0)
+        if count == 0:
             return 0, None
         base = self._seq
-        self._seq = base + frame.height
-        seq = (pl.int_range(pl.len(), dtype=_I64) + base).alias("seq")
-        frame = frame.with_columns(seq)
+        self._seq = base + count
         kind, ok = pl.col(segment.KIND), pl.col(segment.DECODED)
         by_data = [cls.__name__ for cls in REPORT_KINDS]
         for cls, (name, columns) in KINDS.items():
             if not all(c in schema for c in columns):
                 by_data.append(cls.__name__)
                 continue
-            part = frame.filter((kind == cls.__name__) & ok).select(
-                "seq",
-                pl.col(segment.MS).alias("ms"),
-                *[pl.col(c).cast(frame_dtype(c, dtype)) for c, (dtype, _) in columns.items()],
+            # One scan per kind, of its own columns only: a frame of the whole segment with every
+            # typed column would be mostly nulls, and its memory outlives it in the allocator.
+            mine = (kind == cls.__name__) & ok
+            part = segment.read_segment(
+                path,
+                [
+                    (pl.col("pos").cast(_I64) + base).alias("seq"),
+                    pl.col(segment.MS).alias("ms"),
+                    *[pl.col(c).cast(frame_dtype(c, dtype)) for c, (dtype, _) in columns.items()],
+                ],
+                mine if where is None else where & mine,
+                index="pos",
             )
             if part.height:
                 self._append(name, part)
@@ -469,8 +482,7 @@ class Frames:
         if picked.height:
             seqs = (picked["pos"].cast(_I64) + base).to_list()
             self._route(list(segment.wire_rows(picked)), seqs, on_poison)
-        ms, sq = frame.select(segment.MS, "id_seq").row(-1)
-        return frame.height, f"{ms}-{sq}"
+        return count, f"{last_ms}-{last_sq}"
 
     def flush(self) -> None:
         """Turn the buffered columns into frames."""
