@@ -73,25 +73,31 @@ def decode_tps_expr() -> pl.Expr:
     return _rate("eval_count", "eval_duration", MAX_DECODE_TPS)
 
 
+def _stat_exprs(value: str, half_life_s: float, prefix: str = "") -> list[pl.Expr]:
+    """The aggregations of `stats` for column `value`, over its non-null values only."""
+    valid = pl.col(value).is_not_null()
+    x, t = pl.col(value).filter(valid), pl.col("at").filter(valid)
+    w = pl.lit(2.0).pow(-(t.max() - t) / 1000.0 / half_life_s)
+    return [
+        valid.sum().cast(pl.Int64).alias(f"{prefix}n"),
+        x.sum().alias(f"{prefix}sum"),
+        (x * x).sum().alias(f"{prefix}sumsq"),
+        w.sum().alias(f"{prefix}dn"),
+        (w * x).sum().alias(f"{prefix}dsum"),
+        (w * x * x).sum().alias(f"{prefix}dsumsq"),
+        t.max().alias(f"{prefix}updated_at"),
+    ]
+
+
 def stats(
     frame: pl.DataFrame | pl.LazyFrame, keys: list[str], value: str, half_life_s: float
 ) -> pl.DataFrame:
     """The sufficient statistics of column `value` per group of `keys` (null values left out)."""
-    x, t = pl.col(value), pl.col("at")
-    w = pl.lit(2.0).pow(-(t.max() - t) / 1000.0 / half_life_s)
     return (
         frame.lazy()
-        .filter(x.is_not_null())
+        .filter(pl.col(value).is_not_null())
         .group_by(keys)
-        .agg(
-            pl.len().cast(pl.Int64).alias("n"),
-            x.sum().alias("sum"),
-            (x * x).sum().alias("sumsq"),
-            w.sum().alias("dn"),
-            (w * x).sum().alias("dsum"),
-            (w * x * x).sum().alias("dsumsq"),
-            t.max().alias("updated_at"),
-        )
+        .agg(_stat_exprs(value, half_life_s))
         .collect()
     )
 
@@ -175,6 +181,9 @@ def fold_tables(
     return tables, task_frame(frames, counted, cutoff_ms)
 
 
+_SPEED_FIELDS: Final = ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight")
+
+
 def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     raw = pl.concat([counted.select(_SPEED_COLS), bench.lazy().select(_SPEED_COLS)])
     decode = decode_tps_expr()
@@ -191,11 +200,19 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
         pl.when(decode.is_not_null() & (pl.col("in_flight") >= 0))
         .then(pl.col("in_flight").cast(pl.Float64))
         .alias("in_flight"),
-    ).collect()
+    )
     keys = ["worker", "digest"]
-    h = tables.half_life_s
-    for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight"):
-        for key, stat in _stat_rows(stats(samples, keys, field, h), keys).items():
+    # Every field's statistics in one group_by over the samples, never materialised: each field
+    # over its own non-null samples, as `stats` takes them.
+    folded = samples.group_by(keys).agg(
+        *[e for field in _SPEED_FIELDS for e in _stat_exprs(field, tables.half_life_s, prefix=f"{field}.")]
+    )
+    frame = folded.collect()
+    for field in _SPEED_FIELDS:
+        part = frame.select(*keys, *[pl.col(f"{field}.{c}").alias(c) for c in _STAT_COLS]).filter(
+            pl.col("n") > 0
+        )
+        for key, stat in _stat_rows(part, keys).items():
             row = tables.speed.get(key)
             if row is None:
                 row = tables.speed[key] = SpeedRow(worker=key[0], digest=key[1])
@@ -291,15 +308,20 @@ def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:
         [frames.frame("dead").select("seq", "task_id"), frames.frame("cancelled").select("seq", "task_id")]
     ).lazy()
     seq = pl.col("seq")
+    # The pair as one integer (both names are categoricals): a group_by on one u64 column holds far
+    # less than one on two keys.
+    worker_code = pl.col("worker").to_physical().cast(pl.UInt64)
+    pair_key = (worker_code * (2**32) + pl.col("task_id").to_physical().cast(pl.UInt64)).alias("pair")
     held = (
-        entries.group_by(pair)
-        .agg(seq.max(), pl.col("claim").get(seq.arg_max()))
+        entries.with_columns(pair_key)
+        .group_by("pair")
+        .agg(pl.col(*pair).first(), seq.max(), pl.col("claim").get(seq.arg_max()))
         .filter(pl.col("claim"))
         .join(ended.group_by("task_id").agg(seq.max().alias("end")), on="task_id", how="left")
         .filter(seq > pl.col("end").fill_null(-1))
         .group_by("worker")
         .agg(pl.col("task_id"))
-        .collect()
+        .collect(engine="streaming")
     )
     # Sorted as strings (as the live projector keeps them), not in the categorical's order.
     return {w: sorted(ids) for w, ids in held.iter_rows()}
