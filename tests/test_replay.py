@@ -43,10 +43,11 @@ from projections.projector import Projector
 from projections.reader import snapshot
 from projections.tables import Tables
 from replay.errors import BadUntilError
-from replay.fold import fold_frames
+from replay.fold import encoded_task_rows, fold_frames, fold_tables
 from replay.frames import Frames
 from replay.rebuild import build, rebuild, until_to_stop
 from replay.verify import diff_tables
+from sim.synthetic import HistoryMaker
 from tests.test_projector import D1, D2, T0, completed, fold_all, timings
 
 DAY = 86_400_000
@@ -232,6 +233,18 @@ def test_a_fold_that_leaves_out_rows_past_retention_keeps_exactly_the_rows_a_wri
     store.drop_expired(every, now)
     assert diff_tables(every, kept) == []
     assert kept.tasks == every.tasks and kept.benched == every.benched
+
+
+def test_task_rows_encoded_from_the_frame_are_byte_for_byte_the_encoded_task_rows() -> None:
+    history = [e for batch in HistoryMaker(300, holders=3).batches(100) for e in batch]
+    frames = Frames()
+    frames.add([(f"{T0 + i}-0", e) for i, e in enumerate(history)])
+    _, table = fold_tables(frames, 3600.0, 300.0)
+    encoded = dict(encoded_task_rows(table))
+    assert len(encoded) == 300
+    rows = {task_id: store.decode_task(raw) for task_id, raw in encoded.items()}
+    assert {task_id: store.encode_row(row) for task_id, row in rows.items()} == encoded
+    assert {row.status for row in rows.values()} >= {"completed", "cancelled", "dead"}
 
 
 async def test_a_rebuild_switches_atomically_and_the_live_projector_continues_in_the_new_namespace(
