@@ -52,6 +52,7 @@ class Compression:
             i: zstandard.ZstdDecompressor(dict_data=d, max_window_size=MAX_EVENT_BYTES)
             for i, d in self._dicts.items()
         }
+        self._current = self._decompressors[WRITE_WITH]
 
     def pack(self, data: bytes) -> bytes:
         """An event's msgpack as it goes into the ledger."""
@@ -65,14 +66,27 @@ class Compression:
         if data[:4] != MAGIC:
             return data
         try:
-            params = zstandard.get_frame_parameters(data)
+            size = zstandard.frame_content_size(data)
         except zstandard.ZstdError as exc:
             raise ValueError(f"corrupt compressed entry: {exc}") from None
-        decompressor = self._decompressors.get(params.dict_id)
+        if size < 0 or size > MAX_EVENT_BYTES:
+            raise ValueError(f"a compressed entry that does not say its size or claims {size} bytes")
+        try:
+            # Nearly every frame is of the dictionary new entries use: try it first. A frame of
+            # another one is refused by zstd (its header names its dictionary).
+            out: bytes = self._current.decompress(data)
+        except zstandard.ZstdError:
+            return self._other(data)
+        return out
+
+    def _other(self, data: bytes) -> bytes:
+        try:
+            dict_id = zstandard.get_frame_parameters(data).dict_id
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"corrupt compressed entry: {exc}") from None
+        decompressor = self._decompressors.get(dict_id)
         if decompressor is None:
-            raise ValueError(f"compressed with dictionary {params.dict_id}, which this version does not ship")
-        if params.content_size > MAX_EVENT_BYTES:
-            raise ValueError(f"a compressed entry claims {params.content_size} bytes")
+            raise ValueError(f"compressed with dictionary {dict_id}, which this version does not ship")
         try:
             out: bytes = decompressor.decompress(data)
         except zstandard.ZstdError as exc:

@@ -30,15 +30,15 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from events.codec import decode_rows
+from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import BenchmarkResult, Event, TaskSubmitted
+from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
-from projections.folder import TASK_EVENTS, Folder
+from projections.folder import FOLDED_TYPES, TASK_EVENTS, Folder
 from projections.store import TableChange
 from projections.tables import (
     DEFAULT_DEMAND_HALF_LIFE_S,
@@ -233,7 +233,7 @@ class Projector:
             return 0
         try:
             poison: list[UndecodableEntryError] = []
-            batch = list(decode_rows(rows, poison.append))
+            batch = list(decode_rows([r for r in rows if not _ignored(r[1])], poison.append))
             await self._load_rows(tables, batch)
             for entry_id, event in batch:
                 folder.apply(event, _entry_ms(entry_id))
@@ -369,6 +369,15 @@ def _entry_ms(entry_id: str) -> int:
 
 def _wall_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+# Envelope tags of the standard entries the folder has no use for: skipped undecoded. An entry
+# of any other layout is decoded, so that poison is still dead-lettered.
+_IGNORED: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES if t.__name__ not in FOLDED_TYPES)
+
+
+def _ignored(flat: Sequence[bytes]) -> bool:
+    return len(flat) == 6 and flat[0] == TYPE and flat[1] in _IGNORED and flat[4] == DATA
 
 
 def _now() -> float:
