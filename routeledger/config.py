@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from events.keys import DEFAULT_PREFIX
+from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
 from routeledger.errors import ConfigError, NotRunningError
 
@@ -62,7 +62,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_hot_entries: int = 2_000_000
     archive_every_s: float = 3_600.0
     redis_maxmemory: int | str = "25%"
-    dead_max_entries: int = 10_000
+    dead_max_entries: int = DEAD_MAX_ENTRIES
 
 
 # What each setting means, for `config show` and the README's table.
