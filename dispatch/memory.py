@@ -15,7 +15,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from dispatch.errors import RedisMemoryFullError
 from events.codec import as_str
@@ -130,12 +130,12 @@ async def read_memory(redis: aioredis.Redis) -> MemoryState:
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether Redis refused a command because it is at maxmemory ("OOM command not allowed ..."; a
-    pipeline prefixes the command's position to the message)."""
-    if not isinstance(exc, ResponseError):
-        return False
-    text = str(exc)
-    return text.startswith("OOM") or "caused error: OOM" in text
+    """Whether Redis refused a command because it is at maxmemory ("OOM command not allowed when used
+    memory > 'maxmemory'"): redis-py's OutOfMemoryError, or the same refusal inside a script, which
+    Redis 6.2 reports as a script error quoting it."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and "command not allowed when used memory" in str(exc)
 
 
 def full_error(state: MemoryState | None) -> RedisMemoryFullError:

@@ -332,8 +332,10 @@ class WorkerAgent:
             try:
                 await self._refresh_inventory()
                 self.resources = read_resources()
-                lapsed = await self._renew_lease()
+                # Entries first: XCLAIM needs no memory, so they stay ours even while Redis, at its
+                # memory limit, refuses the lease's SET (and the reaper cannot take them).
                 await self._keep_entries_alive()
+                lapsed = await self._renew_lease()
                 if lapsed:
                     # The lease expired (Redis or this process stalled past it): the reaper may
                     # have recorded this worker offline, so its life starts again in the ledger.
@@ -475,6 +477,7 @@ class WorkerAgent:
         last_flush = 0.0
         last_cancel_check = t0
         generated: Generated | None = None
+        held: list[bool] = []  # output flushes Redis refused for lack of memory (logged once)
 
         async def flush(final: Chunk | None = None) -> None:
             pipe = self.redis.pipeline(transaction=False)
@@ -489,7 +492,9 @@ class WorkerAgent:
                 if final is not None or not is_oom(exc):
                     raise
                 # Redis is at its memory limit: keep the text; a later flush or the close writes it.
-                log.warning("task %s: Redis out of memory for its output; keeping it", task.task_id)
+                if not held:
+                    log.warning("task %s: Redis is out of memory for its output; holding it", task.task_id)
+                held.append(True)
                 return
             buffer.clear()
 
