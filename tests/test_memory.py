@@ -17,12 +17,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import ResponseError
 
 from api.app import AppConfig
 from dispatch.errors import RedisMemoryFullError
 from dispatch.gateway import Gateway
-from dispatch.memory import REFUSE_AT, archive_info, read_memory
-from dispatch.payload import Message, TaskMessage, queue_fields
+from dispatch.memory import REFUSE_AT, archive_info, is_oom, read_memory
+from dispatch.payload import Message, Result, TaskMessage, queue_fields
 from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest
 from events.event import TaskCompleted
@@ -316,3 +317,20 @@ async def test_the_archive_state_reads_never_run_until_the_archiver_records_a_ru
     await redis_client.hset(keys.archive, "error", "disk full")
     info = await archive_info(redis_client, keys)
     assert info.ran and info.describe().endswith("last run failed: disk full")
+
+
+async def test_a_closing_script_redis_refuses_for_lack_of_memory_is_recognised_on_every_version(
+    any_redis_url: str, keys: Keys
+) -> None:
+    client = aioredis.Redis.from_url(any_redis_url)
+    before: Any = await client.config_get("maxmemory")
+    await client.config_set("maxmemory", 1)
+    try:
+        queues = TaskQueues(client, keys)
+        with pytest.raises(ResponseError) as refused:
+            await queues.close_run(Result(task_id="t", status="completed", attempt=1, text="x"), "x")
+        assert is_oom(refused.value)
+        assert await client.exists(keys.result("t"), keys.out("t")) == 0
+    finally:
+        await client.config_set("maxmemory", before["maxmemory"])
+        await client.aclose()
