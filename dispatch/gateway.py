@@ -16,7 +16,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -29,6 +29,7 @@ from dispatch.errors import (
     TaskTimeoutError,
 )
 from dispatch.lease import LeaseInfo
+from dispatch.memory import MemoryWatch, full_error, is_oom
 from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
 from dispatch.serving import find_holders, require_model
@@ -71,6 +72,7 @@ class Gateway:
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
         self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
+        self.memory = MemoryWatch(redis)
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
         self.cancel_ttl_s = cancel_ttl_s
@@ -107,9 +109,18 @@ class Gateway:
     # -- submission -----------------------------------------------------------------------------
     async def submit(self, req: TaskRequest) -> Submitted:
         """Route and queue through the one submission path (dispatch.submit), retrying while Redis
-        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it."""
+        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it;
+        RedisMemoryFullError past the memory high-water mark, or when Redis refuses the writes (OOM)."""
+        await self.retrying(self.memory.admit)
         try:
             return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
+        except ResponseError as exc:
+            if not is_oom(exc):
+                raise
+            # Redis filled up since the last reading and denied the writes (the queue entry, last of
+            # them, among them). Read memory afresh for the next request.
+            self.memory.forget()
+            raise full_error(None) from None
         except ModelNotServedError as exc:
             if isinstance(exc.fleet, dict):
                 raise

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted
-from events.keys import Keys
+from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
@@ -71,8 +71,10 @@ class Projector:
         lease_ms: int = DEFAULT_LEASE_MS,
         batch: int = 2000,
         block_ms: int | None = None,
+        dead_max_entries: int = DEAD_MAX_ENTRIES,
     ) -> None:
         self.redis = redis
+        self.dead_max_entries = dead_max_entries
         self.keys = keys or Keys()
         self.ledger = Ledger(redis, self.keys)
         self.half_life_s = half_life_s
@@ -303,7 +305,8 @@ class Projector:
             kind = exc.fields.get(b"type")
             if kind is not None:
                 fields["type"] = kind
-            pipe.xadd(self.keys.dead, fields)
+            # Capped, like every writer of the stream: poison must not fill Redis either.
+            pipe.xadd(self.keys.dead, fields, maxlen=self.dead_max_entries, approximate=True)
             log.warning("dead-lettered ledger entry %s: %s", exc.entry_id, exc.reason)
         await pipe.execute()
         self.dead_lettered += len(poison)
