@@ -36,6 +36,7 @@ from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import decode_rows
+from events.compression import unpack
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
@@ -342,12 +343,21 @@ class Gateway:
         found: list[tuple[str, Event]] = []
         needle = task_id.encode()
         async for batch in self.ledger.read_raw(chunk=5000):
-            # Filter on the raw bytes first: decoding every event of the ledger is the expensive part.
-            hits = [(i, flat) for i, flat in batch if any(needle in part for part in flat[1::2])]
+            # Filter on the bytes first (decompressed: the task id is not visible in zstd's output):
+            # decoding every event of the ledger is the expensive part.
+            hits = [(i, flat) for i, flat in batch if any(needle in _plain(part) for part in flat[1::2])]
             for entry_id, event in decode_rows(hits, lambda exc: None):
                 if getattr(event, "task_id", None) == task_id:
                     found.append((entry_id, event))
         return found
+
+
+def _plain(value: bytes) -> bytes:
+    """A field's value with a compressed event's data decompressed (anything unreadable as is)."""
+    try:
+        return unpack(value)
+    except ValueError:
+        return value
 
 
 def _d(raw: bytes | None) -> str | None:

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -236,17 +235,26 @@ class Projector:
         try:
             poison: list[UndecodableEntryError] = []
             batch = list(decode_rows([r for r in rows if not _ignored(r[1])], poison.append))
-            await self._load_rows(tables, batch)
+            checkpoint, folded = rows[-1][0], tables.folded + len(rows)
+            # Ledger time, not a clock: which shards are kept is a function of the history.
+            now = _entry_ms(checkpoint)
+            await self._load_rows(tables, batch, now)
             for entry_id, event in batch:
                 folder.apply(event, _entry_ms(entry_id))
             folder.flush_fleet()
-            checkpoint, folded = rows[-1][0], tables.folded + len(rows)
-            changes = _changes(folder, tables, _wall_ms())
+            changes = _changes(folder, tables, now)
+            drop = [
+                store.shard_name(table, day)
+                for day in store.dropped_days(
+                    tables.task_retention_days, store.ledger_ms(tables.checkpoint), now
+                )
+                for table in store.SHARDED_TABLES
+            ]
             # Fold first, then look at the lease: the fold may have taken long.
             self._check_lease()
             if poison:
                 await self._dead_letter(poison)
-            result = await writer.apply(tables.checkpoint, checkpoint, folded, changes)
+            result = await writer.apply(tables.checkpoint, checkpoint, folded, changes, drop)
         except BaseException:
             # The memory may now hold a batch Redis does not: read it all again before going on.
             self.tables = None
@@ -267,7 +275,7 @@ class Projector:
         self.folded += len(rows)
         return len(rows)
 
-    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]]) -> None:
+    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]], now: int) -> None:
         """Read into `tables` the task rows and benchmark marks the batch touches (and nothing
         else), in one pipeline (and one more for rows older than the newest two day shards)."""
         wanted: dict[store.ShardedField, store.Wanted] = {}
@@ -290,7 +298,7 @@ class Projector:
             self.ns,
             wanted,
             retention_days=tables.task_retention_days,
-            now_ms=_wall_ms(),
+            now_ms=now,
         )
         for (table, name), raw in found.items():
             if table == store.TASKS:
@@ -368,10 +376,6 @@ def _changes(folder: Folder, t: Tables, now_ms: int) -> list[TableChange]:
 def _entry_ms(entry_id: str) -> int:
     """The ms part of a stream entry id: the time its day shard is named by."""
     return int(entry_id.partition("-")[0])
-
-
-def _wall_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # Envelope tags of the standard entries the folder has no use for: skipped undecoded. An entry

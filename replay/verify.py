@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -128,5 +127,5 @@ async def verify(
             progress=progress,
             archive_dir=archive_dir,
         )
-        store.drop_expired(rebuilt, time.time_ns() // 1_000_000)
+        store.drop_expired(rebuilt)
     return live, diff_tables(live, rebuilt)
