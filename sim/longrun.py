@@ -1,11 +1,13 @@
 """Months of history squeezed into minutes: the long-run test and benchmark drive this.
 
 A synthetic history (sim/synthetic.py) is appended with stream ids spread over its span, as a
-ledger that really lived that long would hold them (the ledger's clock is the stream id: hot
-windows, day shards and their expiry all read it). Between batches a projector folds what was
-appended and the archiver moves what is past the hot window to Parquet and trims it off the
-stream, as `routeledger up` would over those months. At chosen history lengths it measures what
-must stay flat: a new projector's start time and Redis's memory.
+ledger that really lived that long would hold them (the ledger's clock is the stream id: day
+shards and their retention read it). Between batches a projector folds what was appended and the
+archiver moves what is past the hot window to Parquet and trims it off the stream, as `routeledger
+up` would over those months; the archiver's "now" is the history's own time (a live ledger's newest
+entry is now), so each moment of the squeeze holds what that moment of a real year would. At
+chosen history lengths it measures what must stay flat: a new projector's start time and Redis's
+memory.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class LongRun:
         self.options = ArchiveOptions(directory=str(archive_dir), hot_window_s=hot_window_s)
         self._append = redis.register_script(_APPEND_WITH_IDS)
         self.appended = 0
+        self.appended_tasks = 0
         self.projector = Projector(redis, keys, batch=projector_batch)
         self.reports: list[ArchiveReport] = []
 
@@ -118,6 +121,7 @@ class LongRun:
                 events, ids = [], []
         if events:
             await self._send(events, ids)
+        self.appended_tasks = max(self.appended_tasks, min(first + count, self.tasks))
         return self.appended
 
     async def _send(self, events: list[Event], ids: list[str]) -> None:
@@ -130,9 +134,14 @@ class LongRun:
             await self.projector.start()
         return await self.projector.catch_up()
 
+    @property
+    def ledger_ms(self) -> int:
+        """The history's own time: that of the newest task appended (a live ledger's is now)."""
+        return self._task_ms(max(0, self.appended_tasks - 1))
+
     async def archive(self) -> ArchiveReport:
-        """One archiver run, as `up` makes them."""
-        report = await archive(self.redis, self.keys, self.options)
+        """One archiver run, as `up` makes them, at the history's own time."""
+        report = await archive(self.redis, self.keys, self.options, now_ms=self.ledger_ms)
         self.reports.append(report)
         return report
 
