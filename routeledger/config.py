@@ -81,7 +81,7 @@ FIELDS: Final[dict[str, str]] = {
     "stall_after_s": "a queued task nobody took for this long is reported stalled",
     "half_life_s": "half-life of the time-decayed statistics",
     "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
-    "task_retention_days": "days the projection keeps a task's row (and benchmark marks) after its UTC day",
+    "task_retention_days": "days of ledger time the projection keeps a task's row and benchmark marks",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
     "pipeline_model": "model of a pipeline's decomposer, children and integration when a request names none",
