@@ -36,6 +36,7 @@ from api.errors import (
 from api.metrics import CONTENT_TYPE, Metrics
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
+from dispatch.memory import archive_info
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
@@ -107,7 +108,9 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @app.get("/readyz", tags=["operations"])
     async def readyz() -> JSON:
-        """Ready when Redis answers; reports how far the projector lags behind the ledger."""
+        """Ready when Redis answers; reports how far the projector lags behind the ledger, Redis's
+        memory against its limit (with a warning from 80%; new tasks are refused from 95%) and the
+        archive's last run."""
         client: aioredis.Redis = app.state.redis
         try:
             await client.ping()
@@ -123,14 +126,27 @@ def create_app(config: AppConfig) -> FastAPI:
             projector = {"lag_entries": entries, "lag_ms": ms}
         except ProjectionError as exc:
             projector = {"lag_entries": None, "lag_ms": None, "detail": str(exc)}
-        return JSON({"status": "ready", "redis": "ok", "projector": projector})
+        gw: Gateway = app.state.gateway
+        memory = await gw.retrying(gw.memory.state)
+        archive = await gw.retrying(lambda: archive_info(client, app.state.keys))
+        return JSON(
+            {
+                "status": "ready",
+                "redis": "ok",
+                "projector": projector,
+                "memory": memory.to_dict(),
+                "archive": archive.to_dict(),
+            }
+        )
 
     @app.get("/metrics", tags=["operations"])
     async def prometheus() -> Response:
-        """Prometheus metrics: requests and latency by route and model, queues, workers, projector."""
+        """Prometheus metrics: requests and latency by route and model, queues, workers, projector,
+        Redis memory, the ledger's length and the archive."""
         gw: Gateway = app.state.gateway
         leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-        body = await gw.retrying(lambda: metrics.scrape(app.state.redis, app.state.keys, leases))
+        memory = await gw.retrying(gw.memory.state)
+        body = await gw.retrying(lambda: metrics.scrape(app.state.redis, app.state.keys, leases, memory))
         return Response(body, media_type=CONTENT_TYPE)
 
     return app

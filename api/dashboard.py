@@ -113,7 +113,7 @@ async def _send(
 async def read_overview(request: Request) -> JSON:
     """The fleet, capacity and queue depth per model, recent tasks with their routing, incidents."""
     gw = gateway(request)
-    return JSON(await gw.retrying(lambda: overview(gw.redis, gw.keys)))
+    return JSON(await gw.retrying(lambda: overview(gw.redis, gw.keys, memory=gw.memory)))
 
 
 @router.get("/v1/dashboard/samples")
@@ -159,7 +159,7 @@ async def stream(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            async for update in live_updates(gw.redis, gw.keys, after):
+            async for update in live_updates(gw.redis, gw.keys, after, memory=gw.memory):
                 yield _sse(update)
         except (RedisError, *TRANSIENT) as exc:
             yield _sse(Update("error", {"message": f"Redis is unreachable ({type(exc).__name__})"}, ""))

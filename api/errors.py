@@ -15,6 +15,7 @@ import msgspec
 from dispatch.errors import (
     DispatchError,
     ModelNotServedError,
+    RedisMemoryFullError,
     RedisUnavailableError,
     TaskFailedError,
     TaskFinishedError,
@@ -123,6 +124,13 @@ class UnavailableError(ApiError):
     type = "unavailable"
 
 
+class MemoryFullError(ApiError):
+    """Raised when Redis is too close to its memory limit to take new work; accepted work goes on."""
+
+    status = 503
+    type = "redis_memory_full"
+
+
 class WaitTimeoutError(ApiError):
     """Raised when a task did not finish within the time the API waits for it."""
 
@@ -139,7 +147,10 @@ _ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
     TaskFailedError: GenerationError,
     TaskTimeoutError: WaitTimeoutError,
     RedisUnavailableError: UnavailableError,
+    RedisMemoryFullError: MemoryFullError,
 }
+# Seconds a client is told to wait before trying again, per condition.
+_RETRY_AFTER: Final[dict[type[DispatchError], str]] = {RedisUnavailableError: "2", RedisMemoryFullError: "30"}
 
 
 def answer(exc: DispatchError) -> ApiError:
@@ -147,7 +158,8 @@ def answer(exc: DispatchError) -> ApiError:
     if isinstance(exc, ModelNotServedError):
         return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
-    headers = {"Retry-After": "2"} if isinstance(exc, RedisUnavailableError) else None
+    retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
+    headers = {"Retry-After": retry} if retry is not None else None
     return kind(exc.message, hint=exc.hint, headers=headers, extra=exc.extra)
 
 

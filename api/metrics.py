@@ -14,6 +14,7 @@ from typing import Any, Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import ResponseError
 
+from dispatch.memory import MemoryState, archive_info
 from dispatch.serving import catalog
 from events.keys import WORKERS_GROUP
 from projections.errors import ProjectionError
@@ -71,6 +72,30 @@ class Metrics:
         )
         self.dead = Gauge("routeledger_dead_letters", "entries in the dead-letter stream", registry=r)
         self.stalled = Gauge("routeledger_stalled_reported", "queue entries reported stalled", registry=r)
+        self.memory_used = Gauge("routeledger_redis_used_memory_bytes", "Redis used_memory", registry=r)
+        self.memory_max = Gauge(
+            "routeledger_redis_maxmemory_bytes", "Redis maxmemory (0: no limit)", registry=r
+        )
+        self.memory_ratio = Gauge(
+            "routeledger_redis_memory_ratio",
+            "used over maxmemory (new tasks are refused from 0.95; absent without a limit)",
+            registry=r,
+        )
+        self.ledger_length = Gauge(
+            "routeledger_ledger_entries", "entries in the ledger stream (the hot part in Redis)", registry=r
+        )
+        self.archive_ran = Gauge(
+            "routeledger_archive_last_run_timestamp_seconds",
+            "when the archiver last ran (0: never)",
+            registry=r,
+        )
+        self.archive_events = Gauge(
+            "routeledger_archive_events", "ledger entries moved into the archive", registry=r
+        )
+        self.archive_bytes = Gauge("routeledger_archive_bytes", "bytes of archive segments", registry=r)
+        self.archive_error = Gauge(
+            "routeledger_archive_error", "1 when the archiver's last run failed", registry=r
+        )
         self.events = Counter(
             "routeledger_ledger_events",
             "ledger events seen by this API since it started",
@@ -83,8 +108,9 @@ class Metrics:
         self.requests.labels(route, model, str(status)).inc()
         self.latency.labels(route, model).observe(seconds)
 
-    async def scrape(self, redis: Any, keys: Any, leases: dict[str, Any]) -> bytes:
-        """Refresh the fleet gauges from Redis, then render the registry."""
+    async def scrape(self, redis: Any, keys: Any, leases: dict[str, Any], memory: MemoryState) -> bytes:
+        """Refresh the fleet gauges from Redis (and the memory gauges from `memory`, the process's
+        cached reading), then render the registry."""
         for g in (self.queue_depth, self.queue_running, self.in_flight, self.slots, self.capacity):
             g.clear()
         for name, info in leases.items():
@@ -114,6 +140,15 @@ class Metrics:
             pass
         self.dead.set(int(await redis.xlen(keys.dead)))
         self.stalled.set(int(await redis.scard(keys.stalled)))
+        self.memory_used.set(memory.used_bytes)
+        self.memory_max.set(memory.max_bytes)
+        self.memory_ratio.set(memory.ratio if memory.ratio is not None else float("nan"))
+        self.ledger_length.set(int(await redis.xlen(keys.events)))
+        archive = await archive_info(redis, keys)
+        self.archive_ran.set((archive.ran_at or 0) / 1000)
+        self.archive_events.set(archive.events)
+        self.archive_bytes.set(archive.bytes)
+        self.archive_error.set(1 if archive.error else 0)
         await self._count_events(redis, keys)
         return generate_latest(self.registry)
 

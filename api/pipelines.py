@@ -125,6 +125,9 @@ async def create_pipeline(body: PipelineCreate, request: Request) -> Response:
     """Run a pipeline. `wait` (default) answers when it finished, else 202 once its children are queued."""
     coord = coordinator(request, body)
     gw = gateway(request)
+    # A pipeline is new work: refused near Redis's memory limit like a task (its children are
+    # submitted by the coordinator, past the gateway's own check).
+    await gw.retrying(gw.memory.admit)
     await coord.start()
     if not body.wait:
         task = asyncio.ensure_future(_quietly(coord.run()))

@@ -53,5 +53,10 @@ class RedisUnavailableError(DispatchError):
     """Raised when Redis cannot be reached within the retry budget; the caller should try again later."""
 
 
+class RedisMemoryFullError(DispatchError):
+    """Raised when Redis is past the memory high-water mark (or refused a write: OOM), so a new task is
+    refused while there is still room for the accepted ones to finish."""
+
+
 class BenchSetError(RouteledgerError):
     """Raised when the benchmark prompt set is malformed."""

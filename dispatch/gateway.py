@@ -16,7 +16,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -29,12 +29,14 @@ from dispatch.errors import (
     TaskTimeoutError,
 )
 from dispatch.lease import LeaseInfo
+from dispatch.memory import MemoryWatch, full_error, is_oom
 from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import decode_rows
+from events.compression import unpack
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
@@ -71,6 +73,7 @@ class Gateway:
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
         self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
+        self.memory = MemoryWatch(redis)
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
         self.cancel_ttl_s = cancel_ttl_s
@@ -107,9 +110,18 @@ class Gateway:
     # -- submission -----------------------------------------------------------------------------
     async def submit(self, req: TaskRequest) -> Submitted:
         """Route and queue through the one submission path (dispatch.submit), retrying while Redis
-        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it."""
+        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it;
+        RedisMemoryFullError past the memory high-water mark, or when Redis refuses the writes (OOM)."""
+        await self.retrying(self.memory.admit)
         try:
             return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
+        except ResponseError as exc:
+            if not is_oom(exc):
+                raise
+            # Redis filled up since the last reading and denied the writes (the queue entry, last of
+            # them, among them). Read memory afresh for the next request.
+            self.memory.forget()
+            raise full_error(None) from None
         except ModelNotServedError as exc:
             if isinstance(exc.fleet, dict):
                 raise
@@ -331,12 +343,21 @@ class Gateway:
         found: list[tuple[str, Event]] = []
         needle = task_id.encode()
         async for batch in self.ledger.read_raw(chunk=5000):
-            # Filter on the raw bytes first: decoding every event of the ledger is the expensive part.
-            hits = [(i, flat) for i, flat in batch if any(needle in part for part in flat[1::2])]
+            # Filter on the bytes first (decompressed: the task id is not visible in zstd's output):
+            # decoding every event of the ledger is the expensive part.
+            hits = [(i, flat) for i, flat in batch if any(needle in _plain(part) for part in flat[1::2])]
             for entry_id, event in decode_rows(hits, lambda exc: None):
                 if getattr(event, "task_id", None) == task_id:
                     found.append((entry_id, event))
         return found
+
+
+def _plain(value: bytes) -> bytes:
+    """A field's value with a compressed event's data decompressed (anything unreadable as is)."""
+    try:
+        return unpack(value)
+    except ValueError:
+        return value
 
 
 def _d(raw: bytes | None) -> str | None:

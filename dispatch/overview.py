@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from dispatch.lease import LeaseInfo, live_workers, resources_of
+from dispatch.memory import MemoryWatch, archive_info, read_memory
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
 from events.codec import decode_rows
@@ -167,11 +168,24 @@ async def fleet_state(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     }
 
 
-async def overview(redis: aioredis.Redis, keys: Keys, recent: Recent | None = None) -> dict[str, Any]:
+async def storage_state(
+    redis: aioredis.Redis, keys: Keys, memory: MemoryWatch | None = None
+) -> dict[str, Any]:
+    """Redis's memory against its limit (through `memory`, a process's cached reading, when given)
+    and the archive's state."""
+    reading = await memory.state() if memory is not None else await read_memory(redis)
+    archive = await archive_info(redis, keys)
+    return {"redis": reading.to_dict(), "archive": archive.to_dict()}
+
+
+async def overview(
+    redis: aioredis.Redis, keys: Keys, recent: Recent | None = None, memory: MemoryWatch | None = None
+) -> dict[str, Any]:
     """Everything the dashboard and `routeledger status` show, but the speed samples."""
     if recent is None:
         recent, _ = await load_recent(redis, keys)
     state = await fleet_state(redis, keys)
+    state.update(await storage_state(redis, keys, memory))
     state.update(recent.to_dict())
     names: dict[str, str] = state["names"]
     for incident in state["incidents"]:
@@ -199,7 +213,11 @@ class Update(msgspec.Struct, frozen=True):
 
 
 async def live_updates(
-    redis: aioredis.Redis, keys: Keys, after: str | None, lifetime_s: float = STREAM_LIFETIME_S
+    redis: aioredis.Redis,
+    keys: Keys,
+    after: str | None,
+    lifetime_s: float = STREAM_LIFETIME_S,
+    memory: MemoryWatch | None = None,
 ) -> AsyncIterator[Update]:
     """The live feed: an `overview` first and whenever something changed, `samples` as they land,
     and `reconnect` after `lifetime_s`. Each update carries the ledger id it is current to."""
@@ -208,7 +226,7 @@ async def live_updates(
     # the fresh load already folded is not folded twice.
     cursor = after if after is not None and _after(loaded_to, after) else loaded_to
     ledger = Ledger(redis, keys)
-    state = await overview(redis, keys, recent)
+    state = await overview(redis, keys, recent, memory)
     yield Update("overview", state, cursor)
     fleet_at = time.monotonic()
     dirty = False
@@ -230,7 +248,7 @@ async def live_updates(
             yield Update("samples", {"samples": msgspec.to_builtins(found)}, cursor)
         since = time.monotonic() - fleet_at
         if (dirty and since >= _FLEET_MIN_S) or since >= _FLEET_MAX_S:
-            state = await overview(redis, keys, recent)
+            state = await overview(redis, keys, recent, memory)
             yield Update("overview", state, cursor)
             fleet_at, dirty = time.monotonic(), False
     yield Update("reconnect", {"after": cursor}, cursor)

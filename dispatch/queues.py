@@ -8,12 +8,13 @@ late or twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
 
+from dispatch.memory import is_oom
 from dispatch.payload import (
     F_ATTEMPT,
     F_ID,
@@ -28,7 +29,7 @@ from dispatch.payload import (
 )
 from events.codec import as_str, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
-from events.keys import WORKERS_GROUP, Keys
+from events.keys import DEAD_MAX_ENTRIES, WORKERS_GROUP, Keys
 from events.ledger import Ledger
 
 # Acknowledge and delete a finished entry (prompts do not outlive their task).
@@ -176,13 +177,37 @@ def parse_entry(queue: str, entry_id: str, fields: dict[bytes, bytes]) -> QueueE
     return QueueEntry(queue, entry_id, int(fields.get(F_ATTEMPT, b"1")), decode_task(raw))
 
 
+# Longest reason a dead letter keeps (a backend's message can be long).
+_REASON_MAX: Final = 500
+
+
+def _kind_of(fields: dict[bytes, bytes]) -> bytes:
+    """The task's kind (`chat`, `generate`, `benchmark`), or `unreadable` for an entry that is not a task."""
+    raw = fields.get(F_TASK)
+    if raw is None:
+        return b"unreadable"
+    try:
+        task = decode_task(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return b"unreadable"
+    return b"benchmark" if task.bench_id else task.kind.encode()
+
+
 class TaskQueues:
     """Operations on the task queues, shared by the submitter, the workers and the reaper."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ledger: Ledger | None = None) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        ledger: Ledger | None = None,
+        *,
+        dead_max_entries: int = DEAD_MAX_ENTRIES,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.ledger = ledger or Ledger(redis, keys)
+        self.dead_max_entries = dead_max_entries
         self._finish = redis.register_script(_FINISH)
         self._requeue = redis.register_script(_REQUEUE)
         self._result_once = redis.register_script(_RESULT_ONCE)
@@ -243,15 +268,27 @@ class TaskQueues:
         return dict(rows[0][1]) if rows else None
 
     async def dead_letter(self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str) -> str:
-        """Copy an entry to `rl:dead` with the reason (the caller finishes the original after)."""
+        """Record an entry in `rl:dead` with the reason (the caller finishes the original after).
+
+        The record names the task (id, attempt, kind, queue, entry) but holds no prompt: the stream
+        is capped at `dead_max_entries` (older records are trimmed) and never expires, so a payload
+        kept there would outlive every retention the task's own keys have.
+        """
         record = {
+            b"source": b"queue",
             b"queue": queue.encode(),
             b"entry": entry_id.encode(),
-            b"reason": reason.encode(),
+            b"reason": reason[:_REASON_MAX].encode(),
             b"at": str(now_ms()).encode(),
-            **{k: v for k, v in fields.items() if k in (F_TASK, F_ATTEMPT, F_ID)},
+            b"type": _kind_of(fields),
+            **{k: v for k, v in fields.items() if k in (F_ATTEMPT, F_ID)},
         }
-        raw: Any = await self.redis.xadd(self.keys.dead, record)  # type: ignore[arg-type]
+        raw: Any = await self.redis.xadd(
+            self.keys.dead,
+            record,  # type: ignore[arg-type]
+            maxlen=self.dead_max_entries,
+            approximate=True,
+        )
         return str(raw.decode())
 
     async def end_output(self, task_id: str, attempt: int, error: str | None = None) -> None:
@@ -328,30 +365,60 @@ class TaskQueues:
         counts: bool,
         done: Chunk | None = None,
         carried: Result | None = None,
-        finish: tuple[str, str] | None = None,
-    ) -> int | None:
+        wait_for_room: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
         """Append a run's closing events and, when they hold the counting completion, mark its stored
         result as logged (see _TAKE_OVER); then close the output stream with `done` (carrying
-        `carried`, the stored result, so that a waiting client needs no second read); then, given
-        `finish` (queue, entry id), acknowledge and delete the entry. One round trip, in that order.
-        Returns XACK's count, None without `finish`."""
-        pipe = self.redis.pipeline(transaction=False)
-        for event in events:
-            pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
-        if counts:
-            pipe.hset(self.keys.result(task_id), "logged", "1")
-        if done is not None:
-            out_key = self.keys.out(task_id)
-            fields = {b"c": encode_chunk(done)}
-            if carried is not None:
-                fields[b"r"] = encode_result(carried)
-            pipe.xadd(out_key, fields)  # type: ignore[arg-type]
-            pipe.pexpire(out_key, OUTPUT_TTL_MS)
-        if finish is not None:
-            # With a pipeline as the client, the script is only queued (loaded first if Redis lacks it).
-            await self._finish(keys=[finish[0]], args=[WORKERS_GROUP, finish[1]], client=pipe)
-        replies: list[Any] = await pipe.execute()
-        return int(replies[-1]) if finish is not None else None
+        `carried`, the stored result, so that a waiting client needs no second read). One round trip,
+        in that order. The caller acknowledges the entry after this returns, never with it: Redis at
+        its memory limit refuses the appends but not an XACK, and an entry acknowledged without its
+        TaskCompleted would be a completion nobody records.
+
+        When Redis refuses a write for lack of memory (OOM) and `wait_for_room` is given, it is
+        awaited (with the round's number) and what did not land is sent again, events first and the
+        `logged` mark only once every event is in, so that nothing is appended twice and a result
+        is never marked logged ahead of its TaskCompleted. Without it, or on any other error, raises.
+        """
+        left = list(events)
+        mark, close = counts, done is not None
+        rounds = 0
+        while True:
+            pipe = self.redis.pipeline(transaction=False)
+            for event in left:
+                pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
+            # After a refusal the mark waits for a round in which no event is outstanding.
+            with_rest = rounds == 0 or not left
+            if mark and with_rest:
+                pipe.hset(self.keys.result(task_id), "logged", "1")
+            if close and with_rest:
+                out_key = self.keys.out(task_id)
+                fields = {b"c": encode_chunk(done)}  # type: ignore[arg-type]
+                if carried is not None:
+                    fields[b"r"] = encode_result(carried)
+                pipe.xadd(out_key, fields)  # type: ignore[arg-type]
+                pipe.pexpire(out_key, OUTPUT_TTL_MS)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+            failed = [r for r in replies if isinstance(r, Exception)]
+            if not failed:
+                return
+            other = next((r for r in failed if not is_oom(r)), None)
+            if other is not None or wait_for_room is None:
+                raise other or failed[0]
+            landed = [not isinstance(r, Exception) for r in replies]
+            unsent = [event for event, ok in zip(left, landed, strict=False) if not ok]
+            rest = landed[len(left) :]
+            if with_rest and mark:
+                marked, rest = rest[0], rest[1:]
+                if marked and unsent:
+                    # The mark landed though an event did not (memory was freed in between): take it
+                    # back, so that a crash now leaves the result for a later run to take over.
+                    await self.redis.hdel(self.keys.result(task_id), "logged")
+                mark = not (marked and not unsent)
+            if with_rest and close:
+                close = not rest[0]
+            left = unsent
+            rounds += 1
+            await wait_for_room(rounds)
 
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""

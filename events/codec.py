@@ -1,7 +1,8 @@
 """The envelope of a ledger entry and the one typed decoder.
 
 A stream entry holds three fields: `type` (the event's tag, so that readers can filter without
-decoding), `v` (the schema version of the writer) and `data` (the event as msgpack).
+decoding), `v` (the schema version of the writer) and `data` (the event as msgpack, compressed with
+the ledger's dictionary: events/compression.py; entries written before that hold plain msgpack).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Final
 
 import msgspec
 
+from events.compression import pack, unpack
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, AnyEvent, Event
 
@@ -31,7 +33,7 @@ _BATCH_HEADER: Final = struct.Struct(">HHI")
 def encode_event(event: Event) -> tuple[bytes, bytes, bytes]:
     """The (type, v, data) triple of an event, ready to XADD."""
     kind, version = _ENVELOPE[type(event)]
-    return kind, version, _encoder.encode(event)
+    return kind, version, pack(_encoder.encode(event))
 
 
 def encode_batch(events: Sequence[Event]) -> bytes:
@@ -40,11 +42,13 @@ def encode_batch(events: Sequence[Event]) -> bytes:
     command packing and Redis's argument parsing off the hot path."""
     parts: list[bytes] = []
     add = parts.append
-    pack = _BATCH_HEADER.pack
+    header = _BATCH_HEADER.pack
+    encode = _encoder.encode
+    compress = pack
     for event in events:
         kind, version = _ENVELOPE[type(event)]
-        data = _encoder.encode(event)
-        add(pack(len(kind), len(version), len(data)))
+        data = compress(encode(event))
+        add(header(len(kind), len(version), len(data)))
         add(kind)
         add(version)
         add(data)
@@ -62,8 +66,8 @@ def decode_data(entry_id: str, kind: bytes | None, data: bytes | None) -> Event:
     if data is None or kind is None:
         raise UndecodableEntryError(entry_id, "the entry has no `type` or no `data` field")
     try:
-        event: Event = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        event: Event = _decoder.decode(unpack(data))
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise UndecodableEntryError(entry_id, f"{kind!r}: {exc}") from None
     if _ENVELOPE[type(event)][0] != kind:
         raise UndecodableEntryError(entry_id, f"envelope says {kind!r} but data is {type(event).__name__}")
@@ -106,13 +110,13 @@ def decode_rows(
     for entry_id, flat in rows:
         try:
             if len(flat) == 6 and flat[0] == TYPE and flat[4] == DATA:
-                event = decode(flat[5])
+                event = decode(unpack(flat[5]))
                 if envelope[type(event)][0] == flat[1]:
                     add((entry_id, event))
                     continue
             # Anything unusual takes the careful path, which raises with the reason.
             add((entry_id, decode_entry(entry_id, flat)))
-        except (msgspec.DecodeError, msgspec.ValidationError, UndecodableEntryError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, UndecodableEntryError) as exc:
             error = exc if isinstance(exc, UndecodableEntryError) else _poison(entry_id, flat)
             if on_poison is None:
                 raise error from None
@@ -126,6 +130,14 @@ def _poison(entry_id: str, flat: Sequence[bytes]) -> UndecodableEntryError:
     except UndecodableEntryError as exc:
         return exc
     return UndecodableEntryError(entry_id, "undecodable", flat_to_dict(flat))
+
+
+def decode_event(data: bytes) -> Event:
+    """An entry's `data` as its event (no envelope check): for bulk readers that grouped entries by
+    their `type` already. Raises msgspec's errors, or ValueError for a compressed entry that
+    cannot be read."""
+    event: Event = _decoder.decode(unpack(data))
+    return event
 
 
 def event_fields(event: Event) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from typing import Final
 DEFAULT_PREFIX: Final = "rl:"
 # The consumer group that workers read every task queue through.
 WORKERS_GROUP: Final = "workers"
+# Most entries `Keys.dead` keeps by default (setting dead_max_entries); XADD trims older ones.
+DEAD_MAX_ENTRIES: Final = 10_000
 # Digests are sha256 hex; twelve characters name a queue (as `ollama list` shows them).
 DIGEST_PREFIX_LEN: Final = 12
 

@@ -23,22 +23,21 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from events.codec import decode_rows
+from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import BenchmarkResult, Event, TaskSubmitted
-from events.keys import Keys
+from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted
+from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
-from projections.folder import TASK_EVENTS, Folder
+from projections.folder import FOLDED_TYPES, TASK_EVENTS, Folder
 from projections.store import TableChange
 from projections.tables import (
     DEFAULT_DEMAND_HALF_LIFE_S,
@@ -71,8 +70,10 @@ class Projector:
         lease_ms: int = DEFAULT_LEASE_MS,
         batch: int = 2000,
         block_ms: int | None = None,
+        dead_max_entries: int = DEAD_MAX_ENTRIES,
     ) -> None:
         self.redis = redis
+        self.dead_max_entries = dead_max_entries
         self.keys = keys or Keys()
         self.ledger = Ledger(redis, self.keys)
         self.half_life_s = half_life_s
@@ -233,18 +234,27 @@ class Projector:
             return 0
         try:
             poison: list[UndecodableEntryError] = []
-            batch = list(decode_rows(rows, poison.append))
-            await self._load_rows(tables, batch)
+            batch = list(decode_rows([r for r in rows if not _ignored(r[1])], poison.append))
+            checkpoint, folded = rows[-1][0], tables.folded + len(rows)
+            # Ledger time, not a clock: which shards are kept is a function of the history.
+            now = _entry_ms(checkpoint)
+            await self._load_rows(tables, batch, now)
             for entry_id, event in batch:
                 folder.apply(event, _entry_ms(entry_id))
             folder.flush_fleet()
-            checkpoint, folded = rows[-1][0], tables.folded + len(rows)
-            changes = _changes(folder, tables, _wall_ms())
+            changes = _changes(folder, tables, now)
+            drop = [
+                store.shard_name(table, day)
+                for day in store.dropped_days(
+                    tables.task_retention_days, store.ledger_ms(tables.checkpoint), now
+                )
+                for table in store.SHARDED_TABLES
+            ]
             # Fold first, then look at the lease: the fold may have taken long.
             self._check_lease()
             if poison:
                 await self._dead_letter(poison)
-            result = await writer.apply(tables.checkpoint, checkpoint, folded, changes)
+            result = await writer.apply(tables.checkpoint, checkpoint, folded, changes, drop)
         except BaseException:
             # The memory may now hold a batch Redis does not: read it all again before going on.
             self.tables = None
@@ -265,7 +275,7 @@ class Projector:
         self.folded += len(rows)
         return len(rows)
 
-    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]]) -> None:
+    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]], now: int) -> None:
         """Read into `tables` the task rows and benchmark marks the batch touches (and nothing
         else), in one pipeline (and one more for rows older than the newest two day shards)."""
         wanted: dict[store.ShardedField, store.Wanted] = {}
@@ -288,7 +298,7 @@ class Projector:
             self.ns,
             wanted,
             retention_days=tables.task_retention_days,
-            now_ms=_wall_ms(),
+            now_ms=now,
         )
         for (table, name), raw in found.items():
             if table == store.TASKS:
@@ -303,7 +313,8 @@ class Projector:
             kind = exc.fields.get(b"type")
             if kind is not None:
                 fields["type"] = kind
-            pipe.xadd(self.keys.dead, fields)
+            # Capped, like every writer of the stream: poison must not fill Redis either.
+            pipe.xadd(self.keys.dead, fields, maxlen=self.dead_max_entries, approximate=True)
             log.warning("dead-lettered ledger entry %s: %s", exc.entry_id, exc.reason)
         await pipe.execute()
         self.dead_lettered += len(poison)
@@ -367,8 +378,13 @@ def _entry_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
-def _wall_ms() -> int:
-    return time.time_ns() // 1_000_000
+# Envelope tags of the standard entries the folder has no use for: skipped undecoded. An entry
+# of any other layout is decoded, so that poison is still dead-lettered.
+_IGNORED: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES if t.__name__ not in FOLDED_TYPES)
+
+
+def _ignored(flat: Sequence[bytes]) -> bool:
+    return len(flat) == 6 and flat[0] == TYPE and flat[1] in _IGNORED and flat[4] == DATA
 
 
 def _now() -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -15,10 +15,9 @@ from events.ledger import next_id
 from projections import store
 from projections.errors import NoProjectionError, ProjectionError
 from projections.snapshot import Snapshot, TaskRow
+from projections.tables import DEFAULT_TASK_RETENTION_DAYS
 
 _SNAPSHOT_TABLES = store.SMALL_TABLES
-# How far ahead of this process's clock Redis's may be when naming today's shard.
-CLOCK_SKEW_MS: Final = 60_000
 
 
 def _ms(entry_id: str) -> int:
@@ -80,11 +79,17 @@ async def get_tasks(redis: aioredis.Redis, keys: Keys, task_ids: Sequence[str]) 
     ns = await store.current(redis, keys)
     if ns is None or not task_ids:
         return {}
-    now = clock_ms()
-    # Shards are named by Redis's clock (stream ids): allow for it being a little ahead of ours.
-    want = store.Wanted(store.shard_day(now + CLOCK_SKEW_MS))
+    # Which shards exist is a matter of ledger time: the namespace's own checkpoint says it, and no
+    # row is in a shard newer than the checkpoint's day.
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(keys.checkpoint(ns))
+    pipe.hget(keys.table(ns, store.META), "task_retention_days")
+    cp, retention = await pipe.execute()
+    now = store.ledger_ms(None if cp is None else as_str(cp))
+    want = store.Wanted(store.shard_day(now))
     wanted = {(store.TASKS, t): want for t in task_ids}
-    raw = await store.find_in_shards(redis, keys, ns, wanted, retention_days=None, now_ms=now)
+    days = DEFAULT_TASK_RETENTION_DAYS if retention is None else int(retention)
+    raw = await store.find_in_shards(redis, keys, ns, wanted, retention_days=days, now_ms=now)
     try:
         return {t: store.decode_task(raw[store.TASKS, t]) for t in task_ids if (store.TASKS, t) in raw}
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -95,8 +100,9 @@ async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int
     """(entries behind, ms behind) of the live namespace: how much of the ledger is not folded yet.
 
     ms behind is the age, by Redis's clock, of the oldest entry not yet folded (0 when none is).
-    Entries behind is the ledger's length less what the namespace folded: exact while the ledger
-    is never trimmed. Raises NoProjectionError before the first projector ran.
+    Entries behind is what the ledger ever held (the stream's length and what the archive took off
+    it) less what the namespace folded; for the moment between an archive run's manifest and its
+    trim it counts that segment twice. Raises NoProjectionError before the first projector ran.
     """
     keys = keys or Keys()
     ns = await store.current(redis, keys)
@@ -106,12 +112,13 @@ async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int
     pipe.get(keys.checkpoint(ns))
     pipe.hget(keys.table(ns, store.META), "folded")
     pipe.xlen(keys.events)
+    pipe.hget(keys.archive, "events")
     pipe.time()
-    cp_raw, folded_raw, length, (secs, micros) = await pipe.execute()
+    cp_raw, folded_raw, length, archived, (secs, micros) = await pipe.execute()
     checkpoint = "0-0" if cp_raw is None else as_str(cp_raw)
     rows: Any = await redis.xrange(keys.events, next_id(checkpoint), "+", count=1)
     if not rows:
         return 0, 0
     server_ms = int(secs) * 1000 + int(micros) // 1000
-    behind = max(1, int(length) - int(folded_raw or 0))
+    behind = max(1, int(length) + int(archived or 0) - int(folded_raw or 0))
     return behind, max(0, server_ms - _ms(as_str(rows[0][0])))

@@ -19,8 +19,11 @@ visible in the stored value itself. `rl:p:current` names the live namespace.
 
 Task rows and benchmark marks grow with history, so they are never read whole by the projector:
 they live in day shards, named by the UTC day of the stream id (its ms part) of the ledger entry
-that created them, and each shard expires `task_retention_days` after its day ends. A lookup reads
-only the rows it needs (HMGET), newest shards first (`find_in_shards`).
+that created them. A shard is dropped once it is `task_retention_days` past its day by *ledger
+time*, the ms of the newest entry folded (the checkpoint), not by any clock: the tables stay a
+function of the history alone, so a rebuild made at any moment equals the live namespace, and a
+history squeezed into minutes keeps the same window a real one would. A lookup reads only the rows
+it needs (HMGET), newest shards first (`find_in_shards`).
 """
 
 from __future__ import annotations
@@ -77,23 +80,26 @@ _demand_dec: Final = msgspec.msgpack.Decoder(DemandRow)
 
 # The table update and the checkpoint in one step, refused unless the caller still owns the
 # namespace (fencing) and the checkpoint is where the caller last left it.
-# KEYS: owner, checkpoint, meta, then the tables (or day shards) that changed.
-# ARGV: token, expected checkpoint ('' for none), new checkpoint, folded count, then per table
-# its number of fields, its EXPIREAT in unix seconds (0: none), then field, value pairs.
+# KEYS: owner, checkpoint, meta, the `ndrop` day shards that fell out of retention, then the tables
+# (or day shards) that changed.
+# ARGV: token, expected checkpoint ('' for none), new checkpoint, folded count, ndrop, then per
+# changed table its number of fields, then field, value pairs.
 _APPLY: Final = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local cp = redis.call('GET', KEYS[2]) or ''
 if cp ~= ARGV[2] then return -1 end
-local pos = 5
-for i = 4, #KEYS do
+local ndrop = tonumber(ARGV[5])
+for i = 4, 3 + ndrop do
+  redis.call('DEL', KEYS[i])
+end
+local pos = 6
+for i = 4 + ndrop, #KEYS do
   local n = tonumber(ARGV[pos])
-  local expire_at = tonumber(ARGV[pos + 1])
-  pos = pos + 2
+  pos = pos + 1
   for j = 1, n do
     redis.call('HSET', KEYS[i], ARGV[pos], ARGV[pos + 1])
     pos = pos + 2
   end
-  if expire_at > 0 then redis.call('EXPIREAT', KEYS[i], expire_at) end
 end
 redis.call('SET', KEYS[2], ARGV[3], 'KEEPTTL')
 redis.call('HSET', KEYS[3], 'folded', ARGV[4])
@@ -121,8 +127,6 @@ class TableChange(NamedTuple):
 
     name: str
     fields: Iterable[tuple[str, bytes]]
-    # Unix seconds at which the table's key expires; 0 for a table that never does.
-    expire_at: int = 0
 
 
 # -- day shards --------------------------------------------------------------------------------
@@ -138,42 +142,52 @@ def shard_name(table: str, day: int) -> str:
     return f"{table}:{time.strftime('%Y%m%d', time.gmtime(day * 86_400))}"
 
 
-def shard_expire_at(day: int, retention_days: int) -> int:
-    """Unix seconds at which the shard of `day` expires: the end of its day plus the retention."""
-    return (day + 1 + retention_days) * 86_400
+def ledger_ms(checkpoint: str | None) -> int:
+    """Ledger time: the ms part of the newest entry folded (0 before any)."""
+    return 0 if not checkpoint else int(checkpoint.partition("-")[0])
 
 
-def shard_alive(day: int, retention_days: int, now_ms: int) -> bool:
-    """Whether the shard of `day` is still within retention at `now_ms`."""
-    return shard_expire_at(day, retention_days) * 1000 > now_ms
+def oldest_live_day(retention_days: int, ledger_ms: int) -> int:
+    """The oldest day whose shard is kept at ledger time `ledger_ms`."""
+    return shard_day(ledger_ms) - retention_days
 
 
-def live_days(newest: int, retention_days: int, now_ms: int) -> list[int]:
-    """The days from `newest` back whose shards are within retention at `now_ms`, newest first."""
-    oldest = shard_day(now_ms) - retention_days - 1
-    return [d for d in range(newest, oldest - 1, -1) if shard_alive(d, retention_days, now_ms)]
+def shard_alive(day: int, retention_days: int, ledger_ms: int) -> bool:
+    """Whether the shard of `day` is still within retention at ledger time `ledger_ms`."""
+    return day >= oldest_live_day(retention_days, ledger_ms)
 
 
-def task_day(row: TaskRow, now_ms: int) -> int:
-    """The day shard of a task row (a row from before shards: today's)."""
-    return shard_day(row.first_ms if row.first_ms is not None else now_ms)
+def live_days(newest: int, retention_days: int, ledger_ms: int) -> list[int]:
+    """The days from `newest` back whose shards are kept at ledger time `ledger_ms`, newest first."""
+    return list(range(newest, oldest_live_day(retention_days, ledger_ms) - 1, -1))
 
 
-def drop_expired(tables: Tables, now_ms: int) -> None:
-    """Remove the task rows and benchmark marks whose day shard is past retention at `now_ms`:
-    what a rebuild does not write and the live namespace no longer holds."""
-    keep = tables.task_retention_days
-    tables.tasks = {k: r for k, r in tables.tasks.items() if shard_alive(task_day(r, now_ms), keep, now_ms)}
-    tables.benched = {k: ms for k, ms in tables.benched.items() if shard_alive(shard_day(ms), keep, now_ms)}
+def dropped_days(retention_days: int, before_ms: int, after_ms: int) -> range:
+    """The days whose shards fall out of retention as ledger time moves from `before_ms` on."""
+    if before_ms <= 0:
+        return range(0)
+    return range(oldest_live_day(retention_days, before_ms), oldest_live_day(retention_days, after_ms))
 
 
-def table_keys(keys: Keys, ns: str, retention_days: int = DEFAULT_TASK_RETENTION_DAYS) -> list[str]:
-    """Every key of namespace `ns` (the day shards of the retention window as of now included)."""
-    now_ms = time.time_ns() // 1_000_000
+def task_day(row: TaskRow, ledger_ms: int) -> int:
+    """The day shard of a task row (a row from before shards: the ledger's day)."""
+    return shard_day(row.first_ms if row.first_ms is not None else ledger_ms)
+
+
+def drop_expired(tables: Tables) -> None:
+    """Remove the task rows and benchmark marks whose day shard is past retention at the tables'
+    ledger time: what a rebuild does not write and the live namespace no longer holds."""
+    keep, now = tables.task_retention_days, ledger_ms(tables.checkpoint)
+    tables.tasks = {k: r for k, r in tables.tasks.items() if shard_alive(task_day(r, now), keep, now)}
+    tables.benched = {k: ms for k, ms in tables.benched.items() if shard_alive(shard_day(ms), keep, now)}
+
+
+def table_keys(keys: Keys, ns: str, retention_days: int, ledger_ms: int) -> list[str]:
+    """Every key of namespace `ns`, its live day shards at ledger time `ledger_ms` included."""
     shards = [
         keys.table(ns, shard_name(t, d))
         for t in SHARDED_TABLES
-        for d in live_days(shard_day(now_ms) + 1, retention_days, now_ms)
+        for d in live_days(shard_day(ledger_ms) + 1, retention_days, ledger_ms)
     ]
     return [keys.table(ns, t) for t in (*SMALL_TABLES, META)] + shards + [keys.checkpoint(ns), keys.owner(ns)]
 
@@ -231,8 +245,8 @@ def encode_mark(ms: int) -> bytes:
 
 
 def task_changes(rows: Iterable[TaskRow], retention_days: int, now_ms: int) -> list[TableChange]:
-    """Task rows grouped into their day shards, each with its EXPIREAT; shards already past
-    retention are left out (a rebuild writes none, and Redis would drop them at once)."""
+    """Task rows grouped into their day shards; shards already past retention at ledger time
+    `now_ms` are left out (a rebuild writes none, and the live namespace dropped them)."""
     by_day: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
     for row in rows:
         by_day[task_day(row, now_ms)].append((row.task_id, encode_row(row)))
@@ -253,7 +267,7 @@ def _shard_changes(
     table: str, by_day: Mapping[int, list[tuple[str, bytes]]], retention_days: int, now_ms: int
 ) -> list[TableChange]:
     return [
-        TableChange(shard_name(table, day), fields, shard_expire_at(day, retention_days))
+        TableChange(shard_name(table, day), fields)
         for day, fields in sorted(by_day.items())
         if shard_alive(day, retention_days, now_ms)
     ]
@@ -324,9 +338,8 @@ async def load(redis: aioredis.Redis, keys: Keys, ns: str, *, with_tasks: bool =
 
 
 async def _load_shards(redis: aioredis.Redis, keys: Keys, ns: str, tables: Tables) -> None:
-    now_ms = time.time_ns() // 1_000_000
-    # One day ahead: the stream ids come from Redis's clock, which may be ahead of this one.
-    days = live_days(shard_day(now_ms) + 1, tables.task_retention_days, now_ms)
+    now = ledger_ms(tables.checkpoint)
+    days = live_days(shard_day(now), tables.task_retention_days, now)
     pipe = redis.pipeline(transaction=False)
     for day in days:
         pipe.hgetall(keys.table(ns, shard_name(TASKS, day)))
@@ -362,13 +375,14 @@ async def find_in_shards(
     wanted: Mapping[ShardedField, Wanted],
     *,
     retention_days: int | None,
-    now_ms: int,
+    now_ms: int | None,
 ) -> dict[ShardedField, bytes]:
     """The stored values of the `wanted` rows of the day-sharded tables, where found.
 
     The newest NEAR_SHARDS shards of each row come first, all in one pipeline; the rows not found
     there (unless `near_only`) are looked up in every older live shard, in one more. Without
-    `retention_days` it is read from the namespace's meta in the first round trip.
+    `retention_days` or ledger time `now_ms`, they are read from the namespace (its meta and its
+    checkpoint) in the first round trip.
     """
     if not wanted:
         return {}
@@ -378,10 +392,14 @@ async def find_in_shards(
         for day in range(want.newest_day, want.newest_day - NEAR_SHARDS, -1):
             near[table, day].append(field)
     pipe = redis.pipeline(transaction=False)
-    if retention_days is None:
+    if retention_days is None or now_ms is None:
         pipe.hget(keys.table(ns, META), "task_retention_days")
-        (raw,) = await _hmget_shards(pipe, keys, ns, near, found, head=1)
-        retention_days = DEFAULT_TASK_RETENTION_DAYS if raw is None else int(raw)
+        pipe.get(keys.checkpoint(ns))
+        raw, cp = await _hmget_shards(pipe, keys, ns, near, found, head=2)
+        if retention_days is None:
+            retention_days = DEFAULT_TASK_RETENTION_DAYS if raw is None else int(raw)
+        if now_ms is None:
+            now_ms = ledger_ms(None if cp is None else as_str(cp))
     else:
         await _hmget_shards(pipe, keys, ns, near, found)
     far: dict[tuple[str, int], list[str]] = defaultdict(list)
@@ -461,17 +479,15 @@ async def create(
 
     `tasks`, when given, are the task rows' day shards, already grouped and encoded as they are
     written (a rebuild makes them from its frame, a batch at a time, without TaskRow objects),
-    in place of `tables.tasks`. `now_ms` is the time retention is judged at (default: now)."""
+    in place of `tables.tasks`. `now_ms` is the ledger time retention is judged at (default: the
+    tables' checkpoint)."""
     ns = new_namespace()
-    changes = _lazy_fields(tables, time.time_ns() // 1_000_000 if now_ms is None else now_ms, tasks)
+    changes = _lazy_fields(tables, ledger_ms(tables.checkpoint) if now_ms is None else now_ms, tasks)
     await _send_packed(
         redis,
         chain.from_iterable(_hset_commands(keys.table(ns, c.name), iter(c.fields)) for c in changes),
     )
     pipe = redis.pipeline(transaction=False)
-    for change in changes:
-        if change.expire_at:
-            pipe.expireat(keys.table(ns, change.name), change.expire_at)
     pipe.hset(keys.table(ns, META), mapping=_meta(tables, built_by))  # type: ignore[arg-type]
     if tables.checkpoint is not None:
         pipe.set(keys.checkpoint(ns), tables.checkpoint)
@@ -502,9 +518,10 @@ async def switch_if_unset(redis: aioredis.Redis, keys: Keys, ns: str) -> str:
 async def retire(redis: aioredis.Redis, keys: Keys, ns: str, after_ms: int = RETIRE_AFTER_MS) -> None:
     """Let every key of namespace `ns` expire after `after_ms`."""
     raw: Any = await redis.hget(keys.table(ns, META), "task_retention_days")
+    cp: Any = await redis.get(keys.checkpoint(ns))
     retention_days = DEFAULT_TASK_RETENTION_DAYS if raw is None else int(raw)
     pipe = redis.pipeline(transaction=False)
-    for key in table_keys(keys, ns, retention_days):
+    for key in table_keys(keys, ns, retention_days, ledger_ms(None if cp is None else as_str(cp))):
         pipe.pexpire(key, after_ms)
     await pipe.execute()
 
@@ -533,22 +550,24 @@ class NamespaceWriter:
         checkpoint: str,
         folded: int,
         changes: Sequence[TableChange],
+        drop: Sequence[str] = (),
     ) -> int:
-        """Write `changes` (table name, (field, value) pairs, expiry) and move the checkpoint from
-        `expected` to `checkpoint`. APPLIED, NOT_OWNER (fenced out) or MOVED (someone else wrote)."""
+        """Delete the `drop` tables (day shards past retention), write `changes` (table name,
+        (field, value) pairs) and move the checkpoint from `expected` to `checkpoint`. APPLIED,
+        NOT_OWNER (fenced out) or MOVED (someone else wrote)."""
         script_keys = [
             self.keys.owner(self.ns),
             self.keys.checkpoint(self.ns),
             self.keys.table(self.ns, META),
+            *(self.keys.table(self.ns, name) for name in drop),
         ]
-        args: list[Any] = [self.token, expected or "", checkpoint, folded]
-        for name, fields, expire_at in changes:
+        args: list[Any] = [self.token, expected or "", checkpoint, folded, len(drop)]
+        for name, fields in changes:
             pairs = list(fields)
             if not pairs:
                 continue
             script_keys.append(self.keys.table(self.ns, name))
             args.append(len(pairs))
-            args.append(expire_at)
             for field, value in pairs:
                 args.append(field)
                 args.append(value)

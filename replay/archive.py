@@ -37,7 +37,7 @@ from events.singleton import SingletonLease
 from projections import store
 from replay import segment
 from replay.errors import ArchiveError
-from replay.frames import KINDS, TYPED_COLUMNS, columns_of
+from replay.frames import KINDS, TYPED_COLUMNS, UNUSED_TAGS, columns_of
 from replay.segment import Manifest, Segment
 
 log = logging.getLogger("routeledger.archive")
@@ -151,28 +151,33 @@ def segment_frame(rows: Sequence[WireEntry]) -> pl.DataFrame:
         ids.append(text)
         ms.append(int(left))
         seqs.append(int(right))
-        keep.append((text, flat))
         if segment.is_standard(flat):
             try:
                 kind, version = flat[1].decode(), flat[3].decode()
             except UnicodeDecodeError:
                 pass
             else:
+                if flat[1] not in UNUSED_TAGS:
+                    keep.append((text, flat))
                 kinds.append(kind)
                 versions.append(version)
                 bodies.append(flat[5])
                 raws.append(None)
                 continue
         # Anything else keeps its whole field list, so that a reader gets back what Redis held.
+        keep.append((text, flat))
         fields = flat_to_dict(flat)
         kinds.append(_text(fields.get(TYPE)))
         versions.append(_text(fields.get(VERSION)))
         bodies.append(fields.get(DATA))
         raws.append(encode(list(flat)))
     poison: list[UndecodableEntryError] = []
+    # Types no table reads are not decoded (routing breakdowns are most of the ledger's bytes):
+    # their `decoded` is null, unknown, and no reader takes them from a segment but export.
     events = decode_rows(keep, poison.append)
     position = {text: i for i, text in enumerate(ids)}
-    decoded = [False] * len(ids)
+    checked = {text for text, _ in keep}
+    decoded: list[bool | None] = [False if text in checked else None for text in ids]
     by_kind: dict[type[Event], tuple[list[int], list[Event]]] = {}
     for text, event in events:
         i = position[text]

@@ -37,7 +37,7 @@ from projections.snapshot import (
     TaskRow,
 )
 from projections.status import TERMINAL_RANK
-from projections.store import DAY_MS, decode_task, shard_alive, shard_day
+from projections.store import DAY_MS, decode_task, oldest_live_day
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.frames import HEARTBEAT, ONLINE, Frames, Report
 
@@ -122,13 +122,8 @@ def counted_completions(frames: Frames) -> pl.LazyFrame:
 
 
 def oldest_live_ms(retention_days: int, now_ms: int) -> int:
-    """The first stream-id ms whose day shard is still within retention at `now_ms`."""
-    day = shard_day(now_ms) - retention_days - 1
-    while not shard_alive(day, retention_days, now_ms):
-        day += 1
-    while shard_alive(day - 1, retention_days, now_ms):
-        day -= 1
-    return day * DAY_MS
+    """The first stream-id ms whose day shard is still within retention at ledger time `now_ms`."""
+    return oldest_live_day(retention_days, now_ms) * DAY_MS
 
 
 def fold_frames(

@@ -22,10 +22,9 @@ from typing import Any, Final
 import msgspec
 import polars as pl
 
-from events.codec import DATA, TYPE, decode_rows
+from events.codec import DATA, TYPE, decode_event, decode_rows
 from events.event import (
     EVENT_TYPES,
-    AnyEvent,
     BenchmarkResult,
     Event,
     QualityScored,
@@ -217,15 +216,15 @@ _CLASS_OF: Final[dict[bytes, type[Event]]] = {cls.__name__.encode(): cls for cls
 # Event types no table reads, by their envelope tag: their entries are not decoded at all
 # (routing breakdowns are the bulkiest part of the ledger).
 UNUSED_TAGS: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES) - _CLASS_OF.keys()
-# The codec's union decoder: the same validation, entry by entry.
-_decode: Final = msgspec.msgpack.Decoder(AnyEvent).decode
+# The codec's decoder: the same decompression and validation, entry by entry.
+_decode: Final = decode_event
 
 
 def _decode_all(data: list[bytes], cls: type[Event]) -> list[Event] | None:
     """Every entry's data as a `cls`, or None when any is not one (the careful path then says why)."""
     try:
         events: list[Event] = list(map(_decode, data))
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
         return None
     return events if set(map(type, events)) == {cls} else None
 

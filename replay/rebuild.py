@@ -14,7 +14,6 @@ import contextlib
 import datetime as dt
 import gc
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -127,16 +126,12 @@ async def build(
 
 
 def task_shards(table: pl.DataFrame, retention_days: int, now_ms: int) -> list[store.TableChange]:
-    """The rows of a task frame (replay/fold.py `task_frame`) grouped into their day shards, each
-    with its EXPIREAT, and encoded only as the write reads them; shards past retention left out."""
+    """The rows of a task frame (replay/fold.py `task_frame`) grouped into their day shards and
+    encoded only as the write reads them; shards past retention at ledger time `now_ms` left out."""
     day = (pl.col("first_ms").fill_null(now_ms) // store.DAY_MS).alias("_day")
     by_day = table.with_columns(day).partition_by("_day", as_dict=True, include_key=False)
     return [
-        store.TableChange(
-            store.shard_name(store.TASKS, d),
-            encoded_task_rows(part),
-            store.shard_expire_at(d, retention_days),
-        )
+        store.TableChange(store.shard_name(store.TASKS, d), encoded_task_rows(part))
         for (d,), part in sorted(by_day.items(), key=lambda item: int(item[0][0]))
         if store.shard_alive(int(d), retention_days, now_ms)
     ]
@@ -159,7 +154,8 @@ async def rebuild(
     past retention are not written (nor their rows made)."""
     keys = keys or Keys()
     frames, read, last_id, poison = await _read(redis, keys, until, progress, READ_CHUNK, archive_dir)
-    now_ms = time.time_ns() // 1_000_000
+    # Retention is judged at ledger time, as the projector judges it: the newest entry's ms.
+    now_ms = store.ledger_ms(last_id)
     tables, tasks = fold_tables(frames, half_life_s, demand_half_life_s, task_retention_days, now_ms=now_ms)
     # The events' frames are the bulk of the memory: gone before the rows are encoded.
     del frames

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -118,7 +117,7 @@ async def verify(
             task_retention_days=live.task_retention_days,
         )
     else:
-        now_ms = time.time_ns() // 1_000_000
+        now_ms = store.ledger_ms(live.checkpoint)
         # Rows past retention are left out before they are made (a long history's are most of them).
         rebuilt, _ = await build(
             redis,
@@ -131,5 +130,5 @@ async def verify(
             archive_dir=archive_dir,
             now_ms=now_ms,
         )
-        store.drop_expired(rebuilt, now_ms)
+        store.drop_expired(rebuilt)
     return live, diff_tables(live, rebuilt)

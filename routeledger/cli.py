@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import signal
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from routeledger.cli_sim import sim_app
 from routeledger.cli_status import status_cmd
 from routeledger.cli_traffic import traffic_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
-from routeledger.config import FIELDS, url_file
+from routeledger.config import FIELDS, maxmemory_bytes, url_file
 from routeledger.embedded import EmbeddedRedis, free_port, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
 from routeledger.runtime import Instance, command, console, err_console, fail, print_json, setup_logging
@@ -128,8 +129,11 @@ def up(
     embedded: EmbeddedRedis | None = None
     if s.redis_url:
         url = s.redis_url
+        _check_external_memory(url)
     else:
-        embedded = EmbeddedRedis(Path(s.data_dir), port=s.redis_port or None, bind=s.redis_bind)
+        embedded = EmbeddedRedis(
+            Path(s.data_dir), port=s.redis_port or None, bind=s.redis_bind, maxmemory=maxmemory_bytes(s)
+        )
         url = embedded.start()
     Path(s.data_dir).mkdir(parents=True, exist_ok=True)
     write_private(url_file(s), url + "\n")
@@ -170,6 +174,27 @@ def up(
             embedded.stop()
         with contextlib.suppress(OSError):
             url_file(s).unlink()
+
+
+def _check_external_memory(url: str) -> None:
+    """Warn when a Redis routeledger does not start itself has no memory limit or evicts at it
+    (its limit and policy are its operator's to set; routeledger only reads them)."""
+    import redis as sync_redis
+
+    from dispatch.memory import parse_info
+
+    log = logging.getLogger("routeledger.up")
+    client = sync_redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        state = parse_info(client.info("memory"))
+    except sync_redis.RedisError as exc:
+        log.warning("could not read the memory limit of %s (%s)", _mask(url), exc)
+        return
+    finally:
+        client.close()
+    warning = state.warning()
+    if warning is not None:
+        log.warning("%s", warning)
 
 
 def _spawn_demo_fleet(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> dict[str, str]:

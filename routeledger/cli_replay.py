@@ -54,6 +54,7 @@ def projector_cmd(inst: Instance) -> None:
             demand_half_life_s=s.demand_half_life_s,
             task_retention_days=s.task_retention_days,
             lease_ms=s.lease_ms,
+            dead_max_entries=s.dead_max_entries,
         )
         await projector.run(stop)
 

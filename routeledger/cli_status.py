@@ -2,7 +2,7 @@
 
 The same data as GET /v1/dashboard/overview (dispatch.overview.overview), so it works without the
 API running: the fleet, capacity and queues per model, recent tasks with who ran them and why,
-and recent reclaims, stalls and dead letters.
+recent reclaims, stalls and dead letters, and Redis's memory against its limit with the archive's state.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from dispatch.memory import MemoryWatch, human_bytes
 from dispatch.overview import overview
 from routeledger.runtime import Instance, command, console, print_json
 
@@ -163,6 +164,28 @@ def incidents_table(o: dict[str, Any], limit: int = 10) -> Table:
     return t
 
 
+_LEVEL_STYLE = {"ok": "", "warn": "bold yellow", "unbounded": "bold yellow", "full": "bold red"}
+
+
+def storage_line(o: dict[str, Any]) -> Text:
+    """Redis memory against its limit and the archive, one line; a warning line under it when due."""
+    r, a = o.get("redis") or {}, o.get("archive") or {}
+    if not r:
+        return Text("")
+    if r["ratio"] is None:
+        memory = f"Redis memory {human_bytes(r['used_bytes'])}, no limit"
+    else:
+        memory = (
+            f"Redis memory {human_bytes(r['used_bytes'])} of {human_bytes(r['max_bytes'])} ({r['ratio']:.0%})"
+        )
+    line = Text(f"{memory} · archive: {a.get('summary', '?')}", style=_LEVEL_STYLE.get(r["level"], ""))
+    if a.get("ran_at"):
+        line.append(f" (last run {_clock(a['ran_at'])})")
+    if r.get("warning"):
+        line.append(f"\n{r['warning']}", style=_LEVEL_STYLE.get(r["level"], "") or "bold yellow")
+    return line
+
+
 def render(o: dict[str, Any]) -> Group:
     p = o["projection"]
     lag = (
@@ -171,7 +194,7 @@ def render(o: dict[str, Any]) -> Group:
         else f"projection: {p.get('status')}"
     )
     head = Text(f"routeledger status at {_clock(o['now'])} · {lag}", style="bold")
-    return Group(head, fleet_table(o), models_table(o), tasks_table(o), incidents_table(o))
+    return Group(head, storage_line(o), fleet_table(o), models_table(o), tasks_table(o), incidents_table(o))
 
 
 @command()
@@ -193,10 +216,13 @@ def status_cmd(
         return
 
     async def follow(client: aioredis.Redis) -> None:
-        with Live(render(await overview(client, keys)), console=console, auto_refresh=False) as live:
+        memory = MemoryWatch(client)
+        with Live(
+            render(await overview(client, keys, memory=memory)), console=console, auto_refresh=False
+        ) as live:
             while True:
                 started = time.monotonic()
-                live.update(render(await overview(client, keys)), refresh=True)
+                live.update(render(await overview(client, keys, memory=memory)), refresh=True)
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     with contextlib.suppress(KeyboardInterrupt):

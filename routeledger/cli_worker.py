@@ -95,6 +95,7 @@ def worker(
         lease_ms=s.lease_ms,
         heartbeat_ms=s.heartbeat_ms,
         delivery_limit=s.delivery_limit,
+        dead_max_entries=s.dead_max_entries,
         auto_bench=bench,
     )
 
@@ -151,7 +152,12 @@ def reaper_cmd(inst: Instance) -> None:
     """Reclaim tasks whose worker died, dead-letter spent ones, report stalled ones (one active at a time)."""
     s = inst.settings
     setup_logging(s.log_level)
-    cfg = ReaperConfig(lease_ms=s.lease_ms, delivery_limit=s.delivery_limit, stall_after_s=s.stall_after_s)
+    cfg = ReaperConfig(
+        lease_ms=s.lease_ms,
+        delivery_limit=s.delivery_limit,
+        stall_after_s=s.stall_after_s,
+        dead_max_entries=s.dead_max_entries,
+    )
 
     async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()

@@ -8,6 +8,7 @@ default. `REDIS_URL` is read as well as `ROUTELEDGER_REDIS_URL`, as most tools d
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from events.keys import DEFAULT_PREFIX
+from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
 from routeledger.errors import ConfigError, NotRunningError
 
@@ -60,6 +61,8 @@ class Settings(msgspec.Struct, kw_only=True):
     hot_window_s: float = 7 * 86_400.0
     max_hot_entries: int = 2_000_000
     archive_every_s: float = 3_600.0
+    redis_maxmemory: int | str = "25%"
+    dead_max_entries: int = DEAD_MAX_ENTRIES
 
 
 # What each setting means, for `config show` and the README's table.
@@ -78,7 +81,7 @@ FIELDS: Final[dict[str, str]] = {
     "stall_after_s": "a queued task nobody took for this long is reported stalled",
     "half_life_s": "half-life of the time-decayed statistics",
     "demand_half_life_s": "half-life of the arrival rate per model (short: the gate needs recent demand)",
-    "task_retention_days": "days the projection keeps a task's row (and benchmark marks) after its UTC day",
+    "task_retention_days": "days of ledger time the projection keeps a task's row and benchmark marks",
     "backend_timeout_s": "longest a worker waits on its backend for one generation",
     "log_level": "log level of every process (debug, info, warning, error)",
     "pipeline_model": "model of a pipeline's decomposer, children and integration when a request names none",
@@ -88,6 +91,11 @@ FIELDS: Final[dict[str, str]] = {
     "hot_window_s": "ledger entries younger than this stay in Redis; older ones are archived",
     "max_hot_entries": "most entries the stream keeps; older ones beyond it are archived, however young",
     "archive_every_s": "how often `up` runs the archiver",
+    "redis_maxmemory": (
+        "memory limit of embedded Redis: bytes, a size (512mb, 2gb) or a share of this machine's RAM "
+        "(25%, the default: room for the API, workers and the OS beside it); never evicts"
+    ),
+    "dead_max_entries": "most entries rl:dead keeps; older ones are trimmed as new ones arrive",
 }
 
 _LIST_FIELDS: Final = {"api_keys"}
@@ -183,10 +191,63 @@ def _validate(s: Settings) -> None:
         (s.hot_window_s >= 0, f"hot_window_s must not be negative, got {s.hot_window_s}"),
         (s.max_hot_entries >= 0, f"max_hot_entries must not be negative, got {s.max_hot_entries}"),
         (s.archive_every_s > 0, f"archive_every_s must be positive, got {s.archive_every_s}"),
+        (s.dead_max_entries >= 1, f"dead_max_entries must be at least 1, got {s.dead_max_entries}"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    maxmemory_bytes(s)
+
+
+# Multipliers of the size suffixes Redis itself accepts (redis.conf: 1k = 1000, 1kb = 1024).
+_SIZE_UNITS: Final[dict[str, int]] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1024,
+    "m": 1000**2,
+    "mb": 1024**2,
+    "g": 1000**3,
+    "gb": 1024**3,
+}
+_SIZE: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+# Below this Redis cannot even hold its own bookkeeping and a few tasks.
+MIN_MAXMEMORY: Final = 16 * 1024**2
+
+
+def total_ram() -> int:
+    """This machine's physical memory in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def maxmemory_bytes(s: Settings) -> int:
+    """`redis_maxmemory` in bytes: as given, a size with a unit, or a percentage of this machine's RAM."""
+    raw = s.redis_maxmemory
+    how = "bytes (1073741824), a size (512mb, 2gb) or a share of RAM (25%)"
+    if isinstance(raw, int):
+        value = raw
+    else:
+        text = raw.strip().lower()
+        if text.endswith("%"):
+            try:
+                share = float(text[:-1])
+            except ValueError:
+                raise ConfigError(f"redis_maxmemory {raw!r} is not a percentage; give {how}") from None
+            if not 0 < share <= 100:
+                raise ConfigError(f"redis_maxmemory {raw!r} must be a share between 0% and 100%")
+            value = int(total_ram() * share / 100)
+        else:
+            match = _SIZE.match(text)
+            if match is None or match.group(2) not in _SIZE_UNITS:
+                raise ConfigError(f"redis_maxmemory {raw!r} is not a size; give {how}")
+            value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    if value < MIN_MAXMEMORY:
+        raise ConfigError(
+            f"redis_maxmemory {raw!r} is {value} bytes, under the least that works ({MIN_MAXMEMORY}, 16mb)"
+        )
+    return value
 
 
 def url_file(settings: Settings) -> Path:

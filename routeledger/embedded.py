@@ -111,6 +111,7 @@ class EmbeddedRedis:
         port: int | None = None,
         bind: str = "127.0.0.1",
         binary: str | None = None,
+        maxmemory: int = 0,
     ) -> None:
         self.data_dir = ensure_data_dir(Path(data_dir).resolve())
         self.bind = bind
@@ -119,6 +120,8 @@ class EmbeddedRedis:
         self.binary = binary or find_redis_server()
         self.password = self._load_password()
         self.process: subprocess.Popen[bytes] | None = None
+        # 0: no limit (the tests' servers); `up` passes redis_maxmemory.
+        self.maxmemory = maxmemory
 
     @property
     def url(self) -> str:
@@ -151,6 +154,10 @@ class EmbeddedRedis:
             "daemonize no",
             f'logfile "{self.log_path}"',
             "protected-mode yes",
+            f"maxmemory {self.maxmemory}",
+            # Never evict: an evicted key would be a queued task, a result or ledger entries lost
+            # without a word. At the limit writes fail instead, and the API refuses new work first.
+            "maxmemory-policy noeviction",
         ]
         write_private(conf, "\n".join(lines) + "\n")
         return conf

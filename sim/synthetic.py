@@ -57,30 +57,32 @@ def _stat(value: float, n: int, at_ms: int) -> Stat:
     return s
 
 
-def routed_breakdown(holders: int, now_ms: int) -> tuple[dict[str, object], str, float]:
-    """What the real router records in the ledger for one decision among `holders` workers that hold
+def routed_breakdown(
+    workers: list[str], now_ms: int, *, model: str = MODEL, digest: str = DIGEST, speed: float = 83.0
+) -> tuple[dict[str, object], str, float]:
+    """What the real router records in the ledger for one decision among `workers`, which all hold
     the model: the breakdown, the chosen worker and its expected finish."""
     snap = Snapshot(half_life_s=_HALF_LIFE_S, taken_at=now_ms)
-    workers = []
-    for i, name in enumerate(worker_names(holders)):
-        tps = 83.0 / (1 + i)
-        snap.speed[(name, DIGEST)] = SpeedRow(
+    views = []
+    for i, name in enumerate(workers):
+        tps = speed / (1 + i)
+        snap.speed[(name, digest)] = SpeedRow(
             worker=name,
-            digest=DIGEST,
+            digest=digest,
             decode_tps=_stat(tps, 20, now_ms),
             prompt_tps=_stat(tps * 15, 20, now_ms),
             load_s=_stat(6.0, 5, now_ms),
         )
-        workers.append(WorkerView(name=name, slots=1 + i % 2, holds={DIGEST}, loaded={DIGEST}))
+        views.append(WorkerView(name=name, slots=1 + i % 2, holds={digest}, loaded={digest}))
     for domain in DOMAINS:
-        snap.length[(DIGEST, domain)] = LengthRow(
-            digest=DIGEST, domain=domain, output_tokens=_stat(300.0, 20, now_ms)
+        snap.length[(digest, domain)] = LengthRow(
+            digest=digest, domain=domain, output_tokens=_stat(300.0, 20, now_ms)
         )
-        snap.quality[(DIGEST, domain)] = QualityRow(digest=DIGEST, domain=domain, score=_stat(0.8, 3, now_ms))
-    view = FleetView(workers=workers, backlog={}, arrival_rate={DIGEST: 0.05})
+        snap.quality[(digest, domain)] = QualityRow(digest=digest, domain=domain, score=_stat(0.8, 3, now_ms))
+    view = FleetView(workers=views, backlog={}, arrival_rate={digest: 0.05})
     decision = decide(
-        RouteQuery(model=MODEL, domain="general", prompt_tokens=400),
-        {MODEL: DIGEST},
+        RouteQuery(model=model, domain="general", prompt_tokens=400),
+        {model: digest},
         view,
         build_estimator(snap, now_ms),
         now_ms,
@@ -101,15 +103,24 @@ class HistoryMaker:
         span_ms: int = YEAR_MS,
         seed: int = 7,
         keys: Keys | None = None,
+        model: str = MODEL,
+        digest: str = DIGEST,
+        workers: list[str] | None = None,
+        speed: float = 83.0,
     ) -> None:
         self.tasks = tasks
         self.holders = holders
         self.start_ms = start_ms
         self.span_ms = span_ms
         self.seed = seed
-        self.queue = (keys or Keys()).queue(DIGEST)
-        self.workers = worker_names(holders)
-        self.breakdown, self.expected_worker, self.expected_finish_s = routed_breakdown(holders, start_ms)
+        self.model = model
+        self.digest = digest
+        self.speed = speed
+        self.queue = (keys or Keys()).queue(digest)
+        self.workers = (workers or worker_names(holders))[:holders]
+        self.breakdown, self.expected_worker, self.expected_finish_s = routed_breakdown(
+            self.workers, start_ms, model=model, digest=digest, speed=speed
+        )
 
     def batches(self, tasks_per_batch: int = 10_000, first: int = 0) -> Iterator[list[Event]]:
         """The events of tasks `first …`, `tasks_per_batch` tasks at a time, in ledger order."""
@@ -129,8 +140,8 @@ class HistoryMaker:
             TaskSubmitted(
                 at=at,
                 task_id=task_id,
-                model=MODEL,
-                digest=DIGEST,
+                model=self.model,
+                digest=self.digest,
                 queue=self.queue,
                 domain=domain,
                 prompt_tokens=rnd.randint(20, 4000),
@@ -141,7 +152,7 @@ class HistoryMaker:
             TaskRouted(
                 at=at,
                 task_id=task_id,
-                digest=DIGEST,
+                digest=self.digest,
                 queue=self.queue,
                 breakdown=self.breakdown,
                 expected_worker=self.expected_worker,
@@ -168,7 +179,7 @@ class HistoryMaker:
                     at=at + 400,
                     task_id=task_id,
                     worker=worker,
-                    digest=DIGEST,
+                    digest=self.digest,
                     attempt=1,
                     kind="backend",
                     retryable=True,
@@ -206,7 +217,7 @@ class HistoryMaker:
             at=at,
             task_id=task_id,
             worker=worker,
-            digest=DIGEST,
+            digest=self.digest,
             attempt=attempt,
             queue=self.queue,
             entry_id=f"{at}-0",
@@ -215,14 +226,14 @@ class HistoryMaker:
     def _completed(
         self, task_id: str, worker: str, attempt: int, domain: str, at: int, rnd: random.Random
     ) -> TaskCompleted:
-        tps = 83.0 / (1 + self.workers.index(worker))
+        tps = self.speed / (1 + self.workers.index(worker))
         tokens = rnd.randint(10, 900)
         prompt = rnd.randint(20, 4000)
         return TaskCompleted(
             at=at,
             task_id=task_id,
             worker=worker,
-            digest=DIGEST,
+            digest=self.digest,
             attempt=attempt,
             domain=domain,
             timings=Timings(
@@ -245,14 +256,14 @@ class HistoryMaker:
         out: list[Event] = []
         for n, worker in enumerate(self.workers):
             task_id = f"{bench_id}-{n}"
-            tps = 83.0 / (1 + n)
+            tps = self.speed / (1 + n)
             t = Timings(eval_count=32, eval_duration=int(32 / tps * 1e9), prompt_eval_count=40)
             out.append(
                 BenchmarkResult(
-                    at=at, bench_id=bench_id, worker=worker, digest=DIGEST, task_id=task_id, timings=t
+                    at=at, bench_id=bench_id, worker=worker, digest=self.digest, task_id=task_id, timings=t
                 )
             )
-        out.append(QualityScored(at=at, digest=DIGEST, domain="general", score=rnd.choice((0.0, 1.0))))
+        out.append(QualityScored(at=at, digest=self.digest, domain="general", score=rnd.choice((0.0, 1.0))))
         return out
 
 

@@ -145,7 +145,7 @@ async def test_a_submission_repeated_the_next_day_counts_demand_once(
     assert differences == []
 
 
-async def test_shards_expire_after_retention_and_rows_past_it_are_written_by_neither_side(
+async def test_shards_past_retention_by_ledger_time_are_dropped_and_written_by_neither_side(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
     now = now_ms()
@@ -164,22 +164,31 @@ async def test_shards_expire_after_retention_and_rows_past_it_are_written_by_nei
     assert await get_task(redis_client, keys, "kept") is not None
     ns = await store.current(redis_client, keys)
     assert ns is not None
-    day = store.shard_day(kept_ms)
+    kept_day, old_day = store.shard_day(kept_ms), store.shard_day(expired_ms)
     for table in store.SHARDED_TABLES:
-        ttl = await redis_client.ttl(keys.table(ns, store.shard_name(table, day)))
-        expected = store.shard_expire_at(day, DEFAULT_TASK_RETENTION_DAYS) - time.time()
-        assert abs(ttl - expected) <= 2, table
-    assert (
-        await redis_client.exists(keys.table(ns, store.shard_name(store.TASKS, store.shard_day(expired_ms))))
-        == 0
-    )
+        # No clock expires a shard: only ledger time moving past its retention drops it.
+        assert await redis_client.ttl(keys.table(ns, store.shard_name(table, kept_day))) == -1, table
+        assert await redis_client.exists(keys.table(ns, store.shard_name(table, old_day))) == 0, table
 
-    # A rebuild writes the same shards with the same expiry, and verify compares like with like.
+    # A rebuild writes the same shards, and verify compares like with like.
     result = await rebuild(redis_client, keys)
     assert result.namespace is not None
-    rebuilt_ttl = await redis_client.ttl(keys.table(result.namespace, store.shard_name(store.TASKS, day)))
-    assert abs(rebuilt_ttl - (store.shard_expire_at(day, DEFAULT_TASK_RETENTION_DAYS) - time.time())) <= 2
+    assert (
+        await redis_client.exists(keys.table(result.namespace, store.shard_name(store.TASKS, kept_day))) == 1
+    )
     assert await get_task(redis_client, keys, "old") is None
+    _, differences = await verify(redis_client, keys)
+    assert differences == []
+
+    # The ledger moves on a month: the kept day falls out of retention and its shards are dropped.
+    await append_at(redis_client, keys, now + (DEFAULT_TASK_RETENTION_DAYS - 3) * DAY_MS, submitted("later"))
+    await projector.catch_up()
+    ns = await store.current(redis_client, keys)
+    assert ns is not None
+    for table in store.SHARDED_TABLES:
+        assert await redis_client.exists(keys.table(ns, store.shard_name(table, kept_day))) == 0, table
+    assert await get_task(redis_client, keys, "kept") is None
+    assert await get_task(redis_client, keys, "later") is not None
     _, differences = await verify(redis_client, keys)
     assert differences == []
 
@@ -209,7 +218,8 @@ async def test_get_tasks_finds_rows_in_any_live_shard(redis_client: aioredis.Red
     now = now_ms()
     ages = {"today": 0, "yesterday": 1, "weeks": 20, "gone": DEFAULT_TASK_RETENTION_DAYS + 2}
     tables = Tables(
-        tasks={t: TaskRow(task_id=t, model="m", first_ms=now - age * DAY_MS) for t, age in ages.items()}
+        checkpoint=f"{now}-0",
+        tasks={t: TaskRow(task_id=t, model="m", first_ms=now - age * DAY_MS) for t, age in ages.items()},
     )
     await store.switch(redis_client, keys, await store.create(redis_client, keys, tables, built_by="test"))
     rows = await get_tasks(redis_client, keys, [*ages, "never"])
@@ -223,8 +233,8 @@ class SlowProjector(Projector):
     pause_s = 0.0
     on_pause: Any = None
 
-    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]]) -> None:
-        await super()._load_rows(tables, batch)
+    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]], now: int) -> None:
+        await super()._load_rows(tables, batch, now)
         if self.on_pause is not None:
             await self.on_pause()
         await asyncio.sleep(self.pause_s)

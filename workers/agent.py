@@ -14,14 +14,16 @@ import logging
 import secrets
 import socket
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from dispatch.benchmark import needs_benchmark, request_benchmark
 from dispatch.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
+from dispatch.memory import is_oom
 from dispatch.payload import Chunk, Result, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
 from events.codec import encode_fields
@@ -43,12 +45,17 @@ from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Generated, Inventory
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig
-from workers.crash import crash_armed, crash_here
+from workers.crash import crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.liveness import Liveness
 from workers.resources import read_resources
 
 log = logging.getLogger("routeledger.worker")
+
+T = TypeVar("T")
+
+# Longest pause between tries of a write Redis refused for lack of memory.
+_ROOM_WAIT_MAX_S = 2.0
 
 
 class Running(msgspec.Struct, kw_only=True):
@@ -83,7 +90,7 @@ class WorkerAgent:
         # A speed-aware gate plans with what every worker runs, so the lease says so at once.
         self.eager_lease = not isinstance(self.gate, PlainPull)
         self.ledger = Ledger(redis, keys)
-        self.queues = TaskQueues(redis, keys, self.ledger)
+        self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
         self.backend_ok = False
@@ -325,8 +332,10 @@ class WorkerAgent:
             try:
                 await self._refresh_inventory()
                 self.resources = read_resources()
-                lapsed = await self._renew_lease()
+                # Entries first: XCLAIM needs no memory, so they stay ours even while Redis, at its
+                # memory limit, refuses the lease's SET (and the reaper cannot take them).
                 await self._keep_entries_alive()
+                lapsed = await self._renew_lease()
                 if lapsed:
                     # The lease expired (Redis or this process stalled past it): the reaper may
                     # have recorded this worker offline, so its life starts again in the ledger.
@@ -468,16 +477,26 @@ class WorkerAgent:
         last_flush = 0.0
         last_cancel_check = t0
         generated: Generated | None = None
+        held: list[bool] = []  # output flushes Redis refused for lack of memory (logged once)
 
         async def flush(final: Chunk | None = None) -> None:
             pipe = self.redis.pipeline(transaction=False)
             if buffer:
                 pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=entry.attempt, text="".join(buffer)))})
-                buffer.clear()
             if final is not None:
                 pipe.xadd(out_key, {b"c": encode_chunk(final)})
             pipe.pexpire(out_key, OUTPUT_TTL_MS)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except ResponseError as exc:
+                if final is not None or not is_oom(exc):
+                    raise
+                # Redis is at its memory limit: keep the text; a later flush or the close writes it.
+                if not held:
+                    log.warning("task %s: Redis is out of memory for its output; holding it", task.task_id)
+                held.append(True)
+                return
+            buffer.clear()
 
         stream = self.backend.generate(task, local)
         try:
@@ -526,7 +545,9 @@ class WorkerAgent:
             # The last text piece and the result in one round trip.
             rest = "".join(buffer)
             buffer.clear()
-            first = stored = await self.queues.close_run(result, rest)
+            first = stored = await self._until_room(
+                task.task_id, "result", lambda: self.queues.close_run(result, rest)
+            )
         crash_here("result", run.ordinal)
         if not first and not run.lost:
             # A stored result without its TaskCompleted: its writer died in between; count ours.
@@ -543,22 +564,18 @@ class WorkerAgent:
         )
         closing = finished.closing_events(counts=first)
         carried = result if stored else None
-        if crash_armed("ack", run.ordinal):
-            # The test hook needs a moment between the closing events and the acknowledgement.
-            await self.queues.log_run(task.task_id, closing, counts=first, done=done, carried=carried)
-            crash_here("ack", run.ordinal)
-            acked = await self.queues.finish(entry.queue, entry.entry_id)
-        else:
-            # The closing events, the done chunk, then the acknowledgement: one round trip, in order.
-            reply = await self.queues.log_run(
-                task.task_id,
-                closing,
-                counts=first,
-                done=done,
-                carried=carried,
-                finish=(entry.queue, entry.entry_id),
-            )
-            acked = reply or 0
+        # The closing events and the done chunk, written in full (Redis out of memory is waited
+        # out: the result stays here, the entry pending and kept alive); only then the acknowledgement.
+        await self.queues.log_run(
+            task.task_id,
+            closing,
+            counts=first,
+            done=done,
+            carried=carried,
+            wait_for_room=lambda rounds: self._wait_for_room(task.task_id, "completion", rounds),
+        )
+        crash_here("ack", run.ordinal)
+        acked = await self.queues.finish(entry.queue, entry.entry_id)
         if acked == 0:
             log.warning(
                 "XACK of %s on %s returned 0: the entry was reclaimed while we ran it; "
@@ -667,6 +684,30 @@ class WorkerAgent:
                 queue,
                 moved.status,
             )
+
+    async def _until_room(self, task_id: str, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """`op`, tried again for as long as Redis refuses it for lack of memory (OOM)."""
+        rounds = 0
+        while True:
+            try:
+                return await op()
+            except ResponseError as exc:
+                if not is_oom(exc):
+                    raise
+            rounds += 1
+            await self._wait_for_room(task_id, what, rounds)
+
+    async def _wait_for_room(self, task_id: str, what: str, rounds: int) -> None:
+        """Pause before writing again what Redis refused for lack of memory: the run keeps its result,
+        and its entry stays pending and kept alive (XCLAIM needs no memory), so nothing is lost."""
+        if rounds == 1:
+            log.warning(
+                "task %s: Redis is at its memory limit (OOM) and refused its %s; keeping it and retrying "
+                "until there is room (run `routeledger archive` or raise redis_maxmemory)",
+                task_id,
+                what,
+            )
+        await asyncio.sleep(min(_ROOM_WAIT_MAX_S, 0.05 * 2**rounds))
 
     async def _append(self, event: Event) -> None:
         await self.ledger.append(event)

@@ -6,6 +6,7 @@ import socket
 
 import msgspec
 
+from events.keys import DEAD_MAX_ENTRIES
 from events.singleton import DEFAULT_LEASE_MS
 
 
@@ -19,6 +20,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     lease_ms: int = DEFAULT_LEASE_MS
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
+    # Most entries rl:dead keeps (this worker's dead letters trim it to about that).
+    dead_max_entries: int = DEAD_MAX_ENTRIES
     block_ms: int = 1_000
     # How soon a worker that the gate held back asks again.
     recheck_ms: int = 250

@@ -25,7 +25,7 @@ from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
 from events.codec import as_str
 from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
-from events.keys import WORKERS_GROUP, Keys
+from events.keys import DEAD_MAX_ENTRIES, WORKERS_GROUP, Keys
 from events.ledger import Ledger, next_id
 from events.singleton import DEFAULT_LEASE_MS, SingletonLease
 from projections import store
@@ -45,6 +45,7 @@ class ReaperConfig(msgspec.Struct, kw_only=True):
     stall_after_s: float = 600.0
     # How often to sweep; a reclaim happens within lease + interval of a death.
     interval_s: float = 1.0
+    dead_max_entries: int = DEAD_MAX_ENTRIES
 
 
 class Sweep(msgspec.Struct, kw_only=True):
@@ -66,7 +67,7 @@ class Reaper:
         self.keys = keys
         self.config = config
         self.ledger = Ledger(redis, keys)
-        self.queues = TaskQueues(redis, keys, self.ledger)
+        self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the reaper lease (one active reaper), sweep until `stop`."""

@@ -427,6 +427,22 @@ function setConn(kind, text) {
   el.textContent = text || kind;
 }
 
+function sizeGiB(n) {
+  return `${(n / 2 ** 30).toFixed(n < 2 ** 30 ? 2 : 1)} GiB`;
+}
+
+// Redis memory against its limit and the archive, one line; its colour says when to act.
+function renderStorage(r, a) {
+  const el = $("#storage");
+  if (!r) return;
+  const mem = r.ratio === null
+    ? `Redis ${sizeGiB(r.used_bytes)}, no limit`
+    : `Redis ${sizeGiB(r.used_bytes)} of ${sizeGiB(r.max_bytes)} (${Math.round(r.ratio * 100)}%)`;
+  el.dataset.level = r.level;
+  el.textContent = `${mem} · archive: ${a ? a.summary : "?"}`;
+  el.title = r.warning || "";
+}
+
 function onOverview(o) {
   state.overview = o;
   Object.assign(state.names, o.names || {});
@@ -434,6 +450,7 @@ function onOverview(o) {
   $("#projection").textContent = p.lag_entries === null || p.lag_entries === undefined
     ? `projection: ${p.status}`
     : `projector ${p.lag_entries} entries behind (${num((p.lag_ms || 0) / 1000)}s)`;
+  renderStorage(o.redis, o.archive);
   renderFleet();
   renderModels();
   renderIncidents();

@@ -52,7 +52,7 @@ async def test_poison_ledger_entries_are_dead_lettered_with_a_reason_and_absurd_
     mislabelled = await redis_client.xadd(
         keys.events, {"type": "TaskFailed", "v": "1", "data": msgspec.msgpack.encode(done("x", honest))}
     )
-    await ledger.append_many(
+    sane_ids = await ledger.append_many(
         [
             done("negative", Timings(eval_count=100, eval_duration=-(10**9), load_duration=-5), ttft_ms=-3.0),
             done(
@@ -61,20 +61,31 @@ async def test_poison_ledger_entries_are_dead_lettered_with_a_reason_and_absurd_
                     eval_count=10**9, eval_duration=10**9, prompt_eval_count=10**12, prompt_eval_duration=1
                 ),
             ),
-            done("nan", Timings(eval_count=-7, eval_duration=10**9), ttft_ms=float("nan")),
+            done("small-nonsense", Timings(eval_count=-7, eval_duration=10**9), ttft_ms=-1.0),
             QualityScored(at=T0, digest=D1, domain="general", score=7.0),
+        ]
+    )
+    # What no column can hold (NaN, infinities) fails the schema: poison like the rest.
+    nan, infinite = await ledger.append_many(
+        [
+            done("nan", Timings(eval_count=5, eval_duration=10**9), ttft_ms=float("nan")),
             QualityScored(at=T0, digest=D1, domain="general", score=float("-inf")),
         ]
     )
+    assert len(sane_ids) == 4
     projector = Projector(redis_client, keys)
     await projector.start()
     await projector.catch_up()
     assert await lag(redis_client, keys) == (0, 0)
 
     letters = {f[b"entry_id"]: f[b"reason"].decode() for _, f in await redis_client.xrange(keys.dead)}
-    assert set(letters) == {garbage, unknown, no_data, mislabelled}
+    assert {k.decode() for k in letters} == {
+        x.decode() if isinstance(x, bytes) else x
+        for x in (garbage, unknown, no_data, mislabelled, nan, infinite)
+    }
     assert all(reason for reason in letters.values())
     assert "TaskTeleported" in letters[unknown] and "envelope says" in letters[mislabelled]
+    assert "Expected" in letters[nan.encode()] and "Expected" in letters[infinite.encode()]
 
     snap = await snapshot(redis_client, keys)
     row = snap.speed["w1", D1]
