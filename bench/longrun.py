@@ -40,6 +40,7 @@ import psutil  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
 from events.keys import Keys  # noqa: E402
+from projections import store  # noqa: E402
 from routeledger.embedded import EmbeddedRedis  # noqa: E402
 from sim.longrun import LongRun, Mark  # noqa: E402
 
@@ -62,8 +63,9 @@ def ledger_bytes() -> dict[str, Any]:
     return result
 
 
-def rebuild(url: str, archive_dir: Path) -> tuple[int, float, float]:
-    """A rebuild from archive + stream in a child process: events, seconds, peak RSS in MB."""
+def rebuild(url: str, archive_dir: Path) -> tuple[int, float, float, str]:
+    """A rebuild from archive + stream in a child process: events, seconds, peak RSS in MB, and the
+    namespace it wrote (not switched to: the caller drops it)."""
     env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": "warning", "ROUTELEDGER_ARCHIVE_DIR": str(archive_dir)}
     cmd = [
         sys.executable,
@@ -89,7 +91,7 @@ def rebuild(url: str, archive_dir: Path) -> tuple[int, float, float]:
     if child.returncode != 0:
         raise SystemExit(f"rebuild failed: {out[-2000:]} {err[-2000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    return int(result["events"]), float(result["seconds"]), peak / 2**20
+    return int(result["events"]), float(result["seconds"]), peak / 2**20, str(result["namespace"])
 
 
 def verify(url: str, archive_dir: Path) -> None:
@@ -126,7 +128,9 @@ async def history(
                     await run.archive()
             await run.archive()
             mark: Mark = await run.mark(done)
-            events, seconds, rss = await asyncio.to_thread(rebuild, url, archive_dir)
+            events, seconds, rss, ns = await asyncio.to_thread(rebuild, url, archive_dir)
+            # The rebuilt namespace was not switched to: drop it, or the next mark would count it.
+            await store.retire(client, run.keys, ns, after_ms=1)
             row = {
                 "tasks": done,
                 "events": mark.events,
