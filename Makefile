@@ -32,6 +32,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/router.py
 	$(BIN)/python bench/replay.py
 	$(BIN)/python bench/archive.py
+	$(BIN)/python bench/ledger_bytes.py
+	$(BIN)/python bench/projector_start.py
+	$(BIN)/python bench/longrun.py
 	$(BIN)/python bench/api.py
 
 clean:
