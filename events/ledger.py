@@ -20,11 +20,13 @@ from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
 
 # XADDs a whole batch in one round trip. ARGV[1] is codec.encode_batch's packing: per event the
-# lengths of type, v and data (>HHI4), then the three strings.
+# lengths of type, v and data (>HHI4), then the three strings. ARGV[2], when given, holds the ids
+# to write them under (space-separated; for importing a history), else Redis makes them.
 _APPEND_MANY: Final = """
 local blob = ARGV[1]
 local size = #blob
 local pos = 1
+local given = ARGV[2] and string.gmatch(ARGV[2], '%S+')
 local ids = {}
 local n = 0
 while pos <= size do
@@ -35,7 +37,8 @@ while pos <= size do
   at = at + lv
   pos = at + ld
   n = n + 1
-  ids[n] = redis.call('XADD', KEYS[1], '*', 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
+  local id = given and given() or '*'
+  ids[n] = redis.call('XADD', KEYS[1], id, 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
 end
 return ids
 """
@@ -90,17 +93,25 @@ class Ledger:
             raise LedgerError(f"could not append {type(event).__name__}: {exc}") from exc
         return as_str(raw)
 
-    async def append_many(self, events: Sequence[Event]) -> list[str]:
-        """Append events in order, one round trip per batch of up to MAX_BATCH; returns their ids."""
-        ids: list[str] = []
+    async def append_many(self, events: Sequence[Event], ids: Sequence[str] | None = None) -> list[str]:
+        """Append events in order, one round trip per batch of up to MAX_BATCH; returns their ids.
+
+        With `ids` (one per event, increasing, after the stream's last) they are written under
+        those: a history imported as it happened. Without, Redis gives each the next id."""
+        if ids is not None and len(ids) != len(events):
+            raise LedgerError(f"{len(ids)} ids for {len(events)} events")
+        written: list[str] = []
         for start in range(0, len(events), MAX_BATCH):
             chunk = events[start : start + MAX_BATCH]
+            args: list[Any] = [encode_batch(chunk)]
+            if ids is not None:
+                args.append(" ".join(ids[start : start + MAX_BATCH]))
             try:
-                raw = await self._append_many(keys=[self.stream], args=[encode_batch(chunk)])
+                raw = await self._append_many(keys=[self.stream], args=args)
             except RedisError as exc:
                 raise LedgerError(f"could not append a batch of {len(chunk)} events: {exc}") from exc
-            ids.extend(as_str(r) for r in raw)
-        return ids
+            written.extend(as_str(r) for r in raw)
+        return written
 
     # -- reading ------------------------------------------------------------------------------
     async def length(self) -> int:

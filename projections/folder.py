@@ -140,29 +140,6 @@ def _stamp(current: Stamped, value: object, at: int) -> bool:
     return True
 
 
-# The types the folder reads; an entry of any other type is not even decoded (routing
-# breakdowns are most of the ledger's bytes and feed no table).
-FOLDED_TYPES: Final[frozenset[str]] = frozenset(
-    cls.__name__
-    for cls in (
-        TaskSubmitted,
-        TaskClaimed,
-        TaskCompleted,
-        TaskFailed,
-        TaskReclaimed,
-        TaskStalled,
-        TaskDeadLettered,
-        TaskCancelled,
-        WorkerOnline,
-        WorkerHeartbeat,
-        WorkerChanged,
-        WorkerOffline,
-        BenchmarkResult,
-        QualityScored,
-    )
-)
-
-
 class Folder:
     """Folds events into `tables` and records the keys of the rows that changed."""
 
@@ -180,20 +157,7 @@ class Folder:
         # The in-flight list of each fleet row as a set while folding; written back by `flush_fleet`.
         self._in_flight: dict[str, set[str]] = {w: set(r.in_flight) for w, r in tables.fleet.items()}
         self._handlers: dict[type[Event], Callable[[Any], None]] = {
-            TaskSubmitted: self._submitted,
-            TaskClaimed: self._claimed,
-            TaskCompleted: self._completed,
-            TaskFailed: self._failed,
-            TaskReclaimed: self._reclaimed,
-            TaskStalled: self._stalled,
-            TaskDeadLettered: self._dead_lettered,
-            TaskCancelled: self._cancelled,
-            WorkerOnline: self._online,
-            WorkerHeartbeat: self._heartbeat,
-            WorkerChanged: self._changed,
-            WorkerOffline: self._offline,
-            BenchmarkResult: self._bench,
-            QualityScored: self._quality,
+            kind: getattr(self, name) for kind, name in HANDLERS.items()
         }
 
     def apply(self, event: Event, entry_ms: int = 0) -> None:
@@ -415,3 +379,24 @@ class Folder:
             row = self.tables.quality[key] = QualityRow(digest=e.digest, domain=e.domain)
         row.score = fold(row.score, e.score, e.at, self.tables.half_life_s)
         self.dirty_quality.add(key)
+
+
+# The method that folds each event type; an entry of any other type is not even decoded (routing
+# breakdowns are most of the ledger's bytes and feed no table).
+HANDLERS: Final[dict[type[Event], str]] = {
+    TaskSubmitted: "_submitted",
+    TaskClaimed: "_claimed",
+    TaskCompleted: "_completed",
+    TaskFailed: "_failed",
+    TaskReclaimed: "_reclaimed",
+    TaskStalled: "_stalled",
+    TaskDeadLettered: "_dead_lettered",
+    TaskCancelled: "_cancelled",
+    WorkerOnline: "_online",
+    WorkerHeartbeat: "_heartbeat",
+    WorkerChanged: "_changed",
+    WorkerOffline: "_offline",
+    BenchmarkResult: "_bench",
+    QualityScored: "_quality",
+}
+FOLDED_TYPES: Final[frozenset[str]] = frozenset(cls.__name__ for cls in HANDLERS)

@@ -22,35 +22,14 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from events.codec import encode_batch
 from events.event import Event
 from events.keys import Keys
+from events.ledger import Ledger
 from projections.projector import Projector
 from replay.archive import ArchiveOptions, ArchiveReport, archive
 from sim.synthetic import HistoryMaker
 
 DAY_MS: Final = 86_400_000
-
-# XADDs a batch with the ids given (ARGV[2]: space-separated), in the codec's batch packing
-# (ARGV[1]), so that a history can carry the ids of the time it describes.
-_APPEND_WITH_IDS: Final = """
-local blob = ARGV[1]
-local size = #blob
-local pos = 1
-local ids = string.gmatch(ARGV[2], '%S+')
-local n = 0
-while pos <= size do
-  local lt, lv, ld, at = struct.unpack('>HHI4', blob, pos)
-  local kind = string.sub(blob, at, at + lt - 1)
-  at = at + lt
-  local v = string.sub(blob, at, at + lv - 1)
-  at = at + lv
-  pos = at + ld
-  n = n + 1
-  redis.call('XADD', KEYS[1], ids(), 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
-end
-return n
-"""
 
 
 class Mark(msgspec.Struct, kw_only=True):
@@ -98,7 +77,7 @@ class LongRun:
             tasks, holders=holders, start_ms=self.start_ms, span_ms=span_ms, seed=seed, keys=keys
         )
         self.options = ArchiveOptions(directory=str(archive_dir), hot_window_s=hot_window_s)
-        self._append = redis.register_script(_APPEND_WITH_IDS)
+        self.ledger = Ledger(redis, keys)
         self.appended = 0
         self.appended_tasks = 0
         self.projector = Projector(redis, keys, batch=projector_batch)
@@ -125,7 +104,7 @@ class LongRun:
         return self.appended
 
     async def _send(self, events: list[Event], ids: list[str]) -> None:
-        await self._append(keys=[self.keys.events], args=[encode_batch(events), " ".join(ids)])
+        await self.ledger.append_many(events, ids)
         self.appended += len(events)
 
     async def fold(self) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from events.errors import UndecodableEntryError
+from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event, TaskStalled
 from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger
@@ -184,3 +184,17 @@ async def _autoclaim(redis: Any, stream: str, consumer: str) -> tuple[str, list[
     entries = [(row[0].decode(), row[1] or {}) for row in reply[1] if row is not None and row[0] is not None]
     deleted = [i.decode() for i in reply[2]] if len(reply) > 2 else []
     return reply[0].decode(), entries, deleted
+
+
+async def test_a_history_imported_with_its_own_ids_keeps_them_and_reads_back_in_order(
+    any_ledger: Ledger,
+) -> None:
+    events = one_of_each()
+    ids = [f"{1_700_000_000_000 + i // 2}-{i % 2}" for i in range(len(events))]
+    assert await any_ledger.append_many(events, ids) == ids
+    assert [(i, e) async for i, e in any_ledger.read()] == list(zip(ids, events, strict=True))
+    # The stream goes on after them with ids Redis makes.
+    later = await any_ledger.append_many(events[:1])
+    assert later[0] > ids[-1]
+    with pytest.raises(LedgerError, match="2 ids for 1 events"):
+        await any_ledger.append_many(events[:1], ids[:2])
