@@ -44,7 +44,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import polars as pl
 import psutil
 import redis.asyncio as aioredis
@@ -52,7 +51,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger import realistic_mix
+from ledger import append_mix
 
 from events.codec import encode_event
 from events.event import Event
@@ -98,7 +97,7 @@ class PeakRss:
         return self.peak
 
 
-def _child(
+def run_child(
     url: str, archive_dir: Path, *args: str, source: Path | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float, int]:
     """Run `routeledger ARGS` (from `source`, a checkout, when given); output, seconds, peak RSS bytes."""
@@ -128,7 +127,7 @@ def _child(
 
 def _rebuild(url: str, archive_dir: Path, source: Path | None = None) -> tuple[int, float, float]:
     """One rebuild in a child process: events, seconds (as the command times itself), peak RSS in MB."""
-    done, _, peak = _child(url, archive_dir, "replay", "rebuild", "--no-switch", "--json", source=source)
+    done, _, peak = run_child(url, archive_dir, "replay", "rebuild", "--no-switch", "--json", source=source)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result["events"], result["seconds"], peak / 2**20
 
@@ -136,26 +135,6 @@ def _rebuild(url: str, archive_dir: Path, source: Path | None = None) -> tuple[i
 def _rebuild_eps(url: str, archive_dir: Path) -> tuple[int, float, float]:
     n, seconds, rss_mb = _rebuild(url, archive_dir)
     return n, n / seconds, rss_mb
-
-
-async def _append(url: str, n: int) -> None:
-    client = aioredis.Redis.from_url(url)
-    try:
-        await client.flushall()
-        ledger = Ledger(client, Keys())
-        step = 100_000
-        for start in range(0, n, step):
-            events = realistic_mix(min(step, n - start), seed=start)
-            # Each chunk numbers its tasks from 1: keep them distinct, or they would be duplicates.
-            events = [
-                msgspec.structs.replace(e, task_id=f"c{start}-{e.task_id}")  # type: ignore[type-var]
-                if getattr(e, "task_id", "")
-                else e
-                for e in events
-            ]
-            await ledger.append_many(events)
-    finally:
-        await client.aclose()
 
 
 async def _fold(url: str) -> int:
@@ -359,7 +338,7 @@ def main() -> None:
             server = EmbeddedRedis(Path(tmp.name) / "redis")
             url = server.start()
         say(f"appending {args.events:,} events and folding them …")
-        asyncio.run(_append(url, args.events))
+        asyncio.run(append_mix(url, args.events))
         asyncio.run(_fold(url))
 
         n, stream_eps, stream_rss_mb = _rebuild_eps(url, archive_dir)
@@ -370,7 +349,7 @@ def main() -> None:
         )
         say(f"  reading it into frames alone: {stream_read_eps:,.0f} events/s")
 
-        done, archive_s, _ = _child(url, archive_dir, "archive", "--hot-window", "0", "--json")
+        done, archive_s, _ = run_child(url, archive_dir, "archive", "--hot-window", "0", "--json")
         report = json.loads(done.stdout.strip().splitlines()[-1])
         archive_mb = report["bytes"] / 2**20
         say(
@@ -386,7 +365,7 @@ def main() -> None:
             f"peak RSS {archive_rss_mb:,.0f} MB"
         )
         say(f"  reading it into frames alone: {archive_read_eps:,.0f} events/s")
-        _child(url, archive_dir, "replay", "verify")
+        run_child(url, archive_dir, "replay", "verify")
         say("verify: the live tables match the archived history")
     finally:
         if server is not None:

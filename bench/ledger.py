@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 
 from events.event import (
@@ -147,6 +148,27 @@ def realistic_mix(n: int, seed: int = 7) -> list[Event]:
                 )
             )
     return out[:n]
+
+
+async def append_mix(url: str, n: int) -> None:
+    """Empty the Redis at `url` and append `n` events of `realistic_mix`, every task distinct."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.flushall()
+        ledger = Ledger(client, Keys())
+        step = 100_000
+        for start in range(0, n, step):
+            events = realistic_mix(min(step, n - start), seed=start)
+            # Each chunk numbers its tasks from 1: keep them distinct, or they would be duplicates.
+            events = [
+                msgspec.structs.replace(e, task_id=f"c{start}-{e.task_id}")  # type: ignore[type-var]
+                if getattr(e, "task_id", "")
+                else e
+                for e in events
+            ]
+            await ledger.append_many(events)
+    finally:
+        await client.aclose()
 
 
 async def run_once(url: str, events: list[Event], batch: int) -> tuple[float, float]:

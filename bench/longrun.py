@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,17 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+HERE = Path(__file__).resolve().parent
+# The packages first, then this folder (for bench/archive.py's child runner): bench/replay.py and
+# friends are named like packages and must not shadow them.
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
-import psutil  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
+from archive import run_child  # noqa: E402
 
 from events.keys import Keys  # noqa: E402
 from projections import store  # noqa: E402
 from routeledger.embedded import EmbeddedRedis  # noqa: E402
 from sim.longrun import LongRun, Mark  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 
 
 def say(text: str, quiet: bool) -> None:
@@ -66,44 +67,9 @@ def ledger_bytes() -> dict[str, Any]:
 def rebuild(url: str, archive_dir: Path) -> tuple[int, float, float, str]:
     """A rebuild from archive + stream in a child process: events, seconds, peak RSS in MB, and the
     namespace it wrote (not switched to: the caller drops it)."""
-    env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": "warning", "ROUTELEDGER_ARCHIVE_DIR": str(archive_dir)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "routeledger",
-        "replay",
-        "rebuild",
-        "--no-switch",
-        "--json",
-        "--redis-url",
-        url,
-    ]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    proc = psutil.Process(child.pid)
-    peak = 0
-    while child.poll() is None:
-        try:
-            peak = max(peak, proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(True)))
-        except psutil.Error:
-            pass
-        time.sleep(0.02)
-    out, err = child.communicate()
-    if child.returncode != 0:
-        raise SystemExit(f"rebuild failed: {out[-2000:]} {err[-2000:]}")
-    result = json.loads(out.strip().splitlines()[-1])
+    done, _, peak = run_child(url, archive_dir, "replay", "rebuild", "--no-switch", "--json")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
     return int(result["events"]), float(result["seconds"]), peak / 2**20, str(result["namespace"])
-
-
-def verify(url: str, archive_dir: Path) -> None:
-    env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": "warning", "ROUTELEDGER_ARCHIVE_DIR": str(archive_dir)}
-    done = subprocess.run(
-        [sys.executable, "-m", "routeledger", "replay", "verify", "--redis-url", url],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"verify failed: {done.stdout[-2000:]} {done.stderr[-2000:]}")
 
 
 async def history(
@@ -144,7 +110,7 @@ async def history(
             }
             rows.append(row)
             say(f"{time.perf_counter() - started:7.0f} s  {row}", quiet)
-        await asyncio.to_thread(verify, url, archive_dir)
+        await asyncio.to_thread(run_child, url, archive_dir, "replay", "verify")
         say("verify: the live tables equal a rebuild from archive + stream", quiet)
     finally:
         await client.aclose()

@@ -31,13 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
 import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ledger import realistic_mix
+from ledger import append_mix, realistic_mix
 
 from events.keys import Keys
 from events.ledger import Ledger
@@ -56,26 +55,6 @@ def _child(url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], floa
         check=False,
     )
     return done, time.perf_counter() - started
-
-
-async def _append(url: str, n: int) -> None:
-    client = aioredis.Redis.from_url(url)
-    try:
-        await client.flushall()
-        ledger = Ledger(client, Keys())
-        step = 100_000
-        for start in range(0, n, step):
-            events = realistic_mix(min(step, n - start), seed=start)
-            # Each chunk numbers its tasks from 1: keep them distinct, or they would be duplicates.
-            events = [
-                msgspec.structs.replace(e, task_id=f"c{start}-{e.task_id}")  # type: ignore[type-var]
-                if getattr(e, "task_id", "")
-                else e
-                for e in events
-            ]
-            await ledger.append_many(events)
-    finally:
-        await client.aclose()
 
 
 async def _projector_rate(url: str) -> tuple[int, float]:
@@ -165,7 +144,7 @@ def main() -> None:
             server = EmbeddedRedis(Path(tmp.name))
             url = server.start()
         say(f"appending {args.events:,} events …")
-        asyncio.run(_append(url, args.events))
+        asyncio.run(append_mix(url, args.events))
         gc.collect()
 
         done, _ = _child(url, "replay", "rebuild", "--json")
