@@ -42,6 +42,7 @@ from events.event import (
     WorkerOnline,
 )
 from events.ledger import PoisonHandler, WireEntry
+from projections.folder import FOLDED_TYPES
 from replay import segment
 from replay.segment import IdKey
 
@@ -216,6 +217,12 @@ _CLASS_OF: Final[dict[bytes, type[Event]]] = {cls.__name__.encode(): cls for cls
 # Event types no table reads, by their envelope tag: their entries are not decoded at all
 # (routing breakdowns are the bulkiest part of the ledger).
 UNUSED_TAGS: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES) - _CLASS_OF.keys()
+# The live projector skips undecoded what its folder has no handler for: both folds must read the
+# same types, or one would count what the other never sees.
+if {cls.__name__ for cls in _TAKEN} != FOLDED_TYPES:
+    raise RuntimeError(
+        f"replay's fold reads {sorted(c.__name__ for c in _TAKEN)}, the live fold {sorted(FOLDED_TYPES)}"
+    )
 # The codec's decoder: the same decompression and validation, entry by entry.
 _decode: Final = decode_event
 

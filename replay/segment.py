@@ -102,10 +102,6 @@ def id_key(entry_id: str, *, upper: bool = False) -> IdKey:
     return (int(ms), int(seq))
 
 
-def key_id(key: IdKey) -> str:
-    return f"{key[0]}-{key[1]}"
-
-
 def segment_name(first_id: str, last_id: str) -> str:
     """`events-<first>-<last>.parquet`, ids zero-padded with `_` for their dash, so names sort as ids."""
 

@@ -14,8 +14,6 @@ import random
 from collections.abc import Iterator
 from typing import Final
 
-import msgspec
-
 from events.event import (
     BenchmarkResult,
     Event,
@@ -265,8 +263,3 @@ class HistoryMaker:
             )
         out.append(QualityScored(at=at, digest=self.digest, domain="general", score=rnd.choice((0.0, 1.0))))
         return out
-
-
-def encoded_size(events: list[Event]) -> int:
-    """Bytes of the events' msgpack data (the ledger also stores each entry's id and envelope)."""
-    return sum(len(msgspec.msgpack.encode(e)) for e in events)
