@@ -37,6 +37,7 @@ from api.metrics import CONTENT_TYPE, Metrics
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
+from events.connection import redis_client
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
@@ -67,12 +68,8 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = aioredis.Redis.from_url(
-            config.redis_url,
-            socket_connect_timeout=2,
-            socket_timeout=5,
-            health_check_interval=10,
-            max_connections=config.redis_max_connections,
+        client = redis_client(
+            config.redis_url, socket_timeout=5, max_connections=config.redis_max_connections
         )
         keys = Keys(config.prefix)
         app.state.redis = client

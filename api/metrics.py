@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from redis.exceptions import ResponseError
 
 from dispatch.memory import MemoryState, archive_info
+from dispatch.queues import requeued_count
 from dispatch.serving import catalog
 from events.keys import WORKERS_GROUP
 from projections.errors import ProjectionError
@@ -26,7 +27,7 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 _BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Ledger event types worth counting for operators.
 _COUNTED: Final = frozenset(
-    {b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered", b"TaskFailed", b"TaskCancelled"}
+    {b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered", b"TaskFailed", b"TaskCancelled", b"TaskExpired"}
 )
 
 
@@ -128,10 +129,11 @@ class Metrics:
                 continue
             for g in groups:
                 if g.get("name") in (WORKERS_GROUP, WORKERS_GROUP.encode()):
-                    pending = int(g.get("pending") or 0)
-                    self.queue_running.labels(model.name).set(pending)
+                    # Re-queued entries are pending for no worker: they wait, like unread ones.
+                    again = await requeued_count(redis, keys.queue(model.entry.digest))
+                    self.queue_running.labels(model.name).set(int(g.get("pending") or 0) - again)
                     if g.get("lag") is not None:
-                        self.queue_depth.labels(model.name).set(int(g["lag"]))
+                        self.queue_depth.labels(model.name).set(int(g["lag"]) + again)
         try:
             entries, ms = await lag(redis, keys)
             self.lag_entries.set(entries)

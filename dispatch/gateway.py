@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -31,13 +32,13 @@ from dispatch.errors import (
 from dispatch.lease import LeaseInfo
 from dispatch.memory import MemoryWatch, full_error, is_oom
 from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
-from dispatch.queues import CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
+from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import decode_rows
 from events.compression import unpack
-from events.event import Event, TaskCancelled, TaskSubmitted
+from events.event import Event, TaskCancelled, TaskSubmitted, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.errors import ProjectionError
@@ -67,6 +68,7 @@ class Gateway:
         retry_budget_s: float = 1.5,
         wait_timeout_s: float = 600.0,
         cancel_ttl_s: float = 3600.0,
+        max_queue_s: float = 3600.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -77,6 +79,7 @@ class Gateway:
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
         self.cancel_ttl_s = cancel_ttl_s
+        self.max_queue_s = max_queue_s
 
     # -- resilience -----------------------------------------------------------------------------
     async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
@@ -108,10 +111,21 @@ class Gateway:
         return require_model(model, leases), leases
 
     # -- submission -----------------------------------------------------------------------------
-    async def submit(self, req: TaskRequest) -> Submitted:
+    async def submit(
+        self, req: TaskRequest, *, waits: bool = True, timeout_s: float | None = None
+    ) -> Submitted:
         """Route and queue through the one submission path (dispatch.submit), retrying while Redis
-        is away. ModelNotServedError (with the leases it was looked for in) when nobody serves it;
+        is away: the task's id is drawn once, before the first try, so that a try whose reply was
+        lost and the next one queue it once. Its deadline is when its client stops waiting (`waits`:
+        after `timeout_s`, or the wait timeout), and never later than the longest a task may queue.
+        ModelNotServedError (with the leases it was looked for in) when nobody serves it;
         RedisMemoryFullError past the memory high-water mark, or when Redis refuses the writes (OOM)."""
+        patience = min(timeout_s or self.wait_timeout_s, self.max_queue_s) if waits else self.max_queue_s
+        req = msgspec.structs.replace(
+            req,
+            task_id=req.task_id or uuid.uuid4().hex,
+            deadline_ms=req.deadline_ms or now_ms() + int(patience * 1000),
+        )
         await self.retrying(self.memory.admit)
         try:
             return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
@@ -180,13 +194,16 @@ class Gateway:
     async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[str | Result]:
         """The task's output as it arrives (text pieces), then its Result.
 
-        One attempt is relayed: the first one seen. A later attempt (the task re-ran after a
-        reclaim or a retryable failure) replaces it only while no text was relayed yet; after
-        that, the stream ends with a TaskFailedError rather than mixing two runs' text.
+        One run is relayed: the first one seen, told apart from others by its attempt and its run
+        nonce. A later attempt (the task re-ran after a reclaim or a retryable failure) replaces it
+        only while no text was relayed yet; after that, the stream ends with a TaskFailedError rather
+        than mixing two runs' text. Another run of the same attempt (which the dispatch never
+        makes, but a network can) is never mixed in. An outcome no run wrote (a cancel, a dead
+        letter, an expiry: its chunk has no run nonce) ends the stream whichever run it follows.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
         cursor = "0-0"
-        attempt: int | None = None
+        followed: tuple[int, str] | None = None
         relayed = False
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
@@ -194,15 +211,19 @@ class Gateway:
                 raise TaskTimeoutError(f"task {task_id} did not finish in time")
             for entry_id, chunk, carried in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
                 cursor = entry_id
-                if attempt is None or (chunk.attempt > attempt and not relayed):
-                    attempt = chunk.attempt
-                elif chunk.attempt < attempt:
-                    continue  # a superseded run finishing late
-                elif chunk.attempt > attempt:
-                    raise TaskFailedError(
-                        f"task {task_id} was re-run (attempt {chunk.attempt}) after its output had started",
-                        hint="retry the request; streamed text from two runs is never mixed",
-                    )
+                run = (chunk.attempt, chunk.run)
+                settled = chunk.done and not chunk.run
+                if not settled:
+                    if followed is None or (run != followed and chunk.attempt > followed[0] and not relayed):
+                        followed = run
+                    elif run != followed:
+                        if chunk.attempt > followed[0]:
+                            raise TaskFailedError(
+                                f"task {task_id} was re-run (attempt {chunk.attempt}) after its output"
+                                " had started",
+                                hint="retry the request; streamed text from two runs is never mixed",
+                            )
+                        continue  # a superseded run finishing late, or a second run of one attempt
                 if chunk.text:
                     relayed = True
                     yield chunk.text
@@ -214,7 +235,7 @@ class Gateway:
                         raise TaskFailedError(
                             f"task {task_id} {result.status}: {result.error or chunk.error}"
                         )
-                    if relayed and result.attempt != attempt:
+                    if relayed and (result.attempt, result.run) != followed:
                         raise TaskFailedError(
                             f"task {task_id} completed on another run (attempt {result.attempt})",
                             hint="retry the request; streamed text from two runs is never mixed",
@@ -231,10 +252,15 @@ class Gateway:
             raise TaskFinishedError(
                 f"task {task_id} already {done.status}", hint="only a queued or running task can be cancelled"
             )
-        queue = await self._queue_of(task_id)
+        info = await self._info(task_id)
+        queue = info[b"queue"].decode() if b"queue" in info else await self._queue_of(task_id)
         if queue is None:
             raise TaskNotFoundError(f"no task {task_id}")
-        status, entry_id, attempt = await self.queues.cancel_queued(queue, task_id)
+        # The lookup hash records the task's entry (its place never changes: a re-queue keeps it).
+        entry = info.get(b"entry", b"").decode()
+        status, entry_id, attempt = (
+            await self.queues.cancel_queued(queue, entry) if entry else (CANCEL_ABSENT, "", 0)
+        )
         if status == CANCEL_REMOVED:
             await self.queues.record_result(
                 Result(task_id=task_id, status="cancelled", attempt=attempt, error="cancelled before it ran")

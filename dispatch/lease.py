@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
@@ -64,18 +65,102 @@ def decode_lease(data: bytes) -> LeaseInfo:
     return _decoder.decode(data)
 
 
+# Take or renew a worker's lease, refusing a twin: the lease is written only when it is absent or
+# holds this process's token, and the worker's score in the registry follows the lease's expiry on
+# the server's clock. KEYS[1] lease, KEYS[2] registry; ARGV token, value, ttl ms, worker name.
+# Returns {1, 1 when there was no lease (a first take, or it had lapsed) else 0} or {0, holder's token}.
+_LEASE: Final = """
+local now = redis.call('TIME')
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, info = pcall(cmsgpack.unpack, cur)
+  if ok and type(info) == 'table' and info['token'] ~= nil and info['token'] ~= ARGV[1] then
+    return {0, info['token']}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZADD', KEYS[2], ms + tonumber(ARGV[3]), ARGV[4])
+if cur then return {1, 0} end
+return {1, 1}
+"""
+
+# Give a lease up on the way out, only if it is still this process's. KEYS[1] lease, KEYS[2]
+# registry; ARGV token, worker name. Returns 1 if it was released.
+_RELEASE: Final = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, info = pcall(cmsgpack.unpack, cur)
+  if ok and type(info) == 'table' and info['token'] ~= ARGV[1] then return 0 end
+  redis.call('DEL', KEYS[1])
+end
+redis.call('ZREM', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+class LeaseTaken(msgspec.Struct, frozen=True):
+    """What a take or renewal of a lease did."""
+
+    ok: bool
+    # ok: there was no lease before (first take, or it had lapsed); not ok: always False.
+    lapsed: bool = False
+    # not ok: the token of the process that holds the lease.
+    holder: str = ""
+
+
+class Leases:
+    """Writes of worker leases: a token compare-and-set in one script, with the live registry."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._lease = redis.register_script(_LEASE)
+        self._release = redis.register_script(_RELEASE)
+
+    async def put(self, info: LeaseInfo, ttl_ms: int) -> LeaseTaken:
+        """Write `info` as `info.worker`'s lease unless another process (token) holds it."""
+        return self.taken(await self._lease(**self._call(info, ttl_ms)))
+
+    async def put_in(self, pipe: Pipeline, info: LeaseInfo, ttl_ms: int) -> None:
+        """The same write, queued on `pipe` (its reply, read with `taken`, says what it did)."""
+        await self._lease(**self._call(info, ttl_ms), client=pipe)
+
+    def _call(self, info: LeaseInfo, ttl_ms: int) -> dict[str, Any]:
+        return {
+            "keys": [self.keys.live(info.worker), self.keys.workers],
+            "args": [info.token, encode_lease(info), str(ttl_ms), info.worker],
+        }
+
+    @staticmethod
+    def taken(reply: Any) -> LeaseTaken:
+        """What a lease write did, from its reply."""
+        ok, detail = reply
+        if int(ok) == 1:
+            return LeaseTaken(ok=True, lapsed=int(detail) == 1)
+        return LeaseTaken(ok=False, holder=detail.decode() if isinstance(detail, bytes) else str(detail))
+
+    async def release(self, worker: str, token: str) -> bool:
+        """Delete `worker`'s lease if `token` still holds it; True if released."""
+        reply: Any = await self._release(
+            keys=[self.keys.live(worker), self.keys.workers], args=[token, worker]
+        )
+        return bool(reply)
+
+
 async def live_workers(redis: aioredis.Redis, keys: Keys) -> dict[str, LeaseInfo]:
-    """Every worker whose lease is alive now, with what it holds (SCAN + one MGET)."""
-    names: list[bytes] = []
-    async for key in redis.scan_iter(match=keys.live_pattern, count=500):
-        names.append(key)
+    """Every worker whose lease is alive now, with what it holds: the registry's names, then one
+    MGET of their leases (a name whose lease is gone is dead; the reaper prunes it). No SCAN."""
+    names: list[Any] = await redis.zrange(keys.workers, 0, -1)
     if not names:
         return {}
-    values: list[Any] = await redis.mget(names)
+    values: list[Any] = await redis.mget(
+        [keys.live(n.decode() if isinstance(n, bytes) else n) for n in names]
+    )
     out: dict[str, LeaseInfo] = {}
     for raw in values:
         if raw is None:
-            continue  # expired between SCAN and MGET
+            continue  # lapsed; pruned by the reaper
         try:
             info = decode_lease(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 
 from dispatch.lease import LeaseInfo, live_workers, resources_of
 from dispatch.memory import MemoryWatch, archive_info, read_memory
+from dispatch.queues import requeued_count
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
 from events.codec import decode_rows
@@ -124,7 +125,9 @@ async def queue_depths(
             start = next_id(last.decode() if isinstance(last, bytes) else str(last))
             rows: Any = await redis.execute_command(_XRANGE, queue, start, "+", "COUNT", 10_000)  # type: ignore[no-untyped-call]
             queued = len(rows)
-        out[digest] = {"queued": queued, "running": int(group.get("pending") or 0)}
+        # Re-queued entries are pending for no worker: they wait, like unread ones.
+        again = await requeued_count(redis, queue)
+        out[digest] = {"queued": queued + again, "running": int(group.get("pending") or 0) - again}
     return out
 
 

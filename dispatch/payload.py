@@ -53,6 +53,9 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # False when the submitter only waits for the result: the worker then writes the output once,
     # with the result, instead of streaming it piece by piece.
     stream: bool = True
+    # Epoch ms after which nobody waits for the task (its client gave up, or the longest a task
+    # may queue passed): a worker that takes it later records TaskExpired and never runs it.
+    deadline_ms: int | None = None
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""
@@ -93,12 +96,15 @@ def sha256_hex(text: str) -> str:
 
 
 class Chunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One piece of output in `rl:out:{task}`; `attempt` tells a relay which run it belongs to."""
+    """One piece of output in `rl:out:{task}`; `attempt` and `run` tell a relay which run it
+    belongs to (two runs of one attempt, which should never happen, still differ in `run`)."""
 
     attempt: int
     text: str = ""
     done: bool = False
     error: str | None = None
+    # A nonce per run, drawn by the worker when it starts the run ('' for outcomes no run wrote).
+    run: str = ""
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -115,6 +121,8 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     done_reason: str | None = None
     error: str | None = None
     finished_at: int = msgspec.field(default_factory=now_ms)
+    # The nonce of the run that wrote it (see Chunk.run).
+    run: str = ""
 
 
 _chunk_encoder: Final = msgspec.msgpack.Encoder()

@@ -8,11 +8,15 @@ late or twice.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from dispatch.memory import is_oom
 from dispatch.payload import (
@@ -27,82 +31,190 @@ from dispatch.payload import (
     encode_result,
     queue_fields,
 )
-from events.codec import as_str, encode_fields
+from events.codec import as_str, encode_batch, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
-from events.keys import DEAD_MAX_ENTRIES, WORKERS_GROUP, Keys
-from events.ledger import Ledger
+from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.ledger import LUA_APPEND_BLOB, Ledger
 
-# Acknowledge and delete a finished entry (prompts do not outlive their task).
-# KEYS[1] queue; ARGV group, entry id. Returns XACK's count: 0 means the entry was not ours any more.
+# Acknowledge and delete a finished entry (prompts do not outlive their task), only while `owner`
+# holds it: a run that lost its entry (re-queued in place, perhaps taken again) must not remove it.
+# KEYS[1] queue; ARGV group, entry id, owner ('' = whoever holds it). Returns 1 when acknowledged
+# here; 0 when the entry was not pending for the owner any more.
 _FINISH: Final = """
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #p == 0 or (ARGV[3] ~= '' and p[1][2] ~= ARGV[3]) then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-return acked
+return 1
 """
 
-# Re-add a pending entry with attempt + 1, then acknowledge and delete the old one, all at once, so
-# that a crash can neither lose the task nor leave two copies.
+# Put a delivered entry back in its queue, in its place: it is handed, still pending, to the
+# REQUEUED consumer, whose entries a worker takes before any undelivered one (TaskQueues.take). The
+# entry never moves, so a re-queued task stays ahead of newer work, and its delivery count records
+# the attempts spent. A re-sent call (its reply was lost) finds its own work done and says so again,
+# so that the caller still records it.
 # KEYS[1] queue; ARGV group, entry id, owner ('' = any), min idle ms ('' = no check), delivery limit,
-# bump ('1': a delivery was spent, raise the attempt; '0': handed back unread, keep it).
-# Returns {status, new id or '', new attempt, task id}: status 1 re-queued; 0 not pending for that
+# bump ('1': a delivery was spent; '0': handed back unrun), the attempt the caller ran ('' = unknown),
+# the REQUEUED consumer's name.
+# Returns {status, entry id or '', next attempt, task id}: status 1 re-queued; 0 not pending for that
 # owner (or not idle enough: its owner came back); -1 the entry vanished (acknowledged here);
 # 2 past the delivery limit: nothing moved, the caller dead-letters it first and then finishes it.
 _REQUEUE: Final = """
-local p
-if ARGV[4] ~= '' then
-  p = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[4], ARGV[2], ARGV[2], 1)
-else
-  p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-end
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #p == 0 then return {0, '', 0, ''} end
-if ARGV[3] ~= '' and p[1][2] ~= ARGV[3] then return {0, '', 0, ''} end
+local holder, idle, count = p[1][2], tonumber(p[1][3]), tonumber(p[1][4])
 local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+local id = ''
+if #rows > 0 then
+  local flat = rows[1][2]
+  for i = 1, #flat, 2 do if flat[i] == 'id' then id = flat[i + 1] end end
+end
+if ARGV[3] ~= '' and holder ~= ARGV[3] then
+  if ARGV[7] ~= '' then
+    local ran = tonumber(ARGV[7])
+    if (holder == ARGV[8] and count >= ran - 1 and count <= ran) or count > ran then
+      return {1, ARGV[2], count + 1, id}
+    end
+  end
+  return {0, '', 0, ''}
+end
+if ARGV[4] ~= '' and idle < tonumber(ARGV[4]) then return {0, '', 0, ''} end
 if #rows == 0 then
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
   return {-1, '', 0, ''}
 end
-local flat = rows[1][2]
-local task, attempt, id = nil, 1, ''
-for i = 1, #flat, 2 do
-  if flat[i] == 'task' then task = flat[i + 1]
-  elseif flat[i] == 'attempt' then attempt = tonumber(flat[i + 1])
-  elseif flat[i] == 'id' then id = flat[i + 1] end
-end
-local next = attempt
+local spent = count
 if ARGV[6] == '1' then
-  next = attempt + 1
-  if next > tonumber(ARGV[5]) then return {2, '', attempt, id} end
+  if count + 1 > tonumber(ARGV[5]) then return {2, '', count, id} end
+else
+  spent = count - 1
 end
-local new = redis.call('XADD', KEYS[1], '*', 'task', task, 'attempt', tostring(next), 'id', id)
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return {1, new, next, id}
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, ARGV[2], 'RETRYCOUNT', spent, 'JUSTID')
+return {1, ARGV[2], spent + 1, id}
 """
 
-# Record the first outcome of a task and nothing after it. KEYS[1] result hash; ARGV result
-# (msgpack), status, worker, attempt, ttl ms. Returns 1 for the first writer, 0 for any later one.
-_RESULT_ONCE: Final = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'result', ARGV[1], 'status', ARGV[2], 'worker', ARGV[3], 'attempt', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return 1
+# Take exactly one entry for a consumer: the oldest re-queued one, else the head of what nobody has
+# read, and only when it is the entry the caller's gate decided on (ARGV[3]; '' takes the head,
+# whatever it is). A queue or group that a restart of Redis lost is made again.
+# KEYS[1] queue; ARGV group, consumer, expected entry id, the REQUEUED consumer's name.
+# Returns {entry id, attempt, fields, cursor}: entry id '' when nothing was taken, with the id of the
+# queue's last entry as `cursor` (XREAD from it wakes on the next new one); attempt -1 when the
+# taken entry had been deleted meanwhile (look again at once).
+_TAKE: Final = """
+local function cursor()
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  if #last == 0 then return '0-0' end
+  return last[1][1]
+end
+local again = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[4])
+if type(again) == 'table' and again.err then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+  again = {}
+end
+if #again > 0 then
+  local id = again[1][1]
+  if ARGV[3] ~= '' and id ~= ARGV[3] then return {'', 0, {}, cursor()} end
+  local attempt = tonumber(again[1][4]) + 1
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', attempt, 'JUSTID')
+  local rows = redis.call('XRANGE', KEYS[1], id, id)
+  if #rows == 0 then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    return {'', -1, {}, ''}
+  end
+  return {id, attempt, rows[1][2], ''}
+end
+if ARGV[3] ~= '' then
+  local last = '0-0'
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local name, delivered = nil, nil
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+    end
+    if name == ARGV[1] and delivered ~= nil then last = delivered end
+  end
+  local head = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
+  if #head == 0 or head[1][1] ~= ARGV[3] then return {'', 0, {}, cursor()} end
+end
+local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+if not got then return {'', 0, {}, cursor()} end
+local row = got[1][2][1]
+local attempt = 1
+local flat = row[2]
+for i = 1, #flat, 2 do if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end end
+if attempt > 1 then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'JUSTID')
+end
+return {row[1], attempt, flat, ''}
 """
 
-# Close a run: its last text piece (if any), then its outcome unless one is stored already, at once.
-# The done chunk follows with the closing events (TaskQueues.log_run), so that a client that sees it
-# finds the completion in the ledger. KEYS[1] result hash, KEYS[2] output stream; ARGV result
-# (msgpack), status, worker, attempt, ttl ms, text chunk ('' = none), output ttl ms.
-# Returns 1 for the first writer, 0 for any later one.
-_CLOSE_RUN: Final = """
+# Submit a task exactly once, keyed by its id: the ledger events, the queue entry and the task's
+# lookup hash (which records the entry, so that a cancel finds it without reading the queue), or
+# nothing if the task exists already (a re-sent submission). The queue and its group are made if
+# missing, and the queue joins the registry of queues.
+# KEYS[1] ledger, KEYS[2] task hash, KEYS[3] queue, KEYS[4] registry of queues; ARGV[1] the packed
+# events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, then n hash field/value items, then
+# the queue entry's field/value items. Returns {1, entry id} when queued now, {0, entry id} when it
+# was queued before.
+_SUBMIT: Final = (
+    LUA_APPEND_BLOB
+    + """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {0, redis.call('HGET', KEYS[2], 'entry') or ''}
+end
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[3], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
+  return redis.error_reply(made.err)
+end
+append_blob(KEYS[1], ARGV[1], nil)
+local n = tonumber(ARGV[4])
+local info = {}
+for i = 5, 4 + n do info[#info + 1] = ARGV[i] end
+local fields = {}
+for i = 5 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
+local entry = redis.call('XADD', KEYS[3], '*', unpack(fields))
+redis.call('HSET', KEYS[2], 'entry', entry, unpack(info))
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[4], KEYS[3])
+return {1, entry}
+"""
+)
+
+# Store a task's outcome unless it has one: the first outcome stays, except that a genuine
+# completion replaces a dead letter (the run the reaper gave up on finished after all). With
+# `only_over_dead` it is stored only over a dead letter (a run that lost its entry still counts
+# then). Returns 1 when stored. Arguments: result hash; result (msgpack), status, worker, attempt,
+# ttl ms, only_over_dead ('1' or '').
+_LUA_STORE: Final = """
+local function store(key, result, status, worker, attempt, ttl, only_over_dead)
+  local cur = redis.call('HGET', key, 'status')
+  if cur and not (cur == 'dead' and status == 'completed') then return 0 end
+  if not cur and only_over_dead == '1' then return 0 end
+  if cur then redis.call('DEL', key) end
+  redis.call('HSET', key, 'result', result, 'status', status, 'worker', worker, 'attempt', attempt)
+  redis.call('PEXPIRE', key, ttl)
+  return 1
+end
+"""
+
+# Record a task's outcome (see _LUA_STORE). KEYS[1] result hash; ARGV result (msgpack), status,
+# worker, attempt, ttl ms. Returns 1 for the outcome that counts, 0 for any later one.
+_RESULT_ONCE: Final = _LUA_STORE + "return store(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], '')\n"
+
+# Close a run: its last text piece (if any), then its outcome (see _LUA_STORE), at once. The done
+# chunk follows with the closing events (TaskQueues.log_run), so that a client that sees it finds
+# the completion in the ledger. KEYS[1] result hash, KEYS[2] output stream; ARGV result (msgpack),
+# status, worker, attempt, ttl ms, text chunk ('' = none), output ttl ms, only_over_dead.
+# Returns 1 for the outcome that counts, 0 for any later one.
+_CLOSE_RUN: Final = (
+    _LUA_STORE
+    + """
 if ARGV[6] ~= '' then
   redis.call('XADD', KEYS[2], '*', 'c', ARGV[6])
   redis.call('PEXPIRE', KEYS[2], ARGV[7])
 end
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'result', ARGV[1], 'status', ARGV[2], 'worker', ARGV[3], 'attempt', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return 1
+return store(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[8])
 """
+)
 
 # A later run of a completed task finds a stored result whose writer never marked it `logged` (it
 # died between storing the result and appending TaskCompleted): the first such run takes over the
@@ -114,27 +226,25 @@ if redis.call('HEXISTS', KEYS[1], 'logged') == 1 then return 0 end
 return redis.call('HSETNX', KEYS[1], 'taken', ARGV[1])
 """
 
-# Withdraw a task that no worker has taken: find its entry by task id and delete it only if it is not
-# in the group's pending list (delivered entries belong to a worker, which is told to stop instead).
-# KEYS[1] queue; ARGV group, task id. Returns {status, entry id, attempt}: 2 removed; 1 delivered
-# (running, left alone); 0 no entry for the task (finished, or never queued here).
+# Withdraw a task that no worker runs, by its entry id (the task's lookup hash records it): delete
+# the entry unless a worker holds it (a running task's worker is told to stop instead); a re-queued
+# entry, which waits, is acknowledged and deleted. KEYS[1] queue; ARGV group, entry id, the REQUEUED
+# consumer's name. Returns {status, entry id, attempt}: 2 removed; 1 delivered (running, left
+# alone); 0 no such entry (finished, or never queued here).
 _CANCEL_QUEUED: Final = """
-local rows = redis.call('XRANGE', KEYS[1], '-', '+')
-for _, row in ipairs(rows) do
-  local flat = row[2]
-  local id, attempt = nil, 1
-  for i = 1, #flat, 2 do
-    if flat[i] == 'id' then id = flat[i + 1]
-    elseif flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end
-  end
-  if id == ARGV[2] then
-    local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], row[1], row[1], 1)
-    if type(p) == 'table' and p.err == nil and #p > 0 then return {1, row[1], attempt} end
-    redis.call('XDEL', KEYS[1], row[1])
-    return {2, row[1], attempt}
-  end
+local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #rows == 0 then return {0, '', 0} end
+local attempt = 1
+local flat = rows[1][2]
+for i = 1, #flat, 2 do if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end end
+local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if type(p) == 'table' and p.err == nil and #p > 0 then
+  if p[1][2] ~= ARGV[3] then return {1, ARGV[2], tonumber(p[1][4])} end
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  attempt = tonumber(p[1][4]) + 1
 end
-return {0, '', 0}
+redis.call('XDEL', KEYS[1], ARGV[2])
+return {2, ARGV[2], attempt}
 """
 
 CANCEL_REMOVED: Final = 2
@@ -169,12 +279,50 @@ class QueueEntry(msgspec.Struct, frozen=True):
     task: TaskMessage
 
 
-def parse_entry(queue: str, entry_id: str, fields: dict[bytes, bytes]) -> QueueEntry:
-    """A queue entry's fields as a QueueEntry; raises msgspec errors on a malformed one."""
+class Taken(msgspec.Struct, frozen=True):
+    """What one take did: the entry taken (its id, attempt and fields), or nothing and the queue's
+    cursor (the id of its last entry: an XREAD from it wakes on the next new one)."""
+
+    entry_id: str = ""
+    attempt: int = 0
+    fields: dict[bytes, bytes] = msgspec.field(default_factory=dict)
+    cursor: str = "0-0"
+    # The entry taken had been deleted meanwhile: nothing was taken, look again at once.
+    vanished: bool = False
+
+
+def parse_entry(
+    queue: str, entry_id: str, fields: dict[bytes, bytes], attempt: int | None = None
+) -> QueueEntry:
+    """A queue entry's fields as a QueueEntry (`attempt` when the take said, else the entry's own);
+    raises msgspec errors on a malformed one."""
     raw = fields.get(F_TASK)
     if raw is None:
         raise msgspec.ValidationError(f"queue entry {entry_id} has no task field")
-    return QueueEntry(queue, entry_id, int(fields.get(F_ATTEMPT, b"1")), decode_task(raw))
+    return QueueEntry(queue, entry_id, attempt or int(fields.get(F_ATTEMPT, b"1")), decode_task(raw))
+
+
+T = TypeVar("T")
+
+# Sent again after a connection failure: only calls that are safe to repeat go through resend.
+_RESEND_TRIES: Final = 3
+
+
+async def resend(op: Callable[[], Awaitable[T]]) -> T:
+    """`op`, sent again (up to _RESEND_TRIES in all, after short pauses) when the connection fails or
+    times out. The client itself never repeats a command (routeledger.runtime turns its retries
+    off), so a repeat happens only here, for operations whose repetition is harmless."""
+    async for attempt in AsyncRetrying(
+        stop=stop_after_attempt(_RESEND_TRIES),
+        wait=wait_exponential(multiplier=0.05, max=0.5),
+        retry=retry_if_exception_type(
+            (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+        ),
+        reraise=True,
+    ):
+        with attempt:
+            return await op()
+    raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
 
 # Longest reason a dead letter keeps (a backend's message can be long).
@@ -191,6 +339,19 @@ def _kind_of(fields: dict[bytes, bytes]) -> bytes:
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
         return b"unreadable"
     return b"benchmark" if task.bench_id else task.kind.encode()
+
+
+async def requeued_count(redis: aioredis.Redis, queue: str) -> int:
+    """How many of a queue's pending entries wait re-queued (held by REQUEUED_CONSUMER, run by
+    nobody): queued, not running, for whoever counts."""
+    try:
+        summary: Any = await redis.xpending(queue, WORKERS_GROUP)
+    except ResponseError:
+        return 0
+    for consumer in summary.get("consumers") or []:
+        if as_str(consumer["name"]) == REQUEUED_CONSUMER:
+            return int(consumer["pending"])
+    return 0
 
 
 class TaskQueues:
@@ -214,12 +375,15 @@ class TaskQueues:
         self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
         self._take_over = redis.register_script(_TAKE_OVER)
         self._close_run = redis.register_script(_CLOSE_RUN)
+        self._take = redis.register_script(_TAKE)
+        self._submit = redis.register_script(_SUBMIT)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
-        """Create the `workers` group on `queue` once per process."""
+        """Create the `workers` group on `queue` once per process, and register the queue."""
         if queue not in self._groups:
             await self.ledger.ensure_group(queue, WORKERS_GROUP, "0")
+            await self.redis.sadd(self.keys.queues, queue)
             self._groups.add(queue)
 
     async def enqueue(self, queue: str, task: TaskMessage, attempt: int = 1) -> str:
@@ -227,9 +391,52 @@ class TaskQueues:
         raw: Any = await self.redis.xadd(queue, queue_fields(task, attempt))  # type: ignore[arg-type]
         return str(raw.decode())
 
-    async def finish(self, queue: str, entry_id: str) -> int:
-        """Acknowledge and delete an entry; 0 means it was no longer pending (someone reclaimed it)."""
-        return int(await self._finish(keys=[queue], args=[WORKERS_GROUP, entry_id]))
+    async def submit(
+        self, queue: str, task: TaskMessage, events: Sequence[Event], info: Mapping[str, str | bytes]
+    ) -> tuple[bool, str]:
+        """Record `events`, the task's lookup hash (`info`, plus its entry id) and its queue entry, at
+        once and only once per task id (see _SUBMIT): (queued now, entry id). Sending it again after
+        a lost reply is safe: the second finds the task and queues nothing."""
+        flat: list[Any] = []
+        for field, value in info.items():
+            flat += [field, value]
+        entry: list[Any] = []
+        for raw, value in queue_fields(task).items():
+            entry += [raw, value]
+        reply: Any = await self._submit(
+            keys=[self.keys.events, self.keys.task(task.task_id), queue, self.keys.queues],
+            args=[encode_batch(events), str(RESULT_TTL_MS), WORKERS_GROUP, str(len(flat)), *flat, *entry],
+        )
+        created, entry_id = reply
+        return int(created) == 1, as_str(entry_id)
+
+    async def take(self, queue: str, consumer: str, expected: str = "") -> Taken:
+        """Take one entry of `queue` for `consumer`: the oldest re-queued one, else the head nobody
+        has read, and only if it is `expected` (when given); see _TAKE."""
+        reply: Any = await self._take(
+            keys=[queue], args=[WORKERS_GROUP, consumer, expected, REQUEUED_CONSUMER]
+        )
+        entry_id, attempt, flat, cursor = reply
+        if int(attempt) < 0:
+            return Taken(vanished=True)
+        if not entry_id:
+            return Taken(cursor=as_str(cursor))
+        fields = dict(zip(flat[::2], flat[1::2], strict=False))
+        return Taken(entry_id=as_str(entry_id), attempt=int(attempt), fields=fields)
+
+    async def finish(self, queue: str, entry_id: str, owner: str = "") -> int:
+        """Acknowledge and delete an entry `owner` holds ('' = whoever does); 0 means it was no longer
+        pending for it (someone reclaimed it). Sent again when the connection fails: a second sending
+        that finds the entry gone reports 1, since it was this caller's first that acknowledged it."""
+        first = True
+
+        async def once() -> int:
+            nonlocal first
+            sent_before, first = not first, False
+            acked = int(await self._finish(keys=[queue], args=[WORKERS_GROUP, entry_id, owner]))
+            return 1 if sent_before and acked == 0 else acked
+
+        return await resend(once)
 
     async def requeue(
         self,
@@ -240,27 +447,37 @@ class TaskQueues:
         owner: str | None = None,
         min_idle_ms: int | None = None,
         bump: bool = True,
+        attempt: int | None = None,
     ) -> Requeue:
-        """Put a pending entry back, with the next attempt unless `bump` is False (see _REQUEUE)."""
-        reply: Any = await self._requeue(
-            keys=[queue],
-            args=[
-                WORKERS_GROUP,
-                entry_id,
-                owner or "",
-                "" if min_idle_ms is None else str(min_idle_ms),
-                str(delivery_limit),
-                "1" if bump else "0",
-            ],
-        )
-        status, new, attempt, task_id = reply
-        return Requeue(int(status), as_str(new), int(attempt), as_str(task_id))
+        """Put a pending entry back in its place, with the next attempt unless `bump` is False (see
+        _REQUEUE). `attempt`, the attempt the caller ran, makes a re-send after a lost reply answer
+        as the first did; it is sent again once when the connection fails."""
+        args = [
+            WORKERS_GROUP,
+            entry_id,
+            owner or "",
+            "" if min_idle_ms is None else str(min_idle_ms),
+            str(delivery_limit),
+            "1" if bump else "0",
+            "" if attempt is None else str(attempt),
+            REQUEUED_CONSUMER,
+        ]
 
-    async def cancel_queued(self, queue: str, task_id: str) -> tuple[int, str, int]:
-        """Delete `task_id`'s entry unless a worker holds it: (status, entry id, attempt); see above."""
-        reply: Any = await self._cancel_queued(keys=[queue], args=[WORKERS_GROUP, task_id])
-        status, entry_id, attempt = reply
-        return int(status), as_str(entry_id), int(attempt)
+        async def call() -> Any:
+            return await self._requeue(keys=[queue], args=args)
+
+        reply: Any = await (resend(call) if attempt is not None else call())
+        status, new, next_attempt, task_id = reply
+        return Requeue(int(status), as_str(new), int(next_attempt), as_str(task_id))
+
+    async def cancel_queued(self, queue: str, entry_id: str) -> tuple[int, str, int]:
+        """Delete the task's entry `entry_id` unless a worker holds it: (status, entry id, attempt);
+        see _CANCEL_QUEUED."""
+        reply: Any = await self._cancel_queued(
+            keys=[queue], args=[WORKERS_GROUP, entry_id, REQUEUED_CONSUMER]
+        )
+        status, found, attempt = reply
+        return int(status), as_str(found), int(attempt)
 
     async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
         """The fields of one entry, or None if it is gone."""
@@ -291,11 +508,11 @@ class TaskQueues:
         )
         return str(raw.decode())
 
-    async def end_output(self, task_id: str, attempt: int, error: str | None = None) -> None:
+    async def end_output(self, task_id: str, attempt: int, error: str | None = None, run: str = "") -> None:
         """Close a task's output stream (with the error, if it failed) so relays stop waiting."""
         out_key = self.keys.out(task_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error))})
+        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error, run=run))})
         pipe.pexpire(out_key, OUTPUT_TTL_MS)
         await pipe.execute()
 
@@ -339,9 +556,12 @@ class TaskQueues:
         )
         return bool(won)
 
-    async def close_run(self, result: Result, text: str = "", ttl_ms: int = RESULT_TTL_MS) -> bool:
-        """Write the run's last `text` piece and store the outcome unless one is stored already, in
-        one round trip; True for the first outcome (the one that counts). The output stream stays
+    async def close_run(
+        self, result: Result, text: str = "", ttl_ms: int = RESULT_TTL_MS, *, only_over_dead: bool = False
+    ) -> bool:
+        """Write the run's last `text` piece and store the outcome unless one is stored already (a
+        completion replaces a dead letter), in one round trip; True for the outcome that counts. With
+        `only_over_dead` the outcome is stored only over a dead letter. The output stream stays
         open: log_run closes it."""
         won = await self._close_run(
             keys=[self.keys.result(result.task_id), self.keys.out(result.task_id)],
@@ -351,8 +571,9 @@ class TaskQueues:
                 result.worker or "",
                 str(result.attempt),
                 str(ttl_ms),
-                encode_chunk(Chunk(attempt=result.attempt, text=text)) if text else b"",
+                encode_chunk(Chunk(attempt=result.attempt, text=text, run=result.run)) if text else b"",
                 str(OUTPUT_TTL_MS),
+                "1" if only_over_dead else "",
             ],
         )
         return bool(won)

@@ -34,7 +34,15 @@ _XREVRANGE: Final = b"XREVRANGE"
 SAMPLE_TYPES: Final = frozenset({b"TaskCompleted", b"BenchmarkResult"})
 _INCIDENT_TYPES: Final = frozenset({b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered"})
 TASK_TYPES: Final = frozenset(
-    {b"TaskSubmitted", b"TaskRouted", b"TaskClaimed", b"TaskCompleted", b"TaskFailed", b"TaskCancelled"}
+    {
+        b"TaskSubmitted",
+        b"TaskRouted",
+        b"TaskClaimed",
+        b"TaskCompleted",
+        b"TaskFailed",
+        b"TaskCancelled",
+        b"TaskExpired",
+    }
     | _INCIDENT_TYPES
 )
 # How far back the recent tasks and incidents are looked for (ledger entries, newest first).

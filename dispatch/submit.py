@@ -16,11 +16,10 @@ import msgspec
 
 from dispatch.errors import ModelNotServedError
 from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, queue_fields, sha256_hex
-from dispatch.queues import RESULT_TTL_MS, TaskQueues
+from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
+from dispatch.queues import TaskQueues
 from dispatch.serving import describe_fleet, require_model, resolve_models, served_models
 from dispatch.view import LiveView
-from events.codec import encode_fields
 from events.event import Event, TaskRouted, TaskSubmitted
 from router.choose import Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
@@ -54,6 +53,8 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     task_id: str | None = None
     # False when the caller only waits for the result (see TaskMessage.stream).
     stream: bool = True
+    # Epoch ms after which nobody waits for it (see TaskMessage.deadline_ms); None: no deadline.
+    deadline_ms: int | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -125,9 +126,10 @@ async def submit_task(
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
 
-    Everything is written in one round trip, in this order: the ledger events, the task's lookup
-    hash, the queue entry, so that no worker sees a task the ledger has not recorded. Raises
-    ModelNotServedError at once when no live worker serves the model.
+    Everything is written in one script keyed by the task id (TaskQueues.submit): the ledger
+    events, the queue entry, the task's lookup hash, so that no worker sees a task the ledger has
+    not recorded, and a second submission of the same id (a re-send after a lost reply) queues
+    nothing. Raises ModelNotServedError at once when no live worker serves the model.
     """
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
@@ -150,6 +152,7 @@ async def submit_task(
         pipeline_id=req.pipeline_id,
         stream=req.stream,
         prompt_tokens=estimate_tokens(text),
+        deadline_ms=req.deadline_ms,
     )
     keys = queues.keys
     queue = keys.queue(digest)
@@ -175,25 +178,15 @@ async def submit_task(
         events.append(routed_event(task.task_id, queue, decision))
         # The whole breakdown (every candidate) stays readable while the task is recent.
         breakdown = msgspec.json.encode(decision.to_dict())
-    await queues.ensure_group(queue)
-    pipe = queues.redis.pipeline(transaction=False)
-    for event in events:
-        pipe.xadd(keys.events, encode_fields(event))  # type: ignore[arg-type]
-    info_key = keys.task(task.task_id)
-    pipe.hset(
-        info_key,
-        mapping={
-            "queue": queue,
-            "model": task.model,
-            "digest": digest,
-            "domain": domain,
-            "submitted_at": str(task.submitted_at),
-            "routed": breakdown,
-        },
-    )
-    pipe.pexpire(info_key, RESULT_TTL_MS)
-    pipe.xadd(queue, queue_fields(task))  # type: ignore[arg-type]
-    await pipe.execute()
+    info: dict[str, str | bytes] = {
+        "queue": queue,
+        "model": task.model,
+        "digest": digest,
+        "domain": domain,
+        "submitted_at": str(task.submitted_at),
+        "routed": breakdown,
+    }
+    await queues.submit(queue, task, events, info)
     return Submitted(task=task, queue=queue, decision=decision)
 
 

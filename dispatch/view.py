@@ -18,11 +18,11 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import F_TASK, decode_task
+from dispatch.payload import F_ID, F_TASK, decode_task
 from dispatch.serving import served, served_models
 from events.codec import as_str
 from events.event import now_ms
-from events.keys import WORKERS_GROUP, Keys
+from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
@@ -35,10 +35,22 @@ T = TypeVar("T")
 # The plan looks this far down each queue; tasks behind it cannot change who takes the head.
 BACKLOG_DEPTH = 64
 
-# One queue's entries after its group's last-delivered id (the ones no worker has read), at most
-# ARGV[2] of them. KEYS[1] the queue (one key: the script runs on a cluster); ARGV[1] the group.
-# A missing queue or group reads from the start; a key that is not a stream gives no entries.
+# One queue's waiting entries, head first: the re-queued ones (held by the REQUEUED consumer, in
+# their original place) and then those after the group's last-delivered id (nobody has read them),
+# at most ARGV[2] in all; and the id of the queue's last entry (an XREAD from it wakes on the next
+# new one). KEYS[1] the queue (one key: the script runs on a cluster); ARGV group, depth, the
+# REQUEUED consumer's name. A missing queue or group reads from the start; a key that is not a
+# stream gives no entries. Returns {cursor, rows}.
 _BACKLOG = """
+local depth = tonumber(ARGV[2])
+local rows = {}
+local again = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', depth, ARGV[3])
+if type(again) == 'table' and again.err == nil then
+  for _, p in ipairs(again) do
+    local r = redis.call('XRANGE', KEYS[1], p[1], p[1])
+    if #r > 0 then rows[#rows + 1] = r[1] end
+  end
+end
 local start = '-'
 local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
 if type(groups) == 'table' and groups.err == nil then
@@ -50,9 +62,16 @@ if type(groups) == 'table' and groups.err == nil then
     if name == ARGV[1] and last ~= nil and last ~= '0-0' then start = '(' .. last end
   end
 end
-local rows = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', ARGV[2])
-if type(rows) ~= 'table' or rows.err ~= nil then rows = {} end
-return rows
+if #rows < depth then
+  local unread = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', depth - #rows)
+  if type(unread) == 'table' and unread.err == nil then
+    for _, r in ipairs(unread) do rows[#rows + 1] = r end
+  end
+end
+local cursor = '0-0'
+local last = redis.pcall('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if type(last) == 'table' and last.err == nil and #last > 0 then cursor = last[1][1] end
+return {cursor, rows}
 """
 
 
@@ -172,12 +191,26 @@ class LiveView:
         return (await self.backlogs([digest]))[digest]
 
     async def backlogs(self, digests: Iterable[str]) -> dict[str, list[BacklogEntry]]:
-        """Each model's unread queue entries, head first (one script per queue, run side by side)."""
+        """Each model's waiting queue entries, head first (one script per queue, run side by side)."""
+        return (await self.backlogs_and_cursors(digests))[0]
+
+    async def backlogs_and_cursors(
+        self, digests: Iterable[str]
+    ) -> tuple[dict[str, list[BacklogEntry]], dict[str, str]]:
+        """Each model's waiting queue entries, head first, and each queue's cursor (the id of its last
+        entry: an XREAD from it wakes on the next new one), keyed by queue name."""
         wanted = sorted(set(digests))
-        rows: list[Any] = await asyncio.gather(
-            *(self._backlog(keys=[self.keys.queue(d)], args=[WORKERS_GROUP, BACKLOG_DEPTH]) for d in wanted)
+        replies: list[Any] = await asyncio.gather(
+            *(
+                self._backlog(
+                    keys=[self.keys.queue(d)], args=[WORKERS_GROUP, BACKLOG_DEPTH, REQUEUED_CONSUMER]
+                )
+                for d in wanted
+            )
         )
-        return {digest: _entries(digest, r) for digest, r in zip(wanted, rows, strict=True)}
+        backlog = {digest: _entries(digest, r[1]) for digest, r in zip(wanted, replies, strict=True)}
+        cursors = {self.keys.queue(d): as_str(r[0]) for d, r in zip(wanted, replies, strict=True)}
+        return backlog, cursors
 
     async def fleet(
         self, digests: Iterable[str] | None = None, leases: dict[str, LeaseInfo] | None = None
@@ -195,15 +228,22 @@ def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
     out: list[BacklogEntry] = []
     for raw_id, flat in rows:
         fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
+        entry_id = as_str(raw_id)
+        enqueued = int(entry_id.split("-")[0])
         try:
             task = decode_task(fields[F_TASK])
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
-            continue  # a malformed entry is the worker's to dead-letter, not the plan's
+            # A malformed entry stays in the backlog, as a small task: it is the head a worker must
+            # take (and dead-letter), or no worker could ever take what lies behind it.
+            ident = as_str(fields.get(F_ID, raw_id))
+            out.append(BacklogEntry(entry_id=entry_id, task_id=ident, digest=digest, enqueued_at_ms=enqueued))
+            continue
         out.append(
             BacklogEntry(
+                entry_id=entry_id,
                 task_id=task.task_id,
                 digest=digest,
-                enqueued_at_ms=int(as_str(raw_id).split("-")[0]),
+                enqueued_at_ms=enqueued,
                 domain=task.domain,
                 prompt_tokens=task.prompt_tokens,
                 max_tokens=task.max_tokens,

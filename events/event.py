@@ -236,6 +236,18 @@ class TaskCancelled(Event, frozen=True, kw_only=True):
     was_running: bool = False
 
 
+class TaskExpired(Event, frozen=True, kw_only=True):
+    """A worker took a task after its deadline (its client had stopped waiting, or it queued longer
+    than a task may): it was not run, and counts as cancelled."""
+
+    task_id: str
+    queue: str = ""
+    worker: str = ""
+    # The task's deadline (epoch ms) and how long it had waited since its submission.
+    deadline: EpochMs = 0
+    waited_ms: Count = 0
+
+
 # -- workers -----------------------------------------------------------------------------------
 
 
@@ -372,6 +384,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     TaskStalled,
     TaskDeadLettered,
     TaskCancelled,
+    TaskExpired,
     WorkerHeartbeat,
     WorkerOnline,
     WorkerOffline,
@@ -394,6 +407,7 @@ AnyEvent = (
     | TaskStalled
     | TaskDeadLettered
     | TaskCancelled
+    | TaskExpired
     | WorkerHeartbeat
     | WorkerOnline
     | WorkerOffline

@@ -15,6 +15,9 @@ WORKERS_GROUP: Final = "workers"
 DEAD_MAX_ENTRIES: Final = 10_000
 # Digests are sha256 hex; twelve characters name a queue (as `ollama list` shows them).
 DIGEST_PREFIX_LEN: Final = 12
+# The consumer that holds re-queued entries in a queue's pending list, in their original place
+# (ahead of newer work), until a worker takes one; no worker name can be spelled like it.
+REQUEUED_CONSUMER: Final = "(requeued)"
 
 
 class Keys:
@@ -55,8 +58,13 @@ class Keys:
 
     @property
     def queue_pattern(self) -> str:
-        # SCAN pattern that matches every task queue, shared and pinned.
+        # SCAN pattern that matches every task queue (only to seed `queues` from an older layout).
         return f"{self.prefix}q:*"
+
+    @property
+    def queues(self) -> str:
+        # Set of every task queue name, shared and pinned, so that nothing SCANs for them.
+        return f"{self.prefix}queues"
 
     def out(self, task_id: str) -> str:
         # Output chunks of one task, relayed to streaming clients; expires.
@@ -90,9 +98,9 @@ class Keys:
         return f"{self.prefix}live:{worker}"
 
     @property
-    def live_pattern(self) -> str:
-        # SCAN pattern over every worker lease.
-        return f"{self.prefix}live:*"
+    def workers(self) -> str:
+        # Sorted set: every worker that took a lease, scored by its lease's expiry (server ms).
+        return f"{self.prefix}workers"
 
     @property
     def forgotten(self) -> str:

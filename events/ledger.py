@@ -19,29 +19,35 @@ from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
 
-# XADDs a whole batch in one round trip. ARGV[1] is codec.encode_batch's packing: per event the
-# lengths of type, v and data (>HHI4), then the three strings. ARGV[2], when given, holds the ids
-# to write them under (space-separated; for importing a history), else Redis makes them.
-_APPEND_MANY: Final = """
-local blob = ARGV[1]
-local size = #blob
-local pos = 1
-local given = ARGV[2] and string.gmatch(ARGV[2], '%S+')
-local ids = {}
-local n = 0
-while pos <= size do
-  local lt, lv, ld, at = struct.unpack('>HHI4', blob, pos)
-  local kind = string.sub(blob, at, at + lt - 1)
-  at = at + lt
-  local v = string.sub(blob, at, at + lv - 1)
-  at = at + lv
-  pos = at + ld
-  n = n + 1
-  local id = given and given() or '*'
-  ids[n] = redis.call('XADD', KEYS[1], id, 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
+# A Lua function that XADDs a packed batch of events to `stream`: `blob` is codec.encode_batch's
+# packing (per event the lengths of type, v and data (>HHI4), then the three strings); `given`, when
+# not nil, holds the ids to write them under (space-separated), else Redis makes them. Returns the
+# ids. Shared by every script that appends events together with another change.
+LUA_APPEND_BLOB: Final = """
+local function append_blob(stream, blob, given)
+  local size = #blob
+  local pos = 1
+  local next_given = given and string.gmatch(given, '%S+')
+  local ids = {}
+  local n = 0
+  while pos <= size do
+    local lt, lv, ld, at = struct.unpack('>HHI4', blob, pos)
+    local kind = string.sub(blob, at, at + lt - 1)
+    at = at + lt
+    local v = string.sub(blob, at, at + lv - 1)
+    at = at + lv
+    pos = at + ld
+    n = n + 1
+    local id = next_given and next_given() or '*'
+    ids[n] = redis.call('XADD', stream, id, 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
+  end
+  return ids
 end
-return ids
 """
+
+# XADDs a whole batch in one round trip. ARGV[1] the packed batch; ARGV[2], when given, the ids to
+# write them under (for importing a history).
+_APPEND_MANY: Final = LUA_APPEND_BLOB + "return append_blob(KEYS[1], ARGV[1], ARGV[2])\n"
 
 # A bounded batch keeps one script from blocking the server for long; append_many splits larger
 # inputs (1,000 events take about 3 ms of server time).
@@ -238,12 +244,14 @@ class Ledger:
             for item in _decode_in_order(batch, on_poison):
                 yield item
 
-    async def wait_for_entries(self, streams: Sequence[str], block_ms: int) -> bool:
-        """Block until any of `streams` gets a new entry (reading none of them); False on timeout."""
-        if not streams:
+    async def wait_on(self, cursors: Mapping[str, str], block_ms: int) -> bool:
+        """Block until any stream gets an entry after its cursor (an id, or `$`: after now), reading
+        nothing for a consumer group; False on timeout."""
+        if not cursors:
             await asyncio.sleep(block_ms / 1000)
             return False
-        reply: Any = await self.redis.xread(dict.fromkeys(streams, "$"), count=1, block=block_ms)
+        wanted: dict[Any, Any] = dict(cursors)
+        reply: Any = await self.redis.xread(wanted, count=1, block=block_ms)
         return bool(reply)
 
     # -- consumer groups ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from events.event import (
     TaskClaimed,
     TaskCompleted,
     TaskDeadLettered,
+    TaskExpired,
     TaskFailed,
     TaskReclaimed,
     TaskStalled,
@@ -53,6 +54,7 @@ TaskEvent = (
     | TaskStalled
     | TaskDeadLettered
     | TaskCancelled
+    | TaskExpired
 )
 # The events that create or change a task row (BenchmarkResult carries a task_id but does not).
 TASK_EVENTS: Final = (
@@ -64,6 +66,7 @@ TASK_EVENTS: Final = (
     TaskStalled,
     TaskDeadLettered,
     TaskCancelled,
+    TaskExpired,
 )
 
 NS_PER_S: Final = 1e9
@@ -315,7 +318,7 @@ class Folder:
         row.error = e.reason
         self._release_everywhere(e.task_id)
 
-    def _cancelled(self, e: TaskCancelled) -> None:
+    def _cancelled(self, e: TaskCancelled | TaskExpired) -> None:
         self._task(e)
         self._release_everywhere(e.task_id)
 
@@ -392,6 +395,7 @@ HANDLERS: Final[dict[type[Event], str]] = {
     TaskStalled: "_stalled",
     TaskDeadLettered: "_dead_lettered",
     TaskCancelled: "_cancelled",
+    TaskExpired: "_cancelled",
     WorkerOnline: "_online",
     WorkerHeartbeat: "_heartbeat",
     WorkerChanged: "_changed",

@@ -19,6 +19,7 @@ from events.event import (
     TaskClaimed,
     TaskCompleted,
     TaskDeadLettered,
+    TaskExpired,
     TaskFailed,
     TaskReclaimed,
     TaskStalled,
@@ -70,7 +71,7 @@ def reported(event: Event) -> TaskStatus | None:
             return "stalled"
         case TaskDeadLettered():
             return "dead"
-        case TaskCancelled():
+        case TaskCancelled() | TaskExpired():
             return "cancelled"
     return None
 

@@ -32,6 +32,7 @@ from events.event import (
     TaskClaimed,
     TaskCompleted,
     TaskDeadLettered,
+    TaskExpired,
     TaskFailed,
     TaskReclaimed,
     TaskStalled,
@@ -145,6 +146,8 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
         },
     ),
     TaskCancelled: ("cancelled", {"task_id": (_STR, "task_id")}),
+    # An expired task is a cancelled one (projections.status): the same frame.
+    TaskExpired: ("cancelled", {"task_id": (_STR, "task_id")}),
     WorkerOffline: (
         "offline",
         {

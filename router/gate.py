@@ -39,6 +39,8 @@ class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     reason: str
     digest: str | None = None
     task_id: str | None = None
+    # The queue entry of `task_id` (see BacklogEntry.entry_id).
+    entry_id: str = ""
     numbers: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
@@ -48,6 +50,7 @@ class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
             "reason": self.reason,
             "digest": self.digest,
             "task_id": self.task_id,
+            "entry_id": self.entry_id,
             "numbers": dict(self.numbers),
         }
 
@@ -108,6 +111,7 @@ def should_take(
                 worker=worker,
                 digest=digest,
                 task_id=queue[0].task_id,
+                entry_id=queue[0].entry_id,
                 reason=(
                     f"the plan gives me task #{pos + 1} of {len(queue)} queued"
                     f" + {phantoms} expected to arrive before my next chance to take"

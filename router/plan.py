@@ -65,6 +65,9 @@ class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
     domain: str = "general"
     prompt_tokens: int | None = None
     max_tokens: int | None = None
+    # Its id in the queue ('' where no queue holds it: the simulator's, a preview's); a worker takes
+    # the entry its gate decided on only if it is still the head (dispatch.queues.TaskQueues.take).
+    entry_id: str = ""
 
 
 class FleetView(msgspec.Struct, kw_only=True, gc=False):

@@ -11,6 +11,7 @@ import redis
 import redis.asyncio as aioredis
 from hypothesis import settings
 
+from events.connection import redis_client as redis_client_for
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_version
@@ -81,7 +82,8 @@ def any_redis_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
+    """A client made the way every routeledger process makes one (no automatic retries)."""
+    client = redis_client_for(redis_url)
     yield client
     await client.aclose()
 

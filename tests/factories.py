@@ -17,6 +17,7 @@ from events.event import (
     TaskClaimed,
     TaskCompleted,
     TaskDeadLettered,
+    TaskExpired,
     TaskFailed,
     TaskReclaimed,
     TaskRouted,
@@ -63,6 +64,9 @@ def one_of_each() -> list[Event]:
         TaskStalled(at=AT, task_id="t3", queue="q", entry_id="3-0", waited_ms=600_000),
         TaskDeadLettered(at=AT, task_id="t2", queue="q", reason="delivery limit 3 reached", attempts=3),
         TaskCancelled(at=AT, task_id="t4", queue="q", was_running=True),
+        TaskExpired(
+            at=AT, task_id="t6", queue="q", worker="macbookair", deadline=AT - 1000, waited_ms=3_600_000
+        ),
         WorkerHeartbeat(
             at=AT,
             worker="macbookair",

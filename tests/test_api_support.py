@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from api.app import AppConfig, create_app
-from dispatch.lease import LeaseInfo, encode_lease
+from dispatch.lease import LeaseInfo, Leases
 from dispatch.payload import Result, result_decoder
 from events.event import ModelEntry
 from events.keys import Keys
@@ -73,7 +73,7 @@ async def ghost_worker(redis: aioredis.Redis, name: str = "ghost") -> None:
     info = LeaseInfo(
         worker=name, token="t", slots=1, inventory=[ModelEntry(name="m:latest", digest=MODEL_DIGEST)]
     )
-    await redis.set(Keys().live(name), encode_lease(info), px=120_000)
+    await Leases(redis, Keys()).put(info, 120_000)
 
 
 async def stored_result(redis: aioredis.Redis, task_id: str) -> Result | None:

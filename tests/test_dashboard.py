@@ -29,7 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from api.app import AppConfig
 from api.dashboard import CSP
-from dispatch.lease import LeaseInfo, encode_lease
+from dispatch.lease import LeaseInfo, Leases
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit
@@ -262,7 +262,7 @@ async def demo(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[str]:
                 slots=1,
                 inventory=[ModelEntry(name="mistral:7b", digest=GHOST_DIGEST)],
             )
-            await redis.set(keys.live("old-nas"), encode_lease(ghost), px=120_000)
+            await Leases(redis, keys).put(ghost, 120_000)
             await route_and_submit(
                 TaskQueues(redis, keys),
                 LiveView(redis, keys),

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.gateway import Gateway
-from dispatch.lease import decode_lease
+from dispatch.lease import LeaseInfo, Leases, decode_lease
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.recent import load_recent
@@ -189,7 +189,7 @@ async def test_the_reaper_records_an_expired_lease_offline_once_and_the_projecte
     await ledger.append_many(
         [WorkerOnline(at=T0, worker="ghost", slots=1), WorkerOnline(at=T0, worker="alive", slots=1)]
     )
-    await redis_client.set(keys.live("alive"), b"x", px=60_000)
+    await Leases(redis_client, keys).put(LeaseInfo(worker="alive", token="t", slots=1), 60_000)
     projector = Projector(redis_client, keys)
     await projector.start()
     await projector.catch_up()

@@ -1,8 +1,10 @@
-"""Admission: which shared queues a worker with a free slot may read now (the seam `WorkerAgent.gate`).
+"""Admission: what a worker with a free slot may take now (the seam `WorkerAgent.gate`).
 
 `RouterGate`, the default, asks `router.gate.should_take` whether taking the head task is better
 for the system than leaving it to the others; the decision is pure, its facts come from
-`dispatch.view.LiveView`. `PlainPull` takes whatever the streams give.
+`dispatch.view.LiveView`. `PlainPull` takes the head of whichever queue waited longest. Either way
+the worker then takes exactly that one entry, and only if it is still the head
+(`TaskQueues.take`), and asks again for its next free slot.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.view import LiveView
+from dispatch.view import LiveView, fleet_view
+from events.event import now_ms
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, should_take
 
@@ -22,37 +26,74 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("routeledger.gate")
 
+# How long the gate reuses the leases it read. Short: a held-back worker is woken by another's
+# claim and must see that worker busy (its lease is written just before the claim is appended).
+LEASES_EVERY_S = 0.04
+
+
+class Admission(msgspec.Struct, kw_only=True):
+    """What a gate allows a worker with a free slot to take now."""
+
+    # The queue to take from; None: nothing now.
+    queue: str | None = None
+    # The entry decided on ('' = the head, whatever it is).
+    entry_id: str = ""
+    # Work waits that the gate leaves to others for now (the worker asks again when things change).
+    held_back: bool = False
+    # Each queue looked at -> the id of its last entry (an XREAD from it wakes on the next new one).
+    cursors: dict[str, str] = msgspec.field(default_factory=dict)
+
 
 class Gate(Protocol):
-    """The seam for the router's speed-aware gate: which shared queues may this worker read now?"""
+    """The seam for the router's speed-aware gate: what may this worker take from these queues now?"""
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]: ...
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission: ...
+
+
+def _digests(agent: WorkerAgent, keys: Keys, queues: Sequence[str]) -> list[str]:
+    wanted = set(queues)
+    return [m.digest for m in agent.serving() if keys.queue(m.digest) in wanted]
 
 
 class PlainPull:
-    """Take whatever the streams give (the behaviour before the router's gate)."""
+    """Take the head of whichever queue waited longest (the behaviour before the router's gate)."""
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]:
-        return list(queues)
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.view = LiveView(redis, keys)
+        self.keys = keys
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+        backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues))
+        heads = [(q[0].enqueued_at_ms, d) for d, q in backlog.items() if q]
+        if not heads:
+            return Admission(cursors=cursors)
+        _, digest = min(heads)
+        return Admission(queue=self.keys.queue(digest), cursors=cursors)
 
 
 class RouterGate:
-    """Admits a shared queue only when the router's gate says this worker should take its head."""
+    """Admits the head of a shared queue only when the router's gate says this worker should take it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
-        self.view = LiveView(redis, keys)
+        self.view = LiveView(redis, keys, leases_every_s=LEASES_EVERY_S)
         self.keys = keys
         self.params = params or GateParams()
         self.last: GateDecision | None = None
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> list[str]:
-        digests = [m.digest for m in agent.serving() if self.keys.queue(m.digest) in queues]
-        fleet, est, now, _ = await self.view.fleet(digests)
-        decision = should_take(agent.name, fleet, est, now, self.params)
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+        backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues))
+        if not any(backlog.values()):
+            # Nothing waits: no lease or statistics read at all (an idle worker costs Redis little).
+            return Admission(cursors=cursors)
+        snap, est = await self.view.estimates()
+        # The cached leases, with this worker's own as it is now (it knows what it runs).
+        leases = {**await self.view.leases(), agent.name: agent.lease_info()}
+        now = now_ms()
+        decision = should_take(agent.name, fleet_view(leases, backlog, snap, now), est, now, self.params)
         self.last = decision
         if not decision.take or decision.digest is None:
             if decision.task_id is not None:
                 log.debug("leaving %s: %s", decision.task_id, decision.reason)
-            return []
+            return Admission(held_back=decision.task_id is not None, cursors=cursors)
         log.debug("taking %s: %s", decision.task_id, decision.reason)
-        return [self.keys.queue(decision.digest)]
+        return Admission(queue=self.keys.queue(decision.digest), entry_id=decision.entry_id, cursors=cursors)

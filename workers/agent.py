@@ -22,10 +22,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from dispatch.benchmark import needs_benchmark, request_benchmark
-from dispatch.lease import LeaseInfo, RunningInfo, decode_lease, encode_lease
+from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.payload import Chunk, Result, encode_chunk
-from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, TaskQueues, parse_entry
+from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
@@ -33,6 +33,7 @@ from events.event import (
     ModelEntry,
     Resources,
     TaskClaimed,
+    TaskExpired,
     TaskFailed,
     WorkerOffline,
     WorkerOnline,
@@ -66,8 +67,21 @@ class Running(msgspec.Struct, kw_only=True):
     started_at_ms: int = msgspec.field(default_factory=now_ms)
     task: asyncio.Task[None] | None = None
     lost: bool = False
+    # The run is closing (acknowledging or settling its entry): the heartbeat leaves its entry alone.
+    closing: bool = False
     # 1 for the first task this process runs, and so on (for the test crash hook).
     ordinal: int = 0
+    # This run's nonce: its output chunks and result carry it, so no relay mixes two runs.
+    run_id: str = msgspec.field(default_factory=lambda: secrets.token_hex(4))
+
+
+class Wait(msgspec.Struct, kw_only=True):
+    """Nothing was taken: what to wait on before asking again."""
+
+    # Queue -> the id of its last entry (an XREAD from it wakes on the next new one).
+    cursors: dict[str, str]
+    # Work waits that the gate left to others: wake on ledger news (claims, completions) as well.
+    held_back: bool = False
 
 
 class WorkerAgent:
@@ -86,10 +100,19 @@ class WorkerAgent:
         self.backend = backend
         self.config = config
         self.name = config.name
-        self.gate: Gate = gate or PlainPull()
+        self.gate: Gate = gate or PlainPull(redis, keys)
         # A speed-aware gate plans with what every worker runs, so the lease says so at once.
         self.eager_lease = not isinstance(self.gate, PlainPull)
         self.ledger = Ledger(redis, keys)
+        self.leases = Leases(redis, keys)
+        # Monotonic time until which the lease is known to hold (from the last renewal's sending).
+        self._lease_until = 0.0
+        self._lease_failing = False
+        self._last_ask = 0.0
+        # Takes in a row that found the head moved since the gate looked.
+        self._missed = 0
+        # Another process took this name's lease: this one stops and leaves it alone.
+        self.evicted = False
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
@@ -148,6 +171,7 @@ class WorkerAgent:
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
         await self._recover_own_pending()
+        self._background.append(asyncio.create_task(self._lease_loop(), name="lease"))
         self._background.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         if self.config.auto_bench:
             self._background.append(asyncio.create_task(self._benchmark_loop(), name="benchmarks"))
@@ -178,27 +202,26 @@ class WorkerAgent:
         await self._report_changes()
 
     async def _take_lease(self) -> None:
-        """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin."""
-        key = self.keys.live(self.name)
+        """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin. The lease
+        is a token compare-and-set (dispatch.lease.Leases), so of two processes started at once with
+        one name exactly one gets it."""
         deadline = time.monotonic() + self.config.lease_ms / 1000 + 1.0
         while True:
-            current: bytes | None = await self.redis.get(key)  # type: ignore[assignment]
-            if current is None:
+            sent = time.monotonic()
+            taken = await self.leases.put(self.lease_info(), self.config.lease_ms)
+            if taken.ok:
+                self._lease_until = sent + self.config.lease_ms / 1000
                 break
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                if decode_lease(current).token == self.token:
-                    break
             if time.monotonic() > deadline:
                 raise WorkerNameTakenError(
                     f"a live worker named {self.name!r} already holds its lease; give this one another --id"
                 )
             await asyncio.sleep(0.2)
         await self.redis.srem(self.keys.forgotten, self.name)
-        await self._write_lease()
 
-    def _lease_value(self) -> bytes:
+    def lease_info(self) -> LeaseInfo:
         """What this worker's lease says now."""
-        info = LeaseInfo(
+        return LeaseInfo(
             worker=self.name,
             token=self.token,
             slots=self.config.slots,
@@ -221,24 +244,75 @@ class WorkerAgent:
             since=self.started_at,
             resources=self.resources,
         )
-        return encode_lease(info)
+
+    def _lease_renewed(self, taken: LeaseTaken, sent: float) -> None:
+        """Account for a renewal sent at monotonic `sent`: the lease holds until a lease after it."""
+        if not taken.ok:
+            self._evicted(taken.holder)
+            return
+        self._lease_until = sent + self.config.lease_ms / 1000
+        if self._lease_failing:
+            log.info("worker %s: its lease is renewed again", self.name)
+            self._lease_failing = False
+
+    def _evicted(self, holder: str) -> None:
+        """Another process holds this name's lease (this one's lapsed and a twin took it): stop."""
+        if not self.stopping.is_set():
+            log.error(
+                "worker %s: another process (token %s) holds this name's lease; stopping this one",
+                self.name,
+                holder,
+            )
+            self.evicted = True
+            self.stopping.set()
+
+    def may_take(self) -> bool:
+        """Whether the lease surely holds long enough to take work: at least half a lease is left.
+        A worker that cannot renew stops taking before its lease expires and the reaper acts."""
+        return time.monotonic() < self._lease_until - self.config.lease_ms / 2000
 
     async def _write_lease(self) -> None:
-        await self.redis.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
+        sent = time.monotonic()
+        self._lease_renewed(await self.leases.put(self.lease_info(), self.config.lease_ms), sent)
 
-    async def _renew_lease(self) -> bool:
-        """Write the lease; True when there was none to renew (it had expired)."""
-        previous: Any = await self.redis.set(
-            self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms, get=True
-        )
-        return previous is None
+    async def _lease_loop(self) -> None:
+        """Renew the lease every heartbeat, each try with a hard deadline, apart from everything else
+        the heartbeat does (a slow backend or a stalled connection never delays it). A try that
+        times out is cancelled, which drops its connection; the next try takes a fresh one."""
+        timeout = min(self.config.heartbeat_ms, self.config.lease_ms / 4) / 1000
+        while not self.stopping.is_set():
+            pause = self.config.heartbeat_ms / 1000
+            sent = time.monotonic()
+            try:
+                taken = await asyncio.wait_for(
+                    self.leases.put(self.lease_info(), self.config.lease_ms), timeout
+                )
+                self._lease_renewed(taken, sent)
+                if taken.ok and taken.lapsed:
+                    # The lease expired (Redis or this process stalled past it): the reaper may
+                    # have recorded this worker offline, so its life starts again in the ledger.
+                    log.warning("worker %s: its lease had expired; announcing itself again", self.name)
+                    await asyncio.wait_for(self._announce(), timeout * 4)
+            except (RedisError, OSError, TimeoutError) as exc:
+                if not self._lease_failing:
+                    log.warning(
+                        "worker %s: could not renew its lease (%s); retrying", self.name, exc or "timeout"
+                    )
+                    self._lease_failing = True
+                pause = min(pause, 0.5)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), pause)
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
         for queue in [self.pinned, *self.shared_queues()]:
             for pending in await self.ledger.pending(queue, consumer=self.name, count=1000):
                 moved = await self.queues.requeue(
-                    queue, pending.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+                    queue,
+                    pending.entry_id,
+                    delivery_limit=self.config.delivery_limit,
+                    owner=self.name,
+                    attempt=pending.deliveries,
                 )
                 log.warning(
                     "re-queued %s (task %s) left by a previous run of %s",
@@ -263,88 +337,98 @@ class WorkerAgent:
                 task.cancel()
             if still:
                 await asyncio.wait(still)
-        with contextlib.suppress(RedisError, OSError):
-            await self._append(WorkerOffline(worker=self.name, reason="shutdown"))
-            await self.redis.delete(self.keys.live(self.name))
+        if not self.evicted:
+            with contextlib.suppress(RedisError, OSError):
+                await self._append(WorkerOffline(worker=self.name, reason="shutdown"))
+                await self.leases.release(self.name, self.token)
         log.info("worker %s stopped", self.name)
 
     # -- the loops -------------------------------------------------------------------------------
     async def _consume_loop(self) -> None:
         while not self.stopping.is_set():
-            if self.free_slots == 0 or not self.backend_ok:
+            if self.free_slots == 0 or not self.backend_ok or not self.may_take():
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), self.config.block_ms / 1000)
                 continue
             try:
-                entries = await self._read_work()
+                wait = await self._take_one()
+                if wait is not None:
+                    await self._wait_for_work(wait)
             except (RedisError, OSError) as exc:
-                log.warning("Redis unavailable while reading work (%s); retrying", exc)
+                log.warning("Redis unavailable while taking work (%s); retrying", exc)
                 await asyncio.sleep(1.0)
-                continue
-            for queue, entry_id, fields in entries:
-                self._start(queue, entry_id, fields)
 
-    async def _read_work(self) -> list[tuple[str, str, dict[bytes, bytes]]]:
-        """Up to `free_slots` entries: pinned first, then the shared queues the gate admits."""
-        queues = [self.pinned]
-        held_back: list[str] = []
-        if time.monotonic() >= self._cooldown_until:
-            shared = self.shared_queues()
-            for queue in shared:
-                await self.queues.ensure_group(queue)
-            admitted = await self.gate.admit(self, shared)
-            held_back = [q for q in shared if q not in admitted]
-            queues += admitted
-        got: list[tuple[str, str, dict[bytes, bytes]]] = []
-        # Non-blocking, one queue at a time, so that no more than the free slots are taken.
-        for queue in queues:
-            free = self.free_slots - len(got)
-            if free <= 0:
-                return got
-            for stream, rows in await self.ledger.group_read(self.name, {queue: ">"}, count=free):
-                got.extend((stream, entry_id, fields) for entry_id, fields in rows)
-        if got:
-            return got
-        if held_back:
-            # The gate decides on every new task, so a held-back worker must not consume on the
-            # wake-up: it waits (XREAD, no group) until any of its streams gets an entry, and asks
-            # the gate again. The backlog's owners or the fleet may change without writing to its
-            # streams, so it asks again after `recheck_ms` in any case.
-            await self.ledger.wait_for_entries([*queues, *held_back], self.config.recheck_ms)
-            return []
-        # Nothing waiting and nothing held back: block on all of them until one gets an entry.
-        reply = await self.ledger.group_read(
-            self.name, dict.fromkeys(queues, ">"), count=1, block_ms=self.config.block_ms
-        )
-        for stream, rows in reply:
-            got.extend((stream, entry_id, fields) for entry_id, fields in rows)
-        for queue, entry_id, _ in got[self.free_slots :]:
-            # Two queues answered one blocking read at once: hand the extra back unspent.
-            await self.queues.requeue(queue, entry_id, delivery_limit=self.config.delivery_limit, bump=False)
-        return got[: self.free_slots]
+    async def _take_one(self) -> Wait | None:
+        """Take one entry: from the pinned stream, else the one the gate decided on, if it is still
+        the head. None when something was taken or the head moved (ask again at once); else what
+        to wait on."""
+        self._last_ask = time.monotonic()
+        pinned = await self.queues.take(self.pinned, self.name)
+        if pinned.entry_id:
+            self._start(self.pinned, pinned)
+            return None
+        if pinned.vanished:
+            return None
+        cursors = {self.pinned: pinned.cursor}
+        if time.monotonic() < self._cooldown_until:
+            return Wait(cursors=cursors)
+        shared = self.shared_queues()
+        for queue in shared:
+            await self.queues.ensure_group(queue)
+        admission = await self.gate.admit(self, shared)
+        cursors.update(admission.cursors)
+        if admission.queue is None:
+            return Wait(cursors=cursors, held_back=admission.held_back)
+        taken = await self.queues.take(admission.queue, self.name, admission.entry_id)
+        if taken.entry_id:
+            self._missed = 0
+            self._start(admission.queue, taken)
+            return None
+        # The head moved since the gate looked (another worker took it, or it was cancelled): the
+        # decision was about a task that is not there; ask again, pausing a little if it repeats.
+        self._missed += 1
+        if self._missed > 3:
+            await asyncio.sleep(min(0.2, 0.01 * self._missed))
+        return None
+
+    async def _wait_for_work(self, wait: Wait) -> None:
+        """Block until one of the queues gets a new entry (reading none: the gate decides on it), or,
+        when the gate held work back, until the ledger records news (a claim or a completion changes
+        the plan), at most `recheck_ms`; otherwise at most `block_ms` (a re-queued task wakes nobody,
+        so an idle worker looks again that often)."""
+        streams = dict(wait.cursors)
+        block_ms = self.config.block_ms
+        if wait.held_back:
+            streams[self.keys.events] = "$"
+            block_ms = self.config.recheck_ms
+        await self.ledger.wait_on(streams, block_ms)
+        if wait.held_back:
+            # Asked again no sooner than recheck_min_ms after the last time: a busy ledger wakes a
+            # held-back worker on every event.
+            rest = self.config.recheck_min_ms / 1000 - (time.monotonic() - self._last_ask)
+            if rest > 0:
+                await asyncio.sleep(rest)
 
     async def _heartbeat_loop(self) -> None:
+        """Inventory, resources, the entries of running tasks, news for the ledger: every heartbeat.
+        The lease is renewed by a loop of its own (_lease_loop)."""
         beat = 0
         while True:
             await asyncio.sleep(self.config.heartbeat_ms / 1000)
             beat += 1
             try:
+                before = (self.backend_ok, self.inventory)
                 await self._refresh_inventory()
                 self.resources = read_resources()
-                # Entries first: XCLAIM needs no memory, so they stay ours even while Redis, at its
-                # memory limit, refuses the lease's SET (and the reaper cannot take them).
+                if (self.backend_ok, self.inventory) != before:
+                    # What it holds, has loaded or serves changed: the lease says so now, not at
+                    # the lease loop's next turn (routing and `ps` read it).
+                    await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
                 await self._keep_entries_alive()
-                lapsed = await self._renew_lease()
-                if lapsed:
-                    # The lease expired (Redis or this process stalled past it): the reaper may
-                    # have recorded this worker offline, so its life starts again in the ledger.
-                    log.warning("worker %s: its lease had expired; announcing itself again", self.name)
-                    await self._announce()
-                else:
-                    await self._report_changes()
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc)
+                await self._report_changes()
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc or "timeout")
 
     async def _report_changes(self) -> None:
         """Append WorkerChanged when what the worker holds, has loaded or serves differs from what
@@ -372,25 +456,30 @@ class WorkerAgent:
         self.inventory = inventory
 
     async def _keep_entries_alive(self) -> None:
-        """XCLAIM JUSTID every running entry to itself: resets idle time, counts no delivery."""
+        """XCLAIM JUSTID every running entry to itself: resets idle time, counts no delivery. A run
+        that is closing (its entry acknowledged, or about to be) is left out and never reported lost."""
         by_queue: dict[str, list[str]] = {}
         for run in self.running.values():
-            by_queue.setdefault(run.entry.queue, []).append(run.entry.entry_id)
+            if not run.closing:
+                by_queue.setdefault(run.entry.queue, []).append(run.entry.entry_id)
         for queue, ids in by_queue.items():
             owned = set(await self.ledger.claim(queue, self.name, ids, justid=True))
             for entry_id in ids:
-                if entry_id not in owned and entry_id in self.running and not self.running[entry_id].lost:
-                    self.running[entry_id].lost = True
+                held = self.running.get(entry_id)
+                if entry_id not in owned and held is not None and not held.lost and not held.closing:
+                    held.lost = True
                     log.warning(
-                        "entry %s on %s is no longer ours (reclaimed); its completion will not count",
+                        "entry %s on %s is no longer ours (reclaimed); its completion will count only "
+                        "if the task was dead-lettered",
                         entry_id,
                         queue,
                     )
 
     # -- running one task --------------------------------------------------------------------------
-    def _start(self, queue: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+    def _start(self, queue: str, taken: Taken) -> None:
+        entry_id, fields = taken.entry_id, taken.fields
         try:
-            entry = parse_entry(queue, entry_id, fields)
+            entry = parse_entry(queue, entry_id, fields, taken.attempt)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             task = asyncio.create_task(self._reject_malformed(queue, entry_id, fields, str(exc)))
             self._background.append(task)
@@ -405,12 +494,15 @@ class WorkerAgent:
     ) -> None:
         log.error("entry %s on %s is not a task (%s); dead-lettering it", entry_id, queue, reason)
         await self.queues.dead_letter(queue, entry_id, fields, f"malformed entry: {reason}")
-        await self.queues.finish(queue, entry_id)
+        await self.queues.finish(queue, entry_id, self.name)
 
     async def _run(self, run: Running) -> None:
         entry = run.entry
         task = entry.task
         try:
+            if task.deadline_ms is not None and now_ms() > task.deadline_ms:
+                await self._expire(run)
+                return
             local = self.local_name(task.digest)
             if local is None:
                 await self._fail(
@@ -419,8 +511,12 @@ class WorkerAgent:
                 )
                 return
             crash_here("claim", run.ordinal)
-            # One round trip: the claim, the lease that now lists this task, and the cancel check.
+            # One round trip: the lease that now lists this task, the claim, and the cancel check.
+            # The lease goes first: a worker woken by the TaskClaimed reads it up to date.
             pipe = self.redis.pipeline(transaction=False)
+            sent = time.monotonic()
+            if self.eager_lease:
+                await self.leases.put_in(pipe, self.lease_info(), self.config.lease_ms)
             pipe.xadd(
                 self.keys.events,
                 encode_fields(  # type: ignore[arg-type]
@@ -435,10 +531,10 @@ class WorkerAgent:
                     )
                 ),
             )
-            if self.eager_lease:
-                pipe.set(self.keys.live(self.name), self._lease_value(), px=self.config.lease_ms)
             pipe.exists(self.keys.cancel(task.task_id))
             replies: list[Any] = await pipe.execute()
+            if self.eager_lease:
+                self._lease_renewed(self.leases.taken(replies[0]), sent)
             if replies[-1]:
                 raise TaskCancelledError(task.task_id)
             await self._generate(run, local)
@@ -451,7 +547,11 @@ class WorkerAgent:
             # Shut down mid-run: hand the task back for another worker.
             with contextlib.suppress(RedisError, OSError):
                 moved = await self.queues.requeue(
-                    entry.queue, entry.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+                    entry.queue,
+                    entry.entry_id,
+                    delivery_limit=self.config.delivery_limit,
+                    owner=self.name,
+                    attempt=entry.attempt,
                 )
                 await self._after_requeue(entry.queue, entry.entry_id, moved, "worker shut down mid-run")
             raise
@@ -463,7 +563,7 @@ class WorkerAgent:
             self._slot_freed.set()
             if self.eager_lease and not self.stopping.is_set():
                 with contextlib.suppress(RedisError, OSError):
-                    await self._write_lease()
+                    await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
 
     async def _generate(self, run: Running, local: str) -> None:
         entry = run.entry
@@ -482,7 +582,10 @@ class WorkerAgent:
         async def flush(final: Chunk | None = None) -> None:
             pipe = self.redis.pipeline(transaction=False)
             if buffer:
-                pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=entry.attempt, text="".join(buffer)))})
+                pipe.xadd(
+                    out_key,
+                    {b"c": encode_chunk(Chunk(attempt=entry.attempt, text="".join(buffer), run=run.run_id))},
+                )
             if final is not None:
                 pipe.xadd(out_key, {b"c": encode_chunk(final)})
             pipe.pexpire(out_key, OUTPUT_TTL_MS)
@@ -533,21 +636,18 @@ class WorkerAgent:
             ttft_ms=ttft_ms,
             wall_ms=wall_ms,
             done_reason=generated.done_reason,
+            run=run.run_id,
         )
-        # The output stream's done chunk: None when it is written already (a lost run's, here).
-        done: Chunk | None = Chunk(attempt=entry.attempt, done=True)
-        stored = False  # whether the stored result is this run's, so the done chunk can carry it
-        if run.lost:
-            first = False
-            await flush(done)
-            done = None
-        else:
-            # The last text piece and the result in one round trip.
-            rest = "".join(buffer)
-            buffer.clear()
-            first = stored = await self._until_room(
-                task.task_id, "result", lambda: self.queues.close_run(result, rest)
-            )
+        done = Chunk(attempt=entry.attempt, done=True, run=run.run_id)
+        # The last text piece and the result in one round trip. A run that lost its entry (the
+        # reaper took it back) stores its result only over a dead letter: then it is the task's
+        # completion; otherwise the task's new run answers.
+        rest = "".join(buffer)
+        buffer.clear()
+        lost = run.lost
+        first = stored = await self._until_room(
+            task.task_id, "result", lambda: self.queues.close_run(result, rest, only_over_dead=lost)
+        )
         crash_here("result", run.ordinal)
         if not first and not run.lost:
             # A stored result without its TaskCompleted: its writer died in between; count ours.
@@ -575,11 +675,17 @@ class WorkerAgent:
             wait_for_room=lambda rounds: self._wait_for_room(task.task_id, "completion", rounds),
         )
         crash_here("ack", run.ordinal)
-        acked = await self.queues.finish(entry.queue, entry.entry_id)
-        if acked == 0:
+        run.closing = True
+        acked = await self.queues.finish(entry.queue, entry.entry_id, self.name)
+        if acked == 0 and first:
             log.warning(
-                "XACK of %s on %s returned 0: the entry was reclaimed while we ran it; "
-                "this completion is a duplicate",
+                "task %s completed on %s after it was dead-lettered: the completion counts",
+                task.task_id,
+                self.name,
+            )
+        elif acked == 0:
+            log.warning(
+                "entry %s on %s was reclaimed while we ran it; this completion is a duplicate",
                 entry.entry_id,
                 entry.queue,
             )
@@ -639,8 +745,13 @@ class WorkerAgent:
             pause = min(self.config.max_cooldown_s, self.config.cooldown_s * 2 ** (self._failures - 1))
             self._cooldown_until = time.monotonic() + pause
         if exc.retryable:
+            run.closing = True
             moved = await self.queues.requeue(
-                entry.queue, entry.entry_id, delivery_limit=self.config.delivery_limit, owner=self.name
+                entry.queue,
+                entry.entry_id,
+                delivery_limit=self.config.delivery_limit,
+                owner=self.name,
+                attempt=entry.attempt,
             )
             await self._after_requeue(entry.queue, entry.entry_id, moved, f"{exc.kind}: {exc.message[:200]}")
             return
@@ -673,7 +784,30 @@ class WorkerAgent:
             Result(task_id=task_id, status=status, worker=self.name, attempt=entry.attempt, error=error)
         )
         await self.queues.end_output(task_id, entry.attempt, error)
-        await self.queues.finish(entry.queue, entry.entry_id)
+        run.closing = True
+        await self.queues.finish(entry.queue, entry.entry_id, self.name)
+
+    async def _expire(self, run: Running) -> None:
+        """A task taken after its deadline: nobody waits for it any more, so it never runs."""
+        entry = run.entry
+        task = entry.task
+        deadline = task.deadline_ms or 0
+        late = now_ms() - deadline
+        log.info(
+            "task %s expired %.1fs before %s took it; not running it", task.task_id, late / 1000, self.name
+        )
+        await self._append(
+            TaskExpired(
+                task_id=task.task_id,
+                queue=entry.queue,
+                worker=self.name,
+                deadline=deadline,
+                waited_ms=max(0, now_ms() - task.submitted_at),
+            )
+        )
+        await self._settle(
+            run, "cancelled", f"expired: its deadline passed {late / 1000:.1f}s before a worker took it"
+        )
 
     async def _after_requeue(self, queue: str, entry_id: str, moved: Requeue, reason: str) -> None:
         """Dead-letter a task whose deliveries are spent; log anything odd."""

@@ -22,9 +22,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     delivery_limit: int = 3
     # Most entries rl:dead keeps (this worker's dead letters trim it to about that).
     dead_max_entries: int = DEAD_MAX_ENTRIES
-    block_ms: int = 1_000
-    # How soon a worker that the gate held back asks again.
-    recheck_ms: int = 250
+    # How long an idle worker blocks on its queues before it looks again (a new entry wakes it
+    # at once; a re-queued one waits for the next look). Under the client's socket timeout.
+    block_ms: int = 2_000
+    # A worker that the gate held back asks again when the ledger records news (a claim, a
+    # completion) or a queue gets an entry, no sooner than recheck_min_ms after it last asked and
+    # no later than recheck_ms.
+    recheck_ms: int = 1_000
+    recheck_min_ms: int = 50
     drain_timeout_s: float = 30.0
     # After a backend failure the worker pauses taking shared work, so the task runs elsewhere.
     cooldown_s: float = 2.0

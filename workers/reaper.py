@@ -20,13 +20,13 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.lease import decode_lease
+from dispatch.lease import decode_lease, live_workers
 from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
 from events.codec import as_str
 from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
-from events.keys import DEAD_MAX_ENTRIES, WORKERS_GROUP, Keys
-from events.ledger import Ledger, next_id
+from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.ledger import Ledger, PendingEntry, next_id
 from events.singleton import DEFAULT_LEASE_MS, SingletonLease
 from projections import store
 from projections.errors import ProjectionError
@@ -35,6 +35,9 @@ from projections.snapshot import FleetRow
 log = logging.getLogger("routeledger.reaper")
 
 LEASE_EXPIRED = "lease expired"
+# A worker whose lease expired this long ago leaves the registry of workers (a live one re-enters
+# with its next renewal); the margin covers clocks that differ between machines.
+_REGISTRY_GRACE_MS = 60_000
 # Projected statuses of a worker that is still taking part: its death must be recorded.
 _ALIVE_STATUSES = frozenset({"online", "draining"})
 
@@ -68,6 +71,7 @@ class Reaper:
         self.config = config
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
+        self._seeded = False
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the reaper lease (one active reaper), sweep until `stop`."""
@@ -95,17 +99,30 @@ class Reaper:
             await lease.release()
 
     async def _queue_names(self) -> list[str]:
-        names: list[str] = []
-        async for key in self.redis.scan_iter(match=self.keys.queue_pattern, count=500, _type="stream"):
-            names.append(as_str(key))
-        return sorted(names)
+        """Every task queue, from the registry that submissions and workers add to (no SCAN)."""
+        if not self._seeded:
+            await self._seed_queues()
+        names: Any = await self.redis.smembers(self.keys.queues)
+        return sorted(as_str(n) for n in names)
+
+    async def _seed_queues(self) -> None:
+        """Once per process: register queues made before the registry existed (the only SCAN left,
+        off every hot path)."""
+        found = [
+            as_str(k)
+            async for k in self.redis.scan_iter(match=self.keys.queue_pattern, count=500, _type="stream")
+        ]
+        if found:
+            await self.redis.sadd(self.keys.queues, *found)
+        self._seeded = True
 
     async def _live(self) -> set[str]:
-        live: set[str] = set()
-        prefix = self.keys.live("")
-        async for key in self.redis.scan_iter(match=self.keys.live_pattern, count=500):
-            name = as_str(key)
-            live.add(name[len(prefix) :])
+        """Workers whose lease is alive (the registry's names, their leases read at once); names
+        whose lease expired over a minute ago leave the registry."""
+        live = set(await live_workers(self.redis, self.keys))
+        seconds, micros = await self.redis.time()
+        cutoff = seconds * 1000 + micros // 1000 - _REGISTRY_GRACE_MS
+        await self.redis.zremrangebyscore(self.keys.workers, "-inf", cutoff)
         return live
 
     async def sweep(self) -> Sweep:
@@ -163,6 +180,8 @@ class Reaper:
             raise
         for consumer in summary.get("consumers") or []:
             owner = as_str(consumer["name"])
+            if owner == REQUEUED_CONSUMER:
+                continue  # re-queued entries waiting to be taken again: nobody runs them
             if owner in live:
                 report.skipped_live += int(consumer["pending"])
                 await self._reclaim_abandoned(queue, owner, report)
@@ -173,7 +192,7 @@ class Reaper:
                     queue, consumer=owner, min_idle_ms=self.config.lease_ms, start=start, count=100
                 )
                 for pending in batch:
-                    await self._reclaim(queue, owner, pending.entry_id, pending.idle_ms, report)
+                    await self._reclaim(queue, owner, pending, report)
                 if len(batch) < 100:
                     break
                 start = next_id(batch[-1].entry_id)
@@ -203,8 +222,7 @@ class Reaper:
             await self._reclaim(
                 queue,
                 owner,
-                pending.entry_id,
-                pending.idle_ms,
+                pending,
                 report,
                 min_idle_ms=idle,
                 why=f"its worker {owner} let it go without an ack (idle {pending.idle_ms} ms)",
@@ -214,19 +232,20 @@ class Reaper:
         self,
         queue: str,
         owner: str,
-        entry_id: str,
-        idle_ms: int,
+        pending: PendingEntry,
         report: Sweep,
         *,
         min_idle_ms: int | None = None,
         why: str | None = None,
     ) -> None:
+        entry_id, idle_ms = pending.entry_id, pending.idle_ms
         moved = await self.queues.requeue(
             queue,
             entry_id,
             delivery_limit=self.config.delivery_limit,
             owner=owner,
             min_idle_ms=min_idle_ms or self.config.lease_ms,
+            attempt=pending.deliveries,
         )
         if moved.status == REQUEUED:
             report.reclaimed += 1

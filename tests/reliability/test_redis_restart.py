@@ -136,7 +136,7 @@ async def test_tasks_acknowledged_two_seconds_before_redis_is_killed_complete_on
         f"{window} within 2 s, {len(after)} after; {refused} refused while down; lost {len(lost)}; "
         f"completed twice {sum(1 for n in counted.values() if n > 1)}"
     )
-    assert len(must) >= 20 and after, "the run should straddle the kill"
+    assert len(must) >= 10 and after, "the run should straddle the kill"
     assert lost == []
     assert all(n == 1 for n in counted.values())
     assert alive == [True, True, True], "workers and reaper reconnect by themselves"
