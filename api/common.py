@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
@@ -12,9 +13,17 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from api.auth import MODEL_KEY, TASK_KEY
-from api.errors import ApiError, BadRequestError, GenerationError, PayloadTooLargeError, answer, render
+from api.errors import (
+    ApiError,
+    BadRequestError,
+    ClientGoneError,
+    GenerationError,
+    PayloadTooLargeError,
+    answer,
+    render,
+)
 from api.relay import RelayResponse
-from dispatch.errors import DispatchError
+from dispatch.errors import DispatchError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.payload import Result
 from dispatch.submit import Submitted, TaskRequest
@@ -59,9 +68,12 @@ def check_messages(request: Request, count: int) -> None:
         )
 
 
-async def submit(request: Request, req: TaskRequest) -> Submitted:
+async def submit(
+    request: Request, req: TaskRequest, *, waits: bool = True, timeout_s: float | None = None
+) -> Submitted:
     """Check what a surface built, then route and queue it (dispatch.gateway); marks the request
-    with its model and task for the metrics and the access log."""
+    with its model and task for the metrics and the access log. `waits`: the client waits for the
+    answer (at most `timeout_s`), which is then the task's deadline (Gateway.submit)."""
     if req.kind == "chat" and not req.messages:
         raise BadRequestError(
             "messages must not be empty", param="messages", hint="send at least one message"
@@ -76,7 +88,7 @@ async def submit(request: Request, req: TaskRequest) -> Submitted:
             raise BadRequestError(
                 f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
             ) from None
-    sub = await gateway(request).submit(req)
+    sub = await gateway(request).submit(req, waits=waits, timeout_s=timeout_s)
     request.scope[MODEL_KEY] = sub.task.model
     request.scope[TASK_KEY] = sub.task_id
     return sub
@@ -121,7 +133,7 @@ def task_answer(request: Request, sub: Submitted, timeout_s: float | None = None
     gw = gateway(request)
 
     async def whole() -> Result:
-        result = await gw.wait(sub.task_id, timeout_s)
+        result = await waited(request, gw, sub.task_id, timeout_s)
         if result.status != "completed":
             raise GenerationError(f"task {result.task_id} {result.status}: {result.error or 'no answer'}")
         return result
@@ -134,6 +146,36 @@ def task_answer(request: Request, sub: Submitted, timeout_s: float | None = None
         headers=lambda result: task_headers(sub, result),
         on_disconnect=lambda: gw.cancel_quietly(sub.task_id),
     )
+
+
+async def waited(request: Request, gw: Gateway, task_id: str, timeout_s: float | None) -> Result:
+    """The task's result, waited for while its client waits: a client that disconnects, or a wait
+    that times out (504), cancels the task, so that nobody's abandoned request runs later."""
+    waiting = asyncio.ensure_future(gw.wait(task_id, timeout_s))
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not waiting.done():
+            waiting.cancel()
+    if not waiting.cancelled() and waiting.done():
+        try:
+            return waiting.result()
+        except TaskTimeoutError:
+            await gw.cancel_quietly(task_id)
+            raise
+    await gw.cancel_quietly(task_id)
+    raise ClientGoneError(f"the client of task {task_id} disconnected before it finished")
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the request's body was read already: the next message
+    the server sends the app is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def usage(result: Result) -> dict[str, int | None]:
@@ -166,6 +208,10 @@ def stream(
                 yield line
         except ApiError as exc:
             yield error_line(exc)
+        except TaskTimeoutError as exc:
+            # Nobody waits for the task any more: it must not run later.
+            await ans.on_disconnect()
+            yield error_line(answer(exc))
         except DispatchError as exc:
             yield error_line(answer(exc))
         except (RedisError, *TRANSIENT) as exc:

@@ -72,6 +72,14 @@ class UnauthorizedError(ApiError):
     openai_code = "invalid_api_key"
 
 
+class ClientGoneError(ApiError):
+    """Raised when a client stopped waiting for its answer (it disconnected); nobody reads the reply."""
+
+    # nginx's "client closed request": no client sees it, access logs and metrics do.
+    status = 499
+    type = "client_closed_request"
+
+
 class NotFoundError(ApiError):
     """Raised when a task, route or other named thing does not exist."""
 

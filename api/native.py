@@ -8,7 +8,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from api.common import JSON, check_messages, encode, gateway, sse, stream, submit, task_answer, task_headers
+from api.common import (
+    JSON,
+    check_messages,
+    encode,
+    gateway,
+    sse,
+    stream,
+    submit,
+    task_answer,
+    task_headers,
+    waited,
+)
 from api.errors import NATIVE, ApiError, NotFoundError, render
 from api.schemas import TaskCreate
 from dispatch.gateway import Gateway
@@ -40,14 +51,19 @@ async def create_task(body: TaskCreate, request: Request) -> Response:
     """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
     check_messages(request, len(body.messages or []))
     gw = gateway(request)
-    sub = await submit(request, _request(body, request.headers.get("user-agent")))
+    sub = await submit(
+        request,
+        _request(body, request.headers.get("user-agent")),
+        waits=body.stream or body.wait,
+        timeout_s=body.timeout_s,
+    )
     if body.stream:
         ans = task_answer(request, sub, body.timeout_s)
         return stream(
             ans, _events(gw, sub, body.timeout_s), media_type="text/event-stream", error_line=_error
         )
     if body.wait:
-        result = await gw.wait(sub.task_id, body.timeout_s)
+        result = await waited(request, gw, sub.task_id, body.timeout_s)
         return JSON(await gw.view(sub.task_id), headers=task_headers(sub, result))
     return JSON(_accepted(sub), status_code=202, headers=task_headers(sub))
 

@@ -26,7 +26,7 @@ from routeledger.runtime import Instance, command, console, fail, print_json, se
 from workers.admission import RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import make_backend
-from workers.config import WorkerConfig
+from workers.config import WORKER_NAME, WorkerConfig
 from workers.reaper import Reaper, ReaperConfig
 
 log = logging.getLogger("routeledger.cli")
@@ -85,11 +85,17 @@ def worker(
         fail(f"--kind must be ollama or openai, not {kind!r}")
     if gate not in ("router", "plain"):
         fail(f"--gate must be router or plain, not {gate!r}")
+    name = id_ or socket.gethostname()
+    if not WORKER_NAME.fullmatch(name):
+        fail(
+            f"worker name {name!r} is not a valid name: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (pass --id NAME)"
+        )
     s = inst.settings
     setup_logging(s.log_level)
     serves = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
     cfg = WorkerConfig(
-        name=id_ or socket.gethostname(),
+        name=name,
         slots=slots,
         serves=serves,
         lease_ms=s.lease_ms,
@@ -141,6 +147,7 @@ def forget(
             fail(f"worker {name!r} is live right now; stop it first, or pass --force")
         await client.sadd(keys.forgotten, name)
         await client.delete(keys.live(name))
+        await client.zrem(keys.workers, name)
         await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
 
     inst.run(go)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import socket
+from typing import Final
 
 import msgspec
 
 from events.keys import DEAD_MAX_ENTRIES
 from events.singleton import DEFAULT_LEASE_MS
+
+# What a worker's name may be: it names its lease, its pinned queue and its consumer in every group
+# (a host name fits; the consumer that holds re-queued entries, "(requeued)", never does).
+WORKER_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):
