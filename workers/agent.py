@@ -271,6 +271,18 @@ class WorkerAgent:
         A worker that cannot renew stops taking before its lease expires and the reaper acts."""
         return time.monotonic() < self._lease_until - self.config.lease_ms / 2000
 
+    def _abandon_runs(self) -> None:
+        """The lease has surely expired: the reaper hands this worker's entries to others, so its
+        runs stop here rather than run twice (each tries to hand its entry back on the way out)."""
+        for run in self.running.values():
+            if not run.lost and not run.closing and run.task is not None:
+                log.warning(
+                    "task %s: this worker's lease expired; stopping the run (it runs elsewhere)",
+                    run.entry.task.task_id,
+                )
+                run.lost = True
+                run.task.cancel()
+
     async def _write_lease(self) -> None:
         sent = time.monotonic()
         self._lease_renewed(await self.leases.put(self.lease_info(), self.config.lease_ms), sent)
@@ -300,6 +312,8 @@ class WorkerAgent:
                     )
                     self._lease_failing = True
                 pause = min(pause, 0.5)
+                if time.monotonic() > self._lease_until:
+                    self._abandon_runs()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), pause)
 
@@ -402,7 +416,10 @@ class WorkerAgent:
         if wait.held_back:
             streams[self.keys.events] = "$"
             block_ms = self.config.recheck_ms
-        await self.ledger.wait_on(streams, block_ms)
+        # A hard deadline as well: on a half-open connection the read would wait for the client's
+        # socket timeout; cancelled, its connection is dropped and the next read takes a fresh one.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ledger.wait_on(streams, block_ms), block_ms / 1000 + 1.0)
         if wait.held_back:
             # Asked again no sooner than recheck_min_ms after the last time: a busy ledger wakes a
             # held-back worker on every event.

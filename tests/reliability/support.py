@@ -51,6 +51,22 @@ def spawn_worker(
         return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=out)
 
 
+def reaper_process(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "ROUTELEDGER_LEASE_MS": "1500",
+        "ROUTELEDGER_HEARTBEAT_MS": "300",
+        "ROUTELEDGER_LOG_LEVEL": "warning",
+    }
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "routeledger", "reaper", "--redis-url", redis_url],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+
+
 def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
     """SIGTERM every process still running, wait for each, SIGKILL any that do not leave in time."""
     for proc in procs:

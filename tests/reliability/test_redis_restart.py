@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from tests.reliability.support import (
     counted_completions,
     describe_queues,
     queues_settled,
+    reaper_process,
     spawn_worker,
     stop_all,
 )
@@ -39,22 +37,6 @@ SAFE_BEFORE_KILL_S = 2.0
 async def hosts() -> AsyncIterator[SimHosts]:
     async with SimHosts(make_test_fleet(), time_scale=1.0, seed=11) as sim:
         yield sim
-
-
-def reaper_process(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "ROUTELEDGER_LEASE_MS": "1500",
-        "ROUTELEDGER_HEARTBEAT_MS": "300",
-        "ROUTELEDGER_LOG_LEVEL": "warning",
-    }
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "routeledger", "reaper", "--redis-url", redis_url],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=out,
-        )
 
 
 async def _submit_for(

@@ -1,0 +1,88 @@
+"""The gateway's exactness: a submission whose reply was lost is queued once, and a relay never mixes
+the text of two runs."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+
+from dispatch.errors import TaskFailedError
+from dispatch.gateway import Gateway
+from dispatch.payload import Chunk, Message, Result, encode_chunk, encode_result
+from dispatch.queues import _SUBMIT, OUTPUT_TTL_MS
+from dispatch.submit import TaskRequest
+from events.connection import redis_client as make_client
+from events.event import TaskSubmitted
+from events.keys import Keys
+from events.ledger import Ledger
+from tests.helpers import MODEL_DIGEST, events_of
+from tests.reliability.proxy import redis_proxy
+from tests.test_api_support import ghost_worker
+
+
+async def test_a_submission_whose_reply_was_lost_is_sent_again_and_queued_once(
+    redis_client: aioredis.Redis, redis_url: str, keys: Keys, ledger: Ledger
+) -> None:
+    await ghost_worker(redis_client)
+    # Loaded beforehand, so that the gateway's first sending is the EVALSHA whose reply is lost.
+    sha = await redis_client.script_load(_SUBMIT)
+    parts = urlsplit(redis_url)
+    async with redis_proxy(parts.hostname or "127.0.0.1", parts.port or 6379) as proxy:
+        client = make_client(proxy.url(parts.password), socket_timeout=1.0)
+        gateway = Gateway(client, keys, retry_budget_s=6.0)
+        try:
+            proxy.mute_reply_after(sha.encode() if isinstance(sha, str) else sha)
+            sub = await gateway.submit(
+                TaskRequest(model="m", messages=[Message(role="user", content="once")])
+            )
+        finally:
+            await client.aclose()
+    assert proxy.muted_replies == 1
+    queue = keys.queue(MODEL_DIGEST)
+    assert await redis_client.xlen(queue) == 1
+    submitted = await events_of(ledger, TaskSubmitted)
+    assert [e.task_id for e in submitted] == [sub.task_id]
+
+
+async def _out(
+    redis: aioredis.Redis, keys: Keys, task_id: str, chunk: Chunk, result: Result | None = None
+) -> None:
+    fields = {b"c": encode_chunk(chunk)}
+    if result is not None:
+        fields[b"r"] = encode_result(result)
+    await redis.xadd(keys.out(task_id), fields)  # type: ignore[arg-type]
+    await redis.pexpire(keys.out(task_id), OUTPUT_TTL_MS)
+
+
+async def test_a_relay_follows_one_run_and_never_mixes_in_a_second_run_of_the_same_attempt(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    for text, run in (("The ", "a"), ("Das ", "b"), ("sky", "a"), ("Himmel", "b")):
+        await _out(redis_client, keys, "t1", Chunk(attempt=1, text=text, run=run))
+    done = Result(task_id="t1", status="completed", attempt=1, text="The sky", run="a")
+    await _out(redis_client, keys, "t1", Chunk(attempt=1, done=True, run="b"))
+    await _out(redis_client, keys, "t1", Chunk(attempt=1, done=True, run="a"), done)
+    items = [item async for item in Gateway(redis_client, keys).relay("t1", timeout_s=5)]
+    assert items == ["The ", "sky", done]
+
+
+async def test_an_outcome_no_run_wrote_ends_the_relay_whichever_run_it_follows(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await _out(redis_client, keys, "t2", Chunk(attempt=1, text="partial", run="a"))
+    cancelled = Result(task_id="t2", status="cancelled", attempt=1, error="cancelled")
+    await redis_client.hset(
+        keys.result("t2"), mapping={"result": encode_result(cancelled), "status": "cancelled"}
+    )
+    await _out(redis_client, keys, "t2", Chunk(attempt=1, done=True, error="cancelled"))
+    relayed: list[object] = []
+
+    async def relay() -> None:
+        async for item in Gateway(redis_client, keys).relay("t2", timeout_s=5):
+            relayed.append(item)
+
+    with pytest.raises(TaskFailedError, match="cancelled"):
+        await relay()
+    assert relayed == ["partial"]

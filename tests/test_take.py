@@ -1,0 +1,173 @@
+"""The queue scripts that make dispatch exact: take one, re-queue in place, submit once, finish only
+what is one's own, cancel by the task's index, and a dead letter that gives way to a late success."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from dispatch.payload import Message, Result, TaskMessage
+from dispatch.queues import (
+    CANCEL_REMOVED,
+    CANCEL_RUNNING,
+    NOT_OURS,
+    OVER_LIMIT,
+    REQUEUED,
+    TaskQueues,
+)
+from events.event import TaskSubmitted
+from events.keys import REQUEUED_CONSUMER, Keys
+from events.ledger import Ledger
+from tests.helpers import events_of
+
+DIGEST = "ab" * 32
+
+
+def _task(n: int) -> TaskMessage:
+    return TaskMessage(
+        task_id=f"t{n}", model="m", digest=DIGEST, messages=[Message(role="user", content=f"hi {n}")]
+    )
+
+
+async def _submit(queues: TaskQueues, n: int) -> str:
+    queue = queues.keys.queue(DIGEST)
+    task = _task(n)
+    event = TaskSubmitted(task_id=task.task_id, model="m", digest=DIGEST, queue=queue)
+    created, entry = await queues.submit(queue, task, [event], {"queue": queue})
+    assert created
+    return entry
+
+
+async def test_a_task_submitted_twice_under_one_id_is_queued_and_recorded_once(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    queue = keys.queue(DIGEST)
+    task = _task(1)
+    event = TaskSubmitted(task_id=task.task_id, model="m", digest=DIGEST, queue=queue)
+    first = await queues.submit(queue, task, [event], {"queue": queue})
+    again = await queues.submit(queue, task, [event], {"queue": queue})
+    assert first[0] is True and again == (False, first[1])
+    assert await redis_client.xlen(queue) == 1
+    assert len(await events_of(ledger, TaskSubmitted)) == 1
+    assert (await redis_client.hget(keys.task("t1"), "entry")).decode() == first[1]
+    assert await redis_client.sismember(keys.queues, queue)
+
+
+async def test_a_worker_takes_exactly_the_head_its_gate_decided_on_and_nothing_else(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    first, second = await _submit(queues, 1), await _submit(queues, 2)
+    # The gate decided on the second entry, but the first is still the head: nothing is taken.
+    stale = await queues.take(queue, "w1", expected=second)
+    assert stale.entry_id == "" and stale.cursor == second
+    taken = await queues.take(queue, "w1", expected=first)
+    assert (taken.entry_id, taken.attempt) == (first, 1)
+    # Another worker that decided on the first too finds it gone and takes nothing.
+    assert (await queues.take(queue, "w2", expected=first)).entry_id == ""
+    assert (await queues.take(queue, "w2", expected=second)).entry_id == second
+    assert (await queues.take(queue, "w2")).entry_id == ""
+
+
+async def test_a_requeued_task_keeps_its_place_ahead_of_newer_work_with_its_next_attempt(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    first = await _submit(queues, 1)
+    assert (await queues.take(queue, "w1")).entry_id == first
+    second = await _submit(queues, 2)
+    moved = await queues.requeue(queue, first, delivery_limit=3, owner="w1", attempt=1)
+    assert (moved.status, moved.new_entry, moved.attempt, moved.task_id) == (REQUEUED, first, 2, "t1")
+    # The re-queued task is the head again, before the newer one.
+    assert (await queues.take(queue, "w2", expected=second)).entry_id == ""
+    again = await queues.take(queue, "w2", expected=first)
+    assert (again.entry_id, again.attempt) == (first, 2)
+    assert (await queues.take(queue, "w2")).entry_id == second
+
+
+async def test_a_requeue_sent_again_after_its_reply_was_lost_reports_the_same_move(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    entry = await _submit(queues, 1)
+    await queues.take(queue, "w1")
+    first = await queues.requeue(queue, entry, delivery_limit=3, owner="w1", attempt=1)
+    again = await queues.requeue(queue, entry, delivery_limit=3, owner="w1", attempt=1)
+    assert first == again and first.status == REQUEUED
+    # Taken again by another worker meanwhile: the re-send still reports the move it made.
+    await queues.take(queue, "w2")
+    assert (await queues.requeue(queue, entry, delivery_limit=3, owner="w1", attempt=1)).status == REQUEUED
+    # Without the attempt it ran, a caller that does not hold the entry is told so.
+    assert (await queues.requeue(queue, entry, delivery_limit=3, owner="w1")).status == NOT_OURS
+
+
+async def test_a_task_past_its_delivery_limit_is_not_moved(redis_client: aioredis.Redis, keys: Keys) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    entry = await _submit(queues, 1)
+    for attempt, worker in ((1, "w1"), (2, "w2")):
+        assert (await queues.take(queue, worker)).attempt == attempt
+        assert (
+            await queues.requeue(queue, entry, delivery_limit=3, owner=worker, attempt=attempt)
+        ).status == 1
+    assert (await queues.take(queue, "w3")).attempt == 3
+    over = await queues.requeue(queue, entry, delivery_limit=3, owner="w3", attempt=3)
+    assert (over.status, over.attempt) == (OVER_LIMIT, 3)
+
+
+async def test_a_run_that_lost_its_entry_cannot_remove_it_from_the_queue(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    entry = await _submit(queues, 1)
+    await queues.take(queue, "w1")
+    await queues.requeue(queue, entry, delivery_limit=3, owner="w1", attempt=1)
+    # w1's late finish: the entry waits re-queued, and stays.
+    assert await queues.finish(queue, entry, "w1") == 0
+    assert (await queues.take(queue, "w2")).entry_id == entry
+    assert await queues.finish(queue, entry, "w2") == 1
+    assert await redis_client.xlen(queue) == 0
+
+
+async def test_cancelling_finds_the_entry_by_its_index_and_spares_a_running_one(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    waiting, running, requeued = await _submit(queues, 1), await _submit(queues, 2), await _submit(queues, 3)
+    await queues.take(queue, "w1", expected=waiting)
+    await queues.take(queue, "w1", expected=running)
+    await queues.take(queue, "w1", expected=requeued)
+    await queues.requeue(queue, requeued, delivery_limit=3, owner="w1", attempt=1)
+    await queues.requeue(queue, waiting, delivery_limit=3, owner="w1", bump=False, attempt=1)
+    assert (await queues.cancel_queued(queue, running))[0] == CANCEL_RUNNING
+    assert await queues.cancel_queued(queue, requeued) == (CANCEL_REMOVED, requeued, 2)
+    assert await queues.cancel_queued(queue, waiting) == (CANCEL_REMOVED, waiting, 1)
+    assert (await queues.cancel_queued(queue, waiting))[0] == 0
+    pending = await redis_client.xpending(queue, "workers")
+    assert pending["pending"] == 1
+    assert [c["name"] for c in pending["consumers"]] == [b"w1"]
+    assert REQUEUED_CONSUMER not in {c["name"].decode() for c in pending["consumers"]}
+
+
+async def test_a_genuine_completion_replaces_a_dead_letter_but_nothing_else(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    dead = Result(task_id="t1", status="dead", attempt=3, error="delivery limit 3 reached")
+    late = Result(task_id="t1", status="completed", worker="w1", attempt=1, text="ok", run="r1")
+    assert await queues.record_result(dead)
+    assert await queues.close_run(late, only_over_dead=True)
+    # A second completion, and a lost run's completion over a completion, count for nothing.
+    assert not await queues.close_run(Result(task_id="t1", status="completed", attempt=2, text="x"))
+    assert not await queues.close_run(late, only_over_dead=True)
+    # A lost run stores nothing where no outcome is: the task's new run answers.
+    assert not await queues.close_run(
+        Result(task_id="t2", status="completed", attempt=1, text="y"), only_over_dead=True
+    )
+    assert await redis_client.hget(keys.result("t1"), "status") == b"completed"
+    assert not await redis_client.exists(keys.result("t2"))
