@@ -55,6 +55,8 @@ class AppConfig(msgspec.Struct, kw_only=True):
     max_messages: int = 256
     # How long a non-streaming request waits for its task before answering 504.
     wait_timeout_s: float = 600.0
+    # Longest a task may wait for a worker before it expires unrun (a waiting client's, sooner).
+    max_queue_s: float = 3_600.0
     # How long a request retries while Redis is unreachable before answering 503.
     retry_budget_s: float = 1.5
     # Each waiting or streaming request blocks one connection on its output stream.
@@ -75,7 +77,11 @@ def create_app(config: AppConfig) -> FastAPI:
         app.state.redis = client
         app.state.keys = keys
         app.state.gateway = Gateway(
-            client, keys, retry_budget_s=config.retry_budget_s, wait_timeout_s=config.wait_timeout_s
+            client,
+            keys,
+            retry_budget_s=config.retry_budget_s,
+            wait_timeout_s=config.wait_timeout_s,
+            max_queue_s=config.max_queue_s,
         )
         try:
             yield

@@ -306,6 +306,7 @@ def api_from_env() -> Any:
             max_body_bytes=s.max_body_bytes,
             max_messages=s.max_messages,
             wait_timeout_s=s.backend_timeout_s * 2,
+            max_queue_s=s.max_queue_s,
             pipeline_model=s.pipeline_model,
         )
     )

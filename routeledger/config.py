@@ -63,6 +63,7 @@ class Settings(msgspec.Struct, kw_only=True):
     archive_every_s: float = 3_600.0
     redis_maxmemory: int | str = "25%"
     dead_max_entries: int = DEAD_MAX_ENTRIES
+    max_queue_s: float = 3_600.0
 
 
 # What each setting means, for `config show` and the README's table.
@@ -96,6 +97,10 @@ FIELDS: Final[dict[str, str]] = {
         "(25%, the default: room for the API, workers and the OS beside it); never evicts"
     ),
     "dead_max_entries": "most entries rl:dead keeps; older ones are trimmed as new ones arrive",
+    "max_queue_s": (
+        "longest a task waits for a worker; later it expires unrun (TaskExpired). A waiting client's "
+        "task expires sooner: when the client stops waiting"
+    ),
 }
 
 _LIST_FIELDS: Final = {"api_keys"}
@@ -184,6 +189,7 @@ def _validate(s: Settings) -> None:
         (s.stall_after_s > 0, "stall_after_s must be positive"),
         (s.half_life_s > 0, "half_life_s must be positive"),
         (s.demand_half_life_s > 0, "demand_half_life_s must be positive"),
+        (s.max_queue_s > 0, f"max_queue_s must be positive, got {s.max_queue_s}"),
         (s.task_retention_days >= 1, f"task_retention_days must be at least 1, got {s.task_retention_days}"),
         (bool(s.prefix), "prefix must not be empty"),
         (s.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {s.max_body_bytes}"),
