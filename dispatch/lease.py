@@ -66,11 +66,11 @@ def decode_lease(data: bytes) -> LeaseInfo:
 
 
 # Take or renew a worker's lease, refusing a twin: the lease is written only when it is absent or
-# holds this process's token, and the worker's score in the registry follows the lease's expiry on
-# the server's clock. KEYS[1] lease, KEYS[2] registry; ARGV token, value, ttl ms, worker name.
+# holds this process's token; a worker that takes a lease (anew, or after it lapsed) joins the
+# registry of workers. A renewal is a GET and a SET, nothing more (it runs every heartbeat of every
+# worker). KEYS[1] lease, KEYS[2] registry; ARGV token, value, ttl ms, worker name.
 # Returns {1, 1 when there was no lease (a first take, or it had lapsed) else 0} or {0, holder's token}.
 _LEASE: Final = """
-local now = redis.call('TIME')
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local ok, info = pcall(cmsgpack.unpack, cur)
@@ -79,10 +79,22 @@ if cur then
   end
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('ZADD', KEYS[2], ms + tonumber(ARGV[3]), ARGV[4])
 if cur then return {1, 0} end
+redis.call('SADD', KEYS[2], ARGV[4])
 return {1, 1}
+"""
+
+# Drop from the registry the workers whose lease is gone, each only if it is still gone (a worker
+# that takes its lease again in between stays). KEYS[1] registry, KEYS[2..] their leases; ARGV their
+# names. Returns how many were dropped.
+_PRUNE: Final = """
+local dropped = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    dropped = dropped + redis.call('SREM', KEYS[1], ARGV[i - 1])
+  end
+end
+return dropped
 """
 
 # Give a lease up on the way out, only if it is still this process's. KEYS[1] lease, KEYS[2]
@@ -94,7 +106,7 @@ if cur then
   if ok and type(info) == 'table' and info['token'] ~= ARGV[1] then return 0 end
   redis.call('DEL', KEYS[1])
 end
-redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('SREM', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -117,6 +129,7 @@ class Leases:
         self.keys = keys
         self._lease = redis.register_script(_LEASE)
         self._release = redis.register_script(_RELEASE)
+        self._prune = redis.register_script(_PRUNE)
 
     async def put(self, info: LeaseInfo, ttl_ms: int) -> LeaseTaken:
         """Write `info` as `info.worker`'s lease unless another process (token) holds it."""
@@ -140,6 +153,14 @@ class Leases:
             return LeaseTaken(ok=True, lapsed=int(detail) == 1)
         return LeaseTaken(ok=False, holder=detail.decode() if isinstance(detail, bytes) else str(detail))
 
+    async def prune(self, gone: list[str]) -> int:
+        """Drop `gone` (workers seen without a lease) from the registry, each if its lease is still
+        gone; how many were dropped."""
+        if not gone:
+            return 0
+        keys = [self.keys.workers, *(self.keys.live(n) for n in gone)]
+        return int(await self._prune(keys=keys, args=gone))
+
     async def release(self, worker: str, token: str) -> bool:
         """Delete `worker`'s lease if `token` still holds it; True if released."""
         reply: Any = await self._release(
@@ -148,15 +169,19 @@ class Leases:
         return bool(reply)
 
 
+async def registered(redis: aioredis.Redis, keys: Keys) -> list[str]:
+    """The registry's worker names (live ones, and dead ones the reaper has not pruned yet)."""
+    raw: Any = await redis.smembers(keys.workers)
+    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in raw)
+
+
 async def live_workers(redis: aioredis.Redis, keys: Keys) -> dict[str, LeaseInfo]:
     """Every worker whose lease is alive now, with what it holds: the registry's names, then one
     MGET of their leases (a name whose lease is gone is dead; the reaper prunes it). No SCAN."""
-    names: list[Any] = await redis.zrange(keys.workers, 0, -1)
+    names = await registered(redis, keys)
     if not names:
         return {}
-    values: list[Any] = await redis.mget(
-        [keys.live(n.decode() if isinstance(n, bytes) else n) for n in names]
-    )
+    values: list[Any] = await redis.mget([keys.live(n) for n in names])
     out: dict[str, LeaseInfo] = {}
     for raw in values:
         if raw is None:

@@ -51,7 +51,7 @@ if type(again) == 'table' and again.err == nil then
     if #r > 0 then rows[#rows + 1] = r[1] end
   end
 end
-local start = '-'
+local start, delivered = '-', '0-0'
 local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
 if type(groups) == 'table' and groups.err == nil then
   for _, g in ipairs(groups) do
@@ -59,18 +59,24 @@ if type(groups) == 'table' and groups.err == nil then
     for j = 1, #g, 2 do
       if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
     end
-    if name == ARGV[1] and last ~= nil and last ~= '0-0' then start = '(' .. last end
+    if name == ARGV[1] and last ~= nil and last ~= '0-0' then start, delivered = '(' .. last, last end
   end
 end
+local unread = 0
 if #rows < depth then
-  local unread = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', depth - #rows)
-  if type(unread) == 'table' and unread.err == nil then
-    for _, r in ipairs(unread) do rows[#rows + 1] = r end
+  local more = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', depth - #rows)
+  if type(more) == 'table' and more.err == nil then
+    for _, r in ipairs(more) do rows[#rows + 1] = r end
+    unread = #more
   end
 end
-local cursor = '0-0'
-local last = redis.pcall('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if type(last) == 'table' and last.err == nil and #last > 0 then cursor = last[1][1] end
+-- With nothing unread, every entry after the group's cursor is new: it is the queue's cursor too
+-- (an idle worker's look costs no more reads).
+local cursor = delivered
+if unread > 0 or #rows >= depth then
+  local last = redis.pcall('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  if type(last) == 'table' and last.err == nil and #last > 0 then cursor = last[1][1] end
+end
 return {cursor, rows}
 """
 

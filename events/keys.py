@@ -99,7 +99,8 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        # Sorted set: every worker that took a lease, scored by its lease's expiry (server ms).
+        # Set of workers holding a lease: a worker joins when it takes one; the reaper drops it
+        # once its lease is gone.
         return f"{self.prefix}workers"
 
     @property

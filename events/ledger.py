@@ -244,15 +244,19 @@ class Ledger:
             for item in _decode_in_order(batch, on_poison):
                 yield item
 
-    async def wait_on(self, cursors: Mapping[str, str], block_ms: int) -> bool:
+    async def wait_on(self, cursors: Mapping[str, str], block_ms: int) -> set[str]:
         """Block until any stream gets an entry after its cursor (an id, or `$`: after now), reading
-        nothing for a consumer group; False on timeout."""
+        nothing for a consumer group; the streams that did (none on timeout)."""
         if not cursors:
             await asyncio.sleep(block_ms / 1000)
-            return False
+            return set()
         wanted: dict[Any, Any] = dict(cursors)
         reply: Any = await self.redis.xread(wanted, count=1, block=block_ms)
-        return bool(reply)
+        if not reply:
+            return set()
+        if isinstance(reply, dict):  # RESP3 shape
+            return {as_str(k) for k in reply}
+        return {as_str(stream) for stream, _ in reply}
 
     # -- consumer groups ----------------------------------------------------------------------
     async def ensure_group(self, stream: str, group: str = WORKERS_GROUP, start: str = "0") -> bool:

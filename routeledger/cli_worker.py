@@ -147,7 +147,7 @@ def forget(
             fail(f"worker {name!r} is live right now; stop it first, or pass --force")
         await client.sadd(keys.forgotten, name)
         await client.delete(keys.live(name))
-        await client.zrem(keys.workers, name)
+        await client.srem(keys.workers, name)
         await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
 
     inst.run(go)

@@ -164,14 +164,14 @@ async def test_waiting_for_entries_wakes_on_a_new_entry_and_reads_none(ledger: L
     stream = ledger.keys.queue("ab" * 32)
     await ledger.ensure_group(stream)
     cursor = {stream: "$"}
-    assert await ledger.wait_on(cursor, 50) is False
+    assert await ledger.wait_on(cursor, 50) == set()
 
     async def add_soon() -> None:
         await asyncio.sleep(0.1)
         await ledger.redis.xadd(stream, {b"t": b"1"})
 
     adder = asyncio.create_task(add_soon())
-    assert await ledger.wait_on(cursor, 5000) is True
+    assert await ledger.wait_on(cursor, 5000) == {stream}
     await adder
     # Nothing was consumed: the group still has the entry to deliver.
     got = await ledger.group_read("w", {stream: ">"}, count=5)

@@ -55,6 +55,8 @@ log = logging.getLogger("routeledger.worker")
 
 T = TypeVar("T")
 
+# An idle worker looks at its pinned stream at least this often, even if no wait woke on it.
+_PINNED_LOOK_S = 30.0
 # Longest pause between tries of a write Redis refused for lack of memory.
 _ROOM_WAIT_MAX_S = 2.0
 
@@ -111,6 +113,9 @@ class WorkerAgent:
         self._last_ask = 0.0
         # Takes in a row that found the head moved since the gate looked.
         self._missed = 0
+        # The pinned stream's cursor after the last look that found it empty (None: look next time).
+        self._pinned_cursor: str | None = None
+        self._pinned_looked = 0.0
         # Another process took this name's lease: this one stops and leaves it alone.
         self.evicted = False
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
@@ -378,13 +383,17 @@ class WorkerAgent:
         the head. None when something was taken or the head moved (ask again at once); else what
         to wait on."""
         self._last_ask = time.monotonic()
-        pinned = await self.queues.take(self.pinned, self.name)
-        if pinned.entry_id:
-            self._start(self.pinned, pinned)
-            return None
-        if pinned.vanished:
-            return None
-        cursors = {self.pinned: pinned.cursor}
+        # The pinned stream is looked at when something may be there: at first, when a wait woke
+        # on it, after this worker handed an entry back, and now and then in any case.
+        if self._pinned_cursor is None or self._last_ask - self._pinned_looked > _PINNED_LOOK_S:
+            pinned = await self.queues.take(self.pinned, self.name)
+            if pinned.entry_id:
+                self._start(self.pinned, pinned)
+                return None
+            if pinned.vanished:
+                return None
+            self._pinned_cursor, self._pinned_looked = pinned.cursor, self._last_ask
+        cursors = {self.pinned: self._pinned_cursor}
         if time.monotonic() < self._cooldown_until:
             return Wait(cursors=cursors)
         shared = self.shared_queues()
@@ -419,7 +428,9 @@ class WorkerAgent:
         # A hard deadline as well: on a half-open connection the read would wait for the client's
         # socket timeout; cancelled, its connection is dropped and the next read takes a fresh one.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ledger.wait_on(streams, block_ms), block_ms / 1000 + 1.0)
+            woke = await asyncio.wait_for(self.ledger.wait_on(streams, block_ms), block_ms / 1000 + 1.0)
+            if self.pinned in woke:
+                self._pinned_cursor = None
         if wait.held_back:
             # Asked again no sooner than recheck_min_ms after the last time: a busy ledger wakes a
             # held-back worker on every event.
@@ -828,6 +839,8 @@ class WorkerAgent:
 
     async def _after_requeue(self, queue: str, entry_id: str, moved: Requeue, reason: str) -> None:
         """Dead-letter a task whose deliveries are spent; log anything odd."""
+        if queue == self.pinned:
+            self._pinned_cursor = None  # a re-queued entry wakes nobody: look at it next time
         if not await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
             log.warning(
                 "could not re-queue %s on %s (status %s): it was no longer ours",

@@ -30,7 +30,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     dead_max_entries: int = DEAD_MAX_ENTRIES
     # How long an idle worker blocks on its queues before it looks again (a new entry wakes it
     # at once; a re-queued one waits for the next look). Under the client's socket timeout.
-    block_ms: int = 2_000
+    block_ms: int = 3_000
     # A worker that the gate held back asks again when the ledger records news (a claim, a
     # completion) or a queue gets an entry, no sooner than recheck_min_ms after it last asked and
     # no later than recheck_ms.

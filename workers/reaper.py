@@ -20,7 +20,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.lease import decode_lease, live_workers
+from dispatch.lease import Leases, decode_lease, live_workers, registered
 from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
 from events.codec import as_str
@@ -35,9 +35,6 @@ from projections.snapshot import FleetRow
 log = logging.getLogger("routeledger.reaper")
 
 LEASE_EXPIRED = "lease expired"
-# A worker whose lease expired this long ago leaves the registry of workers (a live one re-enters
-# with its next renewal); the margin covers clocks that differ between machines.
-_REGISTRY_GRACE_MS = 60_000
 # Projected statuses of a worker that is still taking part: its death must be recorded.
 _ALIVE_STATUSES = frozenset({"online", "draining"})
 
@@ -72,6 +69,7 @@ class Reaper:
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self._seeded = False
+        self.leases = Leases(redis, keys)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the reaper lease (one active reaper), sweep until `stop`."""
@@ -118,11 +116,10 @@ class Reaper:
 
     async def _live(self) -> set[str]:
         """Workers whose lease is alive (the registry's names, their leases read at once); names
-        whose lease expired over a minute ago leave the registry."""
+        whose lease is gone leave the registry."""
+        names = await registered(self.redis, self.keys)
         live = set(await live_workers(self.redis, self.keys))
-        seconds, micros = await self.redis.time()
-        cutoff = seconds * 1000 + micros // 1000 - _REGISTRY_GRACE_MS
-        await self.redis.zremrangebyscore(self.keys.workers, "-inf", cutoff)
+        await self.leases.prune([n for n in names if n not in live])
         return live
 
     async def sweep(self) -> Sweep:
