@@ -150,7 +150,7 @@ def main() -> None:
     url = server.start()
     fleet = root / "fleet.toml"
     fleet.write_text(fleet_toml(args.workers, args.slots))
-    env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": "warning"}
+    env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning")}
     procs: list[subprocess.Popen[bytes]] = []
     prof = root / "worker.prof"
     try:

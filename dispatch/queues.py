@@ -93,6 +93,22 @@ redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, ARGV[2], 'RETRYCOUNT', spent,
 return {1, ARGV[2], spent + 1, id}
 """
 
+# Keep a consumer's running entries alive: reset the idle time of each that is still pending for it
+# (XCLAIM JUSTID, which counts no delivery), and only those: a plain XCLAIM would take back an
+# entry that was re-queued in place, or taken by another worker since. KEYS[1] queue; ARGV group,
+# consumer, entry ids. Returns the ids still held.
+_KEEP: Final = """
+local held = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    held[#held + 1] = ARGV[i]
+  end
+end
+return held
+"""
+
 # Take exactly one entry for a consumer: the oldest re-queued one, else the head of what nobody has
 # read, and only when it is the entry the caller's gate decided on (ARGV[3]; '' takes the head,
 # whatever it is). A queue or group that a restart of Redis lost is made again.
@@ -376,6 +392,7 @@ class TaskQueues:
         self._take_over = redis.register_script(_TAKE_OVER)
         self._close_run = redis.register_script(_CLOSE_RUN)
         self._take = redis.register_script(_TAKE)
+        self._keep = redis.register_script(_KEEP)
         self._submit = redis.register_script(_SUBMIT)
         self._groups: set[str] = set()
 
@@ -409,6 +426,13 @@ class TaskQueues:
         )
         created, entry_id = reply
         return int(created) == 1, as_str(entry_id)
+
+    async def keep(self, queue: str, consumer: str, entry_ids: Sequence[str]) -> list[str]:
+        """Reset the idle time of the entries `consumer` still holds (see _KEEP); the ids it holds."""
+        if not entry_ids:
+            return []
+        reply: Any = await self._keep(keys=[queue], args=[WORKERS_GROUP, consumer, *entry_ids])
+        return [as_str(i) for i in reply]
 
     async def take(self, queue: str, consumer: str, expected: str = "") -> Taken:
         """Take one entry of `queue` for `consumer`: the oldest re-queued one, else the head nobody

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.payload import Message, result_decoder
-from dispatch.queues import TaskQueues
+from dispatch.queues import TaskQueues, parse_entry
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
@@ -27,6 +27,8 @@ from tests.helpers import (
     wait_until,
     worker_process,
 )
+from workers.agent import Running, WorkerAgent
+from workers.backend import OllamaBackend
 
 
 @pytest.fixture
@@ -287,3 +289,36 @@ async def test_the_seed_fleet_completes_three_qwen_tasks_and_the_ledger_says_who
         tps = t.eval_count / (t.eval_duration / 1e9)
         assert tps == pytest.approx(11.4 if event.worker == "macbookair" else 83.0, rel=0.05)
     assert not [c for c in await events_of(ledger, TaskClaimed) if c.worker == "ai-core"]
+
+
+async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entry_meanwhile(
+    redis_client: aioredis.Redis, ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The false alarm: a run that finished (entry acknowledged and deleted) between the heartbeat's
+    list of running entries and its XCLAIM is not "no longer ours"; an entry really taken back is."""
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys, ledger)
+    digest = "cd" * 32
+    queue = keys.queue(digest)
+    for n in (1, 2):
+        await submit_task(
+            queues, TaskRequest(model="m", messages=[Message(role="user", content=f"{n}")]), digest=digest
+        )
+    agent = WorkerAgent(redis_client, keys, OllamaBackend("http://127.0.0.1:9"), fast_config("w"))
+    closing_entry = await queues.take(queue, "w")
+    lost_entry = await queues.take(queue, "w")
+    # Two runs as the agent keeps them (their generation is not what this test is about).
+    for taken in (closing_entry, lost_entry):
+        entry = parse_entry(queue, taken.entry_id, taken.fields, taken.attempt)
+        agent.running[taken.entry_id] = Running(entry=entry, started=time.monotonic())
+    closing, lost = agent.running[closing_entry.entry_id], agent.running[lost_entry.entry_id]
+    # One run closes: its entry is acknowledged and deleted as the heartbeat looks.
+    closing.closing = True
+    assert await queues.finish(queue, closing_entry.entry_id, "w") == 1
+    # The other's entry is taken back by the reaper.
+    await queues.requeue(queue, lost_entry.entry_id, delivery_limit=3, owner="w", attempt=1)
+    with caplog.at_level("WARNING", logger="routeledger.worker"):
+        await agent._keep_entries_alive()
+    warned = [r.getMessage() for r in caplog.records if "no longer ours" in r.getMessage()]
+    assert (closing.lost, lost.lost) == (False, True)
+    assert len(warned) == 1 and lost_entry.entry_id in warned[0]

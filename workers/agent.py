@@ -55,6 +55,8 @@ log = logging.getLogger("routeledger.worker")
 
 T = TypeVar("T")
 
+# Takes in a row that may find the head gone (another worker won it) before a worker pauses a little.
+_MISSES_BEFORE_PAUSE = 16
 # An idle worker looks at its pinned stream at least this often, even if no wait woke on it.
 _PINNED_LOOK_S = 30.0
 # Longest pause between tries of a write Redis refused for lack of memory.
@@ -411,8 +413,9 @@ class WorkerAgent:
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
         # decision was about a task that is not there; ask again, pausing a little if it repeats.
         self._missed += 1
-        if self._missed > 3:
-            await asyncio.sleep(min(0.2, 0.01 * self._missed))
+        if self._missed > _MISSES_BEFORE_PAUSE:
+            # Many in a row: others win every race for the head; let them, briefly.
+            await asyncio.sleep(min(0.05, 0.001 * self._missed))
         return None
 
     async def _wait_for_work(self, wait: Wait) -> None:
@@ -420,6 +423,7 @@ class WorkerAgent:
         when the gate held work back, until the ledger records news (a claim or a completion changes
         the plan), at most `recheck_ms`; otherwise at most `block_ms` (a re-queued task wakes nobody,
         so an idle worker looks again that often)."""
+        self._missed = 0
         streams = dict(wait.cursors)
         block_ms = self.config.block_ms
         if wait.held_back:
@@ -484,14 +488,14 @@ class WorkerAgent:
         self.inventory = inventory
 
     async def _keep_entries_alive(self) -> None:
-        """XCLAIM JUSTID every running entry to itself: resets idle time, counts no delivery. A run
+        """Reset the idle time of every running entry still ours (TaskQueues.keep). A run
         that is closing (its entry acknowledged, or about to be) is left out and never reported lost."""
         by_queue: dict[str, list[str]] = {}
         for run in self.running.values():
             if not run.closing:
                 by_queue.setdefault(run.entry.queue, []).append(run.entry.entry_id)
         for queue, ids in by_queue.items():
-            owned = set(await self.ledger.claim(queue, self.name, ids, justid=True))
+            owned = set(await self.queues.keep(queue, self.name, ids))
             for entry_id in ids:
                 held = self.running.get(entry_id)
                 if entry_id not in owned and held is not None and not held.lost and not held.closing:
