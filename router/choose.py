@@ -23,6 +23,7 @@ from router.plan import (
     Plan,
     PlanParams,
     PlanState,
+    Step,
     WorkerView,
     holders_by_digest,
     plan_state,
@@ -153,15 +154,27 @@ def rank_workers(
         raise NoHolderError(digest)
     plan, state = plan_state(view, est, digest, now_ms, params=p, free=free, holders=hs)
     assert state is not None
-    query = query or RouteQuery()
+    return _ranking(est, digest, hs, state, plan, query or RouteQuery(), p)
+
+
+def _ranking(
+    est: Estimator,
+    digest: str,
+    holders: Sequence[WorkerView],
+    state: PlanState,
+    plan: Plan,
+    query: RouteQuery,
+    params: PlanParams,
+) -> Ranking:
+    """The holders ranked for a new task behind the backlog `state` has laid out as `plan`."""
     domain = query.domain
-    prompt = p.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
+    prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
     out_field = est.output_tokens(digest, domain)
     quality = est.quality(digest, domain)
     max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
-    for i, w in enumerate(hs):
+    for i, w in enumerate(holders):
         sp = est.speed(w.name, digest)
         wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
         terms = {
@@ -194,22 +207,12 @@ def rank_workers(
 
 
 def _best_finish(
-    view: FleetView,
-    est: Estimator,
-    digest: str,
-    holders: Sequence[WorkerView],
-    now_ms: int,
-    query: RouteQuery,
-    *,
-    params: PlanParams,
-    free: Mapping[str, list[float]],
+    state: PlanState, est: Estimator, query: RouteQuery, params: PlanParams
 ) -> tuple[str, float]:
-    """(worker, expected finish) of the candidate `rank_workers` would put first, without the
-    assignment records and breakdowns a ranking carries (`auto` needs them for one model only)."""
-    state = PlanState(holders, est, digest, now_ms, params, free=free)
-    state.lay_out(view.backlog.get(digest, []))
+    """(worker, expected finish) of the candidate `_ranking` would put first on this laid-out
+    state, without the breakdowns a ranking carries (`auto` needs them for one model only)."""
     prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
-    out_value = est.output_tokens(digest, query.domain).value
+    out_value = est.output_tokens(state.digest, query.domain).value
     out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
     finishes = state.finishes(prompt, out)
     i = _first_best(finishes)
@@ -277,14 +280,16 @@ def choose_model(
     free = {w.name: slot_free_times(w, est, now_ms, pp) for w in view.workers}
     by_digest = holders_by_digest(view)
     scored: list[tuple[str, str, float, Field, str, float]] = []
-    seen: set[str] = set()
+    # Each model's backlog laid out once: the chosen one's ranking reads the same state and steps.
+    laid: dict[str, tuple[PlanState, list[Step]]] = {}
     for name, digest in sorted(models.items()):
         # Aliases of one digest are one model: the same weights, the same answers.
         holders = by_digest.get(digest)
-        if digest in seen or not holders:
+        if digest in laid or not holders:
             continue
-        seen.add(digest)
-        worker, finish = _best_finish(view, est, digest, holders, now_ms, query, params=pp, free=free)
+        state = PlanState(holders, est, digest, now_ms, pp, free=free)
+        laid[digest] = (state, state.walk(view.backlog.get(digest, [])))
+        worker, finish = _best_finish(state, est, query, pp)
         quality = est.quality(digest, domain)
         utility = p.quality_weight * quality.value - p.latency_weight * finish / p.latency_scale_s
         scored.append((name, digest, utility, quality, worker, finish))
@@ -306,9 +311,10 @@ def choose_model(
     order = sorted(range(len(scored)), key=lambda i: candidates[i].rank)
     best = order[0]
     # Only the chosen model's ranking is kept: its plan and every holder's breakdown.
-    ranking = rank_workers(
-        view, est, scored[best][1], now_ms, query, params=pp, free=free, holders=by_digest[scored[best][1]]
-    )
+    chosen = scored[best][1]
+    state, steps = laid[chosen]
+    plan = state.plan(view.backlog.get(chosen, []), steps)
+    ranking = _ranking(est, chosen, by_digest[chosen], state, plan, query, pp)
     return Choice(
         model=scored[best][0],
         digest=scored[best][1],

@@ -31,6 +31,10 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     overdue_fraction: float = 0.1
     # Demand decay for the arrival rate; None: the snapshot's half-life.
     demand_half_life_s: float | None = None
+    # Find each task's holder by computing every holder's finish. The default prunes holders that
+    # cannot finish it first (PlanState.walk); both give the same plan, bit for bit. This one is
+    # the reference the tests and benchmarks compare the pruned walk against.
+    full_walk: bool = False
 
 
 class RunningTask(msgspec.Struct, kw_only=True, gc=False):
@@ -167,6 +171,18 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
 
 
 Factors = tuple[float, ...]
+
+# (holder index, start, finish) of one task in a walk of the backlog.
+Step = tuple[int, float, float]
+
+# A pruned walk first builds a heap of the holders: below these many tasks or holders, computing
+# every holder's finish for every task costs less (measured with bench/scale.py's fleets).
+PRUNE_MIN_TASKS = 4
+PRUNE_MIN_HOLDERS = 8
+# The relative margin by which a pruning bound must pass the best finish before the holders behind
+# it are left out: far above the few units in the last place that rounding a sum of four
+# non-negative terms in a different order can move it, far below any difference that matters.
+_BOUND_SLACK = 1e-9
 
 
 def _factors(est: Estimator, worker: str, digest: str, slots: int) -> Factors | None:
@@ -321,12 +337,13 @@ class PlanState:
     """
 
     __slots__ = (
-        "_digest",
         "_est",
         "_own",
         "default_prompt",
+        "digest",
         "fac",
         "free",
+        "full_walk",
         "head",
         "load_left",
         "loaded",
@@ -364,13 +381,14 @@ class PlanState:
         self.load_left = [0.0 if ld else s for ld, s in zip(self.loaded, self.sp.load_s, strict=True)]
         self.outs: dict[str, float] = {}
         self.default_prompt = params.default_prompt_tokens
+        self.full_walk = params.full_walk
         self._est = est
-        self._digest = digest
+        self.digest = digest
 
     def _out(self, entry: BacklogEntry) -> float:
         out = self.outs.get(entry.domain)
         if out is None:
-            out = self._est.output_tokens(self._digest, entry.domain).value
+            out = self._est.output_tokens(self.digest, entry.domain).value
             self.outs[entry.domain] = out
         cap = entry.max_tokens
         return out if cap is None or cap >= out else cap
@@ -449,28 +467,79 @@ class PlanState:
     def lay_out(self, entries: Iterable[BacklogEntry], record: bool = False) -> list[Assignment]:
         """Assign `entries` in order, each to the holder finishing it earliest; the assignments
         when `record` (a ranking needs only the slots' state afterwards)."""
-        out: list[Assignment] = []
+        todo = entries if isinstance(entries, list) else list(entries)
+        steps, _, _ = self._walk(todo, -1)
+        return self.assignments(todo, steps) if record else []
+
+    def walk(self, entries: Sequence[BacklogEntry]) -> list[Step]:
+        """`lay_out` as (holder index, start, finish) per entry: what a caller that may never
+        need the `Assignment`s keeps (turn them into those with `assignments`)."""
+        steps, _, _ = self._walk(entries, -1)
+        return steps
+
+    def assignments(self, entries: Sequence[BacklogEntry], steps: Sequence[Step]) -> list[Assignment]:
+        """The `Assignment`s of `steps`, the walk of `entries`."""
         names = self.names
+        return [
+            Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish)
+            for e, (i, start, finish) in zip(entries, steps, strict=False)
+        ]
+
+    def plan(self, entries: Sequence[BacklogEntry], steps: Sequence[Step]) -> Plan:
+        """The `Plan` of `steps`, the walk of `entries` that left this state."""
+        return Plan(
+            digest=self.digest,
+            assignments=self.assignments(entries, steps),
+            free_s=dict(zip(self.names, self.free, strict=True)),
+        )
+
+    def first_given(self, i: int, entries: Sequence[BacklogEntry]) -> tuple[int, float] | None:
+        """(position, finish) of the first of `entries` the plan gives holder `i`, the ones before
+        it assigned to the others; None when it gives `i` none of them. The walk stops there: what
+        comes after cannot change that answer."""
+        _, pos, finish = self._walk(entries, i)
+        return None if pos < 0 else (pos, finish)
+
+    def _walk(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
+        """Assign `entries` in order until one goes to holder `until`: (the steps before it, its
+        position, its finish), or (all steps, -1, 0.0)."""
         if self.shared:
-            for e in entries:
-                i, start, finish = self.best(e)
-                self.assign(i, finish, start, e)
-                if record:
-                    out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
-            return out
-        # `best` and `assign` inlined: this loop is most of a decision's time.
+            return self._walk_shared(entries, until)
+        default_prompt, out_of = self.default_prompt, self._out
+        work = [(default_prompt if e.prompt_tokens is None else e.prompt_tokens, out_of(e)) for e in entries]
+        if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
+            return self._walk_all(work, until)
+        # The bound below adds non-negative terms; negative token counts (a malformed request)
+        # or free times would break it, and take the walk that needs no bound.
+        if min(p for p, _ in work) < 0 or min(o for _, o in work) < 0 or min(self.head) < 0:
+            return self._walk_all(work, until)
+        return self._walk_pruned(work, until)
+
+    def _walk_shared(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
+        steps: list[Step] = []
+        for pos, e in enumerate(entries):
+            i, start, finish = self.best(e)
+            if i == until:
+                return steps, pos, finish
+            self.assign(i, finish, start, e)
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
+
+    def _walk_all(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
+        """Every task's finish on every holder (`best` and `assign` inlined)."""
+        steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
-        default_prompt, replace = self.default_prompt, heapq.heapreplace
-        for e in entries:
-            prompt = default_prompt if e.prompt_tokens is None else e.prompt_tokens
-            o = self._out(e)
+        replace = heapq.heapreplace
+        for pos, (prompt, o) in enumerate(work):
             finishes = [
                 h + prompt * a + o * b + ld
                 for h, a, b, ld in zip(head, per_prompt, per_out, load_left, strict=True)
             ]
             finish = min(finishes)
             i = finishes.index(finish)
+            if i == until:
+                return steps, pos, finish
             start = head[i]
             slots = free[i]
             if i not in own:
@@ -480,9 +549,69 @@ class PlanState:
             head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
-            if record:
-                out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
-        return out
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
+
+    def _walk_pruned(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
+        """The same assignments as `_walk_all`, looking at only the holders that might finish a
+        task first.
+
+        A task of `prompt` tokens and `o` output tokens finishes on holder i at
+        head + prompt·a_i + o·b_i + load (a, b: seconds per prompt and output token). A heap
+        orders the holders by key_i = head + o_min·b_i + load, o_min the least output of the
+        tasks to place, so finish_i >= key_i + prompt·min(a) + (o - o_min)·min(b): holders are
+        taken from the heap in key order until that bound passes the best finish found, and all
+        the rest finish later. Only the holder that gets the task changes its key, so each task
+        costs a few heap operations instead of a pass over every holder.
+
+        The finishes are computed by the same expression as `_walk_all`, so they are equal bit for
+        bit; the bound is rounded differently, so it must pass the best by a margin (_BOUND_SLACK)
+        that rounding cannot make up before a holder is left out. Every holder within the bound
+        is looked at, so of equal finishes the first registered wins, as in the full walk.
+        """
+        steps: list[Step] = []
+        head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
+        o_min = min(o for _, o in work)
+        a_min, b_min = min(per_prompt), min(per_out)
+        key = [h + o_min * b + ld for h, b, ld in zip(head, per_out, load_left, strict=True)]
+        heap = list(zip(key, range(len(key)), strict=True))
+        heapq.heapify(heap)
+        pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+        slack = _BOUND_SLACK
+        for pos, (prompt, o) in enumerate(work):
+            bound = prompt * a_min + (o - o_min) * b_min
+            i = pop(heap)[1]
+            finish = head[i] + prompt * per_prompt[i] + o * per_out[i] + load_left[i]
+            limit = finish + finish * slack - bound
+            seen: list[tuple[float, int]] = []
+            while heap and heap[0][0] <= limit:
+                item = pop(heap)
+                j = item[1]
+                f = head[j] + prompt * per_prompt[j] + o * per_out[j] + load_left[j]
+                if f < finish or (f == finish and j < i):
+                    seen.append((key[i], i))
+                    finish, i = f, j
+                    limit = finish + finish * slack - bound
+                else:
+                    seen.append(item)
+            for item in seen:
+                push(heap, item)
+            if i == until:
+                return steps, pos, finish
+            start = head[i]
+            slots = free[i]
+            if i not in own:
+                slots = free[i] = list(slots)
+                own.add(i)
+            replace(slots, finish)
+            h = head[i] = slots[0]
+            loaded[i] = True
+            load_left[i] = 0.0
+            k = key[i] = h + o_min * per_out[i]
+            push(heap, (k, i))
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
 
     def new_task(self, i: int, prompt_tokens: int, out: float) -> tuple[float, float, float, float, float]:
         """(wait, load, prompt, decode, finish) seconds of a new task given to holder `i` after the plan."""
@@ -558,8 +687,8 @@ def plan_state(
     if not hs:
         return Plan(digest=digest, assignments=[], free_s={}), None
     state = PlanState(hs, est, digest, now_ms, p, free=free)
-    out = state.lay_out(entries, record=True)
-    return Plan(digest=digest, assignments=out, free_s=dict(zip(state.names, state.free, strict=True))), state
+    todo = entries if isinstance(entries, list) else list(entries)
+    return state.plan(todo, state.walk(todo)), state
 
 
 def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: float | None = None) -> float:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from router.choose import ChooseParams, RouteQuery, choose_model, classify_domain, decide, rank_workers
 from router.errors import NoHolderError, NoModelError
-from tests.router_helpers import ELYZA, NOW, QWEN, estimator, snapshot, speed_row, view, worker
+from router.plan import PlanParams, plan_queue
+from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
+from tests.router_helpers import ELYZA, NOW, QWEN, estimator, fleet_shapes, snapshot, speed_row, view, worker
 
 MODELS = {"qwen3:8b": QWEN, "elyza-jp-8b": ELYZA}
 
@@ -85,3 +89,39 @@ def test_a_model_nobody_live_holds_is_a_clear_error() -> None:
         choose_model(RouteQuery(), MODELS, view([]), fleet_est(), NOW)
     with pytest.raises(NoModelError):
         decide(RouteQuery(model="llama-unknown"), MODELS, view([worker("a", {QWEN})]), fleet_est(), NOW)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16), domain=st.sampled_from(DOMAINS))
+def test_a_decision_for_a_named_model_is_the_same_from_the_pruned_walk_as_from_the_full_one(
+    shape: FleetShape, seed: int, domain: str
+) -> None:
+    snap, fleet, models = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    full = PlanParams(full_walk=True)
+    for name, digest in models.items():
+        if not fleet.holders(digest):
+            continue
+        query = RouteQuery(
+            model=name, domain=domain, prompt_tokens=seed % 3000, max_tokens=[None, 0, 300][seed % 3]
+        )
+        pruned = decide(query, models, fleet, est, NOW_MS)
+        assert pruned == decide(query, models, fleet, est, NOW_MS, plan_params=full)
+        assert (
+            pruned.ranking.plan.assignments == plan_queue(fleet, est, digest, NOW_MS, params=full).assignments
+        )
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16), domain=st.sampled_from(DOMAINS))
+def test_auto_decides_the_same_from_the_pruned_walk_as_from_the_full_one(
+    shape: FleetShape, seed: int, domain: str
+) -> None:
+    snap, fleet, models = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    query = RouteQuery(model="auto", domain=domain, prompt_tokens=seed % 3000)
+    full = PlanParams(full_walk=True)
+    assume(any(fleet.holders(d) for d in models.values()))
+    assert decide(query, models, fleet, est, NOW_MS) == decide(
+        query, models, fleet, est, NOW_MS, plan_params=full
+    )
