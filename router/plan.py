@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -247,11 +248,13 @@ def slot_free_times(
             prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
             expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
+        # Never before now, whatever a malformed task says (a negative expected time or size):
+        # the plan's floors on a finish count on free times of 0 or later.
         if fac is None:
-            remaining.append(max(expected - elapsed, p.overdue_fraction * expected))
+            remaining.append(max(expected - elapsed, p.overdue_fraction * expected, 0.0))
         else:
             # Work done so far went at the speed of `m` sharing: the rest is in solo-expected seconds.
-            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected))
+            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected, 0.0))
     remaining.sort()
     if fac is not None:
         remaining[:slots] = _shared_ends(0.0, remaining[:slots], fac)
@@ -306,8 +309,8 @@ class _Speeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Speeds:
-    names = tuple([w.name for w in holders])
-    slots = tuple([w.slots for w in holders])
+    names = tuple(map(_name, holders))
+    slots = tuple(map(_slots, holders))
     key = ("#holders", digest, names, slots)
     hit = est.memo.get(key)
     if isinstance(hit, _Speeds):
@@ -325,6 +328,11 @@ def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Spee
     )
     est.memo[key] = out
     return out
+
+
+_name = operator.attrgetter("name")
+_slots = operator.attrgetter("slots")
+_first = operator.itemgetter(0)
 
 
 class PlanState:
@@ -362,17 +370,17 @@ class PlanState:
         params: PlanParams,
         free: Mapping[str, list[float]] | None = None,
     ) -> None:
-        self.names = names = [w.name for w in holders]
+        self.names = names = list(map(_name, holders))
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
+        known = free or {}
         try:
-            self.free = [free[n] for n in names]  # type: ignore[index]
-        except (KeyError, TypeError):
-            known = free or {}
+            self.free = list(map(known.__getitem__, names))
+        except KeyError:
             self.free = [
                 known[w.name] if w.name in known else slot_free_times(w, est, now_ms, params) for w in holders
             ]
-        self.head = [f[0] for f in self.free]
+        self.head = list(map(_first, self.free))
         self.loaded = [digest in w.loaded for w in holders]
         self.sp = _speeds(est, holders, digest)
         self.fac = self.sp.fac
@@ -636,6 +644,63 @@ class PlanState:
                     work = self.load_left[i] + prompt_tokens / sp.prompt_tps[i] + out / sp.decode_tps[i]
                     res[i] = self._shared_finish(i, self.head[i], work)
         return res
+
+    def finish_floor(
+        self, prompt_tokens: int, out: float, entries: Sequence[BacklogEntry]
+    ) -> tuple[int, float] | None:
+        """(holder, finish) of the least finish a new task could have after `entries` are laid out
+        from here, without laying them out; None where `floors_hold` says no floor holds.
+
+        Laying out a task only moves a slot's free time later. On a one-slot holder a task that
+        loads the model ends after that load, so `finishes` now is a floor. On a holder with more
+        slots another slot may load the model for it, so its load is left out. The arithmetic is
+        `finishes`', so the floor is never above the finish it bounds.
+        """
+        if self.shared or not floors_hold(entries, self.default_prompt):
+            return None
+        sp = self.sp
+        floors = [
+            h + (ld if len(slots) == 1 else 0.0) + prompt_tokens / p + out / d
+            for h, ld, slots, p, d in zip(
+                self.head, self.load_left, self.free, sp.prompt_tps, sp.decode_tps, strict=True
+            )
+        ]
+        floor = min(floors)
+        return floors.index(floor), floor
+
+
+def floors_hold(entries: Sequence[BacklogEntry], default_prompt: int) -> bool:
+    """Whether laying out `entries` only moves slots' free times later, as the floors on a new
+    task's finish (`service_floor`, `PlanState.finish_floor`) assume: not when a task's token
+    counts are negative (a malformed request: its "finish" could come before its start)."""
+    if default_prompt < 0:
+        return False
+    return not any((e.prompt_tokens or 0) < 0 or (e.max_tokens or 0) < 0 for e in entries)
+
+
+def service_floor(
+    est: Estimator,
+    holders: Sequence[WorkerView],
+    digest: str,
+    prompt_tokens: int,
+    out: float,
+    entries: Sequence[BacklogEntry],
+    default_prompt: int,
+) -> tuple[int, float] | None:
+    """(holder, seconds) of the least finish a new task could have on any of `holders` after
+    `entries` are laid out, when every slot is free at 0 or later (`slot_free_times` gives no
+    less): its service on the fastest holder for it, with no wait and no load. None where no such
+    floor holds: on shared machines (a task sharing one can run faster than the speeds say) and
+    where `floors_hold` says so. Cheaper than `PlanState.finish_floor`, which counts the holders'
+    waits and loads: this reads only the speeds cached per snapshot.
+    """
+    sp = _speeds(est, holders, digest)
+    if sp.shared or not floors_hold(entries, default_prompt):
+        return None
+    # `finishes`' arithmetic with wait and load at their least, 0.
+    floors = [prompt_tokens / p + out / d for p, d in zip(sp.prompt_tps, sp.decode_tps, strict=True)]
+    floor = min(floors)
+    return floors.index(floor), floor
 
 
 def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:

@@ -19,6 +19,7 @@ from router.plan import (
     holders_by_digest,
     plan_queue,
     service,
+    service_floor,
     slot_free_times,
 )
 from sim.fleetspec import load_fleet
@@ -162,3 +163,46 @@ def test_the_walk_for_a_holder_stops_at_the_first_task_the_full_walk_gives_it(
             first = next(((pos, f) for pos, (j, _, f) in enumerate(steps) if j == i), None)
             state = PlanState(holders, est, digest, NOW_MS, PlanParams())
             assert state.first_given(i, queue) == first
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=fleet_shapes(),
+    seed=st.integers(0, 2**16),
+    prompt=st.integers(0, 4000),
+    out=st.sampled_from([0.0, 1.0, 256.0, 900.0]),
+)
+def test_no_holder_finishes_a_new_task_before_the_floors_however_the_backlog_is_laid_out(
+    shape: FleetShape, seed: int, prompt: int, out: float
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    default = PlanParams().default_prompt_tokens
+    for digest, holders in holders_by_digest(fleet).items():
+        queue = fleet.backlog.get(digest, [])
+        state = PlanState(holders, est, digest, NOW_MS, PlanParams(full_walk=True))
+        floor = state.finish_floor(prompt, out, queue)
+        least = service_floor(est, holders, digest, prompt, out, queue, default)
+        now = min(state.finishes(prompt, out))
+        state.walk(queue)
+        finish = min(state.finishes(prompt, out))
+        if state.shared:
+            assert floor is None and least is None
+            continue
+        assert floor is not None and least is not None
+        assert least[1] <= floor[1] <= finish
+        if all(len(slots) == 1 for slots in state.free):
+            # One slot each: the floor is the finish were the new task queued now.
+            assert floor[1] == now
+
+
+def test_a_malformed_task_gives_no_floor_and_no_slot_free_before_now() -> None:
+    est = estimator(seed_snapshot())
+    w = worker("rtx3070ti", {QWEN}, slots=2)
+    busy(w, QWEN, started_s_ago=3.0, expected_s=-10.0)
+    assert slot_free_times(w, est, NOW) == [0.0, 0.0]
+    queue = backlog(QWEN, 3, max_tokens=-5)
+    state = PlanState([w], est, QWEN, NOW, PlanParams())
+    assert state.finish_floor(64, 600.0, queue) is None
+    assert service_floor(est, [w], QWEN, 64, 600.0, queue, 64) is None
+    assert state.finish_floor(64, 600.0, backlog(QWEN, 3)) is not None
