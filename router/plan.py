@@ -12,9 +12,11 @@ do not (the queues' backlog and the running tasks' start times); the caller fill
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import operator
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
@@ -178,8 +180,10 @@ Step = tuple[int, float, float]
 
 # A pruned walk first builds a heap of the holders: below these many tasks or holders, computing
 # every holder's finish for every task costs less (measured with bench/scale.py's fleets).
-PRUNE_MIN_TASKS = 4
-PRUNE_MIN_HOLDERS = 8
+PRUNE_MIN_TASKS = 8
+PRUNE_MIN_HOLDERS = 16
+# At most this many output classes (heaps) in a pruned walk; see `PlanState._walk_pruned`.
+_OUTPUT_CLASSES = 8
 # The relative margin by which a pruning bound must pass the best finish before the holders behind
 # it are left out: far above the few units in the last place that rounding a sum of four
 # non-negative terms in a different order can move it, far below any difference that matters.
@@ -565,12 +569,15 @@ class PlanState:
         task first.
 
         A task of `prompt` tokens and `o` output tokens finishes on holder i at
-        head + prompt·a_i + o·b_i + load (a, b: seconds per prompt and output token). A heap
-        orders the holders by key_i = head + o_min·b_i + load, o_min the least output of the
-        tasks to place, so finish_i >= key_i + prompt·min(a) + (o - o_min)·min(b): holders are
-        taken from the heap in key order until that bound passes the best finish found, and all
-        the rest finish later. Only the holder that gets the task changes its key, so each task
-        costs a few heap operations instead of a pass over every holder.
+        head + prompt·a_i + o·b_i + load (a, b: seconds per prompt and per output token). The
+        tasks' outputs fall in a few classes (a model's output length per domain, capped by a few
+        max_tokens); each class c has a heap of the holders by key_i = head + o_c·b_i + load, o_c
+        the least output in the class, so that for a task of the class
+        finish_i >= key_i + prompt·min(a) + (o - o_c)·min(b). A task takes holders from its
+        class's heap in key order until that bound passes the best finish found: the rest finish
+        later. The holder that gets a task is pushed again into every heap under its new key
+        (the entries it leaves behind are skipped by their version), so each task costs a few
+        heap operations instead of a pass over every holder.
 
         The finishes are computed by the same expression as `_walk_all`, so they are equal bit for
         bit; the bound is rounded differently, so it must pass the best by a margin (_BOUND_SLACK)
@@ -580,26 +587,41 @@ class PlanState:
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
-        o_min = min(o for _, o in work)
         a_min, b_min = min(per_prompt), min(per_out)
-        key = [h + o_min * b + ld for h, b, ld in zip(head, per_out, load_left, strict=True)]
-        heap = list(zip(key, range(len(key)), strict=True))
-        heapq.heapify(heap)
+        outs = sorted({o for _, o in work})
+        # More classes mean more heaps to push into per task: past a few, classes span ranges.
+        refs = outs if len(outs) <= _OUTPUT_CLASSES else outs[:: -(-len(outs) // _OUTPUT_CLASSES)]
+        classes: list[tuple[float, list[tuple[float, int, int]]]] = []
+        for o_c in refs:
+            heap = [
+                (h + o_c * b + ld, i, 0)
+                for i, (h, b, ld) in enumerate(zip(head, per_out, load_left, strict=True))
+            ]
+            heapq.heapify(heap)
+            classes.append((o_c, heap))
+        class_of = {o: classes[bisect.bisect_right(refs, o) - 1] for o in outs}
+        version = [0] * len(head)
         pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
         slack = _BOUND_SLACK
         for pos, (prompt, o) in enumerate(work):
-            bound = prompt * a_min + (o - o_min) * b_min
-            i = pop(heap)[1]
+            o_c, heap = class_of[o]
+            bound = prompt * a_min + (o - o_c) * b_min
+            best = pop(heap)
+            while best[2] != version[best[1]]:
+                best = pop(heap)
+            i = best[1]
             finish = head[i] + prompt * per_prompt[i] + o * per_out[i] + load_left[i]
             limit = finish + finish * slack - bound
-            seen: list[tuple[float, int]] = []
+            seen: list[tuple[float, int, int]] = []
             while heap and heap[0][0] <= limit:
                 item = pop(heap)
                 j = item[1]
+                if item[2] != version[j]:
+                    continue
                 f = head[j] + prompt * per_prompt[j] + o * per_out[j] + load_left[j]
                 if f < finish or (f == finish and j < i):
-                    seen.append((key[i], i))
-                    finish, i = f, j
+                    seen.append(best)
+                    best, finish, i = item, f, j
                     limit = finish + finish * slack - bound
                 else:
                     seen.append(item)
@@ -616,8 +638,10 @@ class PlanState:
             h = head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
-            k = key[i] = h + o_min * per_out[i]
-            push(heap, (k, i))
+            v = version[i] = version[i] + 1
+            b = per_out[i]
+            for o_k, heap_k in classes:
+                push(heap_k, (h + o_k * b, i, v))
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
@@ -675,7 +699,12 @@ def floors_hold(entries: Sequence[BacklogEntry], default_prompt: int) -> bool:
     counts are negative (a malformed request: its "finish" could come before its start)."""
     if default_prompt < 0:
         return False
-    return not any((e.prompt_tokens or 0) < 0 or (e.max_tokens or 0) < 0 for e in entries)
+    # A loop, not all(...): a generator costs three times as much per task, and every queued task
+    # of every model is checked on each `auto` decision.
+    for e in entries:  # noqa: SIM110
+        if (e.prompt_tokens or 0) < 0 or (e.max_tokens or 0) < 0:
+            return False
+    return True
 
 
 def service_floor(
@@ -705,15 +734,11 @@ def service_floor(
 
 def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:
     """Every digest's live holders in registration order: one pass over the fleet for all models."""
-    out: dict[str, list[WorkerView]] = {}
+    out: defaultdict[str, list[WorkerView]] = defaultdict(list)
     for w in view.workers:
         for d in w.holds:
-            lst = out.get(d)
-            if lst is None:
-                out[d] = [w]
-            else:
-                lst.append(w)
-    return out
+            out[d].append(w)
+    return dict(out)
 
 
 def plan_queue(

@@ -108,7 +108,8 @@ def view(
 def fleet_shapes(max_workers: int = 40) -> st.SearchStrategy[FleetShape]:
     """Random fleets of every kind the plan meets: one worker or many, one slot or several, models
     loaded or not, idle or running more tasks than slots, measured or on priors (equal speeds: the
-    finishes tie), slots that slow each other down, unknown prompt sizes, output caps down to 0."""
+    finishes tie), slots that slow each other down, unknown prompt sizes, output caps down to 0 or
+    many different ones."""
     return st.builds(
         FleetShape,
         workers=st.integers(1, max_workers),
@@ -123,5 +124,7 @@ def fleet_shapes(max_workers: int = 40) -> st.SearchStrategy[FleetShape]:
         sharing=st.sampled_from([0.0, 0.0, 0.5]),
         speed_levels=st.sampled_from([0, 1, 3]),
         unknown_prompts=st.sampled_from([0.0, 0.3]),
-        max_tokens=st.sampled_from([(None,), (None, 256, 1024), (0, 1, 50, None)]),
+        max_tokens=st.sampled_from(
+            [(None,), (None, 256, 1024), (0, 1, 50, None), (None, *range(1, 900, 61))]
+        ),
     )
