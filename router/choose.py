@@ -179,8 +179,7 @@ def _ranking(
     max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
-    for i, w in enumerate(holders):
-        sp = est.speed(w.name, digest)
+    for i, (w, sp) in enumerate(zip(holders, state.sp.estimates, strict=True)):
         wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
         terms = {
             "wait_s": wait,
@@ -368,7 +367,10 @@ def _score_models(
             continue
         for w in holders:
             if w.name not in free:
-                free[w.name] = slot_free_times(w, est, now_ms, plan_params)
+                # An idle worker's slots are all free now (`slot_free_times` without the call).
+                free[w.name] = (
+                    slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
+                )
         state = PlanState(holders, est, digest, now_ms, plan_params, free=free)
         if floor is not None:
             floor = state.finish_floor(prompt, out, queue)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 
 from projections.snapshot import Snapshot
-from router.estimate import Estimator
+from router.estimate import Estimator, SpeedEstimate
 
 
 class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -310,6 +310,8 @@ class _Speeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     decode_tps: list[float]
     fac: list[Factors | None]
     shared: bool
+    # The estimates themselves, with their sources, for a ranking's breakdown.
+    estimates: list[SpeedEstimate]
 
 
 def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Speeds:
@@ -329,6 +331,36 @@ def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Spee
         decode_tps=[sp.decode_tps.value for sp in sps],
         fac=fac,
         shared=any(f is not None for f in fac),
+        estimates=sps,
+    )
+    est.memo[key] = out
+    return out
+
+
+class _Fastest(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Of the holders of one model: the fastest prompt and decode speeds, the holder decoding
+    fastest, and whether running several tasks at once slows any of them down (with more than one
+    slot: this holds whatever their slot counts, so that a lookup needs only their names)."""
+
+    prompt_tps: float
+    decode_tps: float
+    holder: int
+    sharing: bool
+
+
+def _fastest(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Fastest:
+    names = tuple(map(_name, holders))
+    key = ("#fastest", digest, names)
+    hit = est.memo.get(key)
+    if isinstance(hit, _Fastest):
+        return hit
+    sps = [est.speed(n, digest) for n in names]
+    decode = [sp.decode_tps.value for sp in sps]
+    out = _Fastest(
+        prompt_tps=max(sp.prompt_tps.value for sp in sps),
+        decode_tps=max(decode),
+        holder=decode.index(max(decode)),
+        sharing=any(est.concurrency(n, digest).exponent.value != 1.0 for n in names),
     )
     est.memo[key] = out
     return out
@@ -716,20 +748,21 @@ def service_floor(
     entries: Sequence[BacklogEntry],
     default_prompt: int,
 ) -> tuple[int, float] | None:
-    """(holder, seconds) of the least finish a new task could have on any of `holders` after
+    """(holder, seconds) of a floor on the finish a new task could have on any of `holders` after
     `entries` are laid out, when every slot is free at 0 or later (`slot_free_times` gives no
-    less): its service on the fastest holder for it, with no wait and no load. None where no such
-    floor holds: on shared machines (a task sharing one can run faster than the speeds say) and
-    where `floors_hold` says so. Cheaper than `PlanState.finish_floor`, which counts the holders'
-    waits and loads: this reads only the speeds cached per snapshot.
+    less): its prompt at the fastest prompt speed among them and its output at the fastest decode
+    speed, with no wait and no load; the holder is the one decoding fastest. None where no such
+    floor holds: on machines whose tasks slow each other down (a task sharing one can run faster
+    than the speeds say), for a task of negative size, and where `floors_hold` says so. It reads
+    only figures cached per snapshot, so it costs no pass over the holders beyond finding them in
+    that cache; `PlanState.finish_floor` is higher, and counts the holders' waits and loads.
     """
-    sp = _speeds(est, holders, digest)
-    if sp.shared or not floors_hold(entries, default_prompt):
+    fast = _fastest(est, holders, digest)
+    if fast.sharing or prompt_tokens < 0 or out < 0 or not floors_hold(entries, default_prompt):
         return None
-    # `finishes`' arithmetic with wait and load at their least, 0.
-    floors = [prompt_tokens / p + out / d for p, d in zip(sp.prompt_tps, sp.decode_tps, strict=True)]
-    floor = min(floors)
-    return floors.index(floor), floor
+    # `finishes`' arithmetic with wait and load at their least (0) and every divisor at its
+    # greatest: no holder's finish is less, rounding included.
+    return fast.holder, prompt_tokens / fast.prompt_tps + out / fast.decode_tps
 
 
 def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:
