@@ -4,8 +4,9 @@ For a named model the candidates are its live holders, ranked by when each would
 task appended to the model's queue (the plan of the backlog first, then the task's service on
 that worker). For `auto` every model with a live holder is a candidate, scored by an explicit
 utility `quality_weight * quality - latency_weight * expected_finish_s / latency_scale_s`; the
-weights are parameters and are part of the breakdown. Ties share a rank: equal evidence gives
-equal rank, whatever the names.
+weights are parameters and are part of the breakdown. A model that cannot win is shown with bounds
+on its figures instead of a plan of its queue (`ModelCandidate.bound`). Ties share a rank: equal
+evidence gives equal rank, whatever the names.
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One model for `auto`: its utility and the terms it came from.
 
     `bound`: the model could not win, and its queue was not laid out to find out by how much: its
-    `expected_finish_s` is the least the new task could finish at (`best_worker` the holder of
-    that least), its `utility` the most it could reach, and its rank is by that utility.
+    `expected_finish_s` is a floor under the new task's finish (`best_worker` the holder that
+    floor was taken at), its `utility` the most it could reach, and its rank is by that utility.
     """
 
     model: str
@@ -328,8 +329,8 @@ def _score_models(
     that was laid out.
 
     A queue is laid out only when its model might win. A model's utility has a ceiling: the new
-    task cannot finish before its service on the fastest holder (`service_floor`, read from the
-    speeds alone), and utility falls as the finish grows (a non-negative latency weight). Models
+    task cannot finish before its service at its holders' fastest speeds (`service_floor`, cached
+    per snapshot), and utility falls as the finish grows (a non-negative latency weight). Models
     are taken by that ceiling, best first. Once the best utility found passes a model's ceiling by
     more than the margin within which `_ranks` lets utilities share a rank (so no tie can reach
     it), the model cannot win. Otherwise its holders' slot state gives a higher floor that counts

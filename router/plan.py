@@ -34,9 +34,11 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     overdue_fraction: float = 0.1
     # Demand decay for the arrival rate; None: the snapshot's half-life.
     demand_half_life_s: float | None = None
-    # Find each task's holder by computing every holder's finish. The default prunes holders that
-    # cannot finish it first (PlanState.walk); both give the same plan, bit for bit. This one is
-    # the reference the tests and benchmarks compare the pruned walk against.
+    # Find each task's holder by computing every holder's finish, and for `auto` lay out every
+    # model's queue. By default the walk leaves out holders that cannot finish a task first (the
+    # same plan, bit for bit: PlanState.walk) and `auto` the queues of models that cannot win (the
+    # same choice; those models show bounds: router.choose.ModelCandidate). This is the
+    # reference the tests and benchmarks compare the default against.
     full_walk: bool = False
 
 
@@ -508,16 +510,10 @@ class PlanState:
         self.loaded[i] = True
         self.load_left[i] = 0.0
 
-    def lay_out(self, entries: Iterable[BacklogEntry], record: bool = False) -> list[Assignment]:
-        """Assign `entries` in order, each to the holder finishing it earliest; the assignments
-        when `record` (a ranking needs only the slots' state afterwards)."""
-        todo = entries if isinstance(entries, list) else list(entries)
-        steps, _, _ = self._walk(todo, -1)
-        return self.assignments(todo, steps) if record else []
-
     def walk(self, entries: Sequence[BacklogEntry]) -> list[Step]:
-        """`lay_out` as (holder index, start, finish) per entry: what a caller that may never
-        need the `Assignment`s keeps (turn them into those with `assignments`)."""
+        """Assign `entries` in order, each to the holder finishing it earliest: (holder index,
+        start, finish) per entry, which `assignments` and `plan` turn into `Assignment`s (a
+        ranking needs only the slots' state afterwards)."""
         steps, _, _ = self._walk(entries, -1)
         return steps
 
