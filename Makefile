@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/ledger.py
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/router.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/replay.py
 	$(BIN)/python bench/archive.py
 	$(BIN)/python bench/ledger_bytes.py

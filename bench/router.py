@@ -13,89 +13,22 @@ line is JSON: {"bench": "router", "decision_p50_us": ..., "decision_p99_us": ...
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
-# This script is named like the package it measures: without its own folder on the path, `import
-# router` finds the package and not this file.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# This script is named like the package it measures: its own folder goes last on the path, behind
+# the project's root, so that `import router` finds the package and `import scale` the script
+# beside this one (which times the decisions).
+HERE = Path(__file__).resolve().parent
+sys.path = [str(HERE.parent), *(p for p in sys.path if Path(p or ".").resolve() != HERE), str(HERE)]
 
-from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
-from router.choose import RouteQuery, decide  # noqa: E402
+from scale import decision_times  # noqa: E402
+
 from router.estimate import build_estimator  # noqa: E402
-from router.gate import should_take  # noqa: E402
-from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView  # noqa: E402
-
-NOW = 1_764_000_000_000
-HALF_LIFE_S = 7 * 86_400.0
-DOMAINS = ("general", "code", "japanese")
-
-
-def _stat(rng: random.Random, mean: float, n: int) -> Stat:
-    s = Stat()
-    for i in range(n):
-        s = fold(s, mean * rng.uniform(0.9, 1.1), NOW - i * 600_000, HALF_LIFE_S)
-    return s
-
-
-def build(
-    workers: int, models: int, backlog: int, seed: int = 1
-) -> tuple[Snapshot, FleetView, dict[str, str]]:
-    rng = random.Random(seed)
-    digests = {f"model-{m}": f"{m:064x}" for m in range(models)}
-    names = list(digests)
-    snap = Snapshot(half_life_s=HALF_LIFE_S, taken_at=NOW)
-    cost = {d: rng.uniform(0.3, 2.0) for d in digests.values()}
-    fleet = FleetView()
-    for w in range(workers):
-        name = f"worker-{w:02d}"
-        speed = rng.uniform(5.0, 150.0)
-        held = {digests[m] for m in rng.sample(names, 6)}
-        view = WorkerView(name=name, slots=rng.choice((1, 1, 2)), holds=held, loaded=set(list(held)[:2]))
-        for d in held:
-            if rng.random() < 0.8:  # some pairs never measured: their prior does the work
-                snap.speed[(name, d)] = SpeedRow(
-                    worker=name,
-                    digest=d,
-                    decode_tps=_stat(rng, speed / cost[d], rng.randint(1, 30)),
-                    prompt_tps=_stat(rng, 20 * speed / cost[d], rng.randint(1, 30)),
-                    load_s=_stat(rng, 3.0 * cost[d], rng.randint(1, 5)),
-                )
-        if rng.random() < 0.5:
-            d = next(iter(held))
-            view.running.append(
-                RunningTask(task_id=f"r{w}", digest=d, started_at_ms=NOW - rng.randint(0, 20_000))
-            )
-        fleet.workers.append(view)
-    for d in digests.values():
-        for dom in DOMAINS:
-            snap.length[(d, dom)] = LengthRow(
-                digest=d, domain=dom, output_tokens=_stat(rng, rng.uniform(100, 800), 20)
-            )
-            snap.quality[(d, dom)] = QualityRow(
-                digest=d, domain=dom, score=_stat(rng, rng.uniform(0.4, 0.9), 10)
-            )
-        fleet.arrival_rate[d] = rng.uniform(0.0, 0.5)
-    # A popular model gets most of the backlog.
-    weights = [1.0 / (i + 1) for i in range(models)]
-    for i in range(backlog):
-        d = digests[rng.choices(names, weights)[0]]
-        fleet.backlog.setdefault(d, []).append(
-            BacklogEntry(
-                task_id=f"q{i}",
-                digest=d,
-                enqueued_at_ms=NOW - (backlog - i) * 1000,
-                domain=rng.choice(DOMAINS),
-                prompt_tokens=rng.randint(20, 2000),
-                max_tokens=rng.choice((None, 256, 1024)),
-            )
-        )
-    return snap, fleet, digests
+from sim.random_fleet import NOW_MS, FleetShape, random_fleet  # noqa: E402
 
 
 def main() -> None:
@@ -106,30 +39,15 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=2000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    snap, fleet, digests = build(args.workers, args.models, args.backlog)
+    snap, fleet, digests = random_fleet(
+        FleetShape(workers=args.workers, models=args.models, backlog=args.backlog)
+    )
     t0 = time.perf_counter()
-    est = build_estimator(snap, NOW)
+    est = build_estimator(snap, NOW_MS)
     fit_us = (time.perf_counter() - t0) * 1e6
-    free = [w.name for w in fleet.workers if len(w.running) < w.slots]
     rng = random.Random(2)
-
-    def run(cold: bool) -> tuple[float, float]:
-        times: list[float] = []
-        gc.disable()
-        for i in range(args.decisions):
-            if cold:
-                est.clear_cache()
-            query = RouteQuery(model="auto", domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
-            t = time.perf_counter()
-            decide(query, digests, fleet, est, NOW)
-            should_take(free[i % len(free)], fleet, est, NOW)
-            times.append((time.perf_counter() - t) * 1e6)
-        gc.enable()
-        times.sort()
-        return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
-
-    cold50, cold99 = run(cold=True)
-    p50, p99 = run(cold=False)
+    cold50, cold99 = decision_times(fleet, digests, est, args.decisions, rng=rng, cold=True)
+    p50, p99 = decision_times(fleet, digests, est, args.decisions, rng=rng)
     if not args.json:
         print(f"snapshot fits (once per snapshot): {fit_us:,.0f} us")
         print(f"{args.workers} workers x {args.models} models, backlog {args.backlog}:")

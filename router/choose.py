@@ -4,12 +4,14 @@ For a named model the candidates are its live holders, ranked by when each would
 task appended to the model's queue (the plan of the backlog first, then the task's service on
 that worker). For `auto` every model with a live holder is a candidate, scored by an explicit
 utility `quality_weight * quality - latency_weight * expected_finish_s / latency_scale_s`; the
-weights are parameters and are part of the breakdown. Ties share a rank: equal evidence gives
-equal rank, whatever the names.
+weights are parameters and are part of the breakdown. A model that cannot win is shown with bounds
+on its figures instead of a plan of its queue (`ModelCandidate.bound`). Ties share a rank: equal
+evidence gives equal rank, whatever the names.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final
@@ -19,13 +21,16 @@ import msgspec
 from router.errors import NoHolderError, NoModelError
 from router.estimate import Estimator, Field
 from router.plan import (
+    BacklogEntry,
     FleetView,
     Plan,
     PlanParams,
     PlanState,
+    Step,
     WorkerView,
     holders_by_digest,
     plan_state,
+    service_floor,
     slot_free_times,
 )
 
@@ -34,6 +39,8 @@ DomainClassifier = Callable[[str], str]
 # Candidates a decision's ledger record keeps in full; the rest are a count and their best finish
 # (a decision over 28 holders cost 17 KB of ledger otherwise, most of it about losers).
 RECORDED_CANDIDATES: Final = 3
+# Values this close share a rank (`_ranks`), each to the next: equal evidence, equal rank.
+_TIE: Final = 1e-9
 
 _JAPANESE = re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
 _CODE = re.compile(
@@ -109,7 +116,7 @@ def _ranks(values: list[float]) -> list[int]:
     ranks = [0] * len(values)
     for pos, i in enumerate(order):
         prev = order[pos - 1] if pos else None
-        same = prev is not None and values[i] - values[prev] <= 1e-9
+        same = prev is not None and values[i] - values[prev] <= _TIE
         ranks[i] = ranks[prev] if same and prev is not None else pos + 1
     return ranks
 
@@ -121,7 +128,7 @@ def _first_best(values: list[float]) -> int:
     ordered = sorted(values)
     top = ordered[0]
     for v in ordered[1:]:
-        if v - top > 1e-9:
+        if v - top > _TIE:
             break
         top = v
     for i, v in enumerate(values):
@@ -153,16 +160,27 @@ def rank_workers(
         raise NoHolderError(digest)
     plan, state = plan_state(view, est, digest, now_ms, params=p, free=free, holders=hs)
     assert state is not None
-    query = query or RouteQuery()
+    return _ranking(est, digest, hs, state, plan, query or RouteQuery(), p)
+
+
+def _ranking(
+    est: Estimator,
+    digest: str,
+    holders: Sequence[WorkerView],
+    state: PlanState,
+    plan: Plan,
+    query: RouteQuery,
+    params: PlanParams,
+) -> Ranking:
+    """The holders ranked for a new task behind the backlog `state` has laid out as `plan`."""
     domain = query.domain
-    prompt = p.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
+    prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
     out_field = est.output_tokens(digest, domain)
     quality = est.quality(digest, domain)
     max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
-    for i, w in enumerate(hs):
-        sp = est.speed(w.name, digest)
+    for i, (w, sp) in enumerate(zip(holders, state.sp.estimates, strict=True)):
         wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
         terms = {
             "wait_s": wait,
@@ -193,31 +211,13 @@ def rank_workers(
     return Ranking(digest=digest, domain=domain, candidates=candidates, plan=plan)
 
 
-def _best_finish(
-    view: FleetView,
-    est: Estimator,
-    digest: str,
-    holders: Sequence[WorkerView],
-    now_ms: int,
-    query: RouteQuery,
-    *,
-    params: PlanParams,
-    free: Mapping[str, list[float]],
-) -> tuple[str, float]:
-    """(worker, expected finish) of the candidate `rank_workers` would put first, without the
-    assignment records and breakdowns a ranking carries (`auto` needs them for one model only)."""
-    state = PlanState(holders, est, digest, now_ms, params, free=free)
-    state.lay_out(view.backlog.get(digest, []))
-    prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
-    out_value = est.output_tokens(digest, query.domain).value
-    out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
-    finishes = state.finishes(prompt, out)
-    i = _first_best(finishes)
-    return state.names[i], finishes[i]
-
-
 class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """One model for `auto`: its utility and the terms it came from."""
+    """One model for `auto`: its utility and the terms it came from.
+
+    `bound`: the model could not win, and its queue was not laid out to find out by how much: its
+    `expected_finish_s` is a floor under the new task's finish (`best_worker` the holder that
+    floor was taken at), its `utility` the most it could reach, and its rank is by that utility.
+    """
 
     model: str
     digest: str
@@ -226,9 +226,11 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     quality: Field
     expected_finish_s: float
     best_worker: str
+    bound: bool = False
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        """Plain data; "bound": true only on a bound (a key on every model would grow every record)."""
+        out: dict[str, object] = {
             "model": self.model,
             "digest": self.digest,
             "rank": self.rank,
@@ -237,6 +239,9 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
             "best_worker": self.best_worker,
             "quality": self.quality.to_dict(),
         }
+        if self.bound:
+            out["bound"] = True
+        return out
 
 
 class Choice(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -273,10 +278,11 @@ def choose_model(
     p = params or ChooseParams()
     domain = query.domain
     pp = plan_params or PlanParams()
-    # Holders and slot free times depend on the fleet, not the model: once for all models.
-    free = {w.name: slot_free_times(w, est, now_ms, pp) for w in view.workers}
     by_digest = holders_by_digest(view)
-    scored: list[tuple[str, str, float, Field, str, float]] = []
+    # A worker's slot free times are the same whichever model it is planned for: worked out once,
+    # and only for the holders of models whose slot state is looked at (`_score_models`).
+    free: dict[str, list[float]] = {}
+    weighed: list[tuple[str, str, list[WorkerView]]] = []
     seen: set[str] = set()
     for name, digest in sorted(models.items()):
         # Aliases of one digest are one model: the same weights, the same answers.
@@ -284,13 +290,104 @@ def choose_model(
         if digest in seen or not holders:
             continue
         seen.add(digest)
-        worker, finish = _best_finish(view, est, digest, holders, now_ms, query, params=pp, free=free)
-        quality = est.quality(digest, domain)
-        utility = p.quality_weight * quality.value - p.latency_weight * finish / p.latency_scale_s
-        scored.append((name, digest, utility, quality, worker, finish))
-    if not scored:
+        weighed.append((name, digest, holders))
+    if not weighed:
         raise NoModelError(f"no model has a live holder for domain {domain!r}")
-    ranks = _ranks([-s[2] for s in scored])
+    candidates, laid = _score_models(weighed, view, est, now_ms, query, p, pp, free)
+    order = sorted(range(len(candidates)), key=lambda i: candidates[i].rank)
+    best = candidates[order[0]]
+    # Only the chosen model's ranking is kept: its plan and every holder's breakdown, from the
+    # state its queue was laid out on.
+    state, steps = laid[best.digest]
+    plan = state.plan(view.backlog.get(best.digest, []), steps)
+    ranking = _ranking(est, best.digest, by_digest[best.digest], state, plan, query, pp)
+    return Choice(
+        model=best.model,
+        digest=best.digest,
+        domain=domain,
+        params=p,
+        candidates=[candidates[i] for i in order],
+        ranking=ranking,
+    )
+
+
+def _utility(params: ChooseParams, quality: float, finish_s: float) -> float:
+    return params.quality_weight * quality - params.latency_weight * finish_s / params.latency_scale_s
+
+
+def _score_models(
+    weighed: Sequence[tuple[str, str, list[WorkerView]]],
+    view: FleetView,
+    est: Estimator,
+    now_ms: int,
+    query: RouteQuery,
+    params: ChooseParams,
+    plan_params: PlanParams,
+    free: dict[str, list[float]],
+) -> tuple[list[ModelCandidate], dict[str, tuple[PlanState, list[Step]]]]:
+    """Every model's candidate (in the order of `weighed`), and the state and walk of each queue
+    that was laid out.
+
+    A queue is laid out only when its model might win. A model's utility has a ceiling: the new
+    task cannot finish before its service at its holders' fastest speeds (`service_floor`, cached
+    per snapshot), and utility falls as the finish grows (a non-negative latency weight). Models
+    are taken by that ceiling, best first. Once the best utility found passes a model's ceiling by
+    more than the margin within which `_ranks` lets utilities share a rank (so no tie can reach
+    it), the model cannot win. Otherwise its holders' slot state gives a higher floor that counts
+    their waits and loads (`PlanState.finish_floor`), checked the same way, and only then is its
+    queue laid out. A model that cannot win is a `bound` candidate: its ceiling, the floor under
+    it and that floor's holder. The chosen model, its ranking and every laid-out model's figures
+    are what laying out every queue gives; a bound model's rank is by its ceiling, and so may
+    differ from its rank on its true utility.
+    """
+    domain = query.domain
+    default_prompt = plan_params.default_prompt_tokens
+    prompt = default_prompt if query.prompt_tokens is None else query.prompt_tokens
+    prune = not plan_params.full_walk and params.latency_weight >= 0.0 and params.latency_scale_s > 0.0
+    rows: list[tuple[Field, float, list[BacklogEntry], tuple[int, float] | None, float]] = []
+    for _, digest, holders in weighed:
+        quality = est.quality(digest, domain)
+        out_value = est.output_tokens(digest, domain).value
+        out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
+        queue = view.backlog.get(digest, [])
+        # With nothing queued there is no walk to save.
+        floor = None
+        if prune and queue:
+            floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
+        ceiling = math.inf if floor is None else _utility(params, quality.value, floor[1])
+        rows.append((quality, out, queue, floor, ceiling))
+    margin = _TIE * (len(rows) + 1)
+    best = -math.inf
+    scored: list[tuple[float, float, str, bool]] = [(0.0, 0.0, "", False)] * len(rows)
+    laid: dict[str, tuple[PlanState, list[Step]]] = {}
+    for k in sorted(range(len(rows)), key=lambda k: -rows[k][4]):
+        _, digest, holders = weighed[k]
+        quality, out, queue, floor, ceiling = rows[k]
+        if floor is not None and ceiling < best - margin:
+            scored[k] = (ceiling, floor[1], holders[floor[0]].name, True)
+            continue
+        for w in holders:
+            if w.name not in free:
+                # An idle worker's slots are all free now (`slot_free_times` without the call).
+                free[w.name] = (
+                    slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
+                )
+        state = PlanState(holders, est, digest, now_ms, plan_params, free=free)
+        if floor is not None:
+            floor = state.finish_floor(prompt, out, queue)
+            if floor is not None:
+                ceiling = _utility(params, quality.value, floor[1])
+                if ceiling < best - margin:
+                    scored[k] = (ceiling, floor[1], state.names[floor[0]], True)
+                    continue
+        steps = state.walk(queue)
+        laid[digest] = (state, steps)
+        finishes = state.finishes(prompt, out)
+        i = _first_best(finishes)
+        utility = _utility(params, quality.value, finishes[i])
+        best = max(best, utility)
+        scored[k] = (utility, finishes[i], state.names[i], False)
+    ranks = _ranks([-s[0] for s in scored])
     candidates = [
         ModelCandidate(
             model=name,
@@ -300,23 +397,13 @@ def choose_model(
             quality=quality,
             expected_finish_s=finish,
             best_worker=worker,
+            bound=bound,
         )
-        for (name, digest, utility, quality, worker, finish), rank in zip(scored, ranks, strict=True)
+        for (name, digest, _), (quality, _, _, _, _), (utility, finish, worker, bound), rank in zip(
+            weighed, rows, scored, ranks, strict=True
+        )
     ]
-    order = sorted(range(len(scored)), key=lambda i: candidates[i].rank)
-    best = order[0]
-    # Only the chosen model's ranking is kept: its plan and every holder's breakdown.
-    ranking = rank_workers(
-        view, est, scored[best][1], now_ms, query, params=pp, free=free, holders=by_digest[scored[best][1]]
-    )
-    return Choice(
-        model=scored[best][0],
-        digest=scored[best][1],
-        domain=domain,
-        params=p,
-        candidates=[candidates[i] for i in order],
-        ranking=ranking,
-    )
+    return candidates, laid
 
 
 class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):

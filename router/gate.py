@@ -103,29 +103,29 @@ def should_take(
     expected = rate * my_first * p.arrival_weight / divisor if p.rule == "arrivals" else 0.0
     phantoms = int(expected + 0.5)
     entries = list(queue) + [queue[-1]] * phantoms
-    for pos, entry in enumerate(entries):
-        i, start, finish = state.best(entry)
-        if i == mine:
-            return GateDecision(
-                take=True,
-                worker=worker,
-                digest=digest,
-                task_id=queue[0].task_id,
-                entry_id=queue[0].entry_id,
-                reason=(
-                    f"the plan gives me task #{pos + 1} of {len(queue)} queued"
-                    f" + {phantoms} expected to arrive before my next chance to take"
-                ),
-                numbers={
-                    "position": float(pos + 1),
-                    "backlog": float(len(queue)),
-                    "expected_arrivals": expected,
-                    "arrival_rate_per_s": rate,
-                    "arrival_divisor": divisor,
-                    "my_finish_s": finish,
-                },
-            )
-        state.assign(i, finish, start, entry)
+    # The walk stops at the first task the plan gives me: the tasks behind it cannot change that.
+    given = state.first_given(mine, entries)
+    if given is not None:
+        pos, finish = given
+        return GateDecision(
+            take=True,
+            worker=worker,
+            digest=digest,
+            task_id=queue[0].task_id,
+            entry_id=queue[0].entry_id,
+            reason=(
+                f"the plan gives me task #{pos + 1} of {len(queue)} queued"
+                f" + {phantoms} expected to arrive before my next chance to take"
+            ),
+            numbers={
+                "position": float(pos + 1),
+                "backlog": float(len(queue)),
+                "expected_arrivals": expected,
+                "arrival_rate_per_s": rate,
+                "arrival_divisor": divisor,
+                "my_finish_s": finish,
+            },
+        )
     return GateDecision(
         take=False,
         worker=worker,

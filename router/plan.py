@@ -12,14 +12,17 @@ do not (the queues' backlog and the running tasks' start times); the caller fill
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+import operator
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
 from projections.snapshot import Snapshot
-from router.estimate import Estimator
+from router.estimate import Estimator, SpeedEstimate
 
 
 class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -31,6 +34,12 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     overdue_fraction: float = 0.1
     # Demand decay for the arrival rate; None: the snapshot's half-life.
     demand_half_life_s: float | None = None
+    # Find each task's holder by computing every holder's finish, and for `auto` lay out every
+    # model's queue. By default the walk leaves out holders that cannot finish a task first (the
+    # same plan, bit for bit: PlanState.walk) and `auto` the queues of models that cannot win (the
+    # same choice; those models show bounds: router.choose.ModelCandidate). This is the
+    # reference the tests and benchmarks compare the default against.
+    full_walk: bool = False
 
 
 class RunningTask(msgspec.Struct, kw_only=True, gc=False):
@@ -171,6 +180,20 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
 
 Factors = tuple[float, ...]
 
+# (holder index, start, finish) of one task in a walk of the backlog.
+Step = tuple[int, float, float]
+
+# A pruned walk first builds a heap of the holders: below these many tasks or holders, computing
+# every holder's finish for every task costs less (measured with bench/scale.py's fleets).
+PRUNE_MIN_TASKS = 8
+PRUNE_MIN_HOLDERS = 16
+# At most this many output classes (heaps) in a pruned walk; see `PlanState._walk_pruned`.
+_OUTPUT_CLASSES = 8
+# The relative margin by which a pruning bound must pass the best finish before the holders behind
+# it are left out: far above the few units in the last place that rounding a sum of four
+# non-negative terms in a different order can move it, far below any difference that matters.
+_BOUND_SLACK = 1e-9
+
 
 def _factors(est: Estimator, worker: str, digest: str, slots: int) -> Factors | None:
     """Wall seconds per expected second with k tasks at once (index k, 1..slots), or None when
@@ -234,11 +257,13 @@ def slot_free_times(
             prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
             expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
+        # Never before now, whatever a malformed task says (a negative expected time or size):
+        # the plan's floors on a finish count on free times of 0 or later.
         if fac is None:
-            remaining.append(max(expected - elapsed, p.overdue_fraction * expected))
+            remaining.append(max(expected - elapsed, p.overdue_fraction * expected, 0.0))
         else:
             # Work done so far went at the speed of `m` sharing: the rest is in solo-expected seconds.
-            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected))
+            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected, 0.0))
     remaining.sort()
     if fac is not None:
         remaining[:slots] = _shared_ends(0.0, remaining[:slots], fac)
@@ -290,11 +315,13 @@ class _Speeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     decode_tps: list[float]
     fac: list[Factors | None]
     shared: bool
+    # The estimates themselves, with their sources, for a ranking's breakdown.
+    estimates: list[SpeedEstimate]
 
 
 def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Speeds:
-    names = tuple([w.name for w in holders])
-    slots = tuple([w.slots for w in holders])
+    names = tuple(map(_name, holders))
+    slots = tuple(map(_slots, holders))
     key = ("#holders", digest, names, slots)
     hit = est.memo.get(key)
     if isinstance(hit, _Speeds):
@@ -309,9 +336,44 @@ def _speeds(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Spee
         decode_tps=[sp.decode_tps.value for sp in sps],
         fac=fac,
         shared=any(f is not None for f in fac),
+        estimates=sps,
     )
     est.memo[key] = out
     return out
+
+
+class _Fastest(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Of the holders of one model: the fastest prompt and decode speeds, the holder decoding
+    fastest, and whether running several tasks at once slows any of them down (with more than one
+    slot: this holds whatever their slot counts, so that a lookup needs only their names)."""
+
+    prompt_tps: float
+    decode_tps: float
+    holder: int
+    sharing: bool
+
+
+def _fastest(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Fastest:
+    names = tuple(map(_name, holders))
+    key = ("#fastest", digest, names)
+    hit = est.memo.get(key)
+    if isinstance(hit, _Fastest):
+        return hit
+    sps = [est.speed(n, digest) for n in names]
+    decode = [sp.decode_tps.value for sp in sps]
+    out = _Fastest(
+        prompt_tps=max(sp.prompt_tps.value for sp in sps),
+        decode_tps=max(decode),
+        holder=decode.index(max(decode)),
+        sharing=any(est.concurrency(n, digest).exponent.value != 1.0 for n in names),
+    )
+    est.memo[key] = out
+    return out
+
+
+_name = operator.attrgetter("name")
+_slots = operator.attrgetter("slots")
+_first = operator.itemgetter(0)
 
 
 class PlanState:
@@ -324,12 +386,13 @@ class PlanState:
     """
 
     __slots__ = (
-        "_digest",
         "_est",
         "_own",
         "default_prompt",
+        "digest",
         "fac",
         "free",
+        "full_walk",
         "head",
         "load_left",
         "loaded",
@@ -348,17 +411,17 @@ class PlanState:
         params: PlanParams,
         free: Mapping[str, list[float]] | None = None,
     ) -> None:
-        self.names = names = [w.name for w in holders]
+        self.names = names = list(map(_name, holders))
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
+        known = free or {}
         try:
-            self.free = [free[n] for n in names]  # type: ignore[index]
-        except (KeyError, TypeError):
-            known = free or {}
+            self.free = list(map(known.__getitem__, names))
+        except KeyError:
             self.free = [
                 known[w.name] if w.name in known else slot_free_times(w, est, now_ms, params) for w in holders
             ]
-        self.head = [f[0] for f in self.free]
+        self.head = list(map(_first, self.free))
         self.loaded = [digest in w.loaded for w in holders]
         self.sp = _speeds(est, holders, digest)
         self.fac = self.sp.fac
@@ -367,13 +430,14 @@ class PlanState:
         self.load_left = [0.0 if ld else s for ld, s in zip(self.loaded, self.sp.load_s, strict=True)]
         self.outs: dict[str, float] = {}
         self.default_prompt = params.default_prompt_tokens
+        self.full_walk = params.full_walk
         self._est = est
-        self._digest = digest
+        self.digest = digest
 
     def _out(self, entry: BacklogEntry) -> float:
         out = self.outs.get(entry.domain)
         if out is None:
-            out = self._est.output_tokens(self._digest, entry.domain).value
+            out = self._est.output_tokens(self.digest, entry.domain).value
             self.outs[entry.domain] = out
         cap = entry.max_tokens
         return out if cap is None or cap >= out else cap
@@ -449,31 +513,76 @@ class PlanState:
         self.loaded[i] = True
         self.load_left[i] = 0.0
 
-    def lay_out(self, entries: Iterable[BacklogEntry], record: bool = False) -> list[Assignment]:
-        """Assign `entries` in order, each to the holder finishing it earliest; the assignments
-        when `record` (a ranking needs only the slots' state afterwards)."""
-        out: list[Assignment] = []
+    def walk(self, entries: Sequence[BacklogEntry]) -> list[Step]:
+        """Assign `entries` in order, each to the holder finishing it earliest: (holder index,
+        start, finish) per entry, which `assignments` and `plan` turn into `Assignment`s (a
+        ranking needs only the slots' state afterwards)."""
+        steps, _, _ = self._walk(entries, -1)
+        return steps
+
+    def assignments(self, entries: Sequence[BacklogEntry], steps: Sequence[Step]) -> list[Assignment]:
+        """The `Assignment`s of `steps`, the walk of `entries`."""
         names = self.names
+        return [
+            Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish)
+            for e, (i, start, finish) in zip(entries, steps, strict=False)
+        ]
+
+    def plan(self, entries: Sequence[BacklogEntry], steps: Sequence[Step]) -> Plan:
+        """The `Plan` of `steps`, the walk of `entries` that left this state."""
+        return Plan(
+            digest=self.digest,
+            assignments=self.assignments(entries, steps),
+            free_s=dict(zip(self.names, self.free, strict=True)),
+        )
+
+    def first_given(self, i: int, entries: Sequence[BacklogEntry]) -> tuple[int, float] | None:
+        """(position, finish) of the first of `entries` the plan gives holder `i`, the ones before
+        it assigned to the others; None when it gives `i` none of them. The walk stops there: what
+        comes after cannot change that answer."""
+        _, pos, finish = self._walk(entries, i)
+        return None if pos < 0 else (pos, finish)
+
+    def _walk(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
+        """Assign `entries` in order until one goes to holder `until`: (the steps before it, its
+        position, its finish), or (all steps, -1, 0.0)."""
         if self.shared:
-            for e in entries:
-                i, start, finish = self.best(e)
-                self.assign(i, finish, start, e)
-                if record:
-                    out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
-            return out
-        # `best` and `assign` inlined: this loop is most of a decision's time.
+            return self._walk_shared(entries, until)
+        default_prompt, out_of = self.default_prompt, self._out
+        work = [(default_prompt if e.prompt_tokens is None else e.prompt_tokens, out_of(e)) for e in entries]
+        if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
+            return self._walk_all(work, until)
+        # The bound below adds non-negative terms; negative token counts (a malformed request)
+        # or free times would break it, and take the walk that needs no bound.
+        if min(p for p, _ in work) < 0 or min(o for _, o in work) < 0 or min(self.head) < 0:
+            return self._walk_all(work, until)
+        return self._walk_pruned(work, until)
+
+    def _walk_shared(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
+        steps: list[Step] = []
+        for pos, e in enumerate(entries):
+            i, start, finish = self.best(e)
+            if i == until:
+                return steps, pos, finish
+            self.assign(i, finish, start, e)
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
+
+    def _walk_all(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
+        """Every task's finish on every holder (`best` and `assign` inlined)."""
+        steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
-        default_prompt, replace = self.default_prompt, heapq.heapreplace
-        for e in entries:
-            prompt = default_prompt if e.prompt_tokens is None else e.prompt_tokens
-            o = self._out(e)
+        replace = heapq.heapreplace
+        for pos, (prompt, o) in enumerate(work):
             finishes = [
                 h + prompt * a + o * b + ld
                 for h, a, b, ld in zip(head, per_prompt, per_out, load_left, strict=True)
             ]
             finish = min(finishes)
             i = finishes.index(finish)
+            if i == until:
+                return steps, pos, finish
             start = head[i]
             slots = free[i]
             if i not in own:
@@ -483,9 +592,89 @@ class PlanState:
             head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
-            if record:
-                out.append(Assignment(task_id=e.task_id, worker=names[i], start_s=start, finish_s=finish))
-        return out
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
+
+    def _walk_pruned(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
+        """The same assignments as `_walk_all`, looking at only the holders that might finish a
+        task first.
+
+        A task of `prompt` tokens and `o` output tokens finishes on holder i at
+        head + prompt·a_i + o·b_i + load (a, b: seconds per prompt and per output token). The
+        tasks' outputs fall in a few classes (a model's output length per domain, capped by a few
+        max_tokens); each class c has a heap of the holders by key_i = head + o_c·b_i + load, o_c
+        the least output in the class, so that for a task of the class
+        finish_i >= key_i + prompt·min(a) + (o - o_c)·min(b). A task takes holders from its
+        class's heap in key order until that bound passes the best finish found: the rest finish
+        later. The holder that gets a task is pushed again into every heap under its new key
+        (the entries it leaves behind are skipped by their version), so each task costs a few
+        heap operations instead of a pass over every holder.
+
+        The finishes are computed by the same expression as `_walk_all`, so they are equal bit for
+        bit; the bound is rounded differently, so it must pass the best by a margin (_BOUND_SLACK)
+        that rounding cannot make up before a holder is left out. Every holder within the bound
+        is looked at, so of equal finishes the first registered wins, as in the full walk.
+        """
+        steps: list[Step] = []
+        head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
+        a_min, b_min = min(per_prompt), min(per_out)
+        outs = sorted({o for _, o in work})
+        # More classes mean more heaps to push into per task: past a few, classes span ranges.
+        refs = outs if len(outs) <= _OUTPUT_CLASSES else outs[:: -(-len(outs) // _OUTPUT_CLASSES)]
+        classes: list[tuple[float, list[tuple[float, int, int]]]] = []
+        for o_c in refs:
+            heap = [
+                (h + o_c * b + ld, i, 0)
+                for i, (h, b, ld) in enumerate(zip(head, per_out, load_left, strict=True))
+            ]
+            heapq.heapify(heap)
+            classes.append((o_c, heap))
+        class_of = {o: classes[bisect.bisect_right(refs, o) - 1] for o in outs}
+        version = [0] * len(head)
+        pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+        slack = _BOUND_SLACK
+        for pos, (prompt, o) in enumerate(work):
+            o_c, heap = class_of[o]
+            bound = prompt * a_min + (o - o_c) * b_min
+            best = pop(heap)
+            while best[2] != version[best[1]]:
+                best = pop(heap)
+            i = best[1]
+            finish = head[i] + prompt * per_prompt[i] + o * per_out[i] + load_left[i]
+            limit = finish + finish * slack - bound
+            seen: list[tuple[float, int, int]] = []
+            while heap and heap[0][0] <= limit:
+                item = pop(heap)
+                j = item[1]
+                if item[2] != version[j]:
+                    continue
+                f = head[j] + prompt * per_prompt[j] + o * per_out[j] + load_left[j]
+                if f < finish or (f == finish and j < i):
+                    seen.append(best)
+                    best, finish, i = item, f, j
+                    limit = finish + finish * slack - bound
+                else:
+                    seen.append(item)
+            for item in seen:
+                push(heap, item)
+            if i == until:
+                return steps, pos, finish
+            start = head[i]
+            slots = free[i]
+            if i not in own:
+                slots = free[i] = list(slots)
+                own.add(i)
+            replace(slots, finish)
+            h = head[i] = slots[0]
+            loaded[i] = True
+            load_left[i] = 0.0
+            v = version[i] = version[i] + 1
+            b = per_out[i]
+            for o_k, heap_k in classes:
+                push(heap_k, (h + o_k * b, i, v))
+            steps.append((i, start, finish))
+        return steps, -1, 0.0
 
     def new_task(self, i: int, prompt_tokens: int, out: float) -> tuple[float, float, float, float, float]:
         """(wait, load, prompt, decode, finish) seconds of a new task given to holder `i` after the plan."""
@@ -511,18 +700,77 @@ class PlanState:
                     res[i] = self._shared_finish(i, self.head[i], work)
         return res
 
+    def finish_floor(
+        self, prompt_tokens: int, out: float, entries: Sequence[BacklogEntry]
+    ) -> tuple[int, float] | None:
+        """(holder, finish) of the least finish a new task could have after `entries` are laid out
+        from here, without laying them out; None where `floors_hold` says no floor holds.
+
+        Laying out a task only moves a slot's free time later. On a one-slot holder a task that
+        loads the model ends after that load, so `finishes` now is a floor. On a holder with more
+        slots another slot may load the model for it, so its load is left out. The arithmetic is
+        `finishes`', so the floor is never above the finish it bounds.
+        """
+        if self.shared or not floors_hold(entries, self.default_prompt):
+            return None
+        sp = self.sp
+        floors = [
+            h + (ld if len(slots) == 1 else 0.0) + prompt_tokens / p + out / d
+            for h, ld, slots, p, d in zip(
+                self.head, self.load_left, self.free, sp.prompt_tps, sp.decode_tps, strict=True
+            )
+        ]
+        floor = min(floors)
+        return floors.index(floor), floor
+
+
+def floors_hold(entries: Sequence[BacklogEntry], default_prompt: int) -> bool:
+    """Whether laying out `entries` only moves slots' free times later, as the floors on a new
+    task's finish (`service_floor`, `PlanState.finish_floor`) assume: not when a task's token
+    counts are negative (a malformed request: its "finish" could come before its start)."""
+    if default_prompt < 0:
+        return False
+    # A loop, not all(...): a generator costs three times as much per task, and every queued task
+    # of every model is checked on each `auto` decision.
+    for e in entries:  # noqa: SIM110
+        if (e.prompt_tokens or 0) < 0 or (e.max_tokens or 0) < 0:
+            return False
+    return True
+
+
+def service_floor(
+    est: Estimator,
+    holders: Sequence[WorkerView],
+    digest: str,
+    prompt_tokens: int,
+    out: float,
+    entries: Sequence[BacklogEntry],
+    default_prompt: int,
+) -> tuple[int, float] | None:
+    """(holder, seconds) of a floor on the finish a new task could have on any of `holders` after
+    `entries` are laid out, when every slot is free at 0 or later (`slot_free_times` gives no
+    less): its prompt at the fastest prompt speed among them and its output at the fastest decode
+    speed, with no wait and no load; the holder is the one decoding fastest. None where no such
+    floor holds: on machines whose tasks slow each other down (a task sharing one can run faster
+    than the speeds say), for a task of negative size, and where `floors_hold` says so. It reads
+    only figures cached per snapshot, so it costs no pass over the holders beyond finding them in
+    that cache; `PlanState.finish_floor` is higher, and counts the holders' waits and loads.
+    """
+    fast = _fastest(est, holders, digest)
+    if fast.sharing or prompt_tokens < 0 or out < 0 or not floors_hold(entries, default_prompt):
+        return None
+    # `finishes`' arithmetic with wait and load at their least (0) and every divisor at its
+    # greatest: no holder's finish is less, rounding included.
+    return fast.holder, prompt_tokens / fast.prompt_tps + out / fast.decode_tps
+
 
 def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:
     """Every digest's live holders in registration order: one pass over the fleet for all models."""
-    out: dict[str, list[WorkerView]] = {}
+    out: defaultdict[str, list[WorkerView]] = defaultdict(list)
     for w in view.workers:
         for d in w.holds:
-            lst = out.get(d)
-            if lst is None:
-                out[d] = [w]
-            else:
-                lst.append(w)
-    return out
+            out[d].append(w)
+    return dict(out)
 
 
 def plan_queue(
@@ -561,8 +809,8 @@ def plan_state(
     if not hs:
         return Plan(digest=digest, assignments=[], free_s={}), None
     state = PlanState(hs, est, digest, now_ms, p, free=free)
-    out = state.lay_out(entries, record=True)
-    return Plan(digest=digest, assignments=out, free_s=dict(zip(state.names, state.free, strict=True))), state
+    todo = entries if isinstance(entries, list) else list(entries)
+    return state.plan(todo, state.walk(todo)), state
 
 
 def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: float | None = None) -> float:

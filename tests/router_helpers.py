@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hypothesis import strategies as st
+
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold
 from router.estimate import Estimator, build_estimator
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
+from sim.random_fleet import FleetShape
 
 HALF_LIFE_S = 7 * 86_400.0
 NOW = 1_764_000_000_000
@@ -100,3 +103,28 @@ def view(
     queues = queues or {}
     digests = set(queues) | {d for w in workers for d in w.holds}
     return FleetView(workers=workers, backlog=queues, arrival_rate=dict.fromkeys(digests, rate))
+
+
+def fleet_shapes(max_workers: int = 40) -> st.SearchStrategy[FleetShape]:
+    """Random fleets of every kind the plan meets: one worker or many, one slot or several, models
+    loaded or not, idle or running more tasks than slots, measured or on priors (equal speeds: the
+    finishes tie), slots that slow each other down, unknown prompt sizes, output caps down to 0 or
+    many different ones."""
+    return st.builds(
+        FleetShape,
+        workers=st.integers(1, max_workers),
+        models=st.integers(1, 6),
+        backlog=st.integers(0, 120),
+        held=st.integers(1, 4),
+        loaded=st.integers(0, 4),
+        slots=st.sampled_from([(1,), (1, 2), (2, 4), (1, 1, 3)]),
+        running=st.sampled_from([0.0, 0.5, 1.0]),
+        max_running=st.integers(1, 4),
+        measured=st.sampled_from([0.0, 0.5, 1.0]),
+        sharing=st.sampled_from([0.0, 0.0, 0.5]),
+        speed_levels=st.sampled_from([0, 1, 3]),
+        unknown_prompts=st.sampled_from([0.0, 0.3]),
+        max_tokens=st.sampled_from(
+            [(None,), (None, 256, 1024), (0, 1, 50, None), (None, *range(1, 900, 61))]
+        ),
+    )

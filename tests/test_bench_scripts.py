@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,3 +19,30 @@ def test_each_benchmark_script_imports_what_it_measures_and_shows_its_options(sc
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json_line() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "scale.py"),
+            "--sizes",
+            "6x10,12x30",
+            "--models",
+            "4",
+            "--decisions",
+            "5,3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("6 workers x 4 models, backlog 10: decision p50")
+    figures = json.loads(lines[-1])
+    sizes = ("6x10", "12x30")
+    assert list(figures) == ["bench"] + [f"decision_{q}_us_{s}" for q in ("p99", "p50") for s in sizes]
+    assert figures["bench"] == "scale"
+    for s in sizes:
+        assert 0 < figures[f"decision_p50_us_{s}"] <= figures[f"decision_p99_us_{s}"]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from router.choose import ChooseParams, RouteQuery, choose_model, classify_domain, decide, rank_workers
 from router.errors import NoHolderError, NoModelError
-from tests.router_helpers import ELYZA, NOW, QWEN, estimator, snapshot, speed_row, view, worker
+from router.plan import PlanParams, plan_queue
+from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
+from tests.router_helpers import ELYZA, NOW, QWEN, estimator, fleet_shapes, snapshot, speed_row, view, worker
 
 MODELS = {"qwen3:8b": QWEN, "elyza-jp-8b": ELYZA}
 
@@ -85,3 +89,86 @@ def test_a_model_nobody_live_holds_is_a_clear_error() -> None:
         choose_model(RouteQuery(), MODELS, view([]), fleet_est(), NOW)
     with pytest.raises(NoModelError):
         decide(RouteQuery(model="llama-unknown"), MODELS, view([worker("a", {QWEN})]), fleet_est(), NOW)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16), domain=st.sampled_from(DOMAINS))
+def test_a_decision_for_a_named_model_is_the_same_from_the_pruned_walk_as_from_the_full_one(
+    shape: FleetShape, seed: int, domain: str
+) -> None:
+    snap, fleet, models = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    full = PlanParams(full_walk=True)
+    for name, digest in models.items():
+        if not fleet.holders(digest):
+            continue
+        query = RouteQuery(
+            model=name, domain=domain, prompt_tokens=seed % 3000, max_tokens=[None, 0, 300][seed % 3]
+        )
+        pruned = decide(query, models, fleet, est, NOW_MS)
+        assert pruned == decide(query, models, fleet, est, NOW_MS, plan_params=full)
+        assert (
+            pruned.ranking.plan.assignments == plan_queue(fleet, est, digest, NOW_MS, params=full).assignments
+        )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shape=fleet_shapes(),
+    seed=st.integers(0, 2**16),
+    domain=st.sampled_from(DOMAINS),
+    weights=st.sampled_from(
+        [ChooseParams(), ChooseParams(quality_weight=0.0), ChooseParams(latency_weight=0.0)]
+    ),
+)
+def test_auto_chooses_as_the_full_walk_does_and_leaves_out_only_queues_of_models_that_cannot_win(
+    shape: FleetShape, seed: int, domain: str, weights: ChooseParams
+) -> None:
+    snap, fleet, models = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    assume(any(fleet.holders(d) for d in models.values()))
+    query = RouteQuery(model="auto", domain=domain, prompt_tokens=seed % 3000)
+    pruned = decide(query, models, fleet, est, NOW_MS, params=weights)
+    full = decide(query, models, fleet, est, NOW_MS, params=weights, plan_params=PlanParams(full_walk=True))
+    assert pruned.choice is not None and full.choice is not None
+    # The answer: the model, every holder's breakdown, the plan of its queue.
+    assert (pruned.model, pruned.digest, pruned.ranking) == (full.model, full.digest, full.ranking)
+    assert [c.model for c in pruned.choice.candidates if c.rank == 1] == [
+        c.model for c in full.choice.candidates if c.rank == 1
+    ]
+    assert not any(c.bound for c in full.choice.candidates)
+    truth = {c.model: c for c in full.choice.candidates}
+    best = pruned.choice.candidates[0].utility
+    for c in pruned.choice.candidates:
+        t = truth[c.model]
+        if c.bound:
+            # What a model that cannot win shows is a bound on its true figures.
+            assert c.utility >= t.utility
+            assert c.expected_finish_s <= t.expected_finish_s
+            assert c.utility < best
+            assert c.rank > 1 and t.rank > 1
+        else:
+            assert (c.utility, c.expected_finish_s, c.best_worker) == (
+                t.utility,
+                t.expected_finish_s,
+                t.best_worker,
+            )
+
+
+def test_on_a_fleet_of_hundreds_auto_lays_out_only_the_queues_that_could_win_and_marks_the_rest() -> None:
+    snap, fleet, models = random_fleet(FleetShape(workers=200, backlog=400), seed=3)
+    est = estimator(snap, NOW_MS)
+    bounds = 0
+    for domain in DOMAINS:
+        query = RouteQuery(model="auto", domain=domain, prompt_tokens=500)
+        pruned = decide(query, models, fleet, est, NOW_MS)
+        full = decide(query, models, fleet, est, NOW_MS, plan_params=PlanParams(full_walk=True))
+        assert (pruned.model, pruned.ranking) == (full.model, full.ranking)
+        assert pruned.choice is not None
+        marked = [m for m in pruned.to_dict()["auto"]["models"] if m.get("bound")]  # type: ignore[index, union-attr]
+        assert len(marked) == sum(c.bound for c in pruned.choice.candidates)
+        bounds += len(marked)
+        # A negative latency weight makes a later finish better: no floor bounds the utility then.
+        upside = decide(query, models, fleet, est, NOW_MS, params=ChooseParams(latency_weight=-1.0))
+        assert upside.choice is not None and not any(c.bound for c in upside.choice.candidates)
+    assert bounds > 0

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from router.gate import GateParams, should_take
-from tests.router_helpers import NOW, QWEN, backlog, busy, estimator, snapshot, speed_row, view, worker
+from router.plan import PlanParams
+from sim.random_fleet import NOW_MS, FleetShape, random_fleet
+from tests.router_helpers import (
+    NOW,
+    QWEN,
+    backlog,
+    busy,
+    estimator,
+    fleet_shapes,
+    snapshot,
+    speed_row,
+    view,
+    worker,
+)
 
 PLAN_ONLY = GateParams(rule="plan")
 
@@ -88,3 +104,29 @@ def test_a_worker_with_more_slots_counts_the_arrivals_until_its_next_free_slot()
     assert abs(share(1, 0) - weight) < 1e-9
     assert abs(share(2, 0) - weight / 1.5) < 1e-9
     assert abs(share(2, 1) - weight / 2.0) < 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16), rule=st.sampled_from(["plan", "arrivals"]))
+def test_every_worker_gets_the_same_answer_from_the_pruned_walk_as_from_the_full_one(
+    shape: FleetShape, seed: int, rule: str
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    pruned = GateParams(rule=rule)
+    full = GateParams(rule=rule, plan=PlanParams(full_walk=True))
+    for w in fleet.workers:
+        assert should_take(w.name, fleet, est, NOW_MS, pruned) == should_take(
+            w.name, fleet, est, NOW_MS, full
+        )
+
+
+def test_on_a_fleet_of_hundreds_each_worker_with_a_free_slot_decides_as_the_full_walk_would() -> None:
+    snap, fleet, _ = random_fleet(FleetShape(workers=200, backlog=400), seed=5)
+    est = estimator(snap, NOW_MS)
+    full = GateParams(plan=PlanParams(full_walk=True))
+    answers = [should_take(w.name, fleet, est, NOW_MS) for w in fleet.workers]
+    assert answers == [should_take(w.name, fleet, est, NOW_MS, full) for w in fleet.workers]
+    # Both answers occur, and some take only after a walk down the queue.
+    assert {a.take for a in answers} == {True, False}
+    assert any(a.numbers.get("position", 1.0) > 1.0 for a in answers)

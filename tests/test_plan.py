@@ -1,13 +1,42 @@
-"""The dispatch plan: service terms, slot free times, and a burst assigned near the optimum."""
+"""The dispatch plan: service terms, slot free times, a burst assigned near the optimum, and the
+pruned walk that places every task exactly where the full walk does."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
 
-from router.plan import plan_queue, service, slot_free_times
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import router.plan as plan_module
+from router.plan import (
+    PRUNE_MIN_HOLDERS,
+    PRUNE_MIN_TASKS,
+    BacklogEntry,
+    PlanParams,
+    PlanState,
+    holders_by_digest,
+    plan_queue,
+    service,
+    service_floor,
+    slot_free_times,
+)
 from sim.fleetspec import load_fleet
+from sim.random_fleet import NOW_MS, FleetShape, random_fleet
 from sim.scheduling.bounds import burst_optimum
-from tests.router_helpers import NOW, QWEN, backlog, busy, estimator, snapshot, speed_row, view, worker
+from tests.router_helpers import (
+    NOW,
+    QWEN,
+    backlog,
+    busy,
+    estimator,
+    fleet_shapes,
+    snapshot,
+    speed_row,
+    view,
+    worker,
+)
 
 SEED_QWEN = {"macbookair": (11.4, 120.0, 8.0), "rtx3070ti": (83.0, 2000.0, 3.0)}
 
@@ -66,3 +95,119 @@ def test_the_plan_gives_the_slow_worker_a_task_only_when_the_fast_one_would_fini
     before = plan.assignments[: plan.assignments.index(first_mac)]
     assert all(a.worker == "rtx3070ti" for a in before)
     assert len(before) >= 5
+
+
+def _walks(shape: FleetShape, seed: int) -> Iterator[tuple[list[BacklogEntry], PlanState, PlanState]]:
+    """Every model's queue of a random fleet, with a pruned and a full plan state of its holders."""
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    for digest, holders in holders_by_digest(fleet).items():
+        queue = fleet.backlog.get(digest, [])
+        pruned = PlanState(holders, est, digest, NOW_MS, PlanParams())
+        full = PlanState(holders, est, digest, NOW_MS, PlanParams(full_walk=True))
+        yield queue, pruned, full
+
+
+def _same_walk(queue: list[BacklogEntry], pruned: PlanState, full: PlanState) -> None:
+    assert pruned.walk(queue) == full.walk(queue)
+    # Not only the assignments: the slots' state a new task is ranked on afterwards.
+    assert pruned.free == full.free
+    assert pruned.head == full.head
+    assert pruned.load_left == full.load_left
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16))
+def test_the_pruned_walk_places_every_task_on_the_holder_and_at_the_times_the_full_walk_does(
+    shape: FleetShape, seed: int
+) -> None:
+    for queue, pruned, full in _walks(shape, seed):
+        _same_walk(queue, pruned, full)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=fleet_shapes(max_workers=8), seed=st.integers(0, 2**16))
+def test_the_pruned_walk_is_the_full_walk_on_the_smallest_fleets_and_queues_too(
+    shape: FleetShape, seed: int
+) -> None:
+    # Below these sizes the plan walks in full because that is cheaper; pruning must hold there too.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_module, "PRUNE_MIN_TASKS", 1)
+        mp.setattr(plan_module, "PRUNE_MIN_HOLDERS", 1)
+        for queue, pruned, full in _walks(shape, seed):
+            _same_walk(queue, pruned, full)
+
+
+def test_on_a_fleet_of_hundreds_the_pruned_walk_equals_the_full_walk_for_every_queue() -> None:
+    for seed in (1, 2, 3):
+        walked = 0
+        for queue, pruned, full in _walks(FleetShape(workers=200, backlog=400), seed):
+            _same_walk(queue, pruned, full)
+            if len(queue) >= PRUNE_MIN_TASKS and len(full.head) >= PRUNE_MIN_HOLDERS:
+                walked += len(queue)
+        # Most of the backlog sits in queues long enough, with holders enough, to take the pruned walk.
+        assert walked >= 300
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16))
+def test_the_walk_for_a_holder_stops_at_the_first_task_the_full_walk_gives_it(
+    shape: FleetShape, seed: int
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    for digest, holders in holders_by_digest(fleet).items():
+        queue = fleet.backlog.get(digest, [])
+        steps = PlanState(holders, est, digest, NOW_MS, PlanParams(full_walk=True)).walk(queue)
+        for i in range(len(holders)):
+            first = next(((pos, f) for pos, (j, _, f) in enumerate(steps) if j == i), None)
+            state = PlanState(holders, est, digest, NOW_MS, PlanParams())
+            assert state.first_given(i, queue) == first
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=fleet_shapes(),
+    seed=st.integers(0, 2**16),
+    prompt=st.integers(0, 4000),
+    out=st.sampled_from([0.0, 1.0, 256.0, 900.0]),
+)
+def test_no_holder_finishes_a_new_task_before_the_floors_however_the_backlog_is_laid_out(
+    shape: FleetShape, seed: int, prompt: int, out: float
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    default = PlanParams().default_prompt_tokens
+    for digest, holders in holders_by_digest(fleet).items():
+        queue = fleet.backlog.get(digest, [])
+        state = PlanState(holders, est, digest, NOW_MS, PlanParams(full_walk=True))
+        floor = state.finish_floor(prompt, out, queue)
+        least = service_floor(est, holders, digest, prompt, out, queue, default)
+        now = min(state.finishes(prompt, out))
+        state.walk(queue)
+        finish = min(state.finishes(prompt, out))
+        if state.shared:
+            assert floor is None and least is None
+            continue
+        assert floor is not None
+        assert floor[1] <= finish
+        # The cheaper floor holds no matter how many slots, so any sign of sharing rules it out.
+        assert least is not None or shape.sharing > 0.0
+        if least is not None:
+            assert least[1] <= floor[1]
+        if all(len(slots) == 1 for slots in state.free):
+            # One slot each: the floor is the finish were the new task queued now.
+            assert floor[1] == now
+
+
+def test_a_malformed_task_gives_no_floor_and_no_slot_free_before_now() -> None:
+    est = estimator(seed_snapshot())
+    w = worker("rtx3070ti", {QWEN}, slots=2)
+    busy(w, QWEN, started_s_ago=3.0, expected_s=-10.0)
+    assert slot_free_times(w, est, NOW) == [0.0, 0.0]
+    queue = backlog(QWEN, 3, max_tokens=-5)
+    state = PlanState([w], est, QWEN, NOW, PlanParams())
+    assert state.finish_floor(64, 600.0, queue) is None
+    assert service_floor(est, [w], QWEN, 64, 600.0, queue, 64) is None
+    assert state.finish_floor(64, 600.0, backlog(QWEN, 3)) is not None
+    assert service_floor(est, [w], QWEN, 64, 600.0, backlog(QWEN, 3), 64) is not None

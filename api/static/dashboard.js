@@ -305,8 +305,9 @@ function autoTable(models) {
     h("table", {},
       h("thead", {}, h("tr", {}, h("th", {}, "model"), h("th", { class: "num" }, "rank"), h("th", { class: "num" }, "utility"), h("th", { class: "num" }, "expected finish s"), h("th", {}, "best worker"), h("th", {}, "quality (source)"))),
       h("tbody", {}, models.map((m) =>
-        h("tr", {}, h("td", {}, m.model), h("td", { class: "num" }, m.rank), h("td", { class: "num" }, num(m.utility, 3)),
-          h("td", { class: "num" }, num(m.expected_finish_s, 2)), h("td", {}, m.best_worker),
+        // A bound model could not win and its queue was not laid out: at most this utility, at least this finish.
+        h("tr", {}, h("td", {}, m.model), h("td", { class: "num" }, m.rank), h("td", { class: "num" }, (m.bound ? "≤ " : "") + num(m.utility, 3)),
+          h("td", { class: "num" }, (m.bound ? "≥ " : "") + num(m.expected_finish_s, 2)), h("td", {}, m.best_worker),
           h("td", {}, `${num(m.quality?.value, 2)} (${m.quality?.source ?? "?"})`)),
       )),
     ),
