@@ -1,38 +1,66 @@
-"""Routing decision time as the fleet and its backlog grow: 50 workers x backlog 100, 500 x 1,000.
+"""What dispatch costs as the fleet grows: routing decision time at 50 workers x backlog 100 and
+500 x 1,000, and the Redis commands an idle worker costs at 10 and 200 workers.
 
-    python bench/scale.py [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300] [--json]
+    python bench/scale.py [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300]
+                          [--idle 10,200] [--idle-seconds 20] [--result-keys 27000] [--json]
 
 A decision is what bench/router.py times: a request with model=auto (every model's holders ranked
 on the plan of its queue, each model's utility scored) plus one worker's gate check, on a random
 fleet of sim/random_fleet.py (`--models` models, each worker serving 6; the backlog favours a
 popular model) with the snapshot's estimates already cached. `--decisions` gives how many are
-timed at each size, after a few untimed ones. Each measurement is one function that returns its
-figures; `main` puts them together. The last line is JSON:
+timed at each size, after a few untimed ones.
 
-    {"bench": "scale", "decision_p99_us_50x100": ..., "decision_p99_us_500x1000": ...,
-     "decision_p50_us_50x100": ..., "decision_p50_us_500x1000": ...}
+An idle worker is a real WorkerAgent (router gate, default intervals, benchmarks off) with a client
+of its own, beside a zero-delay sim host, on an embedded Redis holding `--result-keys` result keys
+of finished tasks (a day's worth: nothing it does may depend on the keyspace's size). Every command
+Redis runs is counted (INFO commandstats, so each command a script runs counts too) over
+`--idle-seconds`, after the workers are up, and divided by workers and seconds.
+
+Each measurement is one function that returns its figures; `main` puts them together. The last
+line is JSON:
+
+    {"bench": "scale", "idle_worker_redis_cmds_per_s": ..., "decision_p99_us_50x100": ...,
+     "decision_p99_us_500x1000": ..., "decision_p50_us_50x100": ..., "decision_p50_us_500x1000": ...,
+     "idle_worker_redis_cmds_per_s_10": ..., "idle_worker_scripts_per_s_10": ..., ...}
+
+`idle_worker_redis_cmds_per_s` is the largest of the per-size figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # The project this script sits in, ahead of any installed copy: a copy of the script in an older
 # checkout times that checkout's router.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import redis.asyncio as aioredis
+
+from events.connection import redis_client
+from events.keys import Keys
+from routeledger.embedded import EmbeddedRedis
 from router.choose import RouteQuery, decide
 from router.estimate import Estimator, build_estimator
 from router.gate import should_take
 from router.plan import FleetView
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import parse_fleet
 from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
+from workers.admission import RouterGate
+from workers.agent import WorkerAgent
+from workers.backend import OllamaBackend
+from workers.config import WorkerConfig
 
 WARMUP = 5
 
@@ -85,6 +113,82 @@ def measure_decisions(sizes: list[tuple[int, int]], models: int, decisions: list
     return {**p99s, **p50s}
 
 
+_FLEET = """
+name = "idle"
+[model."m"]
+digest = "5555555555555555555555555555555555555555555555555555555555555555"
+[[worker]]
+name = "host"
+[worker.models."m"]
+decode_tps = 50.0
+"""
+
+
+async def _commandstats(redis: aioredis.Redis) -> dict[str, int]:
+    stats: Any = await redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+async def idle_worker_cost(url: str, workers: int, seconds: float, result_keys: int) -> dict[str, float]:
+    """Redis commands (and scripts) per second per idle worker, `workers` of them (see above)."""
+    admin = aioredis.Redis.from_url(url)
+    keys = Keys()
+    pipe = admin.pipeline(transaction=False)
+    for i in range(result_keys):
+        pipe.hset(keys.result(f"done{i}"), mapping={"status": "completed", "result": b"x" * 64})
+        pipe.pexpire(keys.result(f"done{i}"), 86_400_000)
+    await pipe.execute()
+    clients = [redis_client(url) for _ in range(workers)]
+    async with SimHosts(parse_fleet(_FLEET, "idle.toml"), time_scale=0.0, seed=1) as hosts:
+        backends = [OllamaBackend(hosts.url("host"), timeout_s=10.0) for _ in range(workers)]
+        agents = [
+            WorkerAgent(c, keys, b, WorkerConfig(name=f"w{i}", auto_bench=False), gate=RouterGate(c, keys))
+            for i, (c, b) in enumerate(zip(clients, backends, strict=True))
+        ]
+        runs = [asyncio.create_task(a.run()) for a in agents]
+        try:
+            await asyncio.sleep(6.0)  # every worker online, past its first beats and looks
+            before = await _commandstats(admin)
+            t0 = time.perf_counter()
+            await asyncio.sleep(seconds)
+            after = await _commandstats(admin)
+            elapsed = time.perf_counter() - t0
+        finally:
+            for a in agents:
+                a.stopping.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 60)
+            for b in backends:
+                await b.aclose()
+            for c in clients:
+                await c.aclose()
+    await admin.aclose()
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    delta["info"] = delta.get("info", 1) - 1  # the INFO that read `after`
+    per = workers * elapsed
+    return {
+        "cmds": sum(delta.values()) / per,
+        "scripts": (delta.get("evalsha", 0) + delta.get("eval", 0)) / per,
+    }
+
+
+def measure_idle(sizes: list[int], seconds: float, result_keys: int) -> dict[str, float]:
+    """`idle_worker_redis_cmds_per_s_{n}` and `idle_worker_scripts_per_s_{n}` for each n workers,
+    each on a fresh embedded Redis."""
+    out: dict[str, float] = {}
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="rl-scale-") as tmp:
+            server = EmbeddedRedis(Path(tmp) / "redis")
+            server.start()
+            try:
+                cost = asyncio.run(idle_worker_cost(server.url, n, seconds, result_keys))
+            finally:
+                server.stop()
+        out[f"idle_worker_redis_cmds_per_s_{n}"] = round(cost["cmds"], 2)
+        out[f"idle_worker_scripts_per_s_{n}"] = round(cost["scripts"], 2)
+    return out
+
+
 def _sizes(text: str) -> list[tuple[int, int]]:
     out = []
     for part in text.split(","):
@@ -103,6 +207,14 @@ def main() -> None:
         default=[2000, 300],
         help="decisions timed at each size, in the order of --sizes",
     )
+    ap.add_argument(
+        "--idle",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[10, 200],
+        help="idle workers, ...",
+    )
+    ap.add_argument("--idle-seconds", type=float, default=20.0)
+    ap.add_argument("--result-keys", type=int, default=27_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if len(args.decisions) != len(args.sizes):
@@ -116,7 +228,22 @@ def main() -> None:
                 f"{workers} workers x {args.models} models, backlog {backlog}:"
                 f" decision p50 {p50:,.0f} us, p99 {p99:,.0f} us ({count} decisions)"
             )
-    figures: dict[str, object] = {"bench": "scale", **decisions}
+    idle = measure_idle(args.idle, args.idle_seconds, args.result_keys)
+    if not args.json:
+        for n in args.idle:
+            cmds, scripts = idle[f"idle_worker_redis_cmds_per_s_{n}"], idle[f"idle_worker_scripts_per_s_{n}"]
+            print(
+                f"{n} idle workers: {cmds:.2f} Redis commands/s per worker"
+                f" ({scripts:.2f} of them script calls; every command a"
+                f" script runs counted), {args.result_keys:,} result keys in Redis"
+            )
+    worst = max((v for k, v in idle.items() if k.startswith("idle_worker_redis_cmds")), default=None)
+    figures: dict[str, object] = {
+        "bench": "scale",
+        "idle_worker_redis_cmds_per_s": worst,
+        **decisions,
+        **idle,
+    }
     print(json.dumps(figures))
 
 

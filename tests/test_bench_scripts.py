@@ -32,17 +32,28 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
             "4",
             "--decisions",
             "5,3",
+            "--idle",
+            "2",
+            "--idle-seconds",
+            "2",
+            "--result-keys",
+            "100",
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("6 workers x 4 models, backlog 10: decision p50")
     figures = json.loads(lines[-1])
     sizes = ("6x10", "12x30")
-    assert list(figures) == ["bench"] + [f"decision_{q}_us_{s}" for q in ("p99", "p50") for s in sizes]
+    decision_keys = [f"decision_{q}_us_{s}" for q in ("p99", "p50") for s in sizes]
+    idle_keys = ["idle_worker_redis_cmds_per_s_2", "idle_worker_scripts_per_s_2"]
+    assert list(figures) == ["bench", "idle_worker_redis_cmds_per_s", *decision_keys, *idle_keys]
     assert figures["bench"] == "scale"
+    # Two idle workers renew their leases and look at their queues: a few commands a second each.
+    assert 0 < figures["idle_worker_scripts_per_s_2"] <= figures["idle_worker_redis_cmds_per_s_2"]
+    assert figures["idle_worker_redis_cmds_per_s"] == figures["idle_worker_redis_cmds_per_s_2"]
     for s in sizes:
         assert 0 < figures[f"decision_p50_us_{s}"] <= figures[f"decision_p99_us_{s}"]
