@@ -18,7 +18,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import F_ID, F_TASK, decode_task
+from dispatch.payload import F_ID, F_TASK
 from dispatch.serving import served, served_models
 from events.codec import as_str
 from events.event import now_ms
@@ -230,6 +230,20 @@ class LiveView:
         return fleet_view(live, backlog, snap, now), est, now, live
 
 
+class _TaskSize(msgspec.Struct, kw_only=True):
+    """What the plan reads of a queued task (dispatch.payload.TaskMessage, its prompt skipped)."""
+
+    task_id: str
+    domain: str = "general"
+    prompt_tokens: int | None = None
+    max_tokens: int | None = None
+
+
+# The plan reads up to BACKLOG_DEPTH tasks per decision: decoding only these fields skips building
+# every message of every queued prompt.
+_size_decoder = msgspec.msgpack.Decoder(_TaskSize)
+
+
 def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
     out: list[BacklogEntry] = []
     for raw_id, flat in rows:
@@ -237,7 +251,7 @@ def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
         entry_id = as_str(raw_id)
         enqueued = int(entry_id.split("-")[0])
         try:
-            task = decode_task(fields[F_TASK])
+            task = _size_decoder.decode(fields[F_TASK])
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError):
             # A malformed entry stays in the backlog, as a small task: it is the head a worker must
             # take (and dead-letter), or no worker could ever take what lies behind it.
