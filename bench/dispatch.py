@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis.asyncio as aioredis
 
 # This script is named like the package it measures: without its own folder on the path, `import
@@ -170,6 +171,16 @@ def main() -> None:
                 argv = [sys.executable, "-m", "cProfile", "-o", str(prof), *argv[1:]]
             procs.append(subprocess.Popen(argv, env=env))
 
+        watched = {
+            "workers": [psutil.Process(p.pid) for p in procs[1:]],
+            "redis": [psutil.Process(server.process.pid)],
+        }  # type: ignore[union-attr]
+
+        def cpu_s() -> dict[str, float]:
+            return {k: sum(sum(p.cpu_times()[:2]) for p in ps) for k, ps in watched.items()}
+
+        cpu: dict[str, float] = {}
+
         async def run() -> tuple[float, list[float]]:
             client = aioredis.Redis.from_url(url)
             keys = Keys()
@@ -181,7 +192,10 @@ def main() -> None:
                 # Latency first: right after thousands of tasks Redis rewrites its AOF in the
                 # background, which adds over 10 ms to every task for a while.
                 lat = await first_chunk_latency(queues, args.latency_samples)
+                before = cpu_s()
                 tps = await throughput(queues, ledger, args.tasks)
+                after = cpu_s()
+                cpu.update({k: (after[k] - before[k]) * 1000 / args.tasks for k in after})
                 return tps, lat
             finally:
                 await client.aclose()
@@ -205,15 +219,26 @@ def main() -> None:
         )
         print(f"throughput: {tps:,.0f} tasks/s over {args.tasks} tasks (goal 300)")
         print(f"submit -> first chunk: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} tasks (goal p50 5)")
+        print(
+            f"CPU per task during the throughput run: workers {cpu['workers']:.2f} ms (all of them),"
+            f" Redis {cpu['redis']:.2f} ms"
+        )
         if args.profile and prof.exists():
             print("\nworker w0 profile, top functions by own time:")
-            pstats.Stats(str(prof)).sort_stats("tottime").print_stats(18)
+            pstats.Stats(str(prof)).sort_stats("tottime").print_stats(40)
+            # routeledger's own code by time spent inside (start-up imports fall outside it).
+            print("\nworker w0 profile, routeledger's functions by cumulative time:")
+            pstats.Stats(str(prof)).sort_stats("cumulative").print_stats(
+                r"/(workers|dispatch|events|router)/", 25
+            )
     tmp.cleanup()
     line = {
         "bench": "dispatch",
         "tasks_per_s": round(tps, 1),
         "first_chunk_p50_ms": round(p50, 2),
         "first_chunk_p99_ms": round(p99, 2),
+        "worker_cpu_ms_per_task": round(cpu["workers"], 2),
+        "redis_cpu_ms_per_task": round(cpu["redis"], 2),
     }
     print(json.dumps(line))
 

@@ -111,8 +111,12 @@ return held
 
 # Take exactly one entry for a consumer: the oldest re-queued one, else the head of what nobody has
 # read, and only when it is the entry the caller's gate decided on (ARGV[3]; '' takes the head,
-# whatever it is). A queue or group that a restart of Redis lost is made again.
-# KEYS[1] queue; ARGV group, consumer, expected entry id, the REQUEUED consumer's name.
+# whatever it is), or an equivalent: when the plan gave the caller task #k (ARGV[5] = k - 1, the
+# slack) and at most k - 1 entries from the expected one on were taken by others meanwhile, the
+# caller's place in that plan still stands, and the head now is what it takes (the tasks of one
+# queue are alike to the plan but for their order). A queue or group that a restart of Redis lost is
+# made again.
+# KEYS[1] queue; ARGV group, consumer, expected entry id, the REQUEUED consumer's name, slack.
 # Returns {entry id, attempt, fields, cursor}: entry id '' when nothing was taken, with the id of the
 # queue's last entry as `cursor` (XREAD from it wakes on the next new one); attempt -1 when the
 # taken entry had been deleted meanwhile (look again at once).
@@ -149,7 +153,20 @@ if ARGV[3] ~= '' then
     if name == ARGV[1] and delivered ~= nil then last = delivered end
   end
   local head = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
-  if #head == 0 or head[1][1] ~= ARGV[3] then return {'', 0, {}, cursor()} end
+  if #head == 0 then return {'', 0, {}, cursor()} end
+  if head[1][1] ~= ARGV[3] then
+    local slack = tonumber(ARGV[5] or '0')
+    local function key(id)
+      local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+      return tonumber(ms), tonumber(seq)
+    end
+    local ems, eseq = key(ARGV[3])
+    local lms, lseq = key(last)
+    local delivered = ems ~= nil and lms ~= nil and (ems < lms or (ems == lms and eseq <= lseq))
+    if slack < 1 or not delivered then return {'', 0, {}, cursor()} end
+    local taken = redis.call('XRANGE', KEYS[1], ARGV[3], last, 'COUNT', slack + 1)
+    if #taken > slack then return {'', 0, {}, cursor()} end
+  end
 end
 local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
 if not got then return {'', 0, {}, cursor()} end
@@ -434,11 +451,12 @@ class TaskQueues:
         reply: Any = await self._keep(keys=[queue], args=[WORKERS_GROUP, consumer, *entry_ids])
         return [as_str(i) for i in reply]
 
-    async def take(self, queue: str, consumer: str, expected: str = "") -> Taken:
+    async def take(self, queue: str, consumer: str, expected: str = "", slack: int = 0) -> Taken:
         """Take one entry of `queue` for `consumer`: the oldest re-queued one, else the head nobody
-        has read, and only if it is `expected` (when given); see _TAKE."""
+        has read, and only if it is `expected` (when given) or, with `slack` k - 1 for a caller the
+        plan gave task #k, if at most that many were taken by others since; see _TAKE."""
         reply: Any = await self._take(
-            keys=[queue], args=[WORKERS_GROUP, consumer, expected, REQUEUED_CONSUMER]
+            keys=[queue], args=[WORKERS_GROUP, consumer, expected, REQUEUED_CONSUMER, str(slack)]
         )
         entry_id, attempt, flat, cursor = reply
         if int(attempt) < 0:

@@ -201,16 +201,14 @@ class LiveView:
         return (await self.backlogs_and_cursors(digests))[0]
 
     async def backlogs_and_cursors(
-        self, digests: Iterable[str]
+        self, digests: Iterable[str], depth: int = BACKLOG_DEPTH
     ) -> tuple[dict[str, list[BacklogEntry]], dict[str, str]]:
-        """Each model's waiting queue entries, head first, and each queue's cursor (the id of its last
-        entry: an XREAD from it wakes on the next new one), keyed by queue name."""
+        """Each model's waiting queue entries (at most `depth`), head first, and each queue's cursor
+        (the id of its last entry: an XREAD from it wakes on the next new one), keyed by queue name."""
         wanted = sorted(set(digests))
         replies: list[Any] = await asyncio.gather(
             *(
-                self._backlog(
-                    keys=[self.keys.queue(d)], args=[WORKERS_GROUP, BACKLOG_DEPTH, REQUEUED_CONSUMER]
-                )
+                self._backlog(keys=[self.keys.queue(d)], args=[WORKERS_GROUP, depth, REQUEUED_CONSUMER])
                 for d in wanted
             )
         )

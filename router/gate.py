@@ -86,9 +86,27 @@ def should_take(
     state = PlanState(holders, est, digest, now_ms, p.plan)
     mine = state.names.index(worker)
     my_first = state.best_on(mine, queue[0])
-    # Guard: another holder free right now that finishes the head sooner takes it, whatever comes.
+    # Guard: another holder free right now that finishes the head sooner takes it, whatever comes;
+    # unless the plan of what is queued now gives me a task too. Workers ask at once, not in turn:
+    # a free worker that the plan of a long backlog gives task #2 takes the head beside the one
+    # that gets #1, instead of waiting until that one is full (the tasks are alike: one queue).
     i0, start0, _ = state.best(queue[0])
     if i0 != mine and start0 <= 0.0:
+        beside = state.first_given(mine, queue)
+        if beside is not None:
+            pos, finish = beside
+            return GateDecision(
+                take=True,
+                worker=worker,
+                digest=digest,
+                task_id=queue[0].task_id,
+                entry_id=queue[0].entry_id,
+                reason=(
+                    f"the plan gives me task #{pos + 1} of {len(queue)} queued"
+                    f" ({state.names[i0]}, free too, gets the first)"
+                ),
+                numbers={"position": float(pos + 1), "backlog": float(len(queue)), "my_finish_s": finish},
+            )
         return GateDecision(
             take=False,
             worker=worker,

@@ -171,3 +171,20 @@ async def test_a_genuine_completion_replaces_a_dead_letter_but_nothing_else(
     )
     assert await redis_client.hget(keys.result("t1"), "status") == b"completed"
     assert not await redis_client.exists(keys.result("t2"))
+
+
+async def test_a_worker_the_plan_gave_task_k_takes_the_head_if_at_most_k_minus_1_went_to_others(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    queue = keys.queue(DIGEST)
+    first, second, third, _ = [await _submit(queues, n) for n in range(4)]
+    # w2 decided on the head `first` with the plan giving it task #2; w1 took `first` meanwhile.
+    assert (await queues.take(queue, "w1")).entry_id == first
+    assert (await queues.take(queue, "w2", expected=first, slack=0)).entry_id == ""
+    assert (await queues.take(queue, "w2", expected=first, slack=1)).entry_id == second
+    # Given task #2 when `second` was the head, but two were taken since: its place is gone.
+    assert (await queues.take(queue, "w1")).entry_id == third
+    assert (await queues.take(queue, "w3", expected=second, slack=1)).entry_id == ""
+    # A decision about an entry behind the head is never taken for the head.
+    assert (await queues.take(queue, "w3", expected="9999999999999-0", slack=3)).entry_id == ""

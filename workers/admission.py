@@ -20,12 +20,15 @@ from dispatch.view import LiveView, fleet_view
 from events.event import now_ms
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, should_take
+from router.plan import BacklogEntry
 
 if TYPE_CHECKING:
     from workers.agent import WorkerAgent
 
 log = logging.getLogger("routeledger.gate")
 
+# How many queued tasks per model the gate reads first (BACKLOG_DEPTH when that is not enough).
+FIRST_LOOK = 16
 # How long the gate reuses the leases it read. Short: a held-back worker is woken by another's
 # claim and must see that worker busy (its lease is written just before the claim is appended).
 LEASES_EVERY_S = 0.04
@@ -38,6 +41,8 @@ class Admission(msgspec.Struct, kw_only=True):
     queue: str | None = None
     # The entry decided on ('' = the head, whatever it is).
     entry_id: str = ""
+    # The plan gave the worker task #k of the queue: k - 1 others may take theirs first (TaskQueues.take).
+    slack: int = 0
     # Work waits that the gate leaves to others for now (the worker asks again when things change).
     held_back: bool = False
     # Each queue looked at -> the id of its last entry (an XREAD from it wakes on the next new one).
@@ -81,10 +86,23 @@ class RouterGate:
         self.last: GateDecision | None = None
 
     async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
-        backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues))
+        digests = _digests(agent, self.keys, queues)
+        # A short look first: under a long backlog the plan gives a worker a task within the first
+        # few, and reading (and decoding) 64 queued tasks per take is most of a take's cost. Only a
+        # "leave" on a look that was cut short is decided again on the whole depth.
+        backlog, cursors = await self.view.backlogs_and_cursors(digests, FIRST_LOOK)
         if not any(backlog.values()):
             # Nothing waits: no lease or statistics read at all (an idle worker costs Redis little).
             return Admission(cursors=cursors)
+        admission = await self._decide(agent, backlog, cursors)
+        if admission.queue is None and any(len(q) >= FIRST_LOOK for q in backlog.values()):
+            backlog, cursors = await self.view.backlogs_and_cursors(digests)
+            admission = await self._decide(agent, backlog, cursors)
+        return admission
+
+    async def _decide(
+        self, agent: WorkerAgent, backlog: dict[str, list[BacklogEntry]], cursors: dict[str, str]
+    ) -> Admission:
         snap, est = await self.view.estimates()
         # The cached leases, with this worker's own as it is now (it knows what it runs).
         leases = {**await self.view.leases(), agent.name: agent.lease_info()}
@@ -96,4 +114,11 @@ class RouterGate:
                 log.debug("leaving %s: %s", decision.task_id, decision.reason)
             return Admission(held_back=decision.task_id is not None, cursors=cursors)
         log.debug("taking %s: %s", decision.task_id, decision.reason)
-        return Admission(queue=self.keys.queue(decision.digest), entry_id=decision.entry_id, cursors=cursors)
+        position = int(decision.numbers.get("position", 1.0))
+        queued = len(backlog.get(decision.digest, ()))
+        return Admission(
+            queue=self.keys.queue(decision.digest),
+            entry_id=decision.entry_id,
+            slack=max(0, min(position, queued) - 1),
+            cursors=cursors,
+        )

@@ -405,7 +405,7 @@ class WorkerAgent:
         cursors.update(admission.cursors)
         if admission.queue is None:
             return Wait(cursors=cursors, held_back=admission.held_back)
-        taken = await self.queues.take(admission.queue, self.name, admission.entry_id)
+        taken = await self.queues.take(admission.queue, self.name, admission.entry_id, admission.slack)
         if taken.entry_id:
             self._missed = 0
             self._start(admission.queue, taken)
@@ -413,6 +413,12 @@ class WorkerAgent:
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
         # decision was about a task that is not there; ask again, pausing a little if it repeats.
         self._missed += 1
+        log.debug(
+            "the head of %s moved before %s could take it (%d in a row)",
+            admission.queue,
+            self.name,
+            self._missed,
+        )
         if self._missed > _MISSES_BEFORE_PAUSE:
             # Many in a row: others win every race for the head; let them, briefly.
             await asyncio.sleep(min(0.05, 0.001 * self._missed))
