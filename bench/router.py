@@ -25,21 +25,20 @@ from pathlib import Path
 # router` finds the package and not this file.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
+from projections.snapshot import DEFAULT_HALF_LIFE_S, LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
 from router.choose import RouteQuery, decide  # noqa: E402
 from router.estimate import build_estimator  # noqa: E402
 from router.gate import should_take  # noqa: E402
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView  # noqa: E402
 
 NOW = 1_764_000_000_000
-HALF_LIFE_S = 7 * 86_400.0
 DOMAINS = ("general", "code", "japanese")
 
 
 def _stat(rng: random.Random, mean: float, n: int) -> Stat:
     s = Stat()
     for i in range(n):
-        s = fold(s, mean * rng.uniform(0.9, 1.1), NOW - i * 600_000, HALF_LIFE_S)
+        s = fold(s, mean * rng.uniform(0.9, 1.1), NOW - i * 600_000, DEFAULT_HALF_LIFE_S)
     return s
 
 
@@ -49,7 +48,7 @@ def build(
     rng = random.Random(seed)
     digests = {f"model-{m}": f"{m:064x}" for m in range(models)}
     names = list(digests)
-    snap = Snapshot(half_life_s=HALF_LIFE_S, taken_at=NOW)
+    snap = Snapshot(half_life_s=DEFAULT_HALF_LIFE_S, taken_at=NOW)
     cost = {d: rng.uniform(0.3, 2.0) for d in digests.values()}
     fleet = FleetView()
     for w in range(workers):
