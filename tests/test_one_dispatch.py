@@ -48,9 +48,9 @@ OUTPUT_TOKENS = 20
 # Per task: 20 tokens at 5 tok/s = 4 s on each server slot, at 25 tok/s = 0.8 s on the PC. The
 # server's four slots do not slow each other (parallel_exponent 1), so the fleet serves 1 + 1.25
 # tasks/s; at load 0.75 (1.7 tasks/s) the PC alone cannot keep up and the server must help. The
-# real path costs each task some 15-30 ms the simulator does not count (claim, backend call,
-# completion); tasks of under a second make that a few per cent of the PC's speed, and the PC's
-# share follows its speed closely: at 0.4 s per task it moved the shares by 3-8 points.
+# real path costs each task 25-40 ms the simulator does not count (claim, backend call,
+# completion, the next decision); at 0.8 s per task that is a few per cent of the PC's speed. The
+# PC's share follows its speed closely: at 0.4 s per task it moved the shares by 3-8 points.
 FLEET = f"""
 name = "server-and-pc"
 [model."m"]
