@@ -33,7 +33,7 @@ from dispatch.submit import routed_event  # noqa: E402
 from events.event import Event, ModelEntry, TaskClaimed, TaskCompleted, TaskSubmitted, Timings  # noqa: E402
 from events.keys import Keys  # noqa: E402
 from events.ledger import Ledger  # noqa: E402
-from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
+from projections.snapshot import DEFAULT_HALF_LIFE_S, LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
 from routeledger.embedded import EmbeddedRedis  # noqa: E402
 from router.choose import Decision, RouteQuery, decide  # noqa: E402
 from router.estimate import build_estimator  # noqa: E402
@@ -42,7 +42,6 @@ from workers.config import WorkerConfig  # noqa: E402
 from workers.liveness import Liveness  # noqa: E402
 
 NOW = 1_764_000_000_000
-HALF_LIFE_S = 7 * 86_400.0
 DAY_MS = 86_400_000
 QWEN = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"
 ELYZA = "3c1d4b0f6e7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9e0f1a2b3c"
@@ -52,7 +51,7 @@ HOLDER_NAMES = ["rtx3070ti", "macbookair", "homeserver", "minipc", "studio", "na
 def _stat(values: list[float]) -> Stat:
     s = Stat()
     for x in values:
-        s = fold(s, x, NOW - 3_600_000, HALF_LIFE_S)
+        s = fold(s, x, NOW - 3_600_000, DEFAULT_HALF_LIFE_S)
     return s
 
 
@@ -63,7 +62,7 @@ def holders(count: int) -> list[str]:
 def a_decision(count: int, backlog: int = 2) -> Decision:
     """A decision over `count` holders of qwen3:8b with measured speeds and a short backlog."""
     names = holders(count)
-    snap = Snapshot(half_life_s=HALF_LIFE_S, taken_at=NOW)
+    snap = Snapshot(half_life_s=DEFAULT_HALF_LIFE_S, taken_at=NOW)
     for i, name in enumerate(names):
         if i % 3 == 2:
             continue  # a holder never measured: its fields come from priors

@@ -13,6 +13,7 @@ import re
 import uuid
 from functools import cache
 from importlib import resources
+from typing import Final
 
 import msgspec
 
@@ -21,6 +22,11 @@ from dispatch.payload import Message, TaskMessage
 from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
 from projections.snapshot import Snapshot
+
+# A worker benchmarks a (worker, digest) pair whose speed row has fewer samples than this, or whose
+# newest sample is older than BENCH_STALE_AFTER_S (the worker's defaults; the simulator's too).
+BENCH_MIN_SAMPLES: Final = 3
+BENCH_STALE_AFTER_S: Final = 7 * 86_400.0
 
 
 class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):

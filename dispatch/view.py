@@ -27,13 +27,11 @@ from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
 from router.estimate import Estimator, build_estimator
-from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rate
+from router.gate import BACKLOG_DEPTH, SNAPSHOT_EVERY_S
+from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rates
 
 log = logging.getLogger("routeledger.view")
 T = TypeVar("T")
-
-# The plan looks this far down each queue; tasks behind it cannot change who takes the head.
-BACKLOG_DEPTH = 64
 
 # One queue's waiting entries, head first: the re-queued ones (held by the REQUEUED consumer, in
 # their original place) and then those after the group's last-delivered id (nobody has read them),
@@ -114,8 +112,9 @@ def fleet_view(
 ) -> FleetView:
     """The FleetView a decision reads: live workers from their leases, the given backlogs, and each
     backlog's arrival rate from the snapshot's demand table (the one way production builds it)."""
-    rates = {d: arrival_rate(snapshot, d, now_ms, snapshot.demand_half_life_s) for d in backlog}
-    return FleetView(workers=worker_views(leases), backlog=backlog, arrival_rate=rates)
+    return FleetView(
+        workers=worker_views(leases), backlog=backlog, arrival_rate=arrival_rates(snapshot, backlog, now_ms)
+    )
 
 
 class Cached(Generic[T]):
@@ -157,7 +156,7 @@ class LiveView:
         redis: aioredis.Redis,
         keys: Keys,
         *,
-        snapshot_every_s: float = 1.0,
+        snapshot_every_s: float = SNAPSHOT_EVERY_S,
         leases_every_s: float = 0.0,
     ) -> None:
         self.redis = redis

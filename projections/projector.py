@@ -38,15 +38,9 @@ from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
 from projections.folder import FOLDED_TYPES, TASK_EVENTS, Folder
+from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from projections.store import TableChange
-from projections.tables import (
-    DEFAULT_DEMAND_HALF_LIFE_S,
-    DEFAULT_HALF_LIFE_S,
-    DEFAULT_TASK_RETENTION_DAYS,
-    Tables,
-    pair_key,
-    split_pair,
-)
+from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables, pair_key, split_pair
 
 log = logging.getLogger("routeledger.projector")
 

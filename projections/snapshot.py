@@ -9,10 +9,18 @@ can fall back field by field. A value nobody has measured is absent (n = 0), nev
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import msgspec
 
 from projections.status import TaskStatus
+
+# Half-life of the speed, output-length and quality statistics: a machine's speed drifts over weeks.
+DEFAULT_HALF_LIFE_S: Final = 7 * 86_400.0
+# Half-life of the demand table: the gate needs the arrival rate of the last minutes, not the week's.
+# The projector folds with it (the `demand_half_life_s` setting defaults to it) and the scheduling
+# simulator reads the same one, so both decide on the same arrival rate.
+DEFAULT_DEMAND_HALF_LIFE_S: Final = 300.0
 
 
 class Stat(msgspec.Struct, kw_only=True, gc=False):
@@ -188,13 +196,13 @@ class Snapshot(msgspec.Struct, kw_only=True, gc=False):
 
     checkpoint: str | None = None
     taken_at: int = 0
-    half_life_s: float = 7 * 86_400.0
+    half_life_s: float = DEFAULT_HALF_LIFE_S
     speed: dict[tuple[str, str], SpeedRow] = msgspec.field(default_factory=dict)
     length: dict[tuple[str, str], LengthRow] = msgspec.field(default_factory=dict)
     quality: dict[tuple[str, str], QualityRow] = msgspec.field(default_factory=dict)
     fleet: dict[str, FleetRow] = msgspec.field(default_factory=dict)
     demand: dict[str, DemandRow] = msgspec.field(default_factory=dict)
     # demand is folded with its own, short half-life (the gate needs the recent arrival rate).
-    demand_half_life_s: float = 300.0
+    demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S
     # Workers whose lease key exists right now: live state read beside the tables, not a projection.
     live: list[str] = msgspec.field(default_factory=list)

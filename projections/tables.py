@@ -9,13 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from projections.snapshot import DemandRow, FleetRow, LengthRow, QualityRow, SpeedRow, TaskRow
+from projections.snapshot import (
+    DEFAULT_DEMAND_HALF_LIFE_S,
+    DEFAULT_HALF_LIFE_S,
+    DemandRow,
+    FleetRow,
+    LengthRow,
+    QualityRow,
+    SpeedRow,
+    TaskRow,
+)
 
 # Separates the parts of a composite row key in a hash field name (no name or digest holds it).
 SEP: Final = "\x1f"
 
-DEFAULT_HALF_LIFE_S: Final = 7 * 86_400.0
-DEFAULT_DEMAND_HALF_LIFE_S: Final = 300.0
 # Task rows and benchmark marks live in day shards that expire this long after their day ends: far
 # beyond any retry horizon, so a late event still finds its task's row.
 DEFAULT_TASK_RETENTION_DAYS: Final = 30

@@ -24,12 +24,8 @@ import redis.asyncio as aioredis
 from events.errors import UndecodableEntryError
 from events.keys import Keys
 from projections import store
-from projections.tables import (
-    DEFAULT_DEMAND_HALF_LIFE_S,
-    DEFAULT_HALF_LIFE_S,
-    DEFAULT_TASK_RETENTION_DAYS,
-    Tables,
-)
+from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
+from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.errors import BadUntilError
 from replay.fold import encoded_task_rows, fold_frames, fold_tables
 from replay.frames import Frames

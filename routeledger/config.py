@@ -18,6 +18,7 @@ import msgspec
 
 from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
+from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from routeledger.errors import ConfigError, NotRunningError
 
 ENV_PREFIX: Final = "ROUTELEDGER_"
@@ -49,8 +50,8 @@ class Settings(msgspec.Struct, kw_only=True):
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
     stall_after_s: float = 600.0
-    half_life_s: float = 7 * 86_400.0
-    demand_half_life_s: float = 300.0
+    half_life_s: float = DEFAULT_HALF_LIFE_S
+    demand_half_life_s: float = DEFAULT_DEMAND_HALF_LIFE_S
     task_retention_days: int = 30
     backend_timeout_s: float = 300.0
     log_level: str = "info"

@@ -1,16 +1,31 @@
 """The pull gate: a worker with a free slot takes the head of a queue only when that is better
 for the system than leaving it to the others.
 
-The rule (GateParams) was chosen by measuring alternatives in the scheduling simulator
-(`routeledger sim schedule`) against the best fixed threshold at each load.
+`decide_take` is the one decision: the worker agent (workers/admission.py, over what it reads from
+Redis) and the scheduling simulator (sim/scheduling/policies.py, over its simulated fleet) both
+call it for each free slot, and both then take exactly that one task. The rule (GateParams) was
+chosen by measuring alternatives in the scheduling simulator (`routeledger sim schedule`) against
+the best fixed threshold at each load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Final
+
 import msgspec
 
+from projections.snapshot import Snapshot
 from router.estimate import Estimator
-from router.plan import BacklogEntry, FleetView, PlanParams, PlanState
+from router.plan import BacklogEntry, FleetView, PlanParams, PlanState, WorkerView, arrival_rates
+
+# The gate looks this far down each queue: the agent reads no more of a queue than this from
+# Redis, and the simulator shows the gate no more either.
+BACKLOG_DEPTH: Final = 64
+# How old the projection snapshot a decision reads (and the estimator fitted to it) may be: the
+# agent re-reads it at most this often (a read costs Redis round trips and a fit), and the
+# simulator refreshes its own as often.
+SNAPSHOT_EVERY_S: Final = 1.0
 
 
 class GateParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -29,6 +44,8 @@ class GateParams(msgspec.Struct, kw_only=True, frozen=True):
     rule: str = "arrivals"
     arrival_weight: float = 0.8
     plan: PlanParams = PlanParams()
+    # See SNAPSHOT_EVERY_S.
+    snapshot_every_s: float = SNAPSHOT_EVERY_S
 
 
 class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -161,3 +178,23 @@ def should_take(
             "my_finish_s": my_first,
         },
     )
+
+
+def decide_take(
+    worker: str,
+    workers: Sequence[WorkerView],
+    backlog: Mapping[str, Sequence[BacklogEntry]],
+    snapshot: Snapshot,
+    est: Estimator,
+    now_ms: int,
+    params: GateParams | None = None,
+) -> GateDecision:
+    """Whether `worker`, which has a free slot, takes one task now: `should_take` on the live
+    workers, the first BACKLOG_DEPTH entries of each queue and each queue's arrival rate from the
+    snapshot's demand table. `est` is the estimator fitted to `snapshot`."""
+    view = FleetView(
+        workers=list(workers),
+        backlog={d: list(q[:BACKLOG_DEPTH]) for d, q in backlog.items()},
+        arrival_rate=arrival_rates(snapshot, backlog, now_ms),
+    )
+    return should_take(worker, view, est, now_ms, params)

@@ -32,8 +32,6 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     default_prompt_tokens: int = 64
     # A running task past its estimate is expected to need at least this share of it again.
     overdue_fraction: float = 0.1
-    # Demand decay for the arrival rate; None: the snapshot's half-life.
-    demand_half_life_s: float | None = None
     # Find each task's holder by computing every holder's finish, and for `auto` lay out every
     # model's queue. By default the walk leaves out holders that cannot finish a task first (the
     # same plan, bit for bit: PlanState.walk) and `auto` the queues of models that cannot win (the
@@ -813,11 +811,16 @@ def plan_state(
     return state.plan(todo, state.walk(todo)), state
 
 
-def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int, half_life_s: float | None = None) -> float:
+def arrival_rate(snapshot: Snapshot, digest: str, now_ms: int) -> float:
     """Recent submissions per second of `digest`: decayed count over the decay's mean life."""
     row = snapshot.demand.get(digest)
     if row is None:
         return 0.0
     # The demand table is folded with its own short half-life; the weight must decay with the same.
-    hl = half_life_s or float(getattr(snapshot, "demand_half_life_s", snapshot.half_life_s))
+    hl = snapshot.demand_half_life_s
     return row.arrivals.weight_at(now_ms, hl) / (hl / math.log(2.0))
+
+
+def arrival_rates(snapshot: Snapshot, digests: Iterable[str], now_ms: int) -> dict[str, float]:
+    """`arrival_rate` of each of `digests`."""
+    return {d: arrival_rate(snapshot, d, now_ms) for d in digests}

@@ -31,7 +31,7 @@ from events.event import (
     WorkerOnline,
 )
 from events.keys import Keys
-from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold
+from projections.snapshot import DEFAULT_HALF_LIFE_S, LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold
 from router.choose import RouteQuery, decide
 from router.estimate import build_estimator
 from router.plan import FleetView, WorkerView
@@ -40,7 +40,6 @@ MODEL: Final = "qwen3:8b"
 DIGEST: Final = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"
 DOMAINS: Final = ("general", "code", "ja")
 YEAR_MS: Final = 365 * 86_400_000
-_HALF_LIFE_S: Final = 7 * 86_400.0
 
 
 def worker_names(holders: int) -> list[str]:
@@ -51,7 +50,7 @@ def worker_names(holders: int) -> list[str]:
 def _stat(value: float, n: int, at_ms: int) -> Stat:
     s = Stat()
     for _ in range(n):
-        s = fold(s, value, at_ms, _HALF_LIFE_S)
+        s = fold(s, value, at_ms, DEFAULT_HALF_LIFE_S)
     return s
 
 
@@ -60,7 +59,7 @@ def routed_breakdown(
 ) -> tuple[dict[str, object], str, float]:
     """What the real router records in the ledger for one decision among `workers`, which all hold
     the model: the breakdown, the chosen worker and its expected finish."""
-    snap = Snapshot(half_life_s=_HALF_LIFE_S, taken_at=now_ms)
+    snap = Snapshot(half_life_s=DEFAULT_HALF_LIFE_S, taken_at=now_ms)
     views = []
     for i, name in enumerate(workers):
         tps = speed / (1 + i)

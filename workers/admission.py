@@ -1,10 +1,10 @@
 """Admission: what a worker with a free slot may take now (the seam `WorkerAgent.gate`).
 
-`RouterGate`, the default, asks `router.gate.should_take` whether taking the head task is better
-for the system than leaving it to the others; the decision is pure, its facts come from
-`dispatch.view.LiveView`. `PlainPull` takes the head of whichever queue waited longest. Either way
-the worker then takes exactly that one entry, and only if it is still the head
-(`TaskQueues.take`), and asks again for its next free slot.
+`RouterGate`, the default, asks `router.gate.decide_take` whether taking the head task is better
+for the system than leaving it to the others; the decision is pure (the scheduling simulator makes
+it through the same function), its facts come from `dispatch.view.LiveView`. `PlainPull` takes the
+head of whichever queue waited longest. Either way the worker then takes exactly that one entry,
+and only if it is still the head (`TaskQueues.take`), and asks again for its next free slot.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.view import LiveView, fleet_view
+from dispatch.view import LiveView, worker_views
 from events.event import now_ms
 from events.keys import Keys
-from router.gate import GateDecision, GateParams, should_take
+from router.gate import GateDecision, GateParams, decide_take
 from router.plan import BacklogEntry
 
 if TYPE_CHECKING:
@@ -80,9 +80,11 @@ class RouterGate:
     """Admits the head of a shared queue only when the router's gate says this worker should take it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
-        self.view = LiveView(redis, keys, leases_every_s=LEASES_EVERY_S)
-        self.keys = keys
         self.params = params or GateParams()
+        self.view = LiveView(
+            redis, keys, snapshot_every_s=self.params.snapshot_every_s, leases_every_s=LEASES_EVERY_S
+        )
+        self.keys = keys
         self.last: GateDecision | None = None
 
     async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
@@ -107,7 +109,7 @@ class RouterGate:
         # The cached leases, with this worker's own as it is now (it knows what it runs).
         leases = {**await self.view.leases(), agent.name: agent.lease_info()}
         now = now_ms()
-        decision = should_take(agent.name, fleet_view(leases, backlog, snap, now), est, now, self.params)
+        decision = decide_take(agent.name, worker_views(leases), backlog, snap, est, now, self.params)
         self.last = decision
         if not decision.take or decision.digest is None:
             if decision.task_id is not None:

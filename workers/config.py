@@ -8,6 +8,7 @@ from typing import Final
 
 import msgspec
 
+from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S
 from events.keys import DEAD_MAX_ENTRIES
 from events.singleton import DEFAULT_LEASE_MS
 
@@ -45,7 +46,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     cancel_check_ms: float = 250.0
     # Benchmark itself on start, on gaining a model, and when its speed rows are thin or stale.
     auto_bench: bool = True
-    bench_min_samples: int = 3
-    bench_stale_after_s: float = 7 * 86_400.0
+    bench_min_samples: int = BENCH_MIN_SAMPLES
+    bench_stale_after_s: float = BENCH_STALE_AFTER_S
     bench_check_s: float = 30.0
     bench_domain: str = "general"

@@ -2,33 +2,28 @@
 
 Push policies pick a backend at arrival (the backend queues it, as Ollama does); pull policies
 leave tasks in the model's shared queue and let a free worker decide whether to take the head.
-`routeledger` runs the real router (estimate, plan, gate) on statistics folded with the real
-`projections.snapshot.fold`, learning from an empty ledger with benchmarks on join, exactly as
-the workers and the projector do; `routeledger-oracle` is the same gate fed the true speeds.
+`routeledger` makes the worker agent's own decision (`router.gate.decide_take`, one task per
+decision) on statistics folded with the real `projections.snapshot.fold` and the projector's
+half-lives, read as often as the agent re-reads its snapshot; it learns from an empty ledger (or a
+given snapshot) with benchmarks on join by the worker's own rule. `routeledger-oracle` is the same
+gate fed the true speeds.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
+from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, needs_benchmark
 from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold
 from router.estimate import Estimator, build_estimator
-from router.gate import GateParams, should_take
+from router.gate import GateParams, decide_take
 from sim.errors import FleetError
-from sim.scheduling.schedule import BENCH_PROMPTS, Measured, Simulation, SimWorker
+from sim.scheduling.schedule import Measured, Simulation, SimWorker
 from sim.scheduling.workload import Job
-
-# The sim runs for hours of simulated time, so a week's half-life is "no decay" for speeds; the
-# arrival rate needs a memory of minutes to follow the load.
-SPEED_HALF_LIFE_S = 7 * 86_400.0
-DEMAND_HALF_LIFE_S = 900.0
-# The router reads the projector's snapshot, which trails the ledger; rebuilding the estimates at
-# most this often (or when a new worker/model pair is first measured) is what the real system sees,
-# and keeps 10,000 simulated tasks within seconds.
-SNAPSHOT_EVERY_S = 5.0
 
 
 class _Base:
@@ -213,24 +208,47 @@ class Threshold(_Base):
         return len(sim.queue) >= k
 
 
+def _copy(snapshot: Snapshot) -> Snapshot:
+    """A snapshot whose tables later folds do not reach (folds replace rows, never change them)."""
+    return msgspec.structs.replace(
+        snapshot,
+        speed=dict(snapshot.speed),
+        length=dict(snapshot.length),
+        quality=dict(snapshot.quality),
+        fleet=dict(snapshot.fleet),
+        demand=dict(snapshot.demand),
+    )
+
+
 class Routeledger(_Base):
-    """The real router, learning online: benchmarks on join, samples folded as the projector does."""
+    """The worker agent's decision, learning online: benchmarks on join, samples folded as the
+    projector does, the decision made on a snapshot at most `gate.snapshot_every_s` old.
+
+    `snapshot`: the projection to start from (a real one, to replay what a real fleet saw; its
+    half-lives are then the ones the tables are folded with); an empty one by default.
+    """
 
     name = "routeledger"
     pull = True
 
-    def __init__(self, gate: GateParams | None = None, oracle: bool = False) -> None:
+    def __init__(
+        self, gate: GateParams | None = None, oracle: bool = False, snapshot: Snapshot | None = None
+    ) -> None:
         self.gate = gate or GateParams()
         self.oracle = oracle
         if oracle:
             self.name = "routeledger-oracle"
-        self.snapshot = Snapshot(half_life_s=SPEED_HALF_LIFE_S)
-        self.demand = DemandRow(digest="")
-        self._est: Estimator | None = None
-        self._built_at = 0.0
+        # What the projector holds: every arrival and completion is folded in at once.
+        self.tables = _copy(snapshot) if snapshot is not None else Snapshot()
+        # What the agent decides on: a copy of the tables and its estimator, re-read as often as
+        # the agent re-reads the projection (it trails the tables by up to that).
+        self._read: tuple[Snapshot, Estimator] | None = None
+        self._read_at = 0.0
+        # Folds of speed and length rows so far, and how many the last fit saw.
+        self._folds = 0
+        self._fitted = -1
 
     def start(self, sim: Simulation) -> None:
-        self.demand = DemandRow(digest=sim.digest)
         if self.oracle:
             mean = sum(j.output_tokens for j in sim.jobs) / len(sim.jobs)
             many = 1_000_000
@@ -247,46 +265,64 @@ class Routeledger(_Base):
                 )
 
             for w in sim.workers:
-                self.snapshot.speed[(w.name, sim.digest)] = SpeedRow(
+                self.tables.speed[(w.name, sim.digest)] = SpeedRow(
                     worker=w.name,
                     digest=sim.digest,
                     decode_tps=known(w.true.decode_tps),
                     prompt_tps=known(w.true.prompt_tps),
                     load_s=known(w.true.load_s),
                 )
-            self.snapshot.length[(sim.digest, sim.workload.domain)] = LengthRow(
+            self.tables.length[(sim.digest, sim.workload.domain)] = LengthRow(
                 digest=sim.digest, domain=sim.workload.domain, output_tokens=known(mean)
             )
 
     def joined(self, sim: Simulation, worker: SimWorker) -> int:
-        return 0 if self.oracle else BENCH_PROMPTS
+        if self.oracle:
+            return 0
+        need = needs_benchmark(
+            self.tables,
+            worker.name,
+            sim.digest,
+            sim.now_ms,
+            min_samples=BENCH_MIN_SAMPLES,
+            stale_after_s=BENCH_STALE_AFTER_S,
+        )
+        return 0 if need is None else need[0]
 
     def arrived(self, sim: Simulation, job: Job) -> None:
-        self.demand = DemandRow(
-            digest=sim.digest, arrivals=fold(self.demand.arrivals, 1.0, sim.now_ms, DEMAND_HALF_LIFE_S)
+        row = self.tables.demand.get(sim.digest) or DemandRow(digest=sim.digest)
+        self.tables.demand[sim.digest] = DemandRow(
+            digest=sim.digest,
+            arrivals=fold(row.arrivals, 1.0, sim.now_ms, self.tables.demand_half_life_s),
         )
 
-    def _estimator(self, sim: Simulation) -> Estimator:
-        if self._est is None:
-            self._est = build_estimator(self.snapshot, sim.now_ms)
-            self._built_at = sim.now
-        return self._est
+    def _evidence(self, sim: Simulation) -> tuple[Snapshot, Estimator]:
+        if self._read is None or sim.now - self._read_at >= self.gate.snapshot_every_s:
+            snap = _copy(self.tables)
+            est = self._read[1] if self._read is not None and self._fitted == self._folds else None
+            if est is None:
+                # The agent refits on every read; on unchanged rows a refit differs only by the
+                # statistics' week-long decay over the seconds between, so it is skipped here.
+                est = build_estimator(snap, sim.now_ms)
+                self._fitted = self._folds
+            self._read = (snap, est)
+            self._read_at = sim.now
+        return self._read
 
     def take(self, sim: Simulation, worker: SimWorker) -> bool:
-        w = self.demand.arrivals.weight_at(sim.now_ms, DEMAND_HALF_LIFE_S)
-        sim.view.arrival_rate[sim.digest] = w / (DEMAND_HALF_LIFE_S / math.log(2.0))
-        decision = should_take(worker.name, sim.view, self._estimator(sim), sim.now_ms, self.gate)
-        return decision.take
+        snap, est = self._evidence(sim)
+        view = sim.view
+        return decide_take(worker.name, view.workers, view.backlog, snap, est, sim.now_ms, self.gate).take
 
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         if self.oracle:
             return
         at = sim.now_ms
-        hl = SPEED_HALF_LIFE_S
+        hl = self.tables.half_life_s
+        self._folds += 1
         key = (worker.name, sim.digest)
-        known = self.snapshot.speed.get(key)
-        row = known or SpeedRow(worker=worker.name, digest=sim.digest)
-        self.snapshot.speed[key] = SpeedRow(
+        row = self.tables.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
+        self.tables.speed[key] = SpeedRow(
             worker=row.worker,
             digest=row.digest,
             decode_tps=fold(row.decode_tps, measured.decode_tps, at, hl),
@@ -297,14 +333,12 @@ class Routeledger(_Base):
         )
         if not job.bench:
             lkey = (sim.digest, job.domain)
-            lrow = self.snapshot.length.get(lkey) or LengthRow(digest=sim.digest, domain=job.domain)
-            self.snapshot.length[lkey] = LengthRow(
+            lrow = self.tables.length.get(lkey) or LengthRow(digest=sim.digest, domain=job.domain)
+            self.tables.length[lkey] = LengthRow(
                 digest=lrow.digest,
                 domain=lrow.domain,
                 output_tokens=fold(lrow.output_tokens, float(measured.output_tokens), at, hl),
             )
-        if known is None or sim.now - self._built_at >= SNAPSHOT_EVERY_S:
-            self._est = None
 
 
 POLICIES: dict[str, Callable[[], _Base]] = {

@@ -22,8 +22,7 @@ from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from sim.fleetspec import Fleet, WorkerSpec, default_digest
 from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
 
-# A benchmark on join: short prompts, so that measuring a new machine takes seconds, not minutes.
-BENCH_PROMPTS = 3
+# A benchmark prompt (a policy says how many a joining worker runs): short, as the shipped ones are.
 BENCH_PROMPT_TOKENS = 32
 BENCH_OUTPUT_TOKENS = 32
 
@@ -148,8 +147,12 @@ class Simulation:
         workload: WorkloadSpec,
         policy: Policy,
         jobs: Sequence[Job] | None = None,
+        epoch_ms: int = 0,
     ) -> None:
         self.fleet = fleet
+        # The clock time of simulated second 0, in ms: a run that starts from a real projection
+        # snapshot lines up with its timestamps.
+        self.epoch_ms = epoch_ms
         self.model = model
         self.workload = workload
         self.policy = policy
@@ -160,7 +163,8 @@ class Simulation:
         self.jobs: list[Job] = list(jobs) if jobs is not None else generate(fleet, model, workload)
         self.now = 0.0
         self.queue: list[BacklogEntry] = []
-        self.view = FleetView(workers=[], backlog={self.digest: self.queue}, arrival_rate={self.digest: 0.0})
+        # The live facts a decision reads: online workers (what each runs) and the queue.
+        self.view = FleetView(workers=[], backlog={self.digest: self.queue})
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         n = len(self.jobs)
@@ -172,7 +176,7 @@ class Simulation:
 
     @property
     def now_ms(self) -> int:
-        return int(self.now * 1000.0)
+        return self.epoch_ms + int(self.now * 1000.0)
 
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
         self._seq += 1
@@ -246,7 +250,7 @@ class Simulation:
         return BacklogEntry(
             task_id=str(job.index),
             digest=self.digest,
-            enqueued_at_ms=int(job.arrival * 1000.0),
+            enqueued_at_ms=self.epoch_ms + int(job.arrival * 1000.0),
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
         )
@@ -388,7 +392,12 @@ class Simulation:
 
 
 def simulate(
-    fleet: Fleet, model: str, workload: WorkloadSpec, policy: Policy, jobs: Sequence[Job] | None = None
+    fleet: Fleet,
+    model: str,
+    workload: WorkloadSpec,
+    policy: Policy,
+    jobs: Sequence[Job] | None = None,
+    epoch_ms: int = 0,
 ) -> RunResult:
-    """Run one policy on one workload."""
-    return Simulation(fleet, model, workload, policy, jobs).run()
+    """Run one policy on one workload (simulated second 0 at clock time `epoch_ms`)."""
+    return Simulation(fleet, model, workload, policy, jobs, epoch_ms).run()

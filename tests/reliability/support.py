@@ -28,8 +28,11 @@ def spawn_worker(
     heartbeat_ms: int = 300,
     delivery_limit: int = 3,
     extra_env: dict[str, str] | None = None,
+    slots: int = 1,
+    bench: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """A `routeledger worker` process whose stderr goes to `log` (appended, one file per name).
+    """A `routeledger worker` process whose stderr goes to `log` (appended, one file per name),
+    with the router's gate; `bench`: it benchmarks itself on joining, as a worker does by default.
 
     `crash` is the worker's test hook (ROUTELEDGER_TEST_CRASH, POINT@N): it kills itself with
     SIGKILL at that point of its N-th task.
@@ -46,7 +49,7 @@ def spawn_worker(
     if crash is not None:
         env["ROUTELEDGER_TEST_CRASH"] = crash
     argv = [sys.executable, "-m", "routeledger", "worker", "--backend", backend, "--id", name]
-    argv += ["--redis-url", redis_url, "--no-bench"]
+    argv += ["--slots", str(slots), "--redis-url", redis_url, "--bench" if bench else "--no-bench"]
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=out)
 
