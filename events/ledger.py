@@ -86,11 +86,17 @@ class Ledger:
 
     # -- appending ----------------------------------------------------------------------------
     async def append(self, event: Event) -> str:
-        """Append one event; returns its stream id."""
+        """Append one event; returns its stream id.
+
+        Redis's own error comes out as it is, with a note naming the event: callers that wait out
+        an unreachable Redis, or one at its memory limit, catch Redis's errors by type, and any
+        other error ends their loop (a worker's heartbeat, which keeps its lease, among them).
+        """
         try:
             raw: Any = await self.redis.xadd(self.stream, encode_fields(event))  # type: ignore[arg-type]
         except RedisError as exc:
-            raise LedgerError(f"could not append {type(event).__name__}: {exc}") from exc
+            exc.add_note(f"while appending {type(event).__name__} to the ledger")
+            raise
         return as_str(raw)
 
     async def append_many(self, events: Sequence[Event], ids: Sequence[str] | None = None) -> list[str]:
@@ -109,7 +115,8 @@ class Ledger:
             try:
                 raw = await self._append_many(keys=[self.stream], args=args)
             except RedisError as exc:
-                raise LedgerError(f"could not append a batch of {len(chunk)} events: {exc}") from exc
+                exc.add_note(f"while appending a batch of {len(chunk)} events to the ledger")
+                raise
             written.extend(as_str(r) for r in raw)
         return written
 
