@@ -37,6 +37,7 @@ from api.metrics import CONTENT_TYPE, Metrics
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
+from events.client import open_redis
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
@@ -67,7 +68,7 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = aioredis.Redis.from_url(
+        client = open_redis(
             config.redis_url,
             socket_connect_timeout=2,
             socket_timeout=5,

@@ -21,6 +21,7 @@ import typer
 from redis.exceptions import AuthenticationError, RedisError
 from rich.console import Console
 
+from events.client import open_redis
 from events.errors import RouteledgerError
 from events.keys import Keys
 from routeledger.config import Resolved, redis_url_for, resolve
@@ -58,7 +59,7 @@ def settings_from(
 def connect(resolved: Resolved) -> aioredis.Redis:
     """A Redis client for the running instance (see `redis_url_for`)."""
     url = redis_url_for(resolved.settings)
-    return aioredis.Redis.from_url(url, socket_connect_timeout=3, health_check_interval=15)
+    return open_redis(url, socket_connect_timeout=3, health_check_interval=15)
 
 
 @contextlib.asynccontextmanager

@@ -11,6 +11,7 @@ import redis
 import redis.asyncio as aioredis
 from hypothesis import settings
 
+from events.client import open_redis
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_version
@@ -81,7 +82,7 @@ def any_redis_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
+    client = open_redis(redis_url)
     yield client
     await client.aclose()
 

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
+from events.client import open_redis
 from events.event import WorkerChanged
 from events.keys import Keys
 from events.ledger import Ledger
@@ -84,7 +85,7 @@ async def test_a_connection_dropped_while_the_worker_appends_its_news_leaves_its
     ledger = Ledger(redis_client, keys)
     queues = TaskQueues(redis_client, keys, ledger)
     async with DroppingRelay(redis_server.port) as relay:
-        worker_redis = aioredis.Redis.from_url(relay.url(redis_url, redis_server.port))
+        worker_redis = open_redis(relay.url(redis_url, redis_server.port))
         try:
             async with running_agent(worker_redis, hosts.url("a"), fast_config("a")):
                 # Running a task loads model m on the backend, so the next beat appends a
