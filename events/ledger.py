@@ -273,9 +273,23 @@ class Ledger:
         count: int = 1,
         block_ms: int | None = None,
     ) -> list[tuple[str, list[Entry]]]:
-        """New (`>`) or own pending (an id) entries of `streams` for `consumer`, by stream."""
+        """New (`>`) or own pending (an id) entries of `streams` for `consumer`, by stream.
+
+        A stream whose group is missing gets it again, from the stream's start, and is read once
+        more: a Redis restarted on an AOF that missed its last writes (synced once a second) can
+        have lost a queue and its group while every process remembers having made the group, and
+        the submitter goes on adding to the queue. Finished entries are deleted from a queue, so
+        reading it from its start again delivers only what is still to do.
+        """
         wanted: dict[Any, Any] = dict(streams)
-        reply: Any = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
+        try:
+            reply: Any = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            for stream in wanted:
+                await self.ensure_group(as_str(stream), group)
+            reply = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
         if not reply:
             return []
         if isinstance(reply, dict):  # RESP3 shape

@@ -220,3 +220,17 @@ async def test_an_append_to_a_redis_that_went_away_raises_the_connection_error_n
         await client.aclose()
     assert "TaskStalled" in " ".join(getattr(one.value, "__notes__", []))
     assert "2 events" in " ".join(getattr(batch.value, "__notes__", []))
+
+
+async def test_a_group_read_on_a_queue_whose_group_was_lost_makes_it_again_and_delivers_what_is_queued(
+    any_ledger: Ledger,
+) -> None:
+    stream = any_ledger.keys.queue("abcdef0123456789")
+    redis = any_ledger.redis
+    await any_ledger.ensure_group(stream)
+    # A Redis restarted without its last second of writes: the queue and its group are gone, while
+    # the submitter, which made the group once per process, adds to the queue as before.
+    await redis.delete(stream)
+    entry = (await redis.xadd(stream, {b"t": b"1"})).decode()
+    assert await any_ledger.group_read("w1", {stream: ">"}, count=5) == [(stream, [(entry, {b"t": b"1"})])]
+    assert [p.entry_id for p in await any_ledger.pending(stream)] == [entry]

@@ -1,4 +1,4 @@
-"""A worker's heartbeat against a Redis connection that drops mid-command."""
+"""A worker agent through Redis failures: a connection dropped mid-command, a restart that lost writes."""
 
 from __future__ import annotations
 
@@ -104,3 +104,24 @@ async def test_a_connection_dropped_while_the_worker_appends_its_news_leaves_its
                 assert await redis_client.pttl(keys.live("a")) > 0
         finally:
             await worker_redis.aclose()
+
+
+async def test_a_worker_whose_queues_lost_their_groups_in_a_redis_restart_still_takes_new_tasks(
+    redis_client: aioredis.Redis, hosts: SimHosts
+) -> None:
+    keys = Keys()
+    ledger = Ledger(redis_client, keys)
+    queues = TaskQueues(redis_client, keys, ledger)
+
+    async def done(task_id: str) -> bool:
+        return bool(await redis_client.hexists(keys.result(task_id), "result"))
+
+    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+    async with running_agent(redis_client, hosts.url("a"), fast_config("a")):
+        first = (await submit_task(queues, request)).task
+        await wait_until(lambda: done(first.task_id), timeout=10)
+        # What a Redis restarted on an AOF that missed its last writes can look like: the queues
+        # and their groups are gone, and every process still remembers having made the groups.
+        await redis_client.delete(keys.pinned("a"), keys.queue(first.digest))
+        second = (await submit_task(queues, request)).task
+        await wait_until(lambda: done(second.task_id), timeout=10)
