@@ -1,4 +1,5 @@
-"""A worker agent through Redis failures: a connection dropped mid-command, a restart that lost writes."""
+"""A worker agent through what goes wrong around it: a connection dropped mid-command, a Redis
+restart that lost writes, a cancel that never arrives."""
 
 from __future__ import annotations
 
@@ -18,7 +19,16 @@ from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
-from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.helpers import (
+    events_of,
+    fast_config,
+    make_test_fleet,
+    redis_exists,
+    running_agent,
+    wait_until,
+)
+from workers.agent import WorkerAgent
+from workers.backend import OllamaBackend
 
 
 class DroppingRelay:
@@ -125,3 +135,21 @@ async def test_a_worker_whose_queues_lost_their_groups_in_a_redis_restart_still_
         await redis_client.delete(keys.pinned("a"), keys.queue(first.digest))
         second = (await submit_task(queues, request)).task
         await wait_until(lambda: done(second.task_id), timeout=10)
+
+
+async def test_the_heartbeat_ends_by_itself_once_the_worker_stops_so_a_lost_cancel_cannot_keep_it_beating(
+    redis_client: aioredis.Redis, hosts: SimHosts
+) -> None:
+    # On Python 3.11 a cancel that lands as redis-py's asyncio.wait_for finishes sending a command
+    # is dropped; the drain cancels the heartbeat, but must not depend on that alone.
+    keys = Keys()
+    backend = OllamaBackend(hosts.url("a"), timeout_s=10.0)
+    agent = WorkerAgent(redis_client, keys, backend, fast_config("a"))
+    beating = asyncio.create_task(agent._heartbeat_loop())
+    try:
+        await wait_until(lambda: redis_exists(redis_client, keys.live("a")), timeout=10)
+        agent.stopping.set()  # and nothing cancels it
+        await asyncio.wait_for(asyncio.shield(beating), 5)
+    finally:
+        beating.cancel()
+        await backend.aclose()

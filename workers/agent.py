@@ -253,6 +253,12 @@ class WorkerAgent:
         self.stopping.set()
         for task in self._background:
             task.cancel()
+        if self._background:
+            # A cancel can be lost: on Python 3.11, asyncio.wait_for, which redis-py sends every
+            # command through, drops one that lands as the send completes. The loops end on
+            # `stopping` as well, so the heartbeat is over before the lease is deleted below and
+            # never renews it (or announces the worker again) after it left.
+            await asyncio.wait(self._background, timeout=self.config.lease_ms / 1000)
         runs = [r.task for r in self.running.values() if r.task is not None]
         if runs:
             log.info(
@@ -326,8 +332,10 @@ class WorkerAgent:
 
     async def _heartbeat_loop(self) -> None:
         beat = 0
-        while True:
+        while not self.stopping.is_set():
             await asyncio.sleep(self.config.heartbeat_ms / 1000)
+            if self.stopping.is_set():
+                return
             beat += 1
             try:
                 await self._refresh_inventory()
@@ -589,7 +597,7 @@ class WorkerAgent:
         from projections.reader import snapshot
 
         first = True
-        while True:
+        while not self.stopping.is_set():
             try:
                 snap = await snapshot(self.redis, self.keys)
                 now = now_ms()
