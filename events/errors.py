@@ -8,7 +8,8 @@ class RouteledgerError(Exception):
 
 
 class LedgerError(RouteledgerError):
-    """Raised when the ledger cannot complete an operation on Redis."""
+    """Raised when a ledger operation is malformed or meets an entry it cannot use (Redis's own errors,
+    an unreachable or full Redis among them, pass through as they are)."""
 
 
 class UndecodableEntryError(LedgerError):

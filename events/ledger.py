@@ -92,11 +92,17 @@ class Ledger:
 
     # -- appending ----------------------------------------------------------------------------
     async def append(self, event: Event) -> str:
-        """Append one event; returns its stream id."""
+        """Append one event; returns its stream id.
+
+        Redis's own error comes out as it is, with a note naming the event: callers that wait out
+        an unreachable Redis, or one at its memory limit, catch Redis's errors by type, and any
+        other error ends their loop (a worker's heartbeat, which keeps its lease, among them).
+        """
         try:
             raw: Any = await self.redis.xadd(self.stream, encode_fields(event))  # type: ignore[arg-type]
         except RedisError as exc:
-            raise LedgerError(f"could not append {type(event).__name__}: {exc}") from exc
+            exc.add_note(f"while appending {type(event).__name__} to the ledger")
+            raise
         return as_str(raw)
 
     async def append_many(self, events: Sequence[Event], ids: Sequence[str] | None = None) -> list[str]:
@@ -115,7 +121,8 @@ class Ledger:
             try:
                 raw = await self._append_many(keys=[self.stream], args=args)
             except RedisError as exc:
-                raise LedgerError(f"could not append a batch of {len(chunk)} events: {exc}") from exc
+                exc.add_note(f"while appending a batch of {len(chunk)} events to the ledger")
+                raise
             written.extend(as_str(r) for r in raw)
         return written
 
@@ -278,9 +285,23 @@ class Ledger:
         count: int = 1,
         block_ms: int | None = None,
     ) -> list[tuple[str, list[Entry]]]:
-        """New (`>`) or own pending (an id) entries of `streams` for `consumer`, by stream."""
+        """New (`>`) or own pending (an id) entries of `streams` for `consumer`, by stream.
+
+        A stream whose group is missing gets it again, from the stream's start, and is read once
+        more: a Redis restarted on an AOF that missed its last writes (synced once a second) can
+        have lost a queue and its group while every process remembers having made the group, and
+        the submitter goes on adding to the queue. Finished entries are deleted from a queue, so
+        reading it from its start again delivers only what is still to do.
+        """
         wanted: dict[Any, Any] = dict(streams)
-        reply: Any = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
+        try:
+            reply: Any = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            for stream in wanted:
+                await self.ensure_group(as_str(stream), group)
+            reply = await self.redis.xreadgroup(group, consumer, wanted, count=count, block=block_ms)
         if not reply:
             return []
         if isinstance(reply, dict):  # RESP3 shape

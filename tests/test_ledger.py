@@ -8,11 +8,13 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event, TaskStalled
 from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger
+from routeledger.embedded import EmbeddedRedis
 from tests.factories import one_of_each
 
 
@@ -199,3 +201,37 @@ async def test_a_history_imported_with_its_own_ids_keeps_them_and_reads_back_in_
     assert later[0] > ids[-1]
     with pytest.raises(LedgerError, match="2 ids for 1 events"):
         await any_ledger.append_many(events[:1], ids[:2])
+
+
+async def test_an_append_to_a_redis_that_went_away_raises_the_connection_error_naming_the_event(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    # Callers that wait an outage out (a worker's heartbeat, the reaper's sweep) catch Redis's own
+    # errors: an append must fail with one of those, not with an error of the ledger's.
+    client = aioredis.Redis.from_url(fresh_server.url)
+    ledger = Ledger(client, Keys())
+    try:
+        await ledger.append(_stalled(1))
+        fresh_server.kill()
+        with pytest.raises(RedisConnectionError) as one:
+            await ledger.append(_stalled(2))
+        with pytest.raises(RedisConnectionError) as batch:
+            await ledger.append_many([_stalled(3), _stalled(4)])
+    finally:
+        await client.aclose()
+    assert "TaskStalled" in " ".join(getattr(one.value, "__notes__", []))
+    assert "2 events" in " ".join(getattr(batch.value, "__notes__", []))
+
+
+async def test_a_group_read_on_a_queue_whose_group_was_lost_makes_it_again_and_delivers_what_is_queued(
+    any_ledger: Ledger,
+) -> None:
+    stream = any_ledger.keys.queue("abcdef0123456789")
+    redis = any_ledger.redis
+    await any_ledger.ensure_group(stream)
+    # A Redis restarted without its last second of writes: the queue and its group are gone, while
+    # the submitter, which made the group once per process, adds to the queue as before.
+    await redis.delete(stream)
+    entry = (await redis.xadd(stream, {b"t": b"1"})).decode()
+    assert await any_ledger.group_read("w1", {stream: ">"}, count=5) == [(stream, [(entry, {b"t": b"1"})])]
+    assert [p.entry_id for p in await any_ledger.pending(stream)] == [entry]

@@ -120,6 +120,10 @@ class WorkerAgent:
         self._pinned_looked = 0.0
         # Another process took this name's lease: this one stops and leaves it alone.
         self.evicted = False
+        # Set when the worker has left (drained, or evicted): only then does its lease loop end, so
+        # that the lease holds while running tasks finish during a drain.
+        self._left = asyncio.Event()
+        self._lease_task: asyncio.Task[None] | None = None
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
@@ -178,7 +182,7 @@ class WorkerAgent:
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
         await self._recover_own_pending()
-        self._background.append(asyncio.create_task(self._lease_loop(), name="lease"))
+        self._lease_task = asyncio.create_task(self._lease_loop(), name="lease")
         self._background.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         if self.config.auto_bench:
             self._background.append(asyncio.create_task(self._benchmark_loop(), name="benchmarks"))
@@ -272,6 +276,7 @@ class WorkerAgent:
             )
             self.evicted = True
             self.stopping.set()
+            self._left.set()
 
     def may_take(self) -> bool:
         """Whether the lease surely holds long enough to take work: at least half a lease is left.
@@ -297,9 +302,10 @@ class WorkerAgent:
     async def _lease_loop(self) -> None:
         """Renew the lease every heartbeat, each try with a hard deadline, apart from everything else
         the heartbeat does (a slow backend or a stalled connection never delays it). A try that
-        times out is cancelled, which drops its connection; the next try takes a fresh one."""
+        times out is cancelled, which drops its connection; the next try takes a fresh one. It runs
+        until the worker has left: through a drain, the lease says "draining" and still holds."""
         timeout = min(self.config.heartbeat_ms, self.config.lease_ms / 4) / 1000
-        while not self.stopping.is_set():
+        while not self._left.is_set():
             pause = self.config.heartbeat_ms / 1000
             sent = time.monotonic()
             try:
@@ -322,7 +328,7 @@ class WorkerAgent:
                 if time.monotonic() > self._lease_until:
                     self._abandon_runs()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), pause)
+                await asyncio.wait_for(self._left.wait(), pause)
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
@@ -348,6 +354,12 @@ class WorkerAgent:
         self.stopping.set()
         for task in self._background:
             task.cancel()
+        if self._background:
+            # A cancel can be lost: on Python 3.11, asyncio.wait_for, which redis-py sends every
+            # command through, drops one that lands as the send completes. The loops end on
+            # `stopping` as well, so the heartbeat is over before the lease is deleted below and
+            # never renews it (or announces the worker again) after it left.
+            await asyncio.wait(self._background, timeout=self.config.lease_ms / 1000)
         runs = [r.task for r in self.running.values() if r.task is not None]
         if runs:
             log.info(
@@ -358,6 +370,10 @@ class WorkerAgent:
                 task.cancel()
             if still:
                 await asyncio.wait(still)
+        self._left.set()
+        if self._lease_task is not None:
+            await asyncio.wait({self._lease_task}, timeout=self.config.lease_ms / 1000)
+            self._lease_task.cancel()
         if not self.evicted:
             with contextlib.suppress(RedisError, OSError):
                 await self._append(WorkerOffline(worker=self.name, reason="shutdown"))
@@ -452,8 +468,10 @@ class WorkerAgent:
         """Inventory, resources, the entries of running tasks, news for the ledger: every heartbeat.
         The lease is renewed by a loop of its own (_lease_loop)."""
         beat = 0
-        while True:
+        while not self.stopping.is_set():
             await asyncio.sleep(self.config.heartbeat_ms / 1000)
+            if self.stopping.is_set():
+                return
             beat += 1
             try:
                 before = (self.backend_ok, self.inventory)
@@ -733,7 +751,7 @@ class WorkerAgent:
         from projections.reader import snapshot
 
         first = True
-        while True:
+        while not self.stopping.is_set():
             try:
                 snap = await snapshot(self.redis, self.keys)
                 now = now_ms()
