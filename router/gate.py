@@ -58,6 +58,8 @@ class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     task_id: str | None = None
     # The queue entry of `task_id` (see BacklogEntry.entry_id).
     entry_id: str = ""
+    # A take: the position of the task the plan gives the worker (1: the head); None otherwise.
+    position: int | None = None
     numbers: dict[str, float] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
@@ -79,6 +81,33 @@ def _head_queue(view: FleetView, holds: set[str]) -> tuple[str, list[BacklogEntr
         if q and (best is None or q[0].enqueued_at_ms < best[1][0].enqueued_at_ms):
             best = (digest, q)
     return best
+
+
+def _taking(
+    worker: str,
+    digest: str,
+    queue: list[BacklogEntry],
+    pos: int,
+    finish: float,
+    why: str,
+    numbers: dict[str, float],
+) -> GateDecision:
+    """The decision to take the head because the plan gives `worker` task #pos + 1 of `queue`."""
+    return GateDecision(
+        take=True,
+        worker=worker,
+        digest=digest,
+        task_id=queue[0].task_id,
+        entry_id=queue[0].entry_id,
+        position=pos + 1,
+        reason=f"the plan gives me task #{pos + 1} of {len(queue)} queued {why}",
+        numbers={
+            "position": float(pos + 1),
+            "backlog": float(len(queue)),
+            **numbers,
+            "my_finish_s": finish,
+        },
+    )
 
 
 def should_take(
@@ -112,17 +141,8 @@ def should_take(
         beside = state.first_given(mine, queue)
         if beside is not None:
             pos, finish = beside
-            return GateDecision(
-                take=True,
-                worker=worker,
-                digest=digest,
-                task_id=queue[0].task_id,
-                entry_id=queue[0].entry_id,
-                reason=(
-                    f"the plan gives me task #{pos + 1} of {len(queue)} queued"
-                    f" ({state.names[i0]}, free too, gets the first)"
-                ),
-                numbers={"position": float(pos + 1), "backlog": float(len(queue)), "my_finish_s": finish},
+            return _taking(
+                worker, digest, queue, pos, finish, f"({state.names[i0]}, free too, gets the first)", {}
             )
         return GateDecision(
             take=False,
@@ -142,24 +162,14 @@ def should_take(
     given = state.first_given(mine, entries)
     if given is not None:
         pos, finish = given
-        return GateDecision(
-            take=True,
-            worker=worker,
-            digest=digest,
-            task_id=queue[0].task_id,
-            entry_id=queue[0].entry_id,
-            reason=(
-                f"the plan gives me task #{pos + 1} of {len(queue)} queued"
-                f" + {phantoms} expected to arrive before my next chance to take"
-            ),
-            numbers={
-                "position": float(pos + 1),
-                "backlog": float(len(queue)),
-                "expected_arrivals": expected,
-                "arrival_rate_per_s": rate,
-                "arrival_divisor": divisor,
-                "my_finish_s": finish,
-            },
+        return _taking(
+            worker,
+            digest,
+            queue,
+            pos,
+            finish,
+            f"+ {phantoms} expected to arrive before my next chance to take",
+            {"expected_arrivals": expected, "arrival_rate_per_s": rate, "arrival_divisor": divisor},
         )
     return GateDecision(
         take=False,

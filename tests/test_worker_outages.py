@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import TracebackType
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -27,59 +27,9 @@ from tests.helpers import (
     running_agent,
     wait_until,
 )
+from tests.reliability.proxy import redis_proxy
 from workers.agent import WorkerAgent
 from workers.backend import OllamaBackend
-
-
-class DroppingRelay:
-    """A TCP relay in front of the test Redis. Once armed, it drops the first connection whose
-    request holds `needle`, without forwarding that request: what a client sees when Redis dies
-    while the command is in flight ("Connection closed by server")."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self.needle: bytes | None = None
-        self.dropped = asyncio.Event()
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> DroppingRelay:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    def url(self, redis_url: str, redis_port: int) -> str:
-        """`redis_url` pointed at the relay."""
-        return redis_url.replace(f":{redis_port}/", f":{self.port}/")
-
-    async def _relay(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
-        server_in, server_out = await asyncio.open_connection("127.0.0.1", self.target_port)
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, watch: bool) -> None:
-            seen = b""  # the end of what went before, for a needle split between two reads
-            try:
-                while data := await src.read(65536):
-                    if watch and self.needle is not None and self.needle in seen + data:
-                        self.needle = None
-                        self.dropped.set()
-                        return
-                    seen = data[-64:]
-                    dst.write(data)
-                    await dst.drain()
-            except OSError:
-                pass
-            finally:
-                client_out.transport.abort()
-                server_out.transport.abort()
-
-        await asyncio.gather(pump(client_in, server_out, True), pump(server_in, client_out, False))
 
 
 @pytest.fixture
@@ -94,13 +44,14 @@ async def test_a_connection_dropped_while_the_worker_appends_its_news_leaves_its
     keys = Keys()
     ledger = Ledger(redis_client, keys)
     queues = TaskQueues(redis_client, keys, ledger)
-    async with DroppingRelay(redis_server.port) as relay:
-        worker_redis = open_redis(relay.url(redis_url, redis_server.port))
+    parts = urlsplit(redis_url)
+    async with redis_proxy(parts.hostname or "127.0.0.1", redis_server.port) as relay:
+        worker_redis = open_redis(relay.url(parts.password))
         try:
             async with running_agent(worker_redis, hosts.url("a"), fast_config("a")):
                 # Running a task loads model m on the backend, so the next beat appends a
                 # WorkerChanged; the connection it is sent on drops.
-                relay.needle = b"WorkerChanged"
+                relay.drop_on(b"WorkerChanged")
                 await submit_task(
                     queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")])
                 )

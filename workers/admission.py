@@ -116,11 +116,12 @@ class RouterGate:
                 log.debug("leaving %s: %s", decision.task_id, decision.reason)
             return Admission(held_back=decision.task_id is not None, cursors=cursors)
         log.debug("taking %s: %s", decision.task_id, decision.reason)
-        position = int(decision.numbers.get("position", 1.0))
+        # The plan gave me task #k: up to k - 1 others may take theirs first (k within the real backlog).
         queued = len(backlog.get(decision.digest, ()))
+        slack = 0 if decision.position is None else max(0, min(decision.position, queued) - 1)
         return Admission(
             queue=self.keys.queue(decision.digest),
             entry_id=decision.entry_id,
-            slack=max(0, min(position, queued) - 1),
+            slack=slack,
             cursors=cursors,
         )

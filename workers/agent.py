@@ -557,7 +557,7 @@ class WorkerAgent:
         task = entry.task
         try:
             if task.deadline_ms is not None and now_ms() > task.deadline_ms:
-                await self._expire(run)
+                await self._expire(run, task.deadline_ms)
                 return
             local = self.local_name(task.digest)
             if local is None:
@@ -843,11 +843,10 @@ class WorkerAgent:
         run.closing = True
         await self.queues.finish(entry.queue, entry.entry_id, self.name)
 
-    async def _expire(self, run: Running) -> None:
-        """A task taken after its deadline: nobody waits for it any more, so it never runs."""
+    async def _expire(self, run: Running, deadline: int) -> None:
+        """A task taken after its `deadline`: nobody waits for it any more, so it never runs."""
         entry = run.entry
         task = entry.task
-        deadline = task.deadline_ms or 0
         late = now_ms() - deadline
         log.info(
             "task %s expired %.1fs before %s took it; not running it", task.task_id, late / 1000, self.name

@@ -6,6 +6,8 @@ Connections through it forward both ways until told otherwise:
 - `hang_all()`: every connection, and every new one, stops forwarding (a black hole), until `heal()`.
 - `mute_reply_after(trigger)`: the next connection whose client sends `trigger` gets its request
   through, and then hears nothing back: a write applied by Redis whose reply was lost.
+- `drop_on(trigger)`: the next connection whose client sends `trigger` is closed at once, its
+  request never forwarded: what a client sees when Redis dies while the command is in flight.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class _Link:
     def __init__(self) -> None:
         self.frozen = False
         self.muted = False
+        # The end of what the client sent before, for a trigger split between two reads.
+        self.seen = b""
         self.tasks: list[asyncio.Task[None]] = []
         self.writers: list[asyncio.StreamWriter] = []
 
@@ -35,7 +39,9 @@ class RedisProxy:
         self._links: list[_Link] = []
         self._black_hole = False
         self._trigger: bytes | None = None
+        self._drop: bytes | None = None
         self.muted_replies = 0
+        self.dropped = asyncio.Event()
 
     def url(self, password: str | None = None, db: int = 0) -> str:
         auth = f":{password}@" if password else ""
@@ -70,6 +76,9 @@ class RedisProxy:
     def mute_reply_after(self, trigger: bytes) -> None:
         self._trigger = trigger
 
+    def drop_on(self, trigger: bytes) -> None:
+        self._drop = trigger
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = _Link()
         link.frozen = self._black_hole
@@ -95,10 +104,18 @@ class RedisProxy:
                     break
                 if link.frozen:
                     continue  # swallowed: the other side never hears of it
-                if upstream and self._trigger is not None and self._trigger in data:
-                    self._trigger = None
-                    link.muted = True
-                    self.muted_replies += 1
+                if upstream:
+                    window, link.seen = link.seen + data, data[-64:]
+                    if self._drop is not None and self._drop in window:
+                        self._drop = None
+                        self.dropped.set()
+                        for other in link.writers:
+                            other.transport.abort()
+                        return
+                    if self._trigger is not None and self._trigger in window:
+                        self._trigger = None
+                        link.muted = True
+                        self.muted_replies += 1
                 if not upstream and link.muted:
                     continue
                 writer.write(data)
