@@ -339,6 +339,12 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
                 what="the new task, run, in the recent tasks",
             )
 
+            # Clicking a task shows its routing breakdown with every field's source (first: the worker
+            # filter below hides the task when the other machine ran it).
+            await page.click(f"#tasks tbody tr[data-task='{live_id}']")
+            breakdown = await page.wait_for(
+                "document.querySelector('#task-detail table.breakdown')?.innerText", what="a task's breakdown"
+            )
             # Clicking a worker shows its rows only.
             await page.click("#fleet tr[data-worker='rtx3070ti']")
             detail = await page.wait_for(
@@ -353,11 +359,6 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
                 "[...document.querySelectorAll('#chart g.series.dim')].map(g => g.dataset.worker)"
             )
 
-            # Clicking a task shows its routing breakdown with every field's source.
-            await page.click(f"#tasks tbody tr[data-task='{live_id}']")
-            breakdown = await page.wait_for(
-                "document.querySelector('#task-detail table.breakdown')?.innerText", what="a task's breakdown"
-            )
             await page.screenshot(ARTIFACTS / "dashboard.png")
 
             requests = [r["request"]["url"] for r in browser.of("Network.requestWillBeSent")]
