@@ -127,6 +127,9 @@ class Cached(Generic[T]):
         self._at = 0.0
         self._lock = asyncio.Lock()
 
+    def stale(self) -> bool:
+        return self._value is None or time.monotonic() - self._at >= self._ttl_s
+
     async def get(self, fresh: bool = False) -> T:
         if not fresh and self._value is not None and time.monotonic() - self._at < self._ttl_s:
             return self._value
@@ -167,6 +170,10 @@ class LiveView:
 
     async def _load_leases(self) -> dict[str, LeaseInfo]:
         return await live_workers(self.redis, self.keys)
+
+    def leases_stale(self) -> bool:
+        """True when the next `leases()` reads Redis."""
+        return self._leases.stale()
 
     async def _load_evidence(self) -> Evidence:
         now = now_ms()

@@ -115,6 +115,8 @@ class WorkerAgent:
         self._last_ask = 0.0
         # Takes in a row that found the head moved since the gate looked.
         self._missed = 0
+        # Work is likely waiting: the last wait woke on a shared queue, or a task was just taken.
+        self.expects_work = True
         # The pinned stream's cursor after the last look that found it empty (None: look next time).
         self._pinned_cursor: str | None = None
         self._pinned_looked = 0.0
@@ -424,6 +426,7 @@ class WorkerAgent:
         taken = await self.queues.take(admission.queue, self.name, admission.entry_id, admission.slack)
         if taken.entry_id:
             self._missed = 0
+            self.expects_work = True
             self._start(admission.queue, taken)
             return None
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
@@ -451,12 +454,15 @@ class WorkerAgent:
         if wait.held_back:
             streams[self.keys.events] = "$"
             block_ms = self.config.recheck_ms
+        self.expects_work = False
         # A hard deadline as well: on a half-open connection the read would wait for the client's
         # socket timeout; cancelled, its connection is dropped and the next read takes a fresh one.
         with contextlib.suppress(TimeoutError):
             woke = await asyncio.wait_for(self.ledger.wait_on(streams, block_ms), block_ms / 1000 + 1.0)
             if self.pinned in woke:
                 self._pinned_cursor = None
+            # A queue's new entry, or ledger news while work was held back: the gate will decide.
+            self.expects_work = bool(woke)
         if wait.held_back:
             # Asked again no sooner than recheck_min_ms after the last time: a busy ledger wakes a
             # held-back worker on every event.
