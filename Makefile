@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/projector_start.py
 	$(BIN)/python bench/longrun.py
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/task_events.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -106,7 +106,8 @@ async def read_task(task_id: str, request: Request) -> JSON:
 
 @router.get("/v1/tasks/{task_id}/events")
 async def task_events(task_id: str, request: Request) -> JSON:
-    """The task's history from the ledger, in order (reads the whole ledger: slow on a big one)."""
+    """The task's history from the ledger, in order: the entries its row lists and the unfolded
+    tail (O(events of the task), not O(ledger))."""
     gw = gateway(request)
     found = await gw.retrying(lambda: gw.events_of(task_id))
     if not found:

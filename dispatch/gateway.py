@@ -36,12 +36,11 @@ from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQ
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
-from events.codec import decode_rows
-from events.compression import unpack
 from events.event import Event, TaskCancelled, TaskSubmitted, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.errors import ProjectionError
+from projections.index import Found, task_events
 from projections.reader import get_task
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, settle
@@ -362,28 +361,13 @@ class Gateway:
         return out
 
     async def events_of(self, task_id: str) -> list[tuple[str, Event]]:
-        """The task's events, by reading the whole ledger in chunks: O(ledger), fine for now.
+        """The task's events, in order, from the entry index (projections/index.py): the entries
+        its row lists and the unfolded tail, never the whole ledger."""
+        return (await self.history(task_id)).events
 
-        An index by task (or the projection keeping each task's entry ids) would make this O(1).
-        """
-        found: list[tuple[str, Event]] = []
-        needle = task_id.encode()
-        async for batch in self.ledger.read_raw(chunk=5000):
-            # Filter on the bytes first (decompressed: the task id is not visible in zstd's output):
-            # decoding every event of the ledger is the expensive part.
-            hits = [(i, flat) for i, flat in batch if any(needle in _plain(part) for part in flat[1::2])]
-            for entry_id, event in decode_rows(hits, lambda exc: None):
-                if getattr(event, "task_id", None) == task_id:
-                    found.append((entry_id, event))
-        return found
-
-
-def _plain(value: bytes) -> bytes:
-    """A field's value with a compressed event's data decompressed (anything unreadable as is)."""
-    try:
-        return unpack(value)
-    except ValueError:
-        return value
+    async def history(self, task_id: str) -> Found:
+        """As `events_of`, with what the lookup read (and whether the unfolded tail was cut)."""
+        return await task_events(self.redis, self.keys, task_id)
 
 
 def _d(raw: bytes | None) -> str | None:

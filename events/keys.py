@@ -126,7 +126,8 @@ class Keys:
 
     def table(self, ns: str, name: str) -> str:
         # One projection table (hash) of namespace `ns`, or one day shard of one (`tasks:20251124`,
-        # named by projections/store.py shard_name); the hash tag keeps a namespace in one slot.
+        # `pipelines:20251124`: the entry index; named by projections/store.py shard_name); the hash
+        # tag keeps a namespace in one slot.
         return f"{self.prefix}p:{{{ns}}}:{name}"
 
     def checkpoint(self, ns: str) -> str:

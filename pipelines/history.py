@@ -27,6 +27,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from pipelines.state import read_state
 from projections.errors import ProjectionError
+from projections.index import pipeline_events
 from projections.reader import get_tasks
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, fold_status
@@ -127,12 +128,16 @@ class _Part:
 
 
 async def pipeline_from_ledger(ledger: Ledger, pipeline_id: str) -> dict[str, Any] | None:
-    """The tree as the ledger tells it, for a pipeline whose hash expired (no prompts, no text)."""
+    """The tree as the ledger tells it, for a pipeline whose hash expired (no prompts, no text).
+
+    Only the pipeline's own events and its tasks' are read, through the entry index
+    (projections/index.py); an unknown id costs a few row lookups, not a scan of the ledger."""
+    found = await pipeline_events(ledger.redis, ledger.keys, pipeline_id)
     started: PipelineStarted | None = None
     completed: PipelineCompleted | None = None
     added: list[PipelineChildAdded] = []
     tasks: dict[str, _Part] = {}
-    async for _, event in ledger.read():
+    for _, event in found.events:
         if isinstance(event, PipelineStarted) and event.pipeline_id == pipeline_id:
             started = event
         elif isinstance(event, PipelineChildAdded) and event.pipeline_id == pipeline_id:

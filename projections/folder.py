@@ -32,14 +32,17 @@ from events.event import (
     WorkerOffline,
     WorkerOnline,
 )
+from projections.mention import Mention
 from projections.snapshot import (
     DemandRow,
     FleetRow,
     LengthRow,
+    PipelineRow,
     QualityRow,
     SpeedRow,
     Stamped,
     TaskRow,
+    add_entry,
     fold,
 )
 from projections.status import fold_status
@@ -155,21 +158,42 @@ class Folder:
         self.dirty_tasks: set[str] = set()
         self.dirty_demand: set[str] = set()
         self.new_benched: set[tuple[str, str]] = set()
-        # The stream-id ms of the entry being folded: a row or mark it creates lives in its day shard.
+        self.dirty_pipelines: set[str] = set()
+        # The stream id (ms, seq) of the entry being folded: a row or mark it creates lives in the
+        # day shard of its ms, and the row lists the id.
         self._entry_ms = 0
+        self._entry_seq = 0
         # The in-flight list of each fleet row as a set while folding; written back by `flush_fleet`.
         self._in_flight: dict[str, set[str]] = {w: set(r.in_flight) for w, r in tables.fleet.items()}
         self._handlers: dict[type[Event], Callable[[Any], None]] = {
             kind: getattr(self, name) for kind, name in HANDLERS.items()
         }
 
-    def apply(self, event: Event, entry_ms: int = 0) -> None:
-        """Fold one event (`entry_ms`: the ms part of its ledger entry id); types that feed no
-        table are ignored. A task row or benchmark mark not in `tables` is taken to be new."""
+    def apply(self, event: Event, entry_ms: int = 0, entry_seq: int = 0) -> None:
+        """Fold one event (`entry_ms`, `entry_seq`: the parts of its ledger entry id); types that
+        feed no table are ignored. A task row or benchmark mark not in `tables` is taken to be new."""
         handler = self._handlers.get(type(event))
         if handler is not None:
-            self._entry_ms = entry_ms
+            self._entry_ms, self._entry_seq = entry_ms, entry_seq
             handler(event)
+
+    def mention(self, m: Mention, entry_ms: int, entry_seq: int) -> None:
+        """List an entry that names a task or a pipeline (projections/mention.py) on their rows.
+
+        A pipeline's own event creates its row if needed; a mere mention of a task is listed only
+        on a row that exists already (a routing decision or a grade makes no task), so that the
+        index lists a task's entries from its first event on, as replay's fold does."""
+        if m.task_id:
+            row = self.tables.tasks.get(m.task_id)
+            if row is not None:
+                add_entry(row.entries, entry_ms, entry_seq)
+                self.dirty_tasks.add(m.task_id)
+        if m.pipeline_event and m.pipeline_id:
+            self._entry_ms = entry_ms
+            pipeline = self._pipeline(m.pipeline_id)
+            add_entry(pipeline.entries, entry_ms, entry_seq)
+            if m.task_id and m.task_id not in pipeline.tasks:
+                pipeline.tasks.append(m.task_id)
 
     def clear_dirty(self) -> None:
         """Forget which rows changed (after they were written)."""
@@ -181,6 +205,7 @@ class Folder:
             self.dirty_tasks,
             self.dirty_demand,
             self.new_benched,
+            self.dirty_pipelines,
         ):
             s.clear()
 
@@ -196,7 +221,17 @@ class Folder:
         if row is None:
             row = self.tables.tasks[e.task_id] = TaskRow(task_id=e.task_id, first_ms=self._entry_ms)
         row.status = fold_status(row.status, e)
+        add_entry(row.entries, self._entry_ms, self._entry_seq)
         self.dirty_tasks.add(e.task_id)
+        return row
+
+    def _pipeline(self, pipeline_id: str) -> PipelineRow:
+        row = self.tables.pipelines.get(pipeline_id)
+        if row is None:
+            row = self.tables.pipelines[pipeline_id] = PipelineRow(
+                pipeline_id=pipeline_id, first_ms=self._entry_ms
+            )
+        self.dirty_pipelines.add(pipeline_id)
         return row
 
     def _fleet(self, worker: str) -> FleetRow:
@@ -247,6 +282,10 @@ class Folder:
     # -- tasks ---------------------------------------------------------------------------------
     def _submitted(self, e: TaskSubmitted) -> None:
         row = self._task(e)
+        if e.pipeline_id:
+            pipeline = self._pipeline(e.pipeline_id)
+            if e.task_id not in pipeline.tasks:
+                pipeline.tasks.append(e.task_id)
         if row.submitted_at is not None:
             return  # a repeated submission: the first one describes the task and counts as demand
         row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue

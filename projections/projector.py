@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -38,6 +38,7 @@ from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
 from projections.folder import FOLDED_TYPES, TASK_EVENTS, Folder
+from projections.mention import Mention, read_mention
 from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from projections.store import TableChange
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables, pair_key, split_pair
@@ -229,12 +230,23 @@ class Projector:
         try:
             poison: list[UndecodableEntryError] = []
             batch = list(decode_rows([r for r in rows if not _ignored(r[1])], poison.append))
+            # The entries that name a task or a pipeline, for the entry index: read apart, with a
+            # decoder that takes the names only (routing decisions are otherwise never decoded).
+            mentions = {entry_id: m for entry_id, flat in rows if (m := read_mention(flat)) is not None}
             checkpoint, folded = rows[-1][0], tables.folded + len(rows)
             # Ledger time, not a clock: which shards are kept is a function of the history.
             now = _entry_ms(checkpoint)
-            await self._load_rows(tables, batch, now)
-            for entry_id, event in batch:
-                folder.apply(event, _entry_ms(entry_id))
+            await self._load_rows(tables, batch, mentions, now)
+            events = dict(batch)
+            for entry_id, _ in rows:
+                event, m = events.get(entry_id), mentions.get(entry_id)
+                if event is None and m is None:
+                    continue
+                ms, _, seq = entry_id.partition("-")
+                if event is not None:
+                    folder.apply(event, int(ms), int(seq))
+                if m is not None:
+                    folder.mention(m, int(ms), int(seq))
             folder.flush_fleet()
             changes = _changes(folder, tables, now)
             drop = [
@@ -257,6 +269,7 @@ class Projector:
             # Task rows and marks are kept for one batch only: they grow with history.
             tables.tasks.clear()
             tables.benched.clear()
+            tables.pipelines.clear()
         if result == store.NOT_OWNER:
             self.tables = None
             raise LeaseLostError(f"namespace {self.ns} was adopted by another projector")
@@ -269,9 +282,16 @@ class Projector:
         self.folded += len(rows)
         return len(rows)
 
-    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]], now: int) -> None:
-        """Read into `tables` the task rows and benchmark marks the batch touches (and nothing
-        else), in one pipeline (and one more for rows older than the newest two day shards)."""
+    async def _load_rows(
+        self,
+        tables: Tables,
+        batch: Sequence[tuple[str, Event]],
+        mentions: Mapping[str, Mention],
+        now: int,
+    ) -> None:
+        """Read into `tables` the task rows, benchmark marks and pipeline rows the batch touches
+        (and nothing else), in one pipeline (and one more for rows older than the newest two day
+        shards)."""
         wanted: dict[store.ShardedField, store.Wanted] = {}
         for entry_id, event in batch:
             if isinstance(event, TASK_EVENTS):
@@ -285,6 +305,17 @@ class Projector:
                 continue
             if field not in wanted:
                 wanted[field] = store.Wanted(store.shard_day(_entry_ms(entry_id)), near)
+            if isinstance(event, TaskSubmitted) and event.pipeline_id:
+                day = store.shard_day(_entry_ms(entry_id))
+                wanted.setdefault((store.PIPELINES, event.pipeline_id), store.Wanted(day))
+        for entry_id, m in mentions.items():
+            # A mention (a routing decision, a grade, a pipeline's step) adds to a row that exists
+            # or, for a pipeline's own event, makes one: any live shard may hold it.
+            day = store.shard_day(_entry_ms(entry_id))
+            if m.task_id:
+                wanted.setdefault((store.TASKS, m.task_id), store.Wanted(day))
+            if m.pipeline_event and m.pipeline_id:
+                wanted.setdefault((store.PIPELINES, m.pipeline_id), store.Wanted(day))
         assert self.ns is not None
         found = await store.find_in_shards(
             self.redis,
@@ -297,6 +328,8 @@ class Projector:
         for (table, name), raw in found.items():
             if table == store.TASKS:
                 tables.tasks[name] = store.decode_task(raw)
+            elif table == store.PIPELINES:
+                tables.pipelines[name] = store.decode_pipeline(raw)
             else:
                 tables.benched[split_pair(name)] = int(raw) if raw else 0
 
@@ -364,6 +397,7 @@ def _changes(folder: Folder, t: Tables, now_ms: int) -> list[TableChange]:
         TableChange(store.DEMAND, [(k, enc(t.demand[k])) for k in folder.dirty_demand]),
         *store.task_changes([t.tasks[k] for k in folder.dirty_tasks], keep, now_ms),
         *store.bench_changes([(k, t.benched[k]) for k in folder.new_benched], keep, now_ms),
+        *store.pipeline_changes([t.pipelines[k] for k in folder.dirty_pipelines], keep, now_ms),
     ]
 
 

@@ -9,6 +9,7 @@ A namespace `ns` holds, all under the hash tag `{ns}` (one cluster slot):
     rl:p:{ns}:demand   hash  digest            -> msgpack DemandRow
     rl:p:{ns}:tasks:<yyyymmdd>    hash  task_id -> msgpack TaskRow
     rl:p:{ns}:benched:<yyyymmdd>  hash  bench_id SEP task_id -> stream ms (benchmark results counted)
+    rl:p:{ns}:pipelines:<yyyymmdd>  hash  pipeline_id -> msgpack PipelineRow (its entries and tasks)
     rl:p:{ns}:meta     hash  half_life_s, demand_half_life_s, task_retention_days, folded, built_by,
                              created_at
     rl:p:{ns}:checkpoint  string  the last ledger id folded
@@ -17,7 +18,7 @@ A namespace `ns` holds, all under the hash tag `{ns}` (one cluster slot):
 Every row carries its own per-field statistics and `updated_at`/`at`, so the timestamps are
 visible in the stored value itself. `rl:p:current` names the live namespace.
 
-Task rows and benchmark marks grow with history, so they are never read whole by the projector:
+Task rows, benchmark marks and pipeline rows grow with history, so they are never read whole by the projector:
 they live in day shards, named by the UTC day of the stream id (its ms part) of the ledger entry
 that created them. A shard is dropped once it is `task_retention_days` past its day by *ledger
 time*, the ms of the newest entry folded (the checkpoint), not by any clock: the tables stay a
@@ -42,7 +43,15 @@ import redis.asyncio as aioredis
 from events.codec import as_str
 from events.keys import Keys
 from projections.errors import ProjectionError
-from projections.snapshot import DemandRow, FleetRow, LengthRow, QualityRow, SpeedRow, TaskRow
+from projections.snapshot import (
+    DemandRow,
+    FleetRow,
+    LengthRow,
+    PipelineRow,
+    QualityRow,
+    SpeedRow,
+    TaskRow,
+)
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables, pair_key, split_pair
 
 SPEED: Final = "speed"
@@ -52,11 +61,12 @@ FLEET: Final = "fleet"
 TASKS: Final = "tasks"
 DEMAND: Final = "demand"
 BENCHED: Final = "benched"
+PIPELINES: Final = "pipelines"
 META: Final = "meta"
 # Bounded by workers x models x domains: read whole when a projector starts.
 SMALL_TABLES: Final = (SPEED, LENGTH, QUALITY, FLEET, DEMAND)
-# One row per task or benchmark result ever: day-sharded, read row by row.
-SHARDED_TABLES: Final = (TASKS, BENCHED)
+# One row per task, benchmark result or pipeline ever: day-sharded, read row by row.
+SHARDED_TABLES: Final = (TASKS, BENCHED, PIPELINES)
 TABLE_NAMES: Final = (*SMALL_TABLES, *SHARDED_TABLES)
 
 DAY_MS: Final = 86_400_000
@@ -77,6 +87,7 @@ _quality_dec: Final = msgspec.msgpack.Decoder(QualityRow)
 _fleet_dec: Final = msgspec.msgpack.Decoder(FleetRow)
 _task_dec: Final = msgspec.msgpack.Decoder(TaskRow)
 _demand_dec: Final = msgspec.msgpack.Decoder(DemandRow)
+_pipeline_dec: Final = msgspec.msgpack.Decoder(PipelineRow)
 
 # The table update and the checkpoint in one step, refused unless the caller still owns the
 # namespace (fencing) and the checkpoint is where the caller last left it.
@@ -180,6 +191,14 @@ def drop_expired(tables: Tables) -> None:
     keep, now = tables.task_retention_days, ledger_ms(tables.checkpoint)
     tables.tasks = {k: r for k, r in tables.tasks.items() if shard_alive(task_day(r, now), keep, now)}
     tables.benched = {k: ms for k, ms in tables.benched.items() if shard_alive(shard_day(ms), keep, now)}
+    tables.pipelines = {
+        k: r for k, r in tables.pipelines.items() if shard_alive(pipeline_day(r, now), keep, now)
+    }
+
+
+def pipeline_day(row: PipelineRow, ledger_ms: int) -> int:
+    """The day shard of a pipeline row."""
+    return shard_day(row.first_ms if row.first_ms is not None else ledger_ms)
 
 
 def table_keys(keys: Keys, ns: str, retention_days: int, ledger_ms: int) -> list[str]:
@@ -239,6 +258,15 @@ def decode_tasks(raw: dict[Any, Any]) -> dict[str, TaskRow]:
     return {r.task_id: r for r in rows}
 
 
+def decode_pipeline(raw: bytes) -> PipelineRow:
+    return _pipeline_dec.decode(raw)
+
+
+def decode_pipelines(raw: dict[Any, Any]) -> dict[str, PipelineRow]:
+    rows = (_pipeline_dec.decode(v) for v in raw.values())
+    return {r.pipeline_id: r for r in rows}
+
+
 def encode_mark(ms: int) -> bytes:
     """The stored value of a benchmark mark: the stream-id ms of its BenchmarkResult."""
     return str(ms).encode()
@@ -251,6 +279,14 @@ def task_changes(rows: Iterable[TaskRow], retention_days: int, now_ms: int) -> l
     for row in rows:
         by_day[task_day(row, now_ms)].append((row.task_id, encode_row(row)))
     return _shard_changes(TASKS, by_day, retention_days, now_ms)
+
+
+def pipeline_changes(rows: Iterable[PipelineRow], retention_days: int, now_ms: int) -> list[TableChange]:
+    """Pipeline rows grouped into their day shards, as `task_changes`."""
+    by_day: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
+    for row in rows:
+        by_day[pipeline_day(row, now_ms)].append((row.pipeline_id, encode_row(row)))
+    return _shard_changes(PIPELINES, by_day, retention_days, now_ms)
 
 
 def bench_changes(
@@ -285,6 +321,7 @@ def _lazy_fields(
         TableChange(DEMAND, ((k, encode_row(r)) for k, r in tables.demand.items())),
         *(task_changes(tables.tasks.values(), keep, now_ms) if tasks is None else tasks),
         *bench_changes(tables.benched.items(), keep, now_ms),
+        *pipeline_changes(tables.pipelines.values(), keep, now_ms),
     ]
 
 
@@ -344,11 +381,14 @@ async def _load_shards(redis: aioredis.Redis, keys: Keys, ns: str, tables: Table
     for day in days:
         pipe.hgetall(keys.table(ns, shard_name(TASKS, day)))
         pipe.hgetall(keys.table(ns, shard_name(BENCHED, day)))
+        pipe.hgetall(keys.table(ns, shard_name(PIPELINES, day)))
     replies: list[Any] = await pipe.execute()
     # Oldest first, so that a row somehow present in two shards is the newest one's.
-    for tasks, marks in reversed(list(zip(replies[::2], replies[1::2], strict=True))):
+    shards = zip(replies[::3], replies[1::3], replies[2::3], strict=True)
+    for tasks, marks, pipelines in reversed(list(shards)):
         tables.tasks.update(decode_tasks(tasks))
         tables.benched.update(decode_marks(marks))
+        tables.pipelines.update(decode_pipelines(pipelines))
 
 
 def decode_marks(raw: Mapping[Any, Any]) -> dict[tuple[str, str], int]:

@@ -15,6 +15,7 @@ from projections.snapshot import (
     DemandRow,
     FleetRow,
     LengthRow,
+    PipelineRow,
     QualityRow,
     SpeedRow,
     TaskRow,
@@ -49,6 +50,9 @@ class Tables:
     # the stream-id ms of its ledger entry, which names its day shard. As `tasks`: the live
     # projector holds only the marks its batch touches.
     benched: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Where each pipeline's history is in the ledger: day-sharded, and held by the live projector
+    # for one batch only, as `tasks`.
+    pipelines: dict[str, PipelineRow] = field(default_factory=dict)
 
 
 def pair_key(a: str, b: str) -> str:

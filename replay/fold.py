@@ -30,6 +30,7 @@ from projections.snapshot import (
     DemandRow,
     FleetRow,
     LengthRow,
+    PipelineRow,
     QualityRow,
     SpeedRow,
     Stamped,
@@ -39,7 +40,7 @@ from projections.snapshot import (
 from projections.status import TERMINAL_RANK
 from projections.store import DAY_MS, decode_task, oldest_live_day
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
-from replay.frames import HEARTBEAT, ONLINE, Frames, Report
+from replay.frames import HEARTBEAT, MENTIONS, ONLINE, Frames, Report
 
 _SPEED_COLS: Final = [
     "at",
@@ -173,6 +174,7 @@ def fold_tables(
     _quality(tables, frames.frame("quality"))
     _demand(tables, frames.frame("submitted"))
     _fleet(tables, frames)
+    tables.pipelines = pipeline_rows(frames, cutoff_ms)
     return tables, task_frame(frames, counted, cutoff_ms)
 
 
@@ -369,6 +371,7 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
         .group_by(tid)
         .agg(pl.col("ms").min().alias("first_ms"))
     )
+    entries = task_entries(parts, frames.frame(MENTIONS).lazy())
     first_sub = _first(sub, tid).select(
         tid, "model", "digest", "domain", "queue", pl.col("at").alias("submitted_at"), "pipeline_id"
     )
@@ -453,7 +456,7 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
     for name, r in sorted(rank.items(), key=lambda kv: kv[1]):
         status = pl.when(pl.col("rank") == r).then(pl.lit(name)).otherwise(status)
     joined = ids
-    for part in (first_sub, last_claim, finished, completions, attempts, terminal, phase, error):
+    for part in (first_sub, last_claim, finished, completions, attempts, terminal, phase, error, entries):
         joined = joined.join(part, on=tid, how="left")
     table = joined.select(
         tid,
@@ -479,10 +482,67 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
         "pipeline_id",
         "completed_attempt",
         "first_ms",
+        "entries",
     )
     out = table.collect()
     assert tuple(out.columns) == TASK_FIELDS, out.columns
     return out
+
+
+def _packed(frame: pl.LazyFrame, key: str) -> pl.LazyFrame:
+    """Per `key`, its entries (columns seq, ms, sq) packed as projections.snapshot.add_entry packs
+    them, in ledger order: the first id's ms and seq, then per entry the ms since the one before."""
+    ms = pl.col("ms")
+    delta = (ms - ms.shift(1).over(key)).fill_null(ms)
+    return (
+        frame.sort("seq")
+        .with_columns(delta.alias("dms"))
+        .group_by(key)
+        .agg(pl.concat_list("dms", "sq").list.explode(keep_nulls=False, empty_as_null=False).alias("entries"))
+    )
+
+
+def task_entries(parts: dict[str, pl.LazyFrame], mentions: pl.LazyFrame) -> pl.LazyFrame:
+    """Per task, the ids of its entries (TaskRow.entries): every entry of the kinds that fold into
+    its row, and the mentions of it (projections/mention.py) after the first of those, as the live
+    projector lists a mention only on a row that exists."""
+    tid = "task_id"
+    own = pl.concat([part.select("seq", "ms", "sq", tid) for part in parts.values()])
+    first = own.group_by(tid).agg(pl.col("seq").min().alias("first_seq"))
+    later = (
+        mentions.filter(pl.col(tid).is_not_null())
+        .join(first, on=tid, how="inner")
+        .filter(pl.col("seq") > pl.col("first_seq"))
+        .select("seq", "ms", "sq", tid)
+    )
+    return _packed(pl.concat([own, later]), tid)
+
+
+def pipeline_rows(frames: Frames, cutoff_ms: int | None = None) -> dict[str, PipelineRow]:
+    """Every pipeline's row: created by the first entry naming it (a task submitted for it, or one
+    of its own events), with its own events' ids and its tasks in the order first named. With
+    `cutoff_ms`, a pipeline with an entry before it is left out (as `task_frame` leaves tasks)."""
+    pid, tid = "pipeline_id", "task_id"
+    submitted = (
+        frames.frame("submitted")
+        .lazy()
+        .filter(pl.col(pid).is_not_null() & (pl.col(pid) != ""))
+        .select("seq", "ms", "sq", pid, tid, pl.lit(False).alias("pipe"))
+    )
+    own = frames.frame(MENTIONS).lazy().filter(pl.col("pipe") & pl.col(pid).is_not_null())
+    named = pl.concat([submitted, own.select("seq", "ms", "sq", pid, tid, "pipe")]).sort("seq")
+    heads = named.group_by(pid).agg(
+        pl.col("ms").first().alias("first_ms"),
+        pl.col(tid).drop_nulls().unique(maintain_order=True).cast(pl.String).alias("tasks"),
+    )
+    if cutoff_ms is not None:
+        heads = heads.filter(pl.col("first_ms") >= cutoff_ms)
+    entries = _packed(named.filter(pl.col("pipe")).select("seq", "ms", "sq", pid), pid)
+    table = heads.join(entries, on=pid, how="left").collect()
+    return {
+        p: PipelineRow(pipeline_id=p, first_ms=first, entries=packed or [], tasks=tasks)
+        for p, first, tasks, packed in table.select(pid, "first_ms", "tasks", "entries").iter_rows()
+    }
 
 
 def encoded_task_rows(table: pl.DataFrame) -> Iterator[tuple[str, bytes]]:

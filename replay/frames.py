@@ -44,6 +44,7 @@ from events.event import (
 )
 from events.ledger import PoisonHandler, WireEntry
 from projections.folder import FOLDED_TYPES
+from projections.mention import MENTION_TAGS, Mention, mention_in, mention_of, read_mention
 from replay import segment
 from replay.segment import IdKey
 
@@ -203,6 +204,7 @@ def _schema(columns: Columns) -> dict[str, Any]:
     return {
         "seq": _I64,
         "ms": _I64,
+        "sq": _I64,
         **{name: frame_dtype(name, dtype) for name, (dtype, _) in columns.items()},
     }
 
@@ -212,6 +214,28 @@ def _ms(entry_id: bytes | str) -> int:
     if isinstance(entry_id, bytes):
         return int(entry_id.partition(b"-")[0])
     return int(entry_id.partition("-")[0])
+
+
+def _sq(entry_id: bytes | str) -> int:
+    """The seq part of a stream entry id."""
+    if isinstance(entry_id, bytes):
+        return int(entry_id.partition(b"-")[2] or b"0")
+    return int(entry_id.partition("-")[2] or "0")
+
+
+# The entries that name a task or a pipeline without folding into a row (projections/mention.py),
+# for the entry index: `task_id` and `pipeline_id` null when the entry names none, `pipe` true for
+# a pipeline's own event.
+MENTIONS: Final = "mentions"
+_MENTION_SCHEMA: Final[dict[str, Any]] = {
+    "seq": _I64,
+    "ms": _I64,
+    "sq": _I64,
+    "task_id": TASK_ID,
+    "pipeline_id": _STR,
+    "pipe": _BOOL,
+}
+_MENTION_NAMES: Final = {tag.decode(): pipe for tag, pipe in MENTION_TAGS.items()}
 
 
 # The envelope tags the frames take, and the class each tag's data must decode to.
@@ -303,6 +327,7 @@ class Frames:
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
         self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
         self._pending = 0
+        self._mentions: dict[str, list[Any]] = {name: [] for name in _MENTION_SCHEMA}
         # Per kind, the last `seq` of its parts, and the kinds whose parts are not in ledger order
         # (an archive segment's typed frames went in beside buffered events of the kind): `frame`
         # sorts only those.
@@ -321,7 +346,20 @@ class Frames:
         """
         base = self._seq
         self._seq = base + len(rows)
+        for i, (entry_id, flat) in enumerate(rows, base):
+            m = read_mention(flat)
+            if m is not None:
+                self._mention(i, _ms(entry_id), _sq(entry_id), m)
         self._route(rows, range(base, base + len(rows)), on_poison)
+
+    def _mention(self, seq: int, ms: int, sq: int, m: Mention) -> None:
+        columns = self._mentions
+        columns["seq"].append(seq)
+        columns["ms"].append(ms)
+        columns["sq"].append(sq)
+        columns["task_id"].append(m.task_id or None)
+        columns["pipeline_id"].append(m.pipeline_id or None)
+        columns["pipe"].append(m.pipeline_event)
 
     def _route(self, rows: Sequence[WireEntry], seqs: Sequence[int], on_poison: PoisonHandler | None) -> None:
         """Decode what the tables read of `rows`, the i-th at ledger position `seqs[i]`."""
@@ -358,7 +396,8 @@ class Frames:
             # Something unusual in this chunk: the codec's careful per-entry path, in ledger order.
             decoded = self._careful(rows, on_poison)
         for cls, index, events in decoded:
-            self._take(cls, [seqs[i] for i in index], [_ms(rows[i][0]) for i in index], events)
+            ids = [rows[i][0] for i in index]
+            self._take(cls, [seqs[i] for i in index], list(map(_ms, ids)), list(map(_sq, ids)), events)
 
     @staticmethod
     def _careful(
@@ -383,7 +422,9 @@ class Frames:
             bucket[1].append(event)
         return [(kind, seqs, events) for kind, (seqs, events) in buckets.items()]
 
-    def _take(self, kind: type[Event], seqs: list[int], ms: list[int], events: list[Event]) -> None:
+    def _take(
+        self, kind: type[Event], seqs: list[int], ms: list[int], sq: list[int], events: list[Event]
+    ) -> None:
         self.events += len(events)
         self._pending += len(events)
         if kind in REPORT_KINDS:
@@ -397,9 +438,15 @@ class Frames:
             # Columns are taken at once so that the chunk's event objects are dropped early.
             columns = self._columns.get(kind)
             if columns is None:
-                columns = self._columns[kind] = {"seq": [], "ms": [], **{c: [] for c in KINDS[kind][1]}}
+                columns = self._columns[kind] = {
+                    "seq": [],
+                    "ms": [],
+                    "sq": [],
+                    **{c: [] for c in KINDS[kind][1]},
+                }
             columns["seq"].extend(seqs)
             columns["ms"].extend(ms)
+            columns["sq"].extend(sq)
             top, nested = _GETTERS[kind]
             for col, get in top:
                 columns[col].extend(map(get, events))
@@ -414,18 +461,22 @@ class Frames:
         """Take a decoded batch, in ledger order (each event counts as one ledger position)."""
         base = self._seq
         self._seq = base + len(batch)
-        buckets: dict[type[Event], tuple[list[int], list[int], list[Event]]] = {}
+        buckets: dict[type[Event], tuple[list[int], list[int], list[int], list[Event]]] = {}
         for i, (entry_id, event) in enumerate(batch, base):
             kind = type(event)
+            m = mention_in(event)
+            if m is not None:
+                self._mention(i, _ms(entry_id), _sq(entry_id), m)
             bucket = buckets.get(kind)
             if bucket is None:
-                bucket = buckets[kind] = ([], [], [])
+                bucket = buckets[kind] = ([], [], [], [])
             bucket[0].append(i)
             bucket[1].append(_ms(entry_id))
-            bucket[2].append(event)
-        for kind, (seqs, ms, events) in buckets.items():
+            bucket[2].append(_sq(entry_id))
+            bucket[3].append(event)
+        for kind, (seqs, ms, sq, events) in buckets.items():
             if kind in _GETTERS or kind in REPORT_KINDS:
-                self._take(kind, seqs, ms, events)
+                self._take(kind, seqs, ms, sq, events)
 
     def add_segment(
         self, path: Path, upto: IdKey | None = None, on_poison: PoisonHandler | None = None
@@ -468,6 +519,7 @@ class Frames:
                 [
                     (pl.col("pos").cast(_I64) + base).alias("seq"),
                     pl.col(segment.MS).alias("ms"),
+                    pl.col(segment.SEQ).cast(_I64).alias("sq"),
                     *[pl.col(c).cast(frame_dtype(c, dtype)) for c, (dtype, _) in columns.items()],
                 ],
                 mine if where is None else where & mine,
@@ -491,6 +543,19 @@ class Frames:
         if picked.height:
             seqs = (picked["pos"].cast(_I64) + base).to_list()
             self._route(list(segment.wire_rows(picked)), seqs, on_poison)
+        # Mentions are read from each entry's `data` with the names-only decoder, as the live
+        # projector reads them (a routing decision has no typed columns in a segment).
+        named = kind.is_in(list(_MENTION_NAMES)) & pl.col(segment.RAW).is_null()
+        mentioned = segment.read_segment(
+            path,
+            [segment.MS, segment.SEQ, segment.KIND, segment.BODY, "pos"],
+            named if where is None else where & named,
+            index="pos",
+        )
+        for ms, sq, tag, body, pos in mentioned.iter_rows():
+            m = None if body is None else mention_of(body, _MENTION_NAMES[tag])
+            if m is not None:
+                self._mention(pos + base, ms, sq, m)
         return count, f"{last_ms}-{last_sq}"
 
     def flush(self) -> None:
@@ -499,6 +564,9 @@ class Frames:
             name, spec = KINDS[kind]
             self._append(name, pl.DataFrame(columns, schema=_schema(spec)))
         self._columns = {}
+        if self._mentions["seq"]:
+            self._append(MENTIONS, pl.DataFrame(self._mentions, schema=_MENTION_SCHEMA))
+            self._mentions = {name: [] for name in _MENTION_SCHEMA}
         for kind, (seqs, events) in self._new_reports.items():
             self._add_reports(seqs, events, REPORT_KINDS[kind])
             if kind is WorkerOnline:
@@ -513,6 +581,7 @@ class Frames:
             {
                 "seq": seqs,
                 "ms": [0] * len(online),
+                "sq": [0] * len(online),
                 "at": [e.at for e in online],
                 "worker": [e.worker for e in online],
                 "reason": ["online"] * len(online),
@@ -581,6 +650,8 @@ class Frames:
             return whole
         if name == "online":
             return pl.DataFrame(schema=_schema(KINDS[WorkerOffline][1]))
+        if name == MENTIONS:
+            return pl.DataFrame(schema=_MENTION_SCHEMA)
         columns = next(cols for n, cols in KINDS.values() if n == name)
         return pl.DataFrame(schema=_schema(columns))
 

@@ -87,6 +87,7 @@ def diff_tables(live: Tables, rebuilt: Tables) -> list[Difference]:
     out += diff_rows("fleet", live.fleet, rebuilt.fleet)
     out += diff_rows("tasks", live.tasks, rebuilt.tasks)
     out += diff_rows("demand", live.demand, rebuilt.demand)
+    out += diff_rows("pipelines", live.pipelines, rebuilt.pipelines)
     for key in sorted(live.benched.keys() | rebuilt.benched.keys()):
         a, b = live.benched.get(key), rebuilt.benched.get(key)
         if a != b:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.errors import LeaseLostError
+from projections.mention import Mention
 from projections.projector import Projector
 from projections.reader import get_task, get_tasks, snapshot
 from projections.snapshot import TaskRow
@@ -32,8 +33,8 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def submitted(task_id: str) -> TaskSubmitted:
-    return TaskSubmitted(at=T0, task_id=task_id, model="m", digest=D1, queue="q")
+def submitted(task_id: str, pipeline_id: str | None = None) -> TaskSubmitted:
+    return TaskSubmitted(at=T0, task_id=task_id, model="m", digest=D1, queue="q", pipeline_id=pipeline_id)
 
 
 async def append_at(redis: aioredis.Redis, keys: Keys, ms: int, event: Event) -> str:
@@ -151,8 +152,8 @@ async def test_shards_past_retention_by_ledger_time_are_dropped_and_written_by_n
     now = now_ms()
     expired_ms = now - (DEFAULT_TASK_RETENTION_DAYS + 2) * DAY_MS
     kept_ms = now - 5 * DAY_MS
-    await append_at(redis_client, keys, expired_ms, submitted("old"))
-    await append_at(redis_client, keys, kept_ms, submitted("kept"))
+    await append_at(redis_client, keys, expired_ms, submitted("old", "p-old"))
+    await append_at(redis_client, keys, kept_ms, submitted("kept", "p-kept"))
     bench = BenchmarkResult(at=T0, bench_id="b1", task_id="x", worker="w1", digest=D1, timings=timings())
     await append_at(redis_client, keys, kept_ms + 1, bench)
     await ledger.append(bench)  # a repeat days later: already counted
@@ -233,8 +234,10 @@ class SlowProjector(Projector):
     pause_s = 0.0
     on_pause: Any = None
 
-    async def _load_rows(self, tables: Tables, batch: Sequence[tuple[str, Event]], now: int) -> None:
-        await super()._load_rows(tables, batch, now)
+    async def _load_rows(
+        self, tables: Tables, batch: Sequence[tuple[str, Event]], mentions: Mapping[str, Mention], now: int
+    ) -> None:
+        await super()._load_rows(tables, batch, mentions, now)
         if self.on_pause is not None:
             await self.on_pause()
         await asyncio.sleep(self.pause_s)
