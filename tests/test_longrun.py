@@ -1,4 +1,4 @@
-"""A year of history squeezed into minutes: 2,000,000 tasks through the projector and the archive.
+"""A year of history squeezed into a minute: 200,000 tasks through the projector and the archive.
 
 The ledger's ids are spread over the year, as a ledger that lived it would hold them; the archiver
 runs as `up` would, with a one-day hot window. Afterwards nothing is lost or counted twice, the live
@@ -21,12 +21,14 @@ from events.keys import Keys
 from replay.history import History
 from sim.longrun import LongRun
 
-TASKS = 2_000_000
-MARKS = (100_000, 1_000_000, TASKS)
+# A tenth of bench/longrun.py's year (2,000,000 tasks, about 10^7 events): the properties below do
+# not depend on the count, and the full year's figures live in the benchmark, not in every test run.
+TASKS = 200_000
+MARKS = (20_000, 100_000, TASKS)
 
 
 @pytest.mark.slow
-async def test_a_year_of_two_million_tasks_folds_archives_and_rebuilds_to_the_live_tables(
+async def test_a_year_of_two_hundred_thousand_tasks_folds_archives_and_rebuilds_to_the_live_tables(
     redis_url: str, redis_client: aioredis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     archive_dir = tmp_path / "archive"
@@ -36,8 +38,8 @@ async def test_a_year_of_two_million_tasks_folds_archives_and_rebuilds_to_the_li
         archive_dir,
         tasks=TASKS,
         hot_window_s=86_400.0,
-        batch_tasks=100_000,
-        archive_every_tasks=250_000,
+        batch_tasks=20_000,
+        archive_every_tasks=25_000,
         projector_batch=10_000,
     )
     small, middle, full = await run.run(MARKS)
