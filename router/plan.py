@@ -70,7 +70,7 @@ class WorkerView(msgspec.Struct, kw_only=True, gc=False):
 def load_to_pay(worker: WorkerView, digest: str, est: Estimator, load_s: float) -> float:
     """Seconds a task of `digest` on `worker` is expected to spend loading the model first.
 
-    None where it is loaded, unless the machine has room for one model and runs another now (that
+    Nothing where it is loaded, unless the machine has room for one model and runs another now (that
     one evicted it, or will have by the time the task starts). `load_s` where it is not. For a
     backend that cannot say what is loaded, the expected load its own runs have shown
     (Estimator.unknown_load: nothing until a run showed one).
