@@ -23,6 +23,10 @@ from router.errors import RouterError
 
 router = APIRouter(tags=["fleet"])
 
+# A worker whose clock is off the ledger's by more than this many seconds is flagged: its events'
+# `at` then mislead whoever reads them (the fold bounds sample times by the ledger's clock).
+CLOCK_SKEW_S = 5.0
+
 
 def _stamped(s: Stamped, now: int) -> dict[str, Any]:
     return {"value": s.value, "at": s.at, "age_s": None if s.at is None else max(0.0, (now - s.at) / 1000)}
@@ -73,10 +77,18 @@ async def read_fleet(request: Request) -> JSON:
                 "resources": resources,
                 "last_heartbeat": seen,
                 "seen_from": "lease" if info is not None else "ledger" if row is not None else None,
+                **_clock(row.clock_offset_ms if row is not None else None),
             }
         )
     capacity = {m.name: m.slots for m in catalog(leases)}
     return JSON({"workers": workers, "capacity": capacity, "projection": evidence.error or "ok"})
+
+
+def _clock(offset_ms: int | None) -> dict[str, Any]:
+    """The worker's clock minus the ledger's (from its newest claim), and whether it is off."""
+    if offset_ms is None:
+        return {"clock_offset_s": None, "clock_skewed": None}
+    return {"clock_offset_s": offset_ms / 1000, "clock_skewed": abs(offset_ms) / 1000 > CLOCK_SKEW_S}
 
 
 def _stat(s: Stat, now: int) -> dict[str, Any]:
@@ -101,6 +113,7 @@ async def stats(request: Request) -> JSON:
                     **{
                         f: _stat(getattr(r, f), now) for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s")
                     },
+                    "decode_counted_from_stream": r.counted_n,
                 }
                 for r in snap.speed.values()
             ],

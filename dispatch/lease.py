@@ -46,6 +46,11 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     renewed_at: int = msgspec.field(default_factory=now_ms)
     # What the worker could read of its machine at `renewed_at` (for operators; no score reads it).
     resources: Resources = Resources()
+    # False: its backend cannot say what is loaded, and `loaded` means nothing (not "none loaded").
+    loaded_known: bool = True
+    # How many of the models it serves fit in its memory at once (1: loading one evicts another);
+    # None: unknown (sizes or memory not reported).
+    max_loaded: int | None = None
 
 
 _encoder: Final = msgspec.msgpack.Encoder()

@@ -87,6 +87,8 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
             slots=info.slots,
             holds={m.digest for m in served(info)},
             loaded=set(info.loaded),
+            loaded_known=info.loaded_known,
+            max_loaded=info.max_loaded,
             running=[
                 RunningTask(
                     task_id=r.task_id,

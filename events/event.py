@@ -94,6 +94,9 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
     eval_duration: ReportedNs | None = None
     load_duration: ReportedNs | None = None
     total_duration: ReportedNs | None = None
+    # How `eval_count` was obtained: None, the backend reported it; "stream", the worker counted the
+    # streamed pieces because the backend did not (an OpenAI-compatible server sending no `usage`).
+    counted: str | None = None
 
 
 class Resources(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
@@ -184,6 +187,11 @@ class TaskCompleted(Event, frozen=True, kw_only=True):
     done_reason: str | None = None
     duplicate: bool = False
     bench_id: str | None = None
+    # Whether the model was loaded before the run, from the worker's own view of what its backend
+    # had loaded (`/api/ps`): True, it was not (the run paid a load: a load sample); False, it was
+    # (any `load_duration` is a warm call's few milliseconds, not a load); None, unknown (events
+    # written before this field, a backend that cannot say and showed no load).
+    cold: bool | None = None
 
 
 class TaskFailed(Event, frozen=True, kw_only=True):
@@ -328,6 +336,8 @@ class BenchmarkResult(Event, frozen=True, kw_only=True):
     wall_ms: ReportedFloat | None = None
     in_flight: Small = 1
     prompt_id: str = ""
+    # As TaskCompleted.cold: whether this run had to load the model first.
+    cold: bool | None = None
 
 
 class QualityScored(Event, frozen=True, kw_only=True):

@@ -80,6 +80,9 @@ MAX_PROMPT_TPS: Final = 1_000_000.0
 # No model writes a million tokens in one answer; a larger count is a broken report, and one such
 # value would swamp the length table's mean.
 MAX_OUTPUT_TOKENS: Final = 1_000_000
+# A run that does not say whether it loaded the model (written before completions said so) is a
+# load sample only from this many seconds: a warm call reports milliseconds, a load seconds.
+MIN_UNKNOWN_LOAD_S: Final = 0.5
 
 RESOURCE_FIELDS: Final = (
     "cpu_percent",
@@ -112,6 +115,18 @@ def load_s(t: Timings) -> float | None:
     """Seconds the backend spent loading the model, or None when unknown or not positive."""
     d = t.load_duration
     return d / NS_PER_S if d is not None and d > 0 else None
+
+
+def cold_load_s(t: Timings, cold: bool | None) -> float | None:
+    """Seconds of a load the run really paid, or None: only a cold run is a load sample (a warm
+    call's few milliseconds of `load_duration` are not a load); a run that does not say counts
+    from `MIN_UNKNOWN_LOAD_S`, so that old history keeps its loads and drops warm calls."""
+    seconds = load_s(t)
+    if seconds is None or cold is False:
+        return None
+    if cold is None and seconds < MIN_UNKNOWN_LOAD_S:
+        return None
+    return seconds
 
 
 def ttft_s(ttft_ms: float | None) -> float | None:
@@ -260,16 +275,35 @@ class Folder:
             self._release(worker, task_id)
 
     # -- samples -------------------------------------------------------------------------------
+    def _ledger_ms(self, at: int) -> int:
+        """A sample's time, bounded by the ledger's clock: no later than its entry's stream-id time
+        (Redis's clock when it was appended), so that a worker whose clock runs ahead does not
+        look fresh forever. The producer's `at` is believed only when it says the sample is older
+        (a sample cannot be taken after the ledger recorded it; a clock that runs behind makes its
+        samples age sooner, never fresher, and /v1/fleet flags it). `at` alone where no entry id was
+        given (an event folded outside the ledger)."""
+        return min(at, self._entry_ms) if self._entry_ms else at
+
     def _speed_sample(
-        self, worker: str, digest: str, t: Timings, ttft_ms: float | None, in_flight: int, at: int
+        self,
+        worker: str,
+        digest: str,
+        t: Timings,
+        ttft_ms: float | None,
+        in_flight: int,
+        at: int,
+        cold: bool | None = None,
     ) -> None:
-        decode, prompt, load, ttft = decode_tps(t), prompt_tps(t), load_s(t), ttft_s(ttft_ms)
+        decode, prompt, load, ttft = decode_tps(t), prompt_tps(t), cold_load_s(t, cold), ttft_s(ttft_ms)
         if decode is None and prompt is None and load is None and ttft is None:
             return
         h = self.tables.half_life_s
+        at = self._ledger_ms(at)
         row = self._speed(worker, digest)
         if decode is not None:
             row.decode_tps = fold(row.decode_tps, decode, at, h)
+            if t.counted is not None:
+                row.counted_n += 1
             if in_flight >= 0:
                 row.in_flight = fold(row.in_flight, float(in_flight), at, h)
         if prompt is not None:
@@ -303,7 +337,9 @@ class Folder:
         row.claimed_at = e.at
         if row.completed_attempt is None:
             row.worker = e.worker
-        self._fleet(e.worker)
+        fleet = self._fleet(e.worker)
+        if self._entry_ms:
+            fleet.clock_offset_ms = e.at - self._entry_ms
         self._in_flight.setdefault(e.worker, set()).add(e.task_id)
 
     def _completed(self, e: TaskCompleted) -> None:
@@ -326,14 +362,14 @@ class Folder:
             # Its BenchmarkResult carries the speed sample; benchmark answers are short by design,
             # so they say nothing of output length either.
             return
-        self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at)
+        self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold)
         if t.eval_count is not None and 0 <= t.eval_count <= MAX_OUTPUT_TOKENS:
             key = (e.digest, e.domain)
             length = self.tables.length.get(key)
             if length is None:
                 length = self.tables.length[key] = LengthRow(digest=e.digest, domain=e.domain)
             length.output_tokens = fold(
-                length.output_tokens, float(t.eval_count), e.at, self.tables.half_life_s
+                length.output_tokens, float(t.eval_count), self._ledger_ms(e.at), self.tables.half_life_s
             )
             self.dirty_length.add(key)
 
@@ -410,7 +446,7 @@ class Folder:
             return
         self.tables.benched[key] = self._entry_ms
         self.new_benched.add(key)
-        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at)
+        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold)
 
     def _quality(self, e: QualityScored) -> None:
         if not valid_score(e.score):

@@ -110,6 +110,9 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     ttft_s: Stat = msgspec.field(default_factory=Stat)
     # Tasks the worker had in flight when each decode sample was taken (the concurrency fit reads it).
     in_flight: Stat = msgspec.field(default_factory=Stat)
+    # Of the decode samples, how many had their output tokens counted from the stream by the worker
+    # (the backend reported none): an approximation the breakdown names.
+    counted_n: int = 0
 
 
 class LengthRow(msgspec.Struct, kw_only=True, gc=False):
@@ -149,6 +152,9 @@ class FleetRow(msgspec.Struct, kw_only=True, gc=False):
     resources: Stamped = msgspec.field(default_factory=Stamped)  # {metric: value or None}
     # Claimed-and-not-finished tasks by the ledger's count (never self-reported load).
     in_flight: list[str] = msgspec.field(default_factory=list)
+    # The worker's clock minus the ledger's (ms), from its newest TaskClaimed: the event's `at`
+    # against its stream id's time. None: not seen claim anything.
+    clock_offset_ms: int | None = None
 
 
 class TaskRow(msgspec.Struct, kw_only=True, gc=False):

@@ -23,6 +23,7 @@ from projections.folder import (
     MAX_DECODE_TPS,
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TPS,
+    MIN_UNKNOWN_LOAD_S,
     NS_PER_S,
     resources_dict,
 )
@@ -44,6 +45,7 @@ from replay.frames import HEARTBEAT, MENTIONS, ONLINE, Frames, Report
 
 _SPEED_COLS: Final = [
     "at",
+    "ms",
     "worker",
     "digest",
     "prompt_eval_count",
@@ -53,6 +55,8 @@ _SPEED_COLS: Final = [
     "load_duration",
     "ttft_ms",
     "in_flight",
+    "cold",
+    "counted",
 ]
 _STAT_COLS: Final = ["n", "sum", "sumsq", "dn", "dsum", "dsumsq", "updated_at"]
 # The task frame's columns: TaskRow's fields, in its order, so that a row encoded from its columns
@@ -67,6 +71,12 @@ def _rate(count: str, duration: str, cap: float) -> pl.Expr:
     c, d = pl.col(count), pl.col(duration)
     value = pl.when((c > 0) & (d > 0)).then(c / (d / NS_PER_S))
     return pl.when(value <= cap).then(value)
+
+
+def ledger_ms_expr() -> pl.Expr:
+    """A sample's time bounded by its entry's stream-id ms (the ledger's clock), as
+    projections.folder takes it (Folder._ledger_ms)."""
+    return pl.when(pl.col("ms") > 0).then(pl.min_horizontal("at", "ms")).otherwise(pl.col("at"))
 
 
 def decode_tps_expr() -> pl.Expr:
@@ -186,23 +196,28 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     decode = decode_tps_expr()
     ttft = pl.col("ttft_ms")
     ld = pl.col("load_duration")
+    cold = pl.col("cold")
+    # Only a cold run is a load sample; one that does not say, from MIN_UNKNOWN_LOAD_S (cold_load_s).
+    real_load = (cold.is_null() & (ld / NS_PER_S >= MIN_UNKNOWN_LOAD_S)) | cold.fill_null(False)
     samples = raw.select(
-        "at",
+        ledger_ms_expr().alias("at"),
         "worker",
         "digest",
         decode.alias("decode_tps"),
         _rate("prompt_eval_count", "prompt_eval_duration", MAX_PROMPT_TPS).alias("prompt_tps"),
-        pl.when(ld > 0).then(ld / NS_PER_S).alias("load_s"),
+        pl.when((ld > 0) & real_load).then(ld / NS_PER_S).alias("load_s"),
         pl.when(ttft.is_finite() & (ttft > 0)).then(ttft / 1000.0).alias("ttft_s"),
         pl.when(decode.is_not_null() & (pl.col("in_flight") >= 0))
         .then(pl.col("in_flight").cast(pl.Float64))
         .alias("in_flight"),
+        (decode.is_not_null() & pl.col("counted").is_not_null()).alias("counted"),
     )
     keys = ["worker", "digest"]
     # Every field's statistics in one group_by over the samples, never materialised: each field
     # over its own non-null samples, as `stats` takes them.
     folded = samples.group_by(keys).agg(
-        *[e for field in _SPEED_FIELDS for e in _stat_exprs(field, tables.half_life_s, prefix=f"{field}.")]
+        *[e for field in _SPEED_FIELDS for e in _stat_exprs(field, tables.half_life_s, prefix=f"{field}.")],
+        pl.col("counted").sum().cast(pl.Int64).alias("counted_n"),
     )
     frame = folded.collect()
     for field in _SPEED_FIELDS:
@@ -214,12 +229,16 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
             if row is None:
                 row = tables.speed[key] = SpeedRow(worker=key[0], digest=key[1])
             setattr(row, field, stat)
+    for worker, digest, counted_n in frame.select(*keys, "counted_n").iter_rows():
+        row = tables.speed.get((worker, digest))
+        if row is not None:
+            row.counted_n = counted_n
 
 
 def _length(tables: Tables, counted: pl.LazyFrame) -> None:
     ec = pl.col("eval_count")
     samples = counted.filter((ec >= 0) & (ec <= MAX_OUTPUT_TOKENS)).select(
-        "at", "digest", "domain", ec.cast(pl.Float64).alias("x")
+        ledger_ms_expr().alias("at"), "digest", "domain", ec.cast(pl.Float64).alias("x")
     )
     keys = ["digest", "domain"]
     for key, stat in _stat_rows(stats(samples, keys, "x", tables.half_life_s), keys).items():
@@ -281,6 +300,14 @@ def _fleet(tables: Tables, frames: Frames) -> None:
         rows[worker].resources = Stamped(value=resources_dict(beat), at=at)
     for worker, task_ids in _in_flight(frames, claimed).items():
         rows[worker].in_flight = task_ids
+    # The worker's clock against the ledger's, from its newest claim (as the live fold keeps it).
+    offsets = (
+        claimed.filter(pl.col("ms") > 0)
+        .group_by("worker")
+        .agg((pl.col("at") - pl.col("ms")).sort_by("seq").last().alias("offset"))
+    )
+    for worker, offset in offsets.iter_rows():
+        rows[worker].clock_offset_ms = offset
     tables.fleet = rows
 
 

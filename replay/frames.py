@@ -78,6 +78,8 @@ _TIMINGS: Final[Columns] = {
     "load_duration": (_I64, "timings.load_duration"),
     "ttft_ms": (_F64, "ttft_ms"),
     "in_flight": (_I64, "in_flight"),
+    "cold": (_BOOL, "cold"),
+    "counted": (_STR, "timings.counted"),
 }
 
 # Per event kind: its frame name and the columns taken from it (besides `seq`).

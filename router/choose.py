@@ -193,7 +193,8 @@ def _ranking(
         fields = {
             "decode_tps": sp.decode_tps,
             "prompt_tps": sp.prompt_tps,
-            "load_s": sp.load_s,
+            # A backend that cannot say what is loaded is charged the load its runs have shown.
+            "load_s": sp.load_s if w.loaded_known else est.unknown_load(w.name, digest),
             "output_tokens": out_field,
             "quality": quality,
         }

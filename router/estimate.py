@@ -280,6 +280,8 @@ class Estimator:
         self.params = params or EstimateParams()
         self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
         speed = list(speed)
+        # Decode samples whose output tokens the worker counted from the stream: the source says so.
+        self._counted = {(row.worker, row.digest): row.counted_n for row in speed if row.counted_n}
         for row in speed:
             for f in SPEED_FIELDS:
                 c = _cell(getattr(row, f), now_ms, half_life_s)
@@ -383,9 +385,44 @@ class Estimator:
             )
             for f in SPEED_FIELDS
         }
+        counted = self._counted.get(key)
+        if counted:
+            d = fields["decode_tps"]
+            fields["decode_tps"] = msgspec.structs.replace(
+                d, source=f"{d.source}; {counted} of n counted from the stream (no usage reported)"
+            )
         est = SpeedEstimate(**fields)
         self._speed_cache[key] = est
         return est
+
+    def unknown_load(self, worker: str, digest: str) -> Field:
+        """Expected load seconds of a task on a worker whose backend cannot say what is loaded.
+
+        The load its runs have shown (the `load_s` estimate) times the share of its runs that
+        showed one (decayed weights of load samples over decode samples); 0 until a run showed a
+        load, so that an always-warm server is never charged a default load for a fact nobody has.
+        """
+        key = ("#unknown_load", worker, digest)
+        hit = self.memo.get(key)
+        if isinstance(hit, Field):
+            return hit
+        cell = self._speed_cells["load_s"].get((worker, digest))
+        if cell is None:
+            field = Field(value=0.0, n=0, source="loaded state unknown, no load seen", age_s=None, prior=0.0)
+        else:
+            runs = self._speed_cells["decode_tps"].get((worker, digest))
+            share = 1.0 if runs is None or runs.weight <= 0 else min(1.0, cell.weight / runs.weight)
+            load = self.speed(worker, digest).load_s
+            field = Field(
+                value=load.value * share,
+                n=load.n,
+                source=f"{load.source}, x {share:.2f} of runs loaded (loaded state unknown)",
+                age_s=load.age_s,
+                weight=load.weight,
+                prior=load.prior,
+            )
+        self.memo[key] = field
+        return field
 
     def concurrency(self, worker: str, digest: str) -> Concurrency:
         """How `worker` slows down running several tasks of `digest` at once (exponent 1: not at all)."""

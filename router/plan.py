@@ -61,6 +61,27 @@ class WorkerView(msgspec.Struct, kw_only=True, gc=False):
     holds: set[str]
     loaded: set[str] = msgspec.field(default_factory=set)
     running: list[RunningTask] = msgspec.field(default_factory=list)
+    # False: its backend cannot say what is loaded; `loaded` is then no evidence of anything.
+    loaded_known: bool = True
+    # How many of its models fit in its memory at once; 1: running one evicts any other. None: unknown.
+    max_loaded: int | None = None
+
+
+def load_to_pay(worker: WorkerView, digest: str, est: Estimator, load_s: float) -> float:
+    """Seconds a task of `digest` on `worker` is expected to spend loading the model first.
+
+    Nothing where it is loaded, unless the machine has room for one model and runs another now (that
+    one evicted it, or will have by the time the task starts). `load_s` where it is not. For a
+    backend that cannot say what is loaded, the expected load its own runs have shown
+    (Estimator.unknown_load: nothing until a run showed one).
+    """
+    if not worker.loaded_known:
+        return est.unknown_load(worker.name, digest).value
+    if digest not in worker.loaded:
+        return load_s
+    if worker.max_loaded == 1 and any(t.digest != digest for t in worker.running):
+        return load_s
+    return 0.0
 
 
 class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
@@ -420,12 +441,14 @@ class PlanState:
                 known[w.name] if w.name in known else slot_free_times(w, est, now_ms, params) for w in holders
             ]
         self.head = list(map(_first, self.free))
-        self.loaded = [digest in w.loaded for w in holders]
         self.sp = _speeds(est, holders, digest)
         self.fac = self.sp.fac
         self.shared = self.sp.shared
         # Load seconds a task would pay there: none once the model is loaded (or planned there).
-        self.load_left = [0.0 if ld else s for ld, s in zip(self.loaded, self.sp.load_s, strict=True)]
+        self.load_left = [
+            load_to_pay(w, digest, est, s) for w, s in zip(holders, self.sp.load_s, strict=True)
+        ]
+        self.loaded = [ld == 0.0 for ld in self.load_left]
         self.outs: dict[str, float] = {}
         self.default_prompt = params.default_prompt_tokens
         self.full_walk = params.full_walk

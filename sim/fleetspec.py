@@ -90,6 +90,12 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # False: the machine reports no CPU/GPU/VRAM (the story's laptop); only the story-original
     # policy of `sim schedule` reads it, to show what a missing metric did to that router.
     reports_resources: bool = True
+    # What a call to an already loaded model reports as `load_duration`, in ms: real Ollama reports
+    # a few milliseconds on warm calls, which are not loads.
+    warm_load_ms: float = 0.0
+    # False: the OpenAI-compatible API sends no `usage` in a stream even when asked (some servers
+    # do not), so a client must count the output itself.
+    openai_usage: bool = True
 
 
 class Fleet(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

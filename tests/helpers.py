@@ -19,7 +19,7 @@ from events.ledger import Ledger
 from sim.fleetspec import Fleet, parse_fleet
 from workers.admission import Gate
 from workers.agent import WorkerAgent
-from workers.backend import OllamaBackend
+from workers.backend import Backend, OllamaBackend, OpenAIBackend
 from workers.config import WorkerConfig
 
 T = TypeVar("T", bound=Event)
@@ -106,9 +106,15 @@ async def running_agent(
     gate: Gate | None = None,
     idle_timeout_s: float = 30.0,
     keys: Keys | None = None,
+    kind: str = "ollama",
 ) -> AsyncIterator[WorkerAgent]:
-    """A worker agent in this process, online until the block ends (then it drains)."""
-    backend = OllamaBackend(url, timeout_s=60.0, idle_timeout_s=idle_timeout_s)
+    """A worker agent in this process, online until the block ends (then it drains); `kind`
+    "openai" speaks to the machine's OpenAI-compatible API instead of Ollama's."""
+    backend: Backend = (
+        OpenAIBackend(url + "/v1", timeout_s=60.0, idle_timeout_s=idle_timeout_s)
+        if kind == "openai"
+        else OllamaBackend(url, timeout_s=60.0, idle_timeout_s=idle_timeout_s)
+    )
     agent = WorkerAgent(redis, keys or Keys(), backend, config, gate=gate)
     task = asyncio.create_task(agent.run())
     try:

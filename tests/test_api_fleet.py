@@ -5,7 +5,12 @@ from __future__ import annotations
 import httpx
 import redis.asyncio as aioredis
 
-from tests.test_api_support import fleet_and_api
+from api.app import AppConfig
+from events.event import TaskClaimed, now_ms
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.projector import Projector
+from tests.test_api_support import fleet_and_api, serving
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -76,3 +81,22 @@ async def test_a_benchmark_request_reaches_every_live_holder(
     assert sorted(b["worker"] for b in sent) == ["a", "b"] and {b["prompts"] for b in sent} == {2}
     requested = await events_of(Ledger(redis_client), BenchmarkRequested)
     assert sorted(r.worker for r in requested) == ["a", "b"]
+
+
+async def test_a_worker_whose_clock_is_off_the_ledgers_is_flagged_in_the_fleet(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await Ledger(redis_client, Keys()).append_many(
+        [
+            TaskClaimed(at=now_ms() + 3_600_000, task_id="t1", worker="ahead", digest="d" * 64, attempt=1),
+            TaskClaimed(at=now_ms(), task_id="t2", worker="true", digest="d" * 64, attempt=1),
+        ]
+    )
+    projector = Projector(redis_client, Keys())
+    await projector.start()
+    await projector.catch_up()
+    async with serving(AppConfig(redis_url=redis_url)) as base, httpx.AsyncClient(base_url=base) as http:
+        workers = {w["id"]: w for w in (await http.get("/v1/fleet")).json()["workers"]}
+    assert workers["ahead"]["clock_skewed"] is True
+    assert abs(workers["ahead"]["clock_offset_s"] - 3600) < 60
+    assert workers["true"]["clock_skewed"] is False and abs(workers["true"]["clock_offset_s"]) < 5

@@ -103,3 +103,19 @@ def test_a_backend_timing_no_ledger_column_could_hold_is_recorded_as_unknown() -
     # What the worker would append decodes again: it can never be poison.
     event = TaskCompleted(task_id="t", worker="w", digest="d", attempt=1, timings=t)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=TaskCompleted) == event
+
+
+def test_a_machine_whose_memory_cannot_hold_its_two_smallest_models_has_room_for_one() -> None:
+    from events.event import ModelEntry, Resources
+    from workers.backend import Inventory
+    from workers.resources import max_loaded
+
+    gib = 2**30
+    models = [ModelEntry(name="a", digest="a", size=5 * gib), ModelEntry(name="b", digest="b", size=4 * gib)]
+    # Loaded, `a` takes more than its file (its context): /api/ps's size is the one that counts.
+    listed = Inventory(models=models, loaded=["a"], loaded_bytes={"a": 6 * gib})
+    assert max_loaded(listed, Resources(vram_total_bytes=8 * gib, mem_total_bytes=64 * gib)) == 1
+    assert max_loaded(listed, Resources(mem_total_bytes=64 * gib)) == 2
+    assert max_loaded(listed, Resources()) is None
+    unsized = Inventory(models=[*models, ModelEntry(name="c", digest="c")], loaded=[])
+    assert max_loaded(unsized, Resources(mem_total_bytes=64 * gib)) is None

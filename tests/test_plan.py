@@ -16,6 +16,7 @@ from router.plan import (
     BacklogEntry,
     PlanParams,
     PlanState,
+    WorkerView,
     holders_by_digest,
     plan_queue,
     service,
@@ -211,3 +212,36 @@ def test_a_malformed_task_gives_no_floor_and_no_slot_free_before_now() -> None:
     assert service_floor(est, [w], QWEN, 64, 600.0, queue, 64) is None
     assert state.finish_floor(64, 600.0, backlog(QWEN, 3)) is not None
     assert service_floor(est, [w], QWEN, 64, 600.0, backlog(QWEN, 3), 64) is not None
+
+
+OTHER = "c" * 64
+
+
+def _load_paid(w: WorkerView, digest: str = QWEN) -> float:
+    rows = [
+        speed_row("rtx3070ti", QWEN, 83.0, 30, prompt=2000.0, load=3.0),
+        speed_row("rtx3070ti", OTHER, 40.0, 30, prompt=1000.0, load=6.0),
+    ]
+    est = estimator(snapshot(rows, {(QWEN, "general"): 600.0}))
+    state = PlanState([w], est, digest, NOW, PlanParams())
+    return state.load_left[0]
+
+
+def test_on_a_machine_with_room_for_one_model_running_another_evicts_the_loaded_one() -> None:
+    one = WorkerView(name="rtx3070ti", slots=1, holds={QWEN, OTHER}, loaded={QWEN}, max_loaded=1)
+    assert _load_paid(one) == 0.0
+    busy(one, OTHER, started_s_ago=1.0)
+    # It runs the other model now: qwen is no longer in memory when the next task starts.
+    assert _load_paid(one) == pytest.approx(3.0, rel=0.01)
+    roomy = WorkerView(name="rtx3070ti", slots=1, holds={QWEN, OTHER}, loaded={QWEN}, max_loaded=2)
+    busy(roomy, OTHER, started_s_ago=1.0)
+    unknown = WorkerView(name="rtx3070ti", slots=1, holds={QWEN, OTHER}, loaded={QWEN})
+    busy(unknown, OTHER, started_s_ago=1.0)
+    assert _load_paid(roomy) == 0.0 and _load_paid(unknown) == 0.0
+
+
+def test_a_worker_that_cannot_say_what_is_loaded_pays_no_default_load() -> None:
+    fresh = WorkerView(name="llamacpp", slots=1, holds={QWEN}, loaded_known=False)
+    assert _load_paid(fresh) == 0.0
+    told = WorkerView(name="llamacpp", slots=1, holds={QWEN})
+    assert _load_paid(told) > 0.0  # "nothing loaded" from a backend that can say it is a fact

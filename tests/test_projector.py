@@ -23,6 +23,7 @@ from events.event import (
     Timings,
     WorkerHeartbeat,
     WorkerOnline,
+    now_ms,
 )
 from events.keys import Keys
 from events.ledger import Ledger
@@ -388,3 +389,45 @@ async def test_a_projector_killed_mid_batch_and_restarted_counts_nothing_twice_a
     # t0..t99 were appended four times over: the repeats are duplicate completions.
     assert sum(r.decode_tps.n for r in live.speed.values()) == n
     assert sum(t.duplicates for t in live.tasks.values()) == 300
+
+
+async def test_only_cold_runs_are_load_samples_and_an_old_run_that_does_not_say_counts_only_a_real_load(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    warm = timings(load_duration=4_000_000)  # the few ms Ollama reports on a warm call
+    cold = timings(load_duration=8_000_000_000)
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            completed("t1", "w1", timings=cold, cold=True),
+            *[completed(f"w{i}", "w1", timings=warm, cold=False) for i in range(5)],
+            # Written before completions said: a warm call's milliseconds are dropped, a load kept.
+            completed("o1", "w1", timings=warm),
+            completed("o2", "w1", timings=timings(load_duration=12_000_000_000)),
+        ],
+    )
+    load = (await snapshot(redis_client, keys)).speed["w1", D1].load_s
+    assert load.n == 2 and load.mean == pytest.approx(10.0)
+
+
+async def test_a_worker_whose_clock_runs_ahead_has_its_samples_timed_by_the_ledger(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    ahead = now_ms() + 86_400_000
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            TaskClaimed(at=ahead, task_id="t1", worker="w1", digest=D1, attempt=1),
+            completed("t1", "w1", at=ahead),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    decode = snap.speed["w1", D1].decode_tps
+    assert decode.updated_at is not None and decode.updated_at <= now_ms()
+    # A day later by the reader's clock the sample is a day old, not still "fresh".
+    age = decode.age_s(now_ms() + 86_400_000)
+    assert age is not None and age > 86_000
+    offset = snap.fleet["w1"].clock_offset_ms
+    assert offset is not None and abs(offset - 86_400_000) < 60_000

@@ -49,7 +49,8 @@ from workers.config import WorkerConfig
 from workers.crash import crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.liveness import Liveness
-from workers.resources import read_resources
+from workers.resources import max_loaded, read_resources
+from workers.warmth import Warmth
 
 log = logging.getLogger("routeledger.worker")
 
@@ -144,6 +145,8 @@ class WorkerAgent:
         # What the ledger last heard of this worker's state; the machine's figures go only to the lease.
         self.liveness = Liveness(self.name, config.slots, config.serves)
         self.resources = Resources()
+        # Which models are in memory, run by run: whether a run was cold (a load sample) or warm.
+        self.warmth = Warmth()
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -241,6 +244,8 @@ class WorkerAgent:
             in_flight=len(self.running),
             inventory=list(self.inventory.models),
             loaded=list(self.inventory.loaded),
+            loaded_known=self.inventory.loaded_known,
+            max_loaded=max_loaded(self.inventory, self.resources),
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
             running=[
@@ -516,6 +521,7 @@ class WorkerAgent:
             self._inventory_changed.set()
         self.backend_ok = True
         self.inventory = inventory
+        self.warmth.listed()
 
     async def _keep_entries_alive(self) -> None:
         """Reset the idle time of every running entry still ours (TaskQueues.keep). A run
@@ -635,6 +641,9 @@ class WorkerAgent:
         pieces: list[str] = []
         buffer: list[str] = []
         t0 = time.perf_counter()
+        # Decided before the run, from what the backend last listed as loaded (workers.warmth).
+        cold = self.warmth.before(task.digest, self.inventory)
+        alone = len(self.running) <= 1
         ttft_ms: float | None = None
         last_flush = 0.0
         last_cancel_check = t0
@@ -687,6 +696,15 @@ class WorkerAgent:
         if generated is None:
             raise BackendError("disconnect", "the backend stream ended early", retryable=True)
         wall_ms = (time.perf_counter() - t0) * 1000
+        cold, timings = self.warmth.after(
+            task.digest,
+            cold,
+            generated.timings,
+            alone=alone and len(self.running) <= 1,
+            prompt_tokens=task.prompt_tokens,
+        )
+        if timings is not generated.timings:
+            generated = msgspec.structs.replace(generated, timings=timings)
         text = "".join(pieces)
         result = Result(
             task_id=task.task_id,
@@ -723,6 +741,7 @@ class WorkerAgent:
             ttft_ms=ttft_ms,
             wall_ms=wall_ms,
             in_flight=len(self.running),
+            cold=cold,
         )
         closing = finished.closing_events(counts=first)
         carried = result if stored else None

@@ -42,6 +42,10 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
 
     models: list[ModelEntry]
     loaded: list[str]
+    # False: the backend cannot say what is loaded (`loaded` is then empty and means nothing).
+    loaded_known: bool = True
+    # Bytes each loaded digest takes in memory, as the backend reports it (/api/ps `size`).
+    loaded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Backend(Protocol):
@@ -136,8 +140,17 @@ class OllamaBackend:
                     quantization=details.get("quantization_level") or None,
                 )
             )
-        loaded = [str(m.get("digest", "")).removeprefix("sha256:") for m in ps.json().get("models", [])]
-        return Inventory(models=models, loaded=[d for d in loaded if d])
+        loaded: list[str] = []
+        loaded_bytes: dict[str, int] = {}
+        for m in ps.json().get("models", []):
+            digest = str(m.get("digest", "")).removeprefix("sha256:")
+            if not digest:
+                continue
+            loaded.append(digest)
+            size = bounded_count(m.get("size"))
+            if size is not None:
+                loaded_bytes[digest] = size
+        return Inventory(models=models, loaded=loaded, loaded_bytes=loaded_bytes)
 
     async def generate(self, task: TaskMessage, local_name: str) -> AsyncIterator[str | Generated]:
         body: dict[str, Any] = {"model": local_name, "stream": True, "options": _options(task)}
@@ -216,6 +229,13 @@ class OpenAIBackend:
 
     Such servers report token counts (`usage`) but not durations, so the worker measures them:
     prompt time until the first token, decode time from the first token to the last.
+
+    A server that sends no `usage` (or no `completion_tokens` in it) still streams its output:
+    the output tokens are then counted as the streamed pieces that carry text, and the timings say
+    so (`counted="stream"`). llama.cpp, vLLM and Ollama send one token per chunk, so the count is
+    exact there; a server that batches several tokens into a chunk is undercounted (its speed
+    looks lower than it is, never higher), and a token that decodes to no text (a lone special or
+    partial character) is not counted.
     """
 
     kind = "openai"
@@ -237,8 +257,8 @@ class OpenAIBackend:
         models = [
             ModelEntry(name=m["id"], digest=openai_digest(m["id"])) for m in resp.json().get("data", [])
         ]
-        # The protocol cannot say what is loaded: unknown, so nothing is claimed.
-        return Inventory(models=models, loaded=[])
+        # The protocol cannot say what is loaded: unknown, not "nothing is loaded".
+        return Inventory(models=models, loaded=[], loaded_known=False)
 
     async def generate(self, task: TaskMessage, local_name: str) -> AsyncIterator[str | Generated]:
         if task.kind == "generate":
@@ -264,6 +284,7 @@ class OpenAIBackend:
         usage: dict[str, Any] = {}
         reason: str | None = None
         done_at: int | None = None
+        pieces = 0
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -286,16 +307,22 @@ class OpenAIBackend:
                                 first = first or now
                                 last = now
                                 started = True
+                                pieces += 1
                                 yield text
                     # The body was read to its end, so the connection goes back to the pool.
                     if done_at is not None:
+                        eval_count = _int_or_none(usage.get("completion_tokens"))
+                        counted = None
+                        if eval_count is None and pieces > 0:
+                            eval_count, counted = pieces, "stream"
                         yield Generated(
                             timings=Timings(
                                 prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
                                 prompt_eval_duration=(first - t0) if first else None,
-                                eval_count=_int_or_none(usage.get("completion_tokens")),
+                                eval_count=eval_count,
                                 eval_duration=(last - first) if first and last and last > first else None,
                                 total_duration=done_at - t0,
+                                counted=counted,
                             ),
                             done_reason=reason,
                         )

@@ -27,6 +27,8 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
     wall_ms: float
     # Tasks the worker had in flight when this one finished (the concurrency fit reads it).
     in_flight: int
+    # Whether the run had to load the model first (workers.warmth); None: unknown.
+    cold: bool | None = None
 
     def closing_events(self, counts: bool) -> list[Event]:
         """The events to append, in order; `counts` says this run's completion is the one that counts."""
@@ -45,6 +47,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                     wall_ms=self.wall_ms,
                     in_flight=self.in_flight,
                     prompt_id=task.bench_prompt or "",
+                    cold=self.cold,
                 )
             )
             graded = self.graded()
@@ -66,6 +69,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                 done_reason=self.generated.done_reason,
                 duplicate=not counts,
                 bench_id=task.bench_id,
+                cold=self.cold,
             )
         )
         return out

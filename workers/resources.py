@@ -11,6 +11,7 @@ from typing import Any
 import psutil
 
 from events.event import Resources
+from workers.backend import Inventory
 
 _nvml: Any = None
 _nvml_tried = False
@@ -56,3 +57,31 @@ def read_resources() -> Resources:
         vram_used_bytes=vram_used,
         vram_total_bytes=vram_total,
     )
+
+
+def max_loaded(inventory: Inventory, resources: Resources) -> int | None:
+    """How many of the held models fit in the machine's memory at once, smallest first; None when
+    a size or the memory is unknown.
+
+    The memory is the GPU's when the worker can read it (a backend keeps models there), else the
+    machine's. A model's size is what the backend reported for it loaded (/api/ps: weights and
+    context), else its file size; a machine that cannot keep even its two smallest models together
+    has room for one at a time, so that loading one evicts the other. This is a fact the plan uses
+    (router.plan), not a load figure: it never ranks a worker.
+    """
+    memory = resources.vram_total_bytes or resources.mem_total_bytes
+    if not memory or not inventory.models:
+        return None
+    # By digest: two names of one model are one model in memory.
+    sizes: dict[str, int] = {}
+    for m in inventory.models:
+        size = inventory.loaded_bytes.get(m.digest, m.size)
+        if not size:
+            return None
+        sizes[m.digest] = size
+    fits, used = 0, 0
+    for size in sorted(sizes.values()):
+        if used + size > memory:
+            break
+        fits, used = fits + 1, used + size
+    return max(1, fits)

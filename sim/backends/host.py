@@ -292,7 +292,9 @@ class MachineApp:
             "",
         )
         self._openai_seq += 1
-        include_usage = bool(req.stream_options and req.stream_options.get("include_usage"))
+        include_usage = self.machine.spec.openai_usage and bool(
+            req.stream_options and req.stream_options.get("include_usage")
+        )
         await self._serve(
             scope,
             receive,

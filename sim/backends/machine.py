@@ -469,12 +469,14 @@ class SimMachine:
             if result is None:
                 return None
             prompt_s, eval_s, n, reason = result
+            # A warm call still reports a few milliseconds of "load", as real Ollama does.
+            reported_load_s = load_s if load_s > 0 else self.spec.warm_load_ms / 1000.0
             self.counters.completed += 1
             self.counters.prompt_tokens += job.prompt_tokens
             self.counters.eval_tokens += n
             return Timings(
                 total_duration=_ns(queued_s + load_s + prompt_s + eval_s),
-                load_duration=_ns(load_s),
+                load_duration=_ns(reported_load_s),
                 prompt_eval_count=job.prompt_tokens,
                 prompt_eval_duration=_ns(prompt_s),
                 eval_count=n,
