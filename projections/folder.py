@@ -17,6 +17,7 @@ from events.event import (
     BenchmarkResult,
     Event,
     QualityScored,
+    SpeedShiftDetected,
     TaskCancelled,
     TaskClaimed,
     TaskCompleted,
@@ -32,6 +33,7 @@ from events.event import (
     WorkerOffline,
     WorkerOnline,
 )
+from projections.shift import WINDOWS, Shift, detect
 from projections.snapshot import (
     DemandRow,
     FleetRow,
@@ -41,6 +43,7 @@ from projections.snapshot import (
     Stamped,
     TaskRow,
     fold,
+    push_recent,
 )
 from projections.status import fold_status
 from projections.tables import Tables
@@ -155,6 +158,9 @@ class Folder:
         self.dirty_tasks: set[str] = set()
         self.dirty_demand: set[str] = set()
         self.new_benched: set[tuple[str, str]] = set()
+        # Notices of speed fields whose shift state changed, for the projector to append once the
+        # batch is written (derived from samples in the ledger; no table folds them).
+        self.shifts: list[SpeedShiftDetected] = []
         # The stream-id ms of the entry being folded: a row or mark it creates lives in its day shard.
         self._entry_ms = 0
         # The in-flight list of each fleet row as a set while folding; written back by `flush_fleet`.
@@ -183,6 +189,7 @@ class Folder:
             self.new_benched,
         ):
             s.clear()
+        self.shifts.clear()
 
     def flush_fleet(self) -> None:
         """Write the in-flight sets of changed fleet rows back as sorted lists."""
@@ -234,15 +241,43 @@ class Folder:
         h = self.tables.half_life_s
         row = self._speed(worker, digest)
         if decode is not None:
+            before = detect("decode_tps", row.decode_tps, row.decode_recent)
             row.decode_tps = fold(row.decode_tps, decode, at, h)
+            row.decode_recent = push_recent(row.decode_recent, decode)
+            self._shift_notice(row, "decode_tps", before, at)
             if in_flight >= 0:
                 row.in_flight = fold(row.in_flight, float(in_flight), at, h)
         if prompt is not None:
+            before = detect("prompt_tps", row.prompt_tps, row.prompt_recent)
             row.prompt_tps = fold(row.prompt_tps, prompt, at, h)
+            row.prompt_recent = push_recent(row.prompt_recent, prompt)
+            self._shift_notice(row, "prompt_tps", before, at)
         if load is not None:
             row.load_s = fold(row.load_s, load, at, h)
         if ttft is not None:
             row.ttft_s = fold(row.ttft_s, ttft, at, h)
+
+    def _shift_notice(self, row: SpeedRow, field: str, before: Shift | None, at: int) -> None:
+        """Note a change of the field's shift state: entering one, changing side, or clearing."""
+        stat = getattr(row, field)
+        window: list[float] = getattr(row, WINDOWS[field])
+        after = detect(field, stat, window)
+        if after is None and before is None:
+            return
+        if after is not None and before is not None and before.slower == after.slower:
+            return
+        self.shifts.append(
+            SpeedShiftDetected(
+                at=at,
+                worker=row.worker,
+                digest=row.digest,
+                field=field,
+                long_run=stat.decayed_mean if after is None else after.long_run,
+                recent=window[-1] if after is None else after.recent,
+                samples=0 if after is None else after.samples,
+                cleared=after is None,
+            )
+        )
 
     # -- tasks ---------------------------------------------------------------------------------
     def _submitted(self, e: TaskSubmitted) -> None:

@@ -21,6 +21,10 @@ DEFAULT_HALF_LIFE_S: Final = 7 * 86_400.0
 # The projector folds with it (the `demand_half_life_s` setting defaults to it) and the scheduling
 # simulator reads the same one, so both decide on the same arrival rate.
 DEFAULT_DEMAND_HALF_LIFE_S: Final = 300.0
+# Newest samples a speed field keeps beside its long-run statistics: its short time scale, counted
+# in samples rather than seconds, so that a machine nothing is sent to keeps its last verdict
+# instead of fading back to the long run (projections.shift reads the window).
+RECENT_SAMPLES: Final = 5
 
 
 class Stat(msgspec.Struct, kw_only=True, gc=False):
@@ -110,6 +114,14 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     ttft_s: Stat = msgspec.field(default_factory=Stat)
     # Tasks the worker had in flight when each decode sample was taken (the concurrency fit reads it).
     in_flight: Stat = msgspec.field(default_factory=Stat)
+    # The newest RECENT_SAMPLES decode and prompt samples, oldest first, in ledger order.
+    decode_recent: list[float] = msgspec.field(default_factory=list)
+    prompt_recent: list[float] = msgspec.field(default_factory=list)
+
+
+def push_recent(window: list[float], x: float) -> list[float]:
+    """`window` with sample `x` appended and only the newest RECENT_SAMPLES kept (a new list)."""
+    return [*window[1 - RECENT_SAMPLES :], x]
 
 
 class LengthRow(msgspec.Struct, kw_only=True, gc=False):

@@ -27,6 +27,7 @@ from projections.folder import (
     resources_dict,
 )
 from projections.snapshot import (
+    RECENT_SAMPLES,
     DemandRow,
     FleetRow,
     LengthRow,
@@ -42,6 +43,7 @@ from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.frames import HEARTBEAT, ONLINE, Frames, Report
 
 _SPEED_COLS: Final = [
+    "seq",
     "at",
     "worker",
     "digest",
@@ -185,6 +187,7 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     ttft = pl.col("ttft_ms")
     ld = pl.col("load_duration")
     samples = raw.select(
+        "seq",
         "at",
         "worker",
         "digest",
@@ -212,6 +215,18 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
             if row is None:
                 row = tables.speed[key] = SpeedRow(worker=key[0], digest=key[1])
             setattr(row, field, stat)
+    # The recent windows (projections.shift): each field's newest samples in ledger order, as the
+    # live fold keeps them one at a time.
+    ordered = samples.sort("seq")
+    for field, window in (("decode_tps", "decode_recent"), ("prompt_tps", "prompt_recent")):
+        tails = (
+            ordered.filter(pl.col(field).is_not_null())
+            .group_by(keys, maintain_order=True)
+            .agg(pl.col(field).tail(RECENT_SAMPLES))
+            .collect()
+        )
+        for worker, digest, values in tails.iter_rows():
+            setattr(tables.speed[(worker, digest)], window, list(values))
 
 
 def _length(tables: Tables, counted: pl.LazyFrame) -> None:
