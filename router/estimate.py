@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from projections.shift import Shift, row_shifts
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat
 
 SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s")
@@ -280,7 +281,12 @@ class Estimator:
         self.params = params or EstimateParams()
         self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
         speed = list(speed)
+        # Fields whose recent samples left the long run (projections.shift): the recent value wins.
+        self._shifts: dict[tuple[str, str], dict[str, Shift]] = {}
         for row in speed:
+            shifted = row_shifts(row)
+            if shifted:
+                self._shifts[(row.worker, row.digest)] = shifted
             for f in SPEED_FIELDS:
                 c = _cell(getattr(row, f), now_ms, half_life_s)
                 if c is not None:
@@ -383,9 +389,23 @@ class Estimator:
             )
             for f in SPEED_FIELDS
         }
+        for f, shift in self._shifts.get(key, {}).items():
+            own = fields[f]
+            fields[f] = Field(
+                value=shift.recent,
+                n=shift.samples,
+                source=shift.source(),
+                age_s=own.age_s,
+                weight=float(shift.samples),
+                prior=own.prior,
+            )
         est = SpeedEstimate(**fields)
         self._speed_cache[key] = est
         return est
+
+    def shifts(self, worker: str, digest: str) -> dict[str, Shift]:
+        """The speed fields of (worker, digest) whose recent samples left the long run."""
+        return self._shifts.get((worker, digest), {})
 
     def concurrency(self, worker: str, digest: str) -> Concurrency:
         """How `worker` slows down running several tasks of `digest` at once (exponent 1: not at all)."""

@@ -58,13 +58,34 @@ def test_service_pays_the_load_only_when_the_model_is_not_loaded_and_caps_output
     assert capped.output_tokens == 83.0
 
 
-def test_a_slot_is_free_when_its_task_is_expected_to_end_and_an_overdue_one_is_not_free_now() -> None:
+def test_a_slot_is_free_when_its_task_is_expected_to_end_and_an_overdue_one_needs_as_much_again_as_it_overran() -> (
+    None
+):
     est = estimator(seed_snapshot())
     w = worker("rtx3070ti", {QWEN}, slots=2)
     busy(w, QWEN, started_s_ago=3.0, expected_s=10.0)
     busy(w, QWEN, started_s_ago=30.0, expected_s=10.0)
-    free = slot_free_times(w, est, NOW)
-    assert free == pytest.approx([1.0, 7.0])
+    busy_just_over = worker("rtx3070ti", {QWEN})
+    busy(busy_just_over, QWEN, started_s_ago=10.5, expected_s=10.0)
+    assert slot_free_times(w, est, NOW) == pytest.approx([7.0, 20.0])
+    # Just past its estimate it is still not free now.
+    assert slot_free_times(busy_just_over, est, NOW) == pytest.approx([1.0])
+
+
+def test_a_worker_running_a_task_far_past_its_estimate_gets_no_new_work_in_the_plan() -> None:
+    est = estimator(seed_snapshot())
+    mac, rtx = worker("macbookair", {QWEN}), worker("rtx3070ti", {QWEN})
+    expected = service(est, "rtx3070ti", QWEN).total_s
+    fine = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    # Overdue within the spread of output lengths: the fast machine keeps the queue.
+    busy(rtx, QWEN, started_s_ago=1.5 * expected, expected_s=expected)
+    within = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    assert [a.worker for a in fine.assignments] == [a.worker for a in within.assignments] == ["rtx3070ti"] * 2
+    # Ten times over: the machine has slowed, and the laptop takes the head of the queue.
+    rtx.running.clear()
+    busy(rtx, QWEN, started_s_ago=10 * expected, expected_s=expected)
+    slowed = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    assert slowed.assignments[0].worker == "macbookair"
 
 
 def test_a_burst_of_three_equal_tasks_on_the_seed_speeds_finishes_within_a_tenth_of_the_best_makespan() -> (
