@@ -58,9 +58,7 @@ def test_service_pays_the_load_only_when_the_model_is_not_loaded_and_caps_output
     assert capped.output_tokens == 83.0
 
 
-def test_a_slot_is_free_when_its_task_is_expected_to_end_and_an_overdue_one_needs_as_much_again_as_it_overran() -> (
-    None
-):
+def test_a_slot_is_free_when_its_task_is_expected_to_end_and_an_overdue_one_needs_its_overrun_again() -> None:
     est = estimator(seed_snapshot())
     w = worker("rtx3070ti", {QWEN}, slots=2)
     busy(w, QWEN, started_s_ago=3.0, expected_s=10.0)
