@@ -1,0 +1,153 @@
+"""Speed that follows a changing machine: the run test on the recent window, the projector's one
+notice per shift in the ledger with both values, the same windows from a rebuild, the router and
+the preview reading the recent value, and the probe of a machine that looks slow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis.asyncio as aioredis
+
+from dispatch.benchmark import PROBE_AFTER_S, PROBE_PROMPTS, needs_benchmark
+from events.event import SpeedShiftDetected
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.reader import snapshot
+from projections.shift import detect
+from projections.snapshot import Snapshot, SpeedRow, Stat, fold, push_recent
+from replay.rebuild import build
+from replay.verify import diff_rows
+from router.choose import RouteQuery
+from router.preview import preview
+from tests.router_helpers import NOW, QWEN, backlog, estimator, view, worker
+from tests.test_projector import D1, T0, completed, fold_all, timings
+
+H = 7 * 86_400.0
+
+
+def _row(worker_name: str, digest: str, fast: int, slow: list[float], speed: float = 83.0) -> SpeedRow:
+    """A speed row of `fast` samples near `speed`, then the samples `slow`, folded as the projector does."""
+    row = SpeedRow(worker=worker_name, digest=digest)
+    at = NOW - (fast + len(slow)) * 10_000
+    for i, x in enumerate([speed * (1 + 0.02 * ((i % 3) - 1)) for i in range(fast)] + slow):
+        row.decode_tps = fold(row.decode_tps, x, at + i * 10_000, H)
+        row.decode_recent = push_recent(row.decode_recent, x)
+    return row
+
+
+def test_one_slow_sample_is_noise_and_two_in_a_row_are_a_shift_with_their_mean() -> None:
+    one = _row("rtx", D1, 30, [5.0])
+    two = _row("rtx", D1, 30, [5.0, 5.0])
+    assert detect("decode_tps", one.decode_tps, one.decode_recent) is None
+    shift = detect("decode_tps", two.decode_tps, two.decode_recent)
+    assert shift is not None and shift.slower
+    assert shift.recent == pytest.approx(5.0)
+    assert shift.samples == 2
+    assert shift.long_run == pytest.approx(two.decode_tps.decayed_mean)
+
+
+def test_a_shift_holds_through_one_fast_sample_and_clears_after_two() -> None:
+    row = _row("rtx", D1, 30, [5.0, 5.0, 5.0, 83.0])
+    assert detect("decode_tps", row.decode_tps, row.decode_recent) is not None
+    back = _row("rtx", D1, 30, [5.0, 5.0, 5.0, 83.0, 82.0])
+    assert detect("decode_tps", back.decode_tps, back.decode_recent) is None
+
+
+def test_a_noisy_machine_needs_a_larger_change_than_a_steady_one() -> None:
+    noisy = SpeedRow(worker="w", digest=D1)
+    for i in range(40):
+        x = 80.0 if i % 2 else 20.0  # spread: the long run's coefficient of variation is 0.6
+        noisy.decode_tps = fold(noisy.decode_tps, x, NOW + i, H)
+        noisy.decode_recent = push_recent(noisy.decode_recent, x)
+    for x in (25.0, 25.0):  # half the mean: a shift on a steady machine, noise on this one
+        noisy.decode_tps = fold(noisy.decode_tps, x, NOW + 100, H)
+        noisy.decode_recent = push_recent(noisy.decode_recent, x)
+    steady = _row("w", D1, 40, [25.0, 25.0], speed=50.0)
+    assert detect("decode_tps", noisy.decode_tps, noisy.decode_recent) is None
+    assert detect("decode_tps", steady.decode_tps, steady.decode_recent) is not None
+
+
+async def test_the_projector_appends_one_notice_per_shift_with_both_values_and_a_rebuild_agrees(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    fast = [completed(f"f{i}", "rtx3070ti", at=T0 + i * 1000, timings=timings(tps=83.0)) for i in range(10)]
+    slow = [
+        completed(f"s{i}", "rtx3070ti", at=T0 + 20_000 + i * 1000, timings=timings(tps=5.0)) for i in range(4)
+    ]
+    back = [
+        completed(f"b{i}", "rtx3070ti", at=T0 + 40_000 + i * 1000, timings=timings(tps=83.0))
+        for i in range(2)
+    ]
+    projector = await fold_all(redis_client, keys, [*fast, *slow, *back])
+    notices = [e async for _, e in Ledger(redis_client, keys).read() if isinstance(e, SpeedShiftDetected)]
+    decode = [n for n in notices if n.field == "decode_tps"]
+    assert [n.cleared for n in decode] == [False, True]
+    assert decode[0].worker == "rtx3070ti" and decode[0].digest == D1
+    assert decode[0].recent == pytest.approx(5.0)
+    assert decode[0].long_run is not None and decode[0].long_run > 40.0
+    assert decode[0].samples == 2
+    snap = await snapshot(redis_client, keys)
+    assert snap.speed["rtx3070ti", D1].decode_recent[-2:] == pytest.approx([83.0, 83.0])
+    # Folding the notices changes nothing: a rebuild of the whole ledger gives the same tables.
+    assert projector.tables is not None
+    rebuilt, _ = await build(redis_client, keys)
+    assert diff_rows("speed", projector.tables.speed, rebuilt.speed) == []
+    assert rebuilt.speed["rtx3070ti", D1].decode_recent == pytest.approx(
+        snap.speed["rtx3070ti", D1].decode_recent
+    )
+
+
+def test_the_router_and_the_preview_read_the_recent_value_of_a_shifted_field() -> None:
+    laptop = _row("macbookair", QWEN, 30, [], speed=11.4)
+    gpu = _row("rtx3070ti", QWEN, 30, [5.0, 5.0])
+    snap = Snapshot(speed={("macbookair", QWEN): laptop, ("rtx3070ti", QWEN): gpu}, taken_at=NOW)
+    est = estimator(snap)
+    sp = est.speed("rtx3070ti", QWEN).decode_tps
+    assert sp.value == pytest.approx(5.0)
+    assert sp.source.startswith("recent n=2 (shift from long-run")
+    fv = view([worker("macbookair", {QWEN}), worker("rtx3070ti", {QWEN})], {QWEN: backlog(QWEN, 1)})
+    data = json.loads(json.dumps(preview(RouteQuery(model="qwen3:8b"), {"qwen3:8b": QWEN}, fv, est, NOW)))
+    first = data["candidates"][0]
+    assert first["worker"] == "macbookair"
+    gpu_fields = next(c for c in data["candidates"] if c["worker"] == "rtx3070ti")["fields"]
+    assert gpu_fields["decode_tps"]["source"].startswith("recent")
+
+
+def test_a_machine_that_looks_slow_is_probed_only_after_a_quiet_while() -> None:
+    row = _row("rtx3070ti", QWEN, 30, [5.0, 5.0])
+    snap = Snapshot(speed={("rtx3070ti", QWEN): row})
+    newest = row.decode_tps.updated_at
+    assert newest is not None
+
+    def need(after_s: float) -> tuple[int, str] | None:
+        return needs_benchmark(
+            snap,
+            "rtx3070ti",
+            QWEN,
+            newest + int(after_s * 1000),
+            min_samples=3,
+            stale_after_s=H,
+            probe_after_s=PROBE_AFTER_S,
+        )
+
+    assert need(PROBE_AFTER_S / 2) is None
+    probe = need(PROBE_AFTER_S)
+    assert probe is not None and probe[0] == PROBE_PROMPTS and probe[1].startswith("probe:")
+    steady = Snapshot(speed={("rtx3070ti", QWEN): _row("rtx3070ti", QWEN, 30, [])})
+    assert (
+        needs_benchmark(
+            steady,
+            "rtx3070ti",
+            QWEN,
+            NOW + 3_600_000,
+            min_samples=3,
+            stale_after_s=H,
+            probe_after_s=PROBE_AFTER_S,
+        )
+        is None
+    )
+
+
+def test_a_stat_never_measured_has_no_shift() -> None:
+    assert detect("decode_tps", Stat(), [5.0, 5.0]) is None
