@@ -157,12 +157,16 @@ def needs_benchmark(
     age = row.decode_tps.age_s(now_ms) if row is not None else None
     if age is not None and age > stale_after_s:
         return min_samples, f"newest sample {age / 3600:.1f} h old"
-    if probe_after_s is not None and row is not None and age is not None and age >= probe_after_s:
+    # A sample kept out of the long run (a shifted field's) is still a sample: the probe's wait
+    # counts from the newest one.
+    newest = None if row is None else row.sampled_at or row.decode_tps.updated_at
+    quiet = None if newest is None else max(0.0, (now_ms - newest) / 1000.0)
+    if probe_after_s is not None and row is not None and quiet is not None and quiet >= probe_after_s:
         shift = detect("decode_tps", row.decode_tps, row.decode_recent)
         if shift is not None and shift.slower:
             return PROBE_PROMPTS, (
                 f"probe: looks slow ({shift.recent:.3g} vs long-run {shift.long_run:.3g} tok/s), "
-                f"nothing for {age:.0f} s"
+                f"nothing for {quiet:.0f} s"
             )
     return None
 

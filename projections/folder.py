@@ -33,7 +33,7 @@ from events.event import (
     WorkerOffline,
     WorkerOnline,
 )
-from projections.shift import WINDOWS, Shift, detect
+from projections.shift import WINDOWS, Shift, detect, fold_sample
 from projections.snapshot import (
     DemandRow,
     FleetRow,
@@ -43,7 +43,6 @@ from projections.snapshot import (
     Stamped,
     TaskRow,
     fold,
-    push_recent,
 )
 from projections.status import fold_status
 from projections.tables import Tables
@@ -242,26 +241,30 @@ class Folder:
         row = self._speed(worker, digest)
         if decode is not None:
             before = detect("decode_tps", row.decode_tps, row.decode_recent)
-            row.decode_tps = fold(row.decode_tps, decode, at, h)
-            row.decode_recent = push_recent(row.decode_recent, decode)
-            self._shift_notice(row, "decode_tps", before, at)
+            row.decode_tps, row.decode_recent, after = fold_sample(
+                "decode_tps", row.decode_tps, row.decode_recent, decode, at, h
+            )
+            row.sampled_at = at if row.sampled_at is None else max(row.sampled_at, at)
+            self._shift_notice(row, "decode_tps", before, after, at)
             if in_flight >= 0:
                 row.in_flight = fold(row.in_flight, float(in_flight), at, h)
         if prompt is not None:
             before = detect("prompt_tps", row.prompt_tps, row.prompt_recent)
-            row.prompt_tps = fold(row.prompt_tps, prompt, at, h)
-            row.prompt_recent = push_recent(row.prompt_recent, prompt)
-            self._shift_notice(row, "prompt_tps", before, at)
+            row.prompt_tps, row.prompt_recent, after = fold_sample(
+                "prompt_tps", row.prompt_tps, row.prompt_recent, prompt, at, h
+            )
+            self._shift_notice(row, "prompt_tps", before, after, at)
         if load is not None:
             row.load_s = fold(row.load_s, load, at, h)
         if ttft is not None:
             row.ttft_s = fold(row.ttft_s, ttft, at, h)
 
-    def _shift_notice(self, row: SpeedRow, field: str, before: Shift | None, at: int) -> None:
+    def _shift_notice(
+        self, row: SpeedRow, field: str, before: Shift | None, after: Shift | None, at: int
+    ) -> None:
         """Note a change of the field's shift state: entering one, changing side, or clearing."""
         stat = getattr(row, field)
         window: list[float] = getattr(row, WINDOWS[field])
-        after = detect(field, stat, window)
         if after is None and before is None:
             return
         if after is not None and before is not None and before.slower == after.slower:

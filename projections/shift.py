@@ -14,6 +14,13 @@ log speed against the long run:
   with independent noise a false switch needs `CONFIRM` samples past `Z` sigma in a row
   (about 1e-5 per pair at Z = 3), however long the history.
 
+Samples taken while a field is shifted are kept out of its long run (`fold_sample`): the long run
+stays the belief from before the shift and the window alone carries the shift. Folding them in
+would pull a young row's long run down to the slow value until the shift cleared during the
+slowdown, and the machine would then look slow for good, with nothing sent to it and no probe to
+see it fast again. Held out, the shift lasts exactly as long as the samples say so, and the first
+probes after the recovery clear it.
+
 The state is a function of the row alone (the window and the long-run statistics), so the live
 projector, replay's rebuild and the router all compute the same answer from the same row, and
 nothing else needs to be stored or replayed. Counting in samples, not seconds, is what lets a
@@ -29,7 +36,7 @@ from typing import Final
 
 import msgspec
 
-from projections.snapshot import SpeedRow, Stat
+from projections.snapshot import SpeedRow, Stat, fold, push_recent
 
 # A change smaller than this factor is not worth routing differently, whatever its significance.
 MIN_RATIO: Final = 1.5
@@ -104,6 +111,20 @@ def detect(field: str, stat: Stat, window: Sequence[float]) -> Shift | None:
         ]
     value = math.exp(base + sum(recent) / len(recent))
     return Shift(field=field, long_run=mean, recent=value, samples=len(recent))
+
+
+def fold_sample(
+    field: str, stat: Stat, window: list[float], x: float, at_ms: int, half_life_s: float
+) -> tuple[Stat, list[float], Shift | None]:
+    """One sample `x` of a field with a window: (long run, window, shift state) after it. The sample
+    joins the window; it joins the long run only when the window with it is not shifted. The one
+    rule for the projector, replay's rebuild and the simulator."""
+    recent = push_recent(window, x)
+    shift = detect(field, stat, recent)
+    if shift is not None:
+        return stat, recent, shift
+    folded = fold(stat, x, at_ms, half_life_s)
+    return folded, recent, detect(field, folded, recent)
 
 
 def row_shifts(row: SpeedRow) -> dict[str, Shift]:

@@ -114,9 +114,14 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     ttft_s: Stat = msgspec.field(default_factory=Stat)
     # Tasks the worker had in flight when each decode sample was taken (the concurrency fit reads it).
     in_flight: Stat = msgspec.field(default_factory=Stat)
-    # The newest RECENT_SAMPLES decode and prompt samples, oldest first, in ledger order.
+    # The newest RECENT_SAMPLES decode and prompt samples, oldest first, in ledger order. A sample
+    # taken while its field is shifted (projections.shift.fold_sample) is kept here only, not in
+    # the long-run statistics above.
     decode_recent: list[float] = msgspec.field(default_factory=list)
     prompt_recent: list[float] = msgspec.field(default_factory=list)
+    # Producer time (ms) of the newest decode sample, kept out of the long run or not: how long a
+    # machine has had nothing (a probe's wait) while `decode_tps.updated_at` stays at a shift's start.
+    sampled_at: int | None = None
 
 
 def push_recent(window: list[float], x: float) -> list[float]:

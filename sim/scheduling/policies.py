@@ -20,8 +20,8 @@ from collections.abc import Callable
 import msgspec
 
 from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, PROBE_AFTER_S, needs_benchmark
-from projections.shift import detect
-from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold, push_recent
+from projections.shift import detect, fold_sample
+from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold
 from router.estimate import Estimator, build_estimator
 from router.gate import GateParams, decide_take
 from sim.errors import FleetError
@@ -359,19 +359,24 @@ class Routeledger(_Base):
         key = (worker.name, sim.digest)
         row = self.tables.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
         before = detect("decode_tps", row.decode_tps, row.decode_recent)
+        decode, decode_recent, after = fold_sample(
+            "decode_tps", row.decode_tps, row.decode_recent, measured.decode_tps, at, hl
+        )
+        prompt, prompt_recent, _ = fold_sample(
+            "prompt_tps", row.prompt_tps, row.prompt_recent, measured.prompt_tps, at, hl
+        )
         self.tables.speed[key] = SpeedRow(
             worker=row.worker,
             digest=row.digest,
-            decode_tps=fold(row.decode_tps, measured.decode_tps, at, hl),
-            prompt_tps=fold(row.prompt_tps, measured.prompt_tps, at, hl),
+            decode_tps=decode,
+            prompt_tps=prompt,
             load_s=row.load_s if measured.load_s is None else fold(row.load_s, measured.load_s, at, hl),
             ttft_s=row.ttft_s,
             in_flight=fold(row.in_flight, float(measured.in_flight), at, hl),
-            decode_recent=push_recent(row.decode_recent, measured.decode_tps),
-            prompt_recent=push_recent(row.prompt_recent, measured.prompt_tps),
+            decode_recent=decode_recent,
+            prompt_recent=prompt_recent,
+            sampled_at=at if row.sampled_at is None else max(row.sampled_at, at),
         )
-        new = self.tables.speed[key]
-        after = detect("decode_tps", new.decode_tps, new.decode_recent)
         state = "cleared" if after is None else ("slower" if after.slower else "faster")
         if (before is None) != (after is None) or (before and after and before.slower != after.slower):
             self.shifts.append((sim.now, worker.name, state))
