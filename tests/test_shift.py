@@ -14,7 +14,7 @@ from events.event import SpeedShiftDetected
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.reader import snapshot
-from projections.shift import detect
+from projections.shift import detect, fold_sample
 from projections.snapshot import Snapshot, SpeedRow, Stat, fold, push_recent
 from replay.rebuild import build
 from replay.verify import diff_rows
@@ -89,6 +89,10 @@ async def test_the_projector_appends_one_notice_per_shift_with_both_values_and_a
     assert decode[0].samples == 2
     snap = await snapshot(redis_client, keys)
     assert snap.speed["rtx3070ti", D1].decode_recent[-2:] == pytest.approx([83.0, 83.0])
+    # The shift's samples stayed out of the long run: the first slow one (not yet a shift) and the
+    # second fast one (the shift over) joined it, the rest only the window.
+    assert snap.speed["rtx3070ti", D1].decode_tps.n == len(fast) + 2
+    assert snap.speed["rtx3070ti", D1].sampled_at == back[-1].at
     # Folding the notices changes nothing: a rebuild of the whole ledger gives the same tables.
     assert projector.tables is not None
     rebuilt, _ = await build(redis_client, keys)
@@ -151,3 +155,35 @@ def test_a_machine_that_looks_slow_is_probed_only_after_a_quiet_while() -> None:
 
 def test_a_stat_never_measured_has_no_shift() -> None:
     assert detect("decode_tps", Stat(), [5.0, 5.0]) is None
+
+
+def test_a_long_slowdown_leaves_the_long_run_where_it_was_and_two_fast_samples_clear_it() -> None:
+    stat, window = Stat(), list[float]()
+    at = NOW
+    for _ in range(8):  # a young row: a few samples of the machine's usual speed
+        stat, window, _ = fold_sample("decode_tps", stat, window, 60.0, at, H)
+        at += 10_000
+    states = []
+    for x in [6.0] * 200:  # an evening of slow samples, probes and all
+        stat, window, shift = fold_sample("decode_tps", stat, window, x, at, H)
+        states.append(shift)
+        at += 10_000
+    before = stat
+    assert all(s is not None and s.slower for s in states[1:])
+    assert before.n == 9 and before.decayed_mean is not None and before.decayed_mean > 50.0
+    stat, window, first = fold_sample("decode_tps", stat, window, 60.0, at, H)
+    assert first is not None and stat == before  # one fast sample: still the shift, held out
+    stat, window, second = fold_sample("decode_tps", stat, window, 59.0, at + 10_000, H)
+    assert second is None and stat.n == before.n + 1
+
+
+def test_the_probe_waits_from_the_newest_sample_even_one_kept_out_of_the_long_run() -> None:
+    row = _row("rtx3070ti", QWEN, 30, [5.0, 5.0])
+    newest = row.decode_tps.updated_at
+    assert newest is not None
+    row.sampled_at = newest + 100_000  # a held-out sample, 100 s after the long run's newest
+    snap = Snapshot(speed={("rtx3070ti", QWEN): row})
+    at = newest + int(PROBE_AFTER_S * 1000)
+    kwargs = {"min_samples": 3, "stale_after_s": H, "probe_after_s": PROBE_AFTER_S}
+    assert needs_benchmark(snap, "rtx3070ti", QWEN, at, **kwargs) is None
+    assert needs_benchmark(snap, "rtx3070ti", QWEN, at + 100_000, **kwargs) is not None

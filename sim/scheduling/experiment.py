@@ -96,9 +96,10 @@ class SlowdownFigures(msgspec.Struct, kw_only=True, frozen=True):
     """How a run followed the fleet's slowdown windows (the worst window counts).
 
     `away_s`: from a window's start to the last task the slowed machine started while a machine
-    faster at that moment had a free slot (0: none); `misrouted`: how many such tasks. `back_s`:
-    from a window's end to the last task a slower machine started while the recovered one was free
-    (within RETURN_HORIZON_S). `detect_s`: from a window's start to the router's notice that the
+    faster at that moment (by more than MIN_RATIO, for that task: `RunResult.misrouted`) had a
+    free slot (0: none); `misrouted`: how many such tasks. `back_s`: from a window's end to the
+    last task a slower machine started while the recovered one was free and so much faster (within
+    RETURN_HORIZON_S). `detect_s`: from a window's start to the router's notice that the
     machine's speed shifted (None for policies that keep no such statistic, or no notice).
     """
 

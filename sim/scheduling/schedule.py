@@ -19,6 +19,7 @@ from typing import Protocol
 
 import msgspec
 
+from projections.shift import MIN_RATIO
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from sim.fleetspec import Fleet, WorkerSpec, default_digest
 from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
@@ -91,6 +92,11 @@ class SimWorker:
         return len(self.runs) + len(self.own)
 
 
+def _share(k: int, exponent: float) -> float:
+    """The fraction of its solo speed each of k tasks at once gets (see `SimWorker.rate`)."""
+    return 1.0 if k <= 1 else k**exponent / k
+
+
 class Policy(Protocol):
     """A scheduling policy plug-in. Pull policies answer `take`, push policies `route`."""
 
@@ -131,9 +137,10 @@ class RunResult(msgspec.Struct, kw_only=True):
     benchmarks: int
     # When each started task started (simulated seconds), in start order, beside `start_order`.
     start_s: list[float] = msgspec.field(default_factory=list)
-    # Per started task, in start order: the fastest worker at that moment (slowdowns counted) that
-    # was faster than the one that took it and had a free slot ('' if none): the task went to a
-    # slower machine than it had to.
+    # Per started task, in start order: the fastest worker with a free slot that would have run it
+    # more than MIN_RATIO times faster than the one that took it, at that moment (slowdowns and its
+    # share beside running tasks counted; '' if none): the task went to a slower machine than it
+    # had to.
     misrouted: list[str] = msgspec.field(default_factory=list)
 
     @property
@@ -395,9 +402,17 @@ class Simulation:
         else:
             self.start_order.append(w.name)
             self.start_s.append(self.now)
-            mine = w.true.decode_tps * w.factor
-            idle = [x for x in self.workers if x.free and x.true.decode_tps * x.factor > mine]
-            self.misrouted.append(max(idle, key=lambda x: x.true.decode_tps * x.factor).name if idle else "")
+            # The speed the task gets here (its share beside what runs already) against the one a
+            # free slot elsewhere would give it; a lead under MIN_RATIO is not worth routing on
+            # (the detector's floor) and ordinary estimates make such calls either way.
+            mine = w.true.decode_tps * w.factor * _share(len(w.runs), w.exponent)
+            there = {
+                x.name: x.true.decode_tps * x.factor * _share(len(x.runs) + 1, x.exponent)
+                for x in self.workers
+                if x.free
+            }
+            faster = [n for n, v in there.items() if v > MIN_RATIO * mine]
+            self.misrouted.append(max(faster, key=there.__getitem__) if faster else "")
         self._reschedule(w)
 
     def _expire(self, w: SimWorker) -> None:
