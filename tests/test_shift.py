@@ -4,22 +4,31 @@ the preview reading the recent value, and the probe of a machine that looks slow
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.benchmark import PROBE_AFTER_S, PROBE_PROMPTS, needs_benchmark
-from events.event import SpeedShiftDetected
+from dispatch.benchmark import PROBE_AFTER_S, PROBE_PROMPTS, needs_benchmark, request_benchmark
+from dispatch.lease import live_workers
+from dispatch.queues import TaskQueues
+from dispatch.view import fleet_view
+from events.event import BenchmarkResult, SpeedShiftDetected
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.projector import Projector
 from projections.reader import snapshot
 from projections.shift import detect, fold_sample
 from projections.snapshot import Snapshot, SpeedRow, Stat, fold, push_recent
 from replay.rebuild import build
 from replay.verify import diff_rows
 from router.choose import RouteQuery
+from router.estimate import build_estimator
 from router.preview import preview
+from sim.backends.hosts import SimHosts
+from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.router_helpers import NOW, QWEN, backlog, estimator, view, worker
 from tests.test_projector import D1, T0, completed, fold_all, timings
 
@@ -187,3 +196,49 @@ def test_the_probe_waits_from_the_newest_sample_even_one_kept_out_of_the_long_ru
     kwargs = {"min_samples": 3, "stale_after_s": H, "probe_after_s": PROBE_AFTER_S}
     assert needs_benchmark(snap, "rtx3070ti", QWEN, at, **kwargs) is None
     assert needs_benchmark(snap, "rtx3070ti", QWEN, at + 100_000, **kwargs) is not None
+
+
+async def test_a_sim_host_slowed_at_run_time_is_noticed_in_the_ledger_and_the_preview_reads_it(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    """The whole path: a worker agent on a sim host, the projector folding as it runs, the host's
+    speed changed through its control API, and the preview the API serves."""
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys, ledger)
+    stop = asyncio.Event()
+    projector = Projector(redis_client, keys)
+    folding = asyncio.create_task(projector.run(stop))
+
+    async def results(n: int) -> bool:
+        return len(await events_of(ledger, BenchmarkResult)) >= n
+
+    try:
+        async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
+            async with running_agent(redis_client, sim.url("a"), fast_config("a")):
+                await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=8)
+                await wait_until(lambda: results(8), timeout=20)
+                async with httpx.AsyncClient(base_url=sim.url("a")) as http:
+                    assert (await http.post("/sim/speed", json={"factor": 0.06})).status_code == 200
+                await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=2)
+                await wait_until(lambda: results(10), timeout=20)
+
+                async def noticed() -> bool:
+                    return bool(await events_of(ledger, SpeedShiftDetected))
+
+                await wait_until(noticed, timeout=20)
+                snap = await snapshot(redis_client, keys)
+                leases = await live_workers(redis_client, keys)
+    finally:
+        stop.set()
+        await asyncio.wait_for(folding, 10)
+    notice = next(e for e in await events_of(ledger, SpeedShiftDetected) if e.field == "decode_tps")
+    assert notice.worker == "a" and notice.digest == MODEL_DIGEST and not notice.cleared
+    assert notice.long_run is not None and notice.recent is not None
+    assert notice.recent == pytest.approx(0.06 * notice.long_run, rel=0.2)
+    now = snap.taken_at
+    est = build_estimator(snap, now)
+    fv = fleet_view(leases, {}, snap, now)
+    data = json.loads(json.dumps(preview(RouteQuery(model="m"), {"m": MODEL_DIGEST}, fv, est, now)))
+    fields = next(c for c in data["candidates"] if c["worker"] == "a")["fields"]
+    assert fields["decode_tps"]["source"].startswith("recent n=2")
+    assert fields["decode_tps"]["value"] == pytest.approx(notice.recent)
