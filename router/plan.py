@@ -5,12 +5,14 @@ Service time of a task on a worker = load seconds if the model is not loaded the
 running a task is expected free at (expected service - elapsed), never sooner than a fraction of
 the expected service: a task past its estimate is still running, so it is not "free now".
 
-Overdue work is evidence. A task past its estimate is a censored sample of the worker's speed (it
-took at least this long), so it is expected to need as much again as it has overrun, and a worker
-running one past `overdue_tolerance` times its estimate is planned slower for new work by as much
-as that task is beyond the tolerance: a machine that silently slowed stops getting work before its
-first slow sample completes. The tolerance leaves room for the spread of output lengths (a task
-twice the mean length is common), which says nothing about the machine.
+Overdue work is evidence. A task past its estimate is a censored sample (it has run at least this
+long), so it is expected to need what a task of the measured length spread (a lognormal fitted to
+the length table's mean and variance) still needs on average once it is that long
+(`Estimator.output_left`). A worker running one beyond the time the plausibly longest output (the
+99th percentile of that spread, or the task's own max_tokens, whichever is shorter; never under
+`overdue_tolerance` times its estimate) would take is planned slower for new work by that ratio: a
+machine that silently slowed stops getting work before its first slow sample completes, while a
+long answer, which says nothing about the machine, does not count against it.
 
 The plan assigns the backlog in queue order, each task to the live holder whose slot would finish
 it earliest. Times are seconds from `now`. `FleetView` holds the live facts the ledger projections
@@ -268,9 +270,13 @@ def slot_free_times(
         # the plan's floors on a finish count on free times of 0 or later. Work done so far went at
         # the speed of `m` sharing: the rest is in solo-expected seconds.
         done = elapsed if fac is None else elapsed / share
-        # Past its estimate, it needs as much again as it overran (censored: it took at least this).
-        overrun = done - expected if expected > 0.0 else 0.0
-        remaining.append(max(expected - done, overrun, p.overdue_fraction * expected, 0.0))
+        if expected > 0.0 and done > expected:
+            # Past its estimate: a censored sample of its length (it ran at least this long), so
+            # it needs what a task that long still needs on average (the lengths' own tail).
+            left = expected * est.output_left(t.digest, t.domain, done / expected)
+        else:
+            left = expected - done
+        remaining.append(max(left, p.overdue_fraction * expected, 0.0))
     remaining.sort()
     if fac is not None:
         remaining[:slots] = _shared_ends(0.0, remaining[:slots], fac)
@@ -298,7 +304,13 @@ def overdue_slowdown(
         if expected <= 0.0:
             continue
         elapsed = (now_ms - t.started_at_ms) / 1000.0
-        worst = max(worst, elapsed / (p.overdue_tolerance * expected))
+        # A long answer is no sign of a slow machine: only time beyond what the plausible longest
+        # output (or the task's own cap, whichever is shorter) takes at the estimated speed is.
+        tail = est.output_tail(t.digest, t.domain)
+        if t.max_tokens is not None:
+            c = _coef(est, worker.name, t.digest, t.domain)
+            tail = min(tail, max(1.0, t.max_tokens / c.out)) if c.out > 0 else tail
+        worst = max(worst, elapsed / (max(p.overdue_tolerance, tail) * expected))
     return worst
 
 
