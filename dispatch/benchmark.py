@@ -21,12 +21,19 @@ from dispatch.errors import BenchSetError
 from dispatch.payload import Message, TaskMessage
 from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
+from projections.shift import CONFIRM, detect
 from projections.snapshot import Snapshot
 
 # A worker benchmarks a (worker, digest) pair whose speed row has fewer samples than this, or whose
 # newest sample is older than BENCH_STALE_AFTER_S (the worker's defaults; the simulator's too).
 BENCH_MIN_SAMPLES: Final = 3
 BENCH_STALE_AFTER_S: Final = 7 * 86_400.0
+# A machine that looks slower than its long run (projections.shift) and has had no sample for this
+# long is probed with PROBE_PROMPTS short prompts on its pinned stream, so that it can be seen fast
+# again: nothing else is sent to a machine that looks slow. Each probe's samples restart the wait,
+# so probes are at most PROBE_PROMPTS per PROBE_AFTER_S per (worker, model).
+PROBE_AFTER_S: Final = 120.0
+PROBE_PROMPTS: Final = CONFIRM
 
 
 class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,9 +139,17 @@ async def request_benchmark(
 
 
 def needs_benchmark(
-    snapshot: Snapshot, worker: str, digest: str, now_ms: int, *, min_samples: int, stale_after_s: float
+    snapshot: Snapshot,
+    worker: str,
+    digest: str,
+    now_ms: int,
+    *,
+    min_samples: int,
+    stale_after_s: float,
+    probe_after_s: float | None = None,
 ) -> tuple[int, str] | None:
-    """How many samples (worker, digest) lacks and why, or None when its speed row is enough."""
+    """How many samples (worker, digest) lacks and why, or None when its speed row is enough.
+    With `probe_after_s`: also a probe of a machine that looks slow and got nothing that long."""
     row = snapshot.speed.get((worker, digest))
     n = row.decode_tps.n if row is not None else 0
     if n < min_samples:
@@ -142,4 +157,20 @@ def needs_benchmark(
     age = row.decode_tps.age_s(now_ms) if row is not None else None
     if age is not None and age > stale_after_s:
         return min_samples, f"newest sample {age / 3600:.1f} h old"
+    # A sample kept out of the long run (a shifted field's) is still a sample: the probe's wait
+    # counts from the newest one.
+    newest = None if row is None else row.sampled_at or row.decode_tps.updated_at
+    quiet = None if newest is None else max(0.0, (now_ms - newest) / 1000.0)
+    if probe_after_s is not None and row is not None and quiet is not None and quiet >= probe_after_s:
+        shift = detect("decode_tps", row.decode_tps, row.decode_recent)
+        if shift is not None and shift.slower:
+            return PROBE_PROMPTS, (
+                f"probe: looks slow ({shift.recent:.3g} vs long-run {shift.long_run:.3g} tok/s), "
+                f"nothing for {quiet:.0f} s"
+            )
     return None
+
+
+def is_probe(reason: str) -> bool:
+    """Whether a `needs_benchmark` reason is a probe (asked again sooner than other benchmarks)."""
+    return reason.startswith("probe:")

@@ -352,6 +352,22 @@ class QualityScored(Event, frozen=True, kw_only=True):
     worker: str = ""
 
 
+class SpeedShiftDetected(Event, frozen=True, kw_only=True):
+    """A speed field of (worker, digest) left its long-run value (or came back to it): the
+    projector's notice, appended once per change of state. Derived from samples already in the
+    ledger, so no table folds it (a replay recomputes the state from the samples themselves)."""
+
+    worker: str
+    digest: str
+    field: str = "decode_tps"
+    long_run: ReportedFloat | None = None
+    recent: ReportedFloat | None = None
+    # Recent samples the shift rests on.
+    samples: Small = 0
+    # True: the recent samples agree with the long run again (the shift is over).
+    cleared: bool = False
+
+
 # -- pipelines ----------------------------------------------------------------------------------
 
 
@@ -405,6 +421,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PipelineChildAdded,
     PipelineCompleted,
     WorkerChanged,
+    SpeedShiftDetected,
 )
 
 AnyEvent = (
@@ -428,6 +445,7 @@ AnyEvent = (
     | PipelineChildAdded
     | PipelineCompleted
     | WorkerChanged
+    | SpeedShiftDetected
 )
 
 TYPE_NAMES: frozenset[str] = frozenset(t.__name__ for t in EVENT_TYPES)

@@ -17,6 +17,7 @@ from events.event import (
     BenchmarkResult,
     Event,
     QualityScored,
+    SpeedShiftDetected,
     TaskCancelled,
     TaskClaimed,
     TaskCompleted,
@@ -33,6 +34,7 @@ from events.event import (
     WorkerOnline,
 )
 from projections.mention import Mention
+from projections.shift import WINDOWS, Shift, detect, fold_sample
 from projections.snapshot import (
     DemandRow,
     FleetRow,
@@ -174,6 +176,9 @@ class Folder:
         self.dirty_demand: set[str] = set()
         self.new_benched: set[tuple[str, str]] = set()
         self.dirty_pipelines: set[str] = set()
+        # Notices of speed fields whose shift state changed, for the projector to append once the
+        # batch is written (derived from samples in the ledger; no table folds them).
+        self.shifts: list[SpeedShiftDetected] = []
         # The stream id (ms, seq) of the entry being folded: a row or mark it creates lives in the
         # day shard of its ms, and the row lists the id.
         self._entry_ms = 0
@@ -223,6 +228,7 @@ class Folder:
             self.dirty_pipelines,
         ):
             s.clear()
+        self.shifts.clear()
 
     def flush_fleet(self) -> None:
         """Write the in-flight sets of changed fleet rows back as sorted lists."""
@@ -301,17 +307,49 @@ class Folder:
         at = self._ledger_ms(at)
         row = self._speed(worker, digest)
         if decode is not None:
-            row.decode_tps = fold(row.decode_tps, decode, at, h)
+            before = detect("decode_tps", row.decode_tps, row.decode_recent)
+            row.decode_tps, row.decode_recent, after = fold_sample(
+                "decode_tps", row.decode_tps, row.decode_recent, decode, at, h
+            )
+            row.sampled_at = at if row.sampled_at is None else max(row.sampled_at, at)
+            self._shift_notice(row, "decode_tps", before, after, at)
             if t.counted is not None:
                 row.counted_n += 1
             if in_flight >= 0:
                 row.in_flight = fold(row.in_flight, float(in_flight), at, h)
         if prompt is not None:
-            row.prompt_tps = fold(row.prompt_tps, prompt, at, h)
+            before = detect("prompt_tps", row.prompt_tps, row.prompt_recent)
+            row.prompt_tps, row.prompt_recent, after = fold_sample(
+                "prompt_tps", row.prompt_tps, row.prompt_recent, prompt, at, h
+            )
+            self._shift_notice(row, "prompt_tps", before, after, at)
         if load is not None:
             row.load_s = fold(row.load_s, load, at, h)
         if ttft is not None:
             row.ttft_s = fold(row.ttft_s, ttft, at, h)
+
+    def _shift_notice(
+        self, row: SpeedRow, field: str, before: Shift | None, after: Shift | None, at: int
+    ) -> None:
+        """Note a change of the field's shift state: entering one, changing side, or clearing."""
+        stat = getattr(row, field)
+        window: list[float] = getattr(row, WINDOWS[field])
+        if after is None and before is None:
+            return
+        if after is not None and before is not None and before.slower == after.slower:
+            return
+        self.shifts.append(
+            SpeedShiftDetected(
+                at=at,
+                worker=row.worker,
+                digest=row.digest,
+                field=field,
+                long_run=stat.decayed_mean if after is None else after.long_run,
+                recent=window[-1] if after is None else after.recent,
+                samples=0 if after is None else after.samples,
+                cleared=after is None,
+            )
+        )
 
     # -- tasks ---------------------------------------------------------------------------------
     def _submitted(self, e: TaskSubmitted) -> None:

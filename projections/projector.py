@@ -278,6 +278,19 @@ class Projector:
             self.tables = None
             return 0
         tables.checkpoint, tables.folded = checkpoint, folded
+        # Notices after the write, so that a batch folded again (a lost lease) does not repeat
+        # them; one lost in a crash just here is not needed by anything (no table folds it).
+        for notice in folder.shifts:
+            await self.ledger.append(notice)
+            log.info(
+                "speed of %s on %s: %s %s (long-run %s, recent %s)",
+                notice.digest[:12],
+                notice.worker,
+                notice.field,
+                "back to its long run" if notice.cleared else "shifted",
+                notice.long_run,
+                notice.recent,
+            )
         folder.clear_dirty()
         self.folded += len(rows)
         return len(rows)

@@ -21,6 +21,10 @@ DEFAULT_HALF_LIFE_S: Final = 7 * 86_400.0
 # The projector folds with it (the `demand_half_life_s` setting defaults to it) and the scheduling
 # simulator reads the same one, so both decide on the same arrival rate.
 DEFAULT_DEMAND_HALF_LIFE_S: Final = 300.0
+# Newest samples a speed field keeps beside its long-run statistics: its short time scale, counted
+# in samples rather than seconds, so that a machine nothing is sent to keeps its last verdict
+# instead of fading back to the long run (projections.shift reads the window).
+RECENT_SAMPLES: Final = 5
 
 
 class Stat(msgspec.Struct, kw_only=True, gc=False):
@@ -113,6 +117,19 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     # Of the decode samples, how many had their output tokens counted from the stream by the worker
     # (the backend reported none): an approximation the breakdown names.
     counted_n: int = 0
+    # The newest RECENT_SAMPLES decode and prompt samples, oldest first, in ledger order. A sample
+    # taken while its field is shifted (projections.shift.fold_sample) is kept here only, not in
+    # the long-run statistics above.
+    decode_recent: list[float] = msgspec.field(default_factory=list)
+    prompt_recent: list[float] = msgspec.field(default_factory=list)
+    # Producer time (ms) of the newest decode sample, kept out of the long run or not: how long a
+    # machine has had nothing (a probe's wait) while `decode_tps.updated_at` stays at a shift's start.
+    sampled_at: int | None = None
+
+
+def push_recent(window: list[float], x: float) -> list[float]:
+    """`window` with sample `x` appended and only the newest RECENT_SAMPLES kept (a new list)."""
+    return [*window[1 - RECENT_SAMPLES :], x]
 
 
 class LengthRow(msgspec.Struct, kw_only=True, gc=False):

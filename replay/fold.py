@@ -27,7 +27,9 @@ from projections.folder import (
     NS_PER_S,
     resources_dict,
 )
+from projections.shift import MIN_LONG_RUN, MIN_RATIO, WINDOWS, fold_sample
 from projections.snapshot import (
+    RECENT_SAMPLES,
     DemandRow,
     FleetRow,
     LengthRow,
@@ -44,6 +46,7 @@ from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables
 from replay.frames import HEARTBEAT, MENTIONS, ONLINE, Frames, Report
 
 _SPEED_COLS: Final = [
+    "seq",
     "at",
     "ms",
     "worker",
@@ -200,6 +203,7 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     # Only a cold run is a load sample; one that does not say, from MIN_UNKNOWN_LOAD_S (cold_load_s).
     real_load = (cold.is_null() & (ld / NS_PER_S >= MIN_UNKNOWN_LOAD_S)) | cold.fill_null(False)
     samples = raw.select(
+        "seq",
         ledger_ms_expr().alias("at"),
         "worker",
         "digest",
@@ -233,6 +237,59 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
         row = tables.speed.get((worker, digest))
         if row is not None:
             row.counted_n = counted_n
+    # The recent windows (projections.shift): each field's newest samples in ledger order, as the
+    # live fold keeps them one at a time.
+    ordered = samples.sort("seq")
+    for field, window in WINDOWS.items():
+        tails = (
+            ordered.filter(pl.col(field).is_not_null())
+            .group_by(keys, maintain_order=True)
+            .agg(pl.col(field).tail(RECENT_SAMPLES))
+            .collect()
+        )
+        for worker, digest, values in tails.iter_rows():
+            setattr(tables.speed[(worker, digest)], window, list(values))
+        _held_out(tables, ordered, field, window)
+    for row in tables.speed.values():
+        row.sampled_at = row.decode_tps.updated_at
+
+
+def _held_out(tables: Tables, ordered: pl.LazyFrame, field: str, window: str) -> None:
+    """Fold again, one sample at a time, the rows of `field` where a shift may have held samples
+    out of the long run (projections.shift.fold_sample): the group_by above folded them all.
+
+    A group whose samples all lie within a factor of MIN_RATIO of each other never had a shift
+    (every long-run mean lies between its smallest and largest sample, so no sample is off by
+    more than the floor), and its vectorised statistics stand: only the others pay for a pass
+    in Python, in ledger order as the projector folded them.
+    """
+    keys = ["worker", "digest"]
+    x = pl.col(field)
+    spread = (
+        ordered.filter(x.is_not_null())
+        .group_by(keys)
+        .agg(x.min().alias("lo"), x.max().alias("hi"), pl.len().alias("n"))
+        # A hair under the floor: a mean rounded just outside [lo, hi] is left to the exact pass.
+        .filter((pl.col("n") > MIN_LONG_RUN) & (pl.col("hi") >= pl.col("lo") * MIN_RATIO * (1 - 1e-9)))
+        .select(keys)
+    )
+    redo = (
+        ordered.filter(x.is_not_null())
+        .join(spread, on=keys, how="semi")
+        .sort("seq")
+        .select(*keys, "at", field)
+        .collect()
+    )
+    state: dict[tuple[str, str], tuple[Stat, list[float]]] = {}
+    h = tables.half_life_s
+    for worker, digest, at, value in redo.iter_rows():
+        stat, recent = state.get((worker, digest)) or (Stat(), [])
+        stat, recent, _ = fold_sample(field, stat, recent, value, at, h)
+        state[(worker, digest)] = (stat, recent)
+    for key, (stat, recent) in state.items():
+        row = tables.speed[key]
+        setattr(row, field, stat)
+        setattr(row, window, recent)
 
 
 def _length(tables: Tables, counted: pl.LazyFrame) -> None:

@@ -32,6 +32,10 @@ class Difference(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        # A window of samples (a speed row's recent ones): each computed as the rebuild computes it,
+        # so equal up to rounding, like any other number.
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     numbers = isinstance(a, int | float) and isinstance(b, int | float)
     if numbers and (isinstance(a, float) or isinstance(b, float)):
         if math.isnan(a) or math.isnan(b):

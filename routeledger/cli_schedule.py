@@ -99,11 +99,15 @@ def schedule(
         progress=None if json_ else lambda s: err_console.print(f"[dim]{s}[/]", highlight=False),
     )
     table = Table(title=f"fleet {spec_fleet.name or '?'}, model {chosen}, {tasks} tasks, seed {seed}")
-    for col in ("policy", "load", "mean s", "p95 s", "makespan s", "vs best threshold", "vs lower bound"):
+    slowed = any(w.slowdown for w in spec_fleet.worker)
+    columns = ["policy", "load", "mean s", "p95 s", "makespan s", "vs best threshold", "vs lower bound"]
+    if slowed:
+        columns += ["vs oracle", "detect s", "away s", "misrouted", "back s"]
+    for col in columns:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         name = r.policy + (f" (K={','.join(map(str, r.thresholds))})" if r.thresholds else "")
-        table.add_row(
+        cells = [
             name,
             f"{r.load:g}",
             _fmt(r.mean_s),
@@ -111,7 +115,17 @@ def schedule(
             _fmt(r.makespan_s, 0),
             _fmt(r.vs_best_threshold, 3),
             _fmt(r.vs_lower_bound, 2),
-        )
+        ]
+        if slowed:
+            misrouted = "-" if r.misrouted is None else str(r.misrouted)
+            cells += [
+                _fmt(r.vs_oracle, 3),
+                _fmt(r.detect_s, 0),
+                _fmt(r.away_s, 0),
+                misrouted,
+                _fmt(r.back_s, 0),
+            ]
+        table.add_row(*cells)
     if plot is not None:
         from sim.scheduling.plot import line_chart
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from projections.shift import Shift, row_shifts
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat
 
 SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s")
@@ -44,6 +45,13 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     default_load_s: float = 5.0
     default_output_tokens: float = 256.0
     default_quality: float = 0.5
+    # Output lengths' spread (coefficient of variation) where too few were measured to say: about
+    # an exponential's, wider than most models' measured spread, so an unknown spread errs long.
+    default_length_cv: float = 1.0
+    # Lengths measured before a (digest, domain)'s own spread is used for its tail.
+    min_length_samples_for_tail: int = 20
+    # The quantile of output length taken as "as long as a task plausibly runs".
+    length_tail_quantile_z: float = 2.326  # the 99th percentile of a normal
     fit_iterations: int = 12
     # Prior strength of "no concurrency slowdown" (in samples) and the floor of the exponent.
     k_concurrency: float = 5.0
@@ -138,6 +146,10 @@ def _cell(stat: Stat, now_ms: int, half_life_s: float) -> _Cell | None:
     if weight <= 0.0:
         return None
     return _Cell(mean=mean, weight=weight, n=stat.n, updated_at=stat.updated_at)
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
 def _newest(a: int | None, b: int | None) -> int | None:
@@ -282,7 +294,12 @@ class Estimator:
         speed = list(speed)
         # Decode samples whose output tokens the worker counted from the stream: the source says so.
         self._counted = {(row.worker, row.digest): row.counted_n for row in speed if row.counted_n}
+        # Fields whose recent samples left the long run (projections.shift): the recent value wins.
+        self._shifts: dict[tuple[str, str], dict[str, Shift]] = {}
         for row in speed:
+            shifted = row_shifts(row)
+            if shifted:
+                self._shifts[(row.worker, row.digest)] = shifted
             for f in SPEED_FIELDS:
                 c = _cell(getattr(row, f), now_ms, half_life_s)
                 if c is not None:
@@ -294,6 +311,12 @@ class Estimator:
                 self._speed_pools[f].setdefault(m, _Pool()).add(w, c)
         self._length_cells: dict[tuple[str, str], _Cell] = {}
         self._length_pools: dict[str, _Pool] = {}
+        # Lifetime (n, sum, sumsq) of output lengths, for their spread (`output_tail`).
+        self._length_moments: dict[tuple[str, str], tuple[int, float, float]] = {}
+        length = list(length)
+        for lrow in length:
+            st = lrow.output_tokens
+            self._length_moments[(lrow.digest, lrow.domain)] = (st.n, st.sum, st.sumsq)
         for lrow in length:
             c = _cell(lrow.output_tokens, now_ms, half_life_s)
             if c is not None:
@@ -391,6 +414,16 @@ class Estimator:
             fields["decode_tps"] = msgspec.structs.replace(
                 d, source=f"{d.source}; {counted} of n counted from the stream (no usage reported)"
             )
+        for f, shift in self._shifts.get(key, {}).items():
+            own = fields[f]
+            fields[f] = Field(
+                value=shift.recent,
+                n=shift.samples,
+                source=shift.source(),
+                age_s=own.age_s,
+                weight=float(shift.samples),
+                prior=own.prior,
+            )
         est = SpeedEstimate(**fields)
         self._speed_cache[key] = est
         return est
@@ -423,6 +456,10 @@ class Estimator:
             )
         self.memo[key] = field
         return field
+
+    def shifts(self, worker: str, digest: str) -> dict[str, Shift]:
+        """The speed fields of (worker, digest) whose recent samples left the long run."""
+        return self._shifts.get((worker, digest), {})
 
     def concurrency(self, worker: str, digest: str) -> Concurrency:
         """How `worker` slows down running several tasks of `digest` at once (exponent 1: not at all)."""
@@ -487,6 +524,41 @@ class Estimator:
             )
             self._length_cache[key] = hit
         return hit
+
+    def length_sigma(self, digest: str, domain: str) -> float:
+        """The spread of the model's output lengths in the domain, as a lognormal's sigma: from the
+        measured lengths' mean and variance, or `default_length_cv` while fewer than
+        `min_length_samples_for_tail` were measured."""
+        p = self.params
+        cv = p.default_length_cv
+        n, total, sumsq = self._length_moments.get((digest, domain), (0, 0.0, 0.0))
+        if n >= p.min_length_samples_for_tail and total > 0.0:
+            mean = total / n
+            cv = math.sqrt(max(0.0, sumsq / n - mean * mean)) / mean
+        return math.sqrt(math.log1p(cv * cv))
+
+    def output_tail(self, digest: str, domain: str) -> float:
+        """How many times its mean a task's output plausibly runs to: the 99th percentile (by
+        default) of a lognormal with mean 1 and the lengths' spread."""
+        sigma = self.length_sigma(digest, domain)
+        # ln L ~ N(-sigma^2/2, sigma^2) has E[L] = 1.
+        return math.exp(self.params.length_tail_quantile_z * sigma - sigma * sigma / 2)
+
+    def output_left(self, digest: str, domain: str, done: float) -> float:
+        """Expected output still to come, as a share of the mean, of a task that has produced
+        `done` times the mean and is still running (a censored sample of a lognormal with mean 1
+        and the lengths' spread): E[L - done | L > done]."""
+        sigma = self.length_sigma(digest, domain)
+        if done <= 0.0:
+            return 1.0
+        if sigma <= 0.0:
+            return max(0.0, 1.0 - done)
+        z = (math.log(done) + sigma * sigma / 2) / sigma
+        survive = _normal_cdf(-z)
+        if survive < 1e-12:
+            # Far beyond anything seen: the lognormal's tail is then about done * sigma^2 / ln(done).
+            return done * sigma * sigma / max(math.log(done), sigma * sigma)
+        return _normal_cdf(sigma - z) / survive - done
 
     def quality(self, digest: str, domain: str) -> Field:
         """Quality in [0, 1] of the model for the domain, whichever worker runs it."""

@@ -5,6 +5,15 @@ Service time of a task on a worker = load seconds if the model is not loaded the
 running a task is expected free at (expected service - elapsed), never sooner than a fraction of
 the expected service: a task past its estimate is still running, so it is not "free now".
 
+Overdue work is evidence. A task past its estimate is a censored sample (it has run at least this
+long), so it is expected to need what a task of the measured length spread (a lognormal fitted to
+the length table's mean and variance) still needs on average once it is that long
+(`Estimator.output_left`). A worker running one beyond the time the plausibly longest output (the
+99th percentile of that spread, or the task's own max_tokens, whichever is shorter; never under
+`overdue_tolerance` times its estimate) would take is planned slower for new work by that ratio: a
+machine that silently slowed stops getting work before its first slow sample completes, while a
+long answer, which says nothing about the machine, does not count against it.
+
 The plan assigns the backlog in queue order, each task to the live holder whose slot would finish
 it earliest. Times are seconds from `now`. `FleetView` holds the live facts the ledger projections
 do not (the queues' backlog and the running tasks' start times); the caller fills it.
@@ -32,6 +41,8 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     default_prompt_tokens: int = 64
     # A running task past its estimate is expected to need at least this share of it again.
     overdue_fraction: float = 0.1
+    # A running task beyond this multiple of its estimate slows the worker down in the plan.
+    overdue_tolerance: float = 2.0
     # Find each task's holder by computing every holder's finish, and for `auto` lay out every
     # model's queue. By default the walk leaves out holders that cannot finish a task first (the
     # same plan, bit for bit: PlanState.walk) and `auto` the queues of models that cannot win (the
@@ -277,12 +288,16 @@ def slot_free_times(
             expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
         # Never before now, whatever a malformed task says (a negative expected time or size):
-        # the plan's floors on a finish count on free times of 0 or later.
-        if fac is None:
-            remaining.append(max(expected - elapsed, p.overdue_fraction * expected, 0.0))
+        # the plan's floors on a finish count on free times of 0 or later. Work done so far went at
+        # the speed of `m` sharing: the rest is in solo-expected seconds.
+        done = elapsed if fac is None else elapsed / share
+        if expected > 0.0 and done > expected:
+            # Past its estimate: a censored sample of its length (it ran at least this long), so
+            # it needs what a task that long still needs on average (the lengths' own tail).
+            left = expected * est.output_left(t.digest, t.domain, done / expected)
         else:
-            # Work done so far went at the speed of `m` sharing: the rest is in solo-expected seconds.
-            remaining.append(max(expected - elapsed / share, p.overdue_fraction * expected, 0.0))
+            left = expected - done
+        remaining.append(max(left, p.overdue_fraction * expected, 0.0))
     remaining.sort()
     if fac is not None:
         remaining[:slots] = _shared_ends(0.0, remaining[:slots], fac)
@@ -293,6 +308,42 @@ def slot_free_times(
         free[i] += extra
     free.sort()
     return free
+
+
+def overdue_slowdown(
+    worker: WorkerView, est: Estimator, now_ms: int, params: PlanParams | None = None
+) -> float:
+    """How much slower than estimated the worker's running tasks show it to be (1.0: no sign):
+    the most overdue task's elapsed time over `overdue_tolerance` times its estimate."""
+    p = params or PlanParams()
+    worst = 1.0
+    for t in worker.running:
+        expected = t.expected_s
+        if expected is None:
+            prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
+            expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
+        if expected <= 0.0:
+            continue
+        elapsed = (now_ms - t.started_at_ms) / 1000.0
+        # A long answer is no sign of a slow machine: only time beyond what the plausible longest
+        # output (or the task's own cap, whichever is shorter) takes at the estimated speed is.
+        tail = est.output_tail(t.digest, t.domain)
+        if t.max_tokens is not None:
+            c = _coef(est, worker.name, t.digest, t.domain)
+            tail = min(tail, max(1.0, t.max_tokens / c.out)) if c.out > 0 else tail
+        worst = max(worst, elapsed / (max(p.overdue_tolerance, tail) * expected))
+    return worst
+
+
+def _slowed(sp: _Speeds, slow: Sequence[float]) -> _Speeds:
+    """`sp` with holder i's speeds divided by `slow[i]`."""
+    return msgspec.structs.replace(
+        sp,
+        per_prompt=[a * k for a, k in zip(sp.per_prompt, slow, strict=True)],
+        per_out=[b * k for b, k in zip(sp.per_out, slow, strict=True)],
+        prompt_tps=[v / k for v, k in zip(sp.prompt_tps, slow, strict=True)],
+        decode_tps=[v / k for v, k in zip(sp.decode_tps, slow, strict=True)],
+    )
 
 
 class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -442,6 +493,9 @@ class PlanState:
             ]
         self.head = list(map(_first, self.free))
         self.sp = _speeds(est, holders, digest)
+        slow = [overdue_slowdown(w, est, now_ms, params) if w.running else 1.0 for w in holders]
+        if any(k > 1.0 for k in slow):
+            self.sp = _slowed(self.sp, slow)
         self.fac = self.sp.fac
         self.shared = self.sp.shared
         # Load seconds a task would pay there: none once the model is loaded (or planned there).

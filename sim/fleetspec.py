@@ -8,6 +8,10 @@ other people's fleet files use, is
     name = "macbookair"
     slots = 1
     online = [[0, 1e9]]          # optional windows in simulated seconds; default: always on
+    [[worker.slowdown]]          # optional, repeatable: speeds multiplied by `factor` meanwhile
+    from_s = 3600
+    until_s = 7200
+    factor = 0.06
     [worker.models."qwen3:8b"]
     decode_tps = 11.4
     prompt_tps = 90.0
@@ -68,6 +72,22 @@ class WorkerModel(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     held: bool = True
 
 
+class Slowdown(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A stretch of simulated time in which the machine runs slower (someone games on the GPU PC).
+
+    Written in a fleet file as a repeatable table of its worker:
+
+        [[worker.slowdown]]
+        from_s = 3600
+        until_s = 7200
+        factor = 0.06                # decode and prompt speed multiplied by this
+    """
+
+    from_s: float
+    until_s: float
+    factor: float
+
+
 class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """One simulated machine."""
 
@@ -96,6 +116,16 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # False: the OpenAI-compatible API sends no `usage` in a stream even when asked (some servers
     # do not), so a client must count the output itself.
     openai_usage: bool = True
+    # Stretches of time with speed multiplied by a factor (overlapping ones multiply).
+    slowdown: list[Slowdown] = msgspec.field(default_factory=list)
+
+    def speed_factor(self, t: float) -> float:
+        """What its speeds are multiplied by at simulated second `t`."""
+        k = 1.0
+        for s in self.slowdown:
+            if s.from_s <= t < s.until_s:
+                k *= s.factor
+        return k
 
 
 class Fleet(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -165,6 +195,12 @@ def fleet_from_dict(data: dict[str, Any], source: str = "<dict>") -> Fleet:
     for w in fleet.worker:
         if w.slots < 1:
             raise FleetError(f"{source}: worker {w.name} needs at least one slot")
+        for slow in w.slowdown:
+            if not (slow.factor > 0) or not (slow.until_s > slow.from_s >= 0):
+                raise FleetError(
+                    f"{source}: {w.name} has a slowdown with a factor that is not positive or an "
+                    f"empty window ({slow.from_s} to {slow.until_s} s)"
+                )
         for model, spec in w.models.items():
             if spec.decode_tps <= 0 or spec.prompt_tps <= 0 or spec.load_s < 0:
                 raise FleetError(

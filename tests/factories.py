@@ -13,6 +13,7 @@ from events.event import (
     PipelineStarted,
     QualityScored,
     Resources,
+    SpeedShiftDetected,
     TaskCancelled,
     TaskClaimed,
     TaskCompleted,
@@ -84,6 +85,7 @@ def one_of_each() -> list[Event]:
         PipelineStarted(at=AT, pipeline_id="p1", fan_out=4, capacity=2),
         PipelineChildAdded(at=AT, pipeline_id="p1", task_id="t5"),
         PipelineCompleted(at=AT, pipeline_id="p1", ok=True),
+        SpeedShiftDetected(at=AT, worker="rtx3070ti", digest=DIGEST, long_run=83.0, recent=5.0, samples=2),
     ]
     assert {type(e) for e in events} == set(EVENT_TYPES), "one_of_each must cover every event type"
     return events

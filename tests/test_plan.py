@@ -3,6 +3,7 @@ pruned walk that places every task exactly where the full walk does."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import router.plan as plan_module
+from projections.snapshot import LengthRow
 from router.plan import (
     PRUNE_MIN_HOLDERS,
     PRUNE_MIN_TASKS,
@@ -35,6 +37,7 @@ from tests.router_helpers import (
     fleet_shapes,
     snapshot,
     speed_row,
+    stat,
     view,
     worker,
 )
@@ -59,13 +62,70 @@ def test_service_pays_the_load_only_when_the_model_is_not_loaded_and_caps_output
     assert capped.output_tokens == 83.0
 
 
-def test_a_slot_is_free_when_its_task_is_expected_to_end_and_an_overdue_one_is_not_free_now() -> None:
-    est = estimator(seed_snapshot())
+def spread_snapshot(sigma: float):
+    """The seed speeds with 40 measured output lengths of mean about 600, lognormal with `sigma`."""
+    import statistics
+
+    rows = [speed_row(w, QWEN, d, 30, prompt=p, load=ld) for w, (d, p, ld) in SEED_QWEN.items()]
+    snap = snapshot(rows, {(QWEN, "general"): 600.0})
+    normal = statistics.NormalDist()
+    quantiles = [normal.inv_cdf((i + 0.5) / 40) for i in range(40)]
+    lengths = [600.0 * math.exp(sigma * z - sigma * sigma / 2) for z in quantiles]
+    snap.length[(QWEN, "general")] = LengthRow(digest=QWEN, domain="general", output_tokens=stat(lengths))
+    return snap
+
+
+def test_a_slot_is_free_when_its_task_ends_and_an_overdue_one_needs_what_its_length_still_needs() -> None:
+    est = estimator(spread_snapshot(0.8))
     w = worker("rtx3070ti", {QWEN}, slots=2)
     busy(w, QWEN, started_s_ago=3.0, expected_s=10.0)
     busy(w, QWEN, started_s_ago=30.0, expected_s=10.0)
     free = slot_free_times(w, est, NOW)
-    assert free == pytest.approx([1.0, 7.0])
+    assert free[0] == pytest.approx(7.0)
+    # Three times over: a lognormal length past 3x its mean still has, on average, more than its
+    # mean to go (E[L - 3 | L > 3] is about 1.4 at sigma 0.8), never "free in a second".
+    sigma = est.length_sigma(QWEN, "general")
+    assert sigma == pytest.approx(0.8, abs=0.1)
+    assert free[1] == pytest.approx(10.0 * est.output_left(QWEN, "general", 3.0))
+    assert 10.0 < free[1] < 20.0
+    # The further over, the more it still needs (the tail of a lognormal grows).
+    later = worker("rtx3070ti", {QWEN})
+    busy(later, QWEN, started_s_ago=60.0, expected_s=10.0)
+    assert slot_free_times(later, est, NOW)[0] > free[1]
+    # Just past its estimate it is still not free now.
+    busy_just_over = worker("rtx3070ti", {QWEN})
+    busy(busy_just_over, QWEN, started_s_ago=10.5, expected_s=10.0)
+    assert slot_free_times(busy_just_over, est, NOW)[0] > 5.0
+
+
+def test_the_expected_remaining_output_matches_a_sampled_lognormal_tail() -> None:
+    import random
+
+    est = estimator(spread_snapshot(0.6))
+    sigma = est.length_sigma(QWEN, "general")
+    rng = random.Random(7)
+    draws = [rng.lognormvariate(-sigma * sigma / 2, sigma) for _ in range(200_000)]
+    for done in (0.5, 1.0, 2.0, 3.0):
+        tail = [x - done for x in draws if x > done]
+        assert est.output_left(QWEN, "general", done) == pytest.approx(sum(tail) / len(tail), rel=0.05)
+
+
+def test_a_worker_running_a_task_far_past_its_estimate_gets_no_new_work_in_the_plan() -> None:
+    est = estimator(spread_snapshot(0.5))
+    mac, rtx = worker("macbookair", {QWEN}), worker("rtx3070ti", {QWEN})
+    expected = service(est, "rtx3070ti", QWEN).total_s
+    fine = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    # Overdue within the spread of output lengths (the 99th percentile is about 2.8x the mean at
+    # sigma 0.5): a long answer says nothing about the machine, which keeps the queue.
+    busy(rtx, QWEN, started_s_ago=2.5 * expected, expected_s=expected)
+    within = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    assert [a.worker for a in fine.assignments] == [a.worker for a in within.assignments] == ["rtx3070ti"] * 2
+    # Thirty times over: even at the longest plausible length the machine is over 7.3x slower than
+    # measured (the laptop's margin), and the laptop takes the head of the queue.
+    rtx.running.clear()
+    busy(rtx, QWEN, started_s_ago=30 * expected, expected_s=expected)
+    slowed = plan_queue(view([mac, rtx], {QWEN: backlog(QWEN, 2)}), est, QWEN, NOW)
+    assert slowed.assignments[0].worker == "macbookair"
 
 
 def test_a_burst_of_three_equal_tasks_on_the_seed_speeds_finishes_within_a_tenth_of_the_best_makespan() -> (

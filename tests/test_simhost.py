@@ -455,6 +455,27 @@ async def test_fault_rates_out_of_range_are_refused(seed_hosts: SimHosts) -> Non
         assert "error_rate" in resp.json()["error"]
 
 
+async def test_a_speed_factor_set_at_run_time_slows_every_generation_until_it_is_set_back(
+    seed_hosts: SimHosts,
+) -> None:
+    client = ollama.AsyncClient(seed_hosts.url("rtx3070ti"))
+
+    async def tps() -> float:
+        resp = await client.chat(model="qwen3:8b", messages=chat_msgs("x"), options={"num_predict": 20})
+        assert resp.eval_count and resp.eval_duration
+        return float(resp.eval_count / (resp.eval_duration / 1e9))
+
+    usual = await tps()
+    async with httpx.AsyncClient(base_url=seed_hosts.url("rtx3070ti")) as http:
+        slowed = await http.post("/sim/speed", json={"factor": 0.06})
+        assert slowed.status_code == 200 and slowed.json()["speed_factor"] == 0.06
+        assert await tps() == pytest.approx(0.06 * usual, rel=1e-3)
+        refused = await http.post("/sim/speed", json={"factor": 0})
+        assert refused.status_code == 400 and "factor" in refused.json()["error"]
+        await http.post("/sim/speed", json={"factor": 1.0})
+    assert await tps() == pytest.approx(usual, rel=1e-3)
+
+
 # -- offline and online ---------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from dispatch.benchmark import needs_benchmark, request_benchmark
+from dispatch.benchmark import PROBE_AFTER_S, is_probe, needs_benchmark, request_benchmark
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.payload import Chunk, Result, encode_chunk
@@ -782,7 +782,7 @@ class WorkerAgent:
                 now = now_ms()
                 for model in self.serving():
                     recent = self._benched.get(model.digest)
-                    if recent is not None and time.monotonic() - recent < 600:
+                    if recent is not None and time.monotonic() - recent < PROBE_AFTER_S:
                         continue  # asked already; its results may not be folded yet
                     need = needs_benchmark(
                         snap,
@@ -791,10 +791,13 @@ class WorkerAgent:
                         now,
                         min_samples=self.config.bench_min_samples,
                         stale_after_s=self.config.bench_stale_after_s,
+                        probe_after_s=PROBE_AFTER_S,
                     )
                     if need is None:
                         continue
                     count, why = need
+                    if recent is not None and time.monotonic() - recent < 600 and not is_probe(why):
+                        continue  # a probe may come sooner; another benchmark waits as before
                     reason = "joined" if first else why
                     await request_benchmark(
                         self.queues,

@@ -3,7 +3,8 @@
 Each machine serves Ollama's native API (`/api/tags`, `/api/ps`, `/api/version`, `/api/show`,
 `/api/chat`, `/api/generate`, `/api/pull`, `/api/delete`), the OpenAI-compatible `/v1/models` and
 `/v1/chat/completions`, and operator controls under `/sim/` (`GET /sim/state`, `POST /sim/faults`,
-`POST /sim/offline`).
+`POST /sim/offline`, and `POST /sim/speed {"factor": 0.06}`: every model's decode and prompt speed
+times that factor from now on, the fleet TOML's `[[worker.slowdown]]` at run time; 1 restores it).
 
 Time: every duration a response reports (load, prompt eval, eval, total) is simulated and unscaled,
 so `eval_count / eval_duration` is the preset's decode speed at any `time_scale`; the machine really
@@ -46,6 +47,7 @@ from sim.backends.wire import (
     GenerateRequest,
     ModelRequest,
     OpenAIChatRequest,
+    SpeedRequest,
     content_text,
     decode_body,
     int_option,
@@ -88,6 +90,7 @@ class MachineApp:
             ("GET", "/sim/state"): self._sim_state,
             ("POST", "/sim/faults"): self._sim_faults,
             ("POST", "/sim/offline"): self._sim_offline,
+            ("POST", "/sim/speed"): self._sim_speed,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -413,6 +416,15 @@ class MachineApp:
             await respond(send, 400, _enc.encode({"error": str(exc)}))
             return
         await respond(send, 200, _enc.encode(faults))
+
+    async def _sim_speed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = decode_body(await read_body(receive), SpeedRequest)
+        try:
+            self.machine.set_speed(req.factor)
+        except SimHostError as exc:
+            await respond(send, 400, _enc.encode({"error": str(exc)}))
+            return
+        await respond(send, 200, _enc.encode(self.machine.state()))
 
     async def _sim_offline(self, scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)

@@ -88,6 +88,8 @@ class MachineState(msgspec.Struct, kw_only=True):
     faults: Faults
     counters: Counters
     time_scale: float
+    # Decode and prompt speed times this (POST /sim/speed): the fleet's `slowdown` at run time.
+    speed_factor: float = 1.0
 
 
 class Timings(msgspec.Struct, kw_only=True):
@@ -232,6 +234,8 @@ class SimMachine:
             error_rate=spec.error_rate, hang_rate=spec.hang_rate, disconnect_rate=spec.disconnect_rate
         )
         self.counters = Counters()
+        # Every model's decode and prompt speed times this from now on (a game started on it).
+        self.speed_factor = 1.0
         self.online = True
         self.running = 0
         self.active = 0
@@ -497,7 +501,7 @@ class SimMachine:
             reason = "length"
         cut = job.disconnect_after if job.fault == "disconnect" else None
         scale = self.time_scale
-        prompt_s = job.prompt_tokens * self._share(self.active) / speed.prompt_tps
+        prompt_s = job.prompt_tokens * self._share(self.active) / (speed.prompt_tps * self.speed_factor)
         if scale:
             await asyncio.sleep(prompt_s * scale)
             if job.gone():
@@ -506,7 +510,7 @@ class SimMachine:
         limit = len(tokens) if cut is None else min(cut, len(tokens))
         if not scale:
             # Nothing waits, so nothing overlaps: the reported speed is the share at this moment.
-            eval_s = len(tokens) * self._share(self.active) / speed.decode_tps
+            eval_s = len(tokens) * self._share(self.active) / (speed.decode_tps * self.speed_factor)
             if emit is not None:
                 for i in range(0, limit, ZERO_DELAY_BATCH):
                     await emit(tokens[i : min(i + ZERO_DELAY_BATCH, limit)])
@@ -524,7 +528,7 @@ class SimMachine:
         while i < limit:
             # The share is read again every quantum, so that a generation that starts or ends beside
             # this one changes its speed from then on.
-            dt = self._share(self.active) / tps
+            dt = self._share(self.active) / (tps * self.speed_factor)
             step = min(limit - i, max(1, int(quantum / (dt * scale))))
             sim += step * dt
             delay = start + sim * scale - _loop_time()
@@ -587,7 +591,16 @@ class SimMachine:
             faults=msgspec.structs.replace(self.faults),
             counters=msgspec.structs.replace(self.counters),
             time_scale=self.time_scale,
+            speed_factor=self.speed_factor,
         )
+
+    def set_speed(self, factor: float) -> float:
+        """Multiply every model's decode and prompt speed by `factor` (1: as the preset says) from
+        now on, generations already running included; returns the factor in force."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise SimHostError(f"speed factor must be positive, got {factor}")
+        self.speed_factor = float(factor)
+        return self.speed_factor
 
     def set_faults(
         self,

@@ -54,6 +54,10 @@ class ModelRequest(msgspec.Struct):
         return self.model or self.name or ""
 
 
+class SpeedRequest(msgspec.Struct):
+    factor: float
+
+
 class FaultsRequest(msgspec.Struct):
     error_rate: float | None = None
     hang_rate: float | None = None

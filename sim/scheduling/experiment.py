@@ -33,6 +33,15 @@ class ResultRow(msgspec.Struct, kw_only=True):
     vs_lower_bound: float | None = None
     # For best-threshold: the thresholds it found (per slower worker, fastest first).
     thresholds: list[int] | None = None
+    # With slowdown windows in the fleet (see `slowdown_figures`): mean over the oracle's, seconds
+    # until the router saw the slowdown (routeledger only), until new work went elsewhere, and
+    # until work came back after it ended; and tasks sent to the slowed machine while a faster one
+    # was free.
+    vs_oracle: float | None = None
+    detect_s: float | None = None
+    away_s: float | None = None
+    back_s: float | None = None
+    misrouted: int | None = None
 
 
 def limits_of(fleet: Fleet, model: str, jobs: Sequence[Job]) -> Bounds:
@@ -78,6 +87,51 @@ def sweep_thresholds(
     return cache[best], list(best)
 
 
+ORACLE = "routeledger-oracle"
+# After a slowdown ends, how long the return of work is looked for.
+RETURN_HORIZON_S = 1800.0
+
+
+class SlowdownFigures(msgspec.Struct, kw_only=True, frozen=True):
+    """How a run followed the fleet's slowdown windows (the worst window counts).
+
+    `away_s`: from a window's start to the last task the slowed machine started while a machine
+    faster at that moment (by more than MIN_RATIO, for that task: `RunResult.misrouted`) had a
+    free slot (0: none); `misrouted`: how many such tasks. `back_s`: from a window's end to the
+    last task a slower machine started while the recovered one was free and so much faster (within
+    RETURN_HORIZON_S). `detect_s`: from a window's start to the router's notice that the
+    machine's speed shifted (None for policies that keep no such statistic, or no notice).
+    """
+
+    away_s: float
+    misrouted: int
+    back_s: float
+    detect_s: float | None
+
+
+def slowdown_figures(
+    fleet: Fleet, result: RunResult, shifts: Sequence[tuple[float, str, str]] = ()
+) -> SlowdownFigures | None:
+    """The figures of `result` for the fleet's slowdown windows, or None when it has none."""
+    windows = [(w.name, s.from_s, s.until_s) for w in fleet.worker for s in w.slowdown]
+    if not windows:
+        return None
+    away, back, count = 0.0, 0.0, 0
+    detect: float | None = None
+    starts = list(zip(result.start_s, result.start_order, result.misrouted, strict=True))
+    for name, a, b in windows:
+        late = [t - a for t, w, faster in starts if w == name and faster and a <= t < b]
+        count += len(late)
+        away = max([away, *late])
+        back = max(
+            [back, *[t - b for t, _, faster in starts if faster == name and b <= t < b + RETURN_HORIZON_S]]
+        )
+        seen = [t - a for t, w, state in shifts if w == name and state == "slower" and a <= t < b]
+        if seen:
+            detect = max(detect or 0.0, min(seen))
+    return SlowdownFigures(away_s=away, misrouted=count, back_s=back, detect_s=detect)
+
+
 def run_matrix(
     fleet: Fleet,
     model: str,
@@ -94,14 +148,20 @@ def run_matrix(
         bound = limits_of(fleet, model, jobs)
         best_run, ks = sweep_thresholds(fleet, model, spec, jobs)
         best_mean = best_run.mean_s
+        slowed = any(w.slowdown for w in fleet.worker)
+        oracle_mean = simulate(fleet, model, spec, make_policy(ORACLE), jobs).mean_s if slowed else None
         for name in policies:
             if progress is not None:
                 progress(f"load {load}: {name}")
+            shifts: list[tuple[float, str, str]] = []
             if name == BEST_THRESHOLD:
                 result, found = best_run, ks
             else:
-                result, found = simulate(fleet, model, spec, make_policy(name), jobs), None
+                policy = make_policy(name)
+                result, found = simulate(fleet, model, spec, policy, jobs), None
+                shifts = getattr(policy, "shifts", [])
             mean = result.mean_s
+            figures = slowdown_figures(fleet, result, shifts)
             rows.append(
                 ResultRow(
                     policy=name,
@@ -112,6 +172,11 @@ def run_matrix(
                     vs_best_threshold=mean / best_mean if math.isfinite(mean) else None,
                     vs_lower_bound=mean / bound.mean_response_s if math.isfinite(mean) else None,
                     thresholds=found,
+                    vs_oracle=mean / oracle_mean if oracle_mean and math.isfinite(mean) else None,
+                    detect_s=None if figures is None else figures.detect_s,
+                    away_s=None if figures is None else figures.away_s,
+                    back_s=None if figures is None else figures.back_s,
+                    misrouted=None if figures is None else figures.misrouted,
                 )
             )
     return rows

@@ -5,25 +5,31 @@ leave tasks in the model's shared queue and let a free worker decide whether to 
 `routeledger` makes the worker agent's own decision (`router.gate.decide_take`, one task per
 decision) on statistics folded with the real `projections.snapshot.fold` and the projector's
 half-lives, read as often as the agent re-reads its snapshot; it learns from an empty ledger (or a
-given snapshot) with benchmarks on join by the worker's own rule. `routeledger-oracle` is the same
-gate fed the true speeds.
+given snapshot) with benchmarks on join by the worker's own rule, and probes a machine that looks
+slow as the worker does. `routeledger-oracle` is the same gate fed the true speeds at every moment
+(a slowdown window included).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
 
 import msgspec
 
-from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, needs_benchmark
+from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, PROBE_AFTER_S, needs_benchmark
+from projections.shift import detect, fold_sample
 from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold
 from router.estimate import Estimator, build_estimator
 from router.gate import GateParams, decide_take
 from sim.errors import FleetError
 from sim.scheduling.schedule import Measured, Simulation, SimWorker
 from sim.scheduling.workload import Job
+
+# How often the agent's benchmark loop looks (workers.config's default `bench_check_s`).
+BENCH_CHECK_S = 30.0
 
 
 class _Base:
@@ -46,6 +52,9 @@ class _Base:
         raise FleetError(f"{self.name} is a push policy")
 
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        return None
+
+    def speed_changed(self, sim: Simulation, worker: SimWorker) -> None:
         return None
 
 
@@ -247,34 +256,39 @@ class Routeledger(_Base):
         # Folds of speed and length rows so far, and how many the last fit saw.
         self._folds = 0
         self._fitted = -1
+        # When the agent last looked for benchmarks to ask for, and when it last probed each worker
+        # (it does not ask again before the last probe's results can have been folded).
+        self._checked_at = -math.inf
+        self._probed: dict[str, float] = {}
+        # (simulated second, worker, shifted slower / faster / cleared) each time the decode field's
+        # shift state changed: what the projector would append as SpeedShiftDetected.
+        self.shifts: list[tuple[float, str, str]] = []
 
     def start(self, sim: Simulation) -> None:
         if self.oracle:
             mean = sum(j.output_tokens for j in sim.jobs) / len(sim.jobs)
-            many = 1_000_000
-
-            def known(x: float) -> Stat:
-                return Stat(
-                    n=many,
-                    sum=x * many,
-                    sumsq=x * x * many,
-                    dn=many,
-                    dsum=x * many,
-                    dsumsq=x * x * many,
-                    updated_at=0,
-                )
-
             for w in sim.workers:
-                self.tables.speed[(w.name, sim.digest)] = SpeedRow(
-                    worker=w.name,
-                    digest=sim.digest,
-                    decode_tps=known(w.true.decode_tps),
-                    prompt_tps=known(w.true.prompt_tps),
-                    load_s=known(w.true.load_s),
-                )
+                self._know(sim, w)
             self.tables.length[(sim.digest, sim.workload.domain)] = LengthRow(
-                digest=sim.digest, domain=sim.workload.domain, output_tokens=known(mean)
+                digest=sim.digest, domain=sim.workload.domain, output_tokens=_known(mean)
             )
+
+    def _know(self, sim: Simulation, w: SimWorker) -> None:
+        """The oracle's row of `w`: its true speeds at this moment."""
+        self.tables.speed[(w.name, sim.digest)] = SpeedRow(
+            worker=w.name,
+            digest=sim.digest,
+            decode_tps=_known(w.true.decode_tps * w.factor),
+            prompt_tps=_known(w.true.prompt_tps * w.factor),
+            load_s=_known(w.true.load_s / w.factor),
+        )
+        self._folds += 1
+        # The agent's next read sees it (the oracle knows at once).
+        self._read = None
+
+    def speed_changed(self, sim: Simulation, worker: SimWorker) -> None:
+        if self.oracle:
+            self._know(sim, worker)
 
     def joined(self, sim: Simulation, worker: SimWorker) -> int:
         if self.oracle:
@@ -289,7 +303,29 @@ class Routeledger(_Base):
         )
         return 0 if need is None else need[0]
 
+    def _probe(self, sim: Simulation) -> None:
+        """The agent's benchmark loop (every `BENCH_CHECK_S`): probe a worker that looks slow."""
+        if self.oracle or sim.now - self._checked_at < BENCH_CHECK_S:
+            return
+        self._checked_at = sim.now
+        for w in sim.workers:
+            if not w.online or sim.now - self._probed.get(w.name, -math.inf) < PROBE_AFTER_S:
+                continue
+            need = needs_benchmark(
+                self.tables,
+                w.name,
+                sim.digest,
+                sim.now_ms,
+                min_samples=BENCH_MIN_SAMPLES,
+                stale_after_s=BENCH_STALE_AFTER_S,
+                probe_after_s=PROBE_AFTER_S,
+            )
+            if need is not None and need[1].startswith("probe:"):
+                self._probed[w.name] = sim.now
+                sim.benchmark(w, need[0])
+
     def arrived(self, sim: Simulation, job: Job) -> None:
+        self._probe(sim)
         row = self.tables.demand.get(sim.digest) or DemandRow(digest=sim.digest)
         self.tables.demand[sim.digest] = DemandRow(
             digest=sim.digest,
@@ -322,15 +358,28 @@ class Routeledger(_Base):
         self._folds += 1
         key = (worker.name, sim.digest)
         row = self.tables.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
+        before = detect("decode_tps", row.decode_tps, row.decode_recent)
+        decode, decode_recent, after = fold_sample(
+            "decode_tps", row.decode_tps, row.decode_recent, measured.decode_tps, at, hl
+        )
+        prompt, prompt_recent, _ = fold_sample(
+            "prompt_tps", row.prompt_tps, row.prompt_recent, measured.prompt_tps, at, hl
+        )
         self.tables.speed[key] = SpeedRow(
             worker=row.worker,
             digest=row.digest,
-            decode_tps=fold(row.decode_tps, measured.decode_tps, at, hl),
-            prompt_tps=fold(row.prompt_tps, measured.prompt_tps, at, hl),
+            decode_tps=decode,
+            prompt_tps=prompt,
             load_s=row.load_s if measured.load_s is None else fold(row.load_s, measured.load_s, at, hl),
             ttft_s=row.ttft_s,
             in_flight=fold(row.in_flight, float(measured.in_flight), at, hl),
+            decode_recent=decode_recent,
+            prompt_recent=prompt_recent,
+            sampled_at=at if row.sampled_at is None else max(row.sampled_at, at),
         )
+        state = "cleared" if after is None else ("slower" if after.slower else "faster")
+        if (before is None) != (after is None) or (before and after and before.slower != after.slower):
+            self.shifts.append((sim.now, worker.name, state))
         if not job.bench:
             lkey = (sim.digest, job.domain)
             lrow = self.tables.length.get(lkey) or LengthRow(digest=sim.digest, domain=job.domain)
@@ -339,6 +388,14 @@ class Routeledger(_Base):
                 domain=lrow.domain,
                 output_tokens=fold(lrow.output_tokens, float(measured.output_tokens), at, hl),
             )
+
+
+def _known(x: float) -> Stat:
+    """A statistic of a value known exactly (a million samples of it)."""
+    many = 1_000_000
+    return Stat(
+        n=many, sum=x * many, sumsq=x * x * many, dn=many, dsum=x * many, dsumsq=x * x * many, updated_at=0
+    )
 
 
 POLICIES: dict[str, Callable[[], _Base]] = {

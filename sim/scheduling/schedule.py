@@ -6,7 +6,8 @@ or get tasks pushed to their own FIFO at arrival (push policies: LiteLLM, Olla a
 each request to a backend that queues it). A worker with k tasks at once runs each at
 k**parallel_exponent / k of its solo speed. A model not used for `keep_alive_s` is unloaded and
 costs its load time again. A worker that goes offline loses what it runs: those tasks go back to
-the head of the queue they came from and start again.
+the head of the queue they came from and start again. A worker's `slowdown` windows multiply its
+speed meanwhile: what it runs at the change goes on at the new speed from there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import msgspec
 
+from projections.shift import MIN_RATIO
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from sim.fleetspec import Fleet, WorkerSpec, default_digest
 from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
@@ -26,7 +28,7 @@ from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, se
 BENCH_PROMPT_TOKENS = 32
 BENCH_OUTPUT_TOKENS = 32
 
-_ARRIVE, _DONE, _ONLINE, _OFFLINE = 0, 1, 2, 3
+_ARRIVE, _DONE, _ONLINE, _OFFLINE, _SPEED = 0, 1, 2, 3, 4
 
 
 class Measured(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -73,6 +75,8 @@ class SimWorker:
         self.own: list[Job] = []  # pushed tasks, FIFO (push policies)
         self.pinned: list[Job] = []  # benchmarks, served before anything else
         self.done = 0
+        # Its speed now relative to `true` (the fleet's slowdown windows).
+        self.factor = 1.0
         self.view = WorkerView(name=spec.name, slots=spec.slots, holds={digest})
 
     @property
@@ -81,11 +85,16 @@ class SimWorker:
 
     def rate(self) -> float:
         k = len(self.runs)
-        return 1.0 if k <= 1 else k**self.exponent / k
+        return self.factor if k <= 1 else self.factor * k**self.exponent / k
 
     def in_system(self) -> int:
         """Tasks it has: running and waiting in its own queue (what least-busy counts)."""
         return len(self.runs) + len(self.own)
+
+
+def _share(k: int, exponent: float) -> float:
+    """The fraction of its solo speed each of k tasks at once gets (see `SimWorker.rate`)."""
+    return 1.0 if k <= 1 else k**exponent / k
 
 
 class Policy(Protocol):
@@ -112,6 +121,9 @@ class Policy(Protocol):
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         """A run finished (benchmarks included) with what the backend reports."""
 
+    def speed_changed(self, sim: Simulation, worker: SimWorker) -> None:
+        """A worker's speed changed (`worker.factor`); only a policy that knows the truth uses it."""
+
 
 class RunResult(msgspec.Struct, kw_only=True):
     """Per-task outcome of one run."""
@@ -123,6 +135,13 @@ class RunResult(msgspec.Struct, kw_only=True):
     start_order: list[str]  # worker of each started task, in start order
     first_arrival_s: float
     benchmarks: int
+    # When each started task started (simulated seconds), in start order, beside `start_order`.
+    start_s: list[float] = msgspec.field(default_factory=list)
+    # Per started task, in start order: the fastest worker with a free slot that would have run it
+    # more than MIN_RATIO times faster than the one that took it, at that moment (slowdowns and its
+    # share beside running tasks counted; '' if none): the task went to a slower machine than it
+    # had to.
+    misrouted: list[str] = msgspec.field(default_factory=list)
 
     @property
     def mean_s(self) -> float:
@@ -171,6 +190,8 @@ class Simulation:
         self.finish: list[float] = [math.nan] * n
         self.worker_of: list[str] = [""] * n
         self.start_order: list[str] = []
+        self.start_s: list[float] = []
+        self.misrouted: list[str] = []
         self.benchmarks = 0
         self._bench_index = n
 
@@ -195,6 +216,9 @@ class Simulation:
                 self._push(a, _ONLINE, w.index)
                 if math.isfinite(b):
                     self._push(b, _OFFLINE, w.index)
+            for slow in w.spec.slowdown:
+                self._push(slow.from_s, _SPEED, w.index)
+                self._push(slow.until_s, _SPEED, w.index)
 
     def run(self) -> RunResult:
         """Simulate until every task finished; the per-task figures."""
@@ -215,6 +239,8 @@ class Simulation:
                 self._arrive(self.jobs[a])
             elif kind == _ONLINE:
                 self._online(self.workers[a])
+            elif kind == _SPEED:
+                self._speed(self.workers[a])
             else:
                 self._offline(self.workers[a])
             self._dispatch()
@@ -229,6 +255,8 @@ class Simulation:
             finish_s=list(self.finish),
             worker_of=list(self.worker_of),
             start_order=list(self.start_order),
+            start_s=list(self.start_s),
+            misrouted=list(self.misrouted),
             first_arrival_s=min(j.arrival for j in self.jobs),
             benchmarks=self.benchmarks,
         )
@@ -262,7 +290,15 @@ class Simulation:
         w.last = self.now
         w.idle_since = self.now
         self.view.workers = [x.view for x in self.workers if x.online]
-        for _ in range(self.policy.joined(self, w)):
+        self.benchmark(w, self.policy.joined(self, w))
+        if not self.policy.pull and self.queue:
+            held, self.queue[:] = list(self.queue), []
+            for e in held:
+                self.policy.route(self, self.jobs[int(e.task_id)]).own.append(self.jobs[int(e.task_id)])
+
+    def benchmark(self, w: SimWorker, count: int) -> None:
+        """Queue `count` benchmark prompts on `w`'s own pinned queue (served before anything else)."""
+        for _ in range(count):
             self._bench_index += 1
             w.pinned.append(
                 Job(
@@ -273,10 +309,6 @@ class Simulation:
                     bench=True,
                 )
             )
-        if not self.policy.pull and self.queue:
-            held, self.queue[:] = list(self.queue), []
-            for e in held:
-                self.policy.route(self, self.jobs[int(e.task_id)]).own.append(self.jobs[int(e.task_id)])
 
     def _offline(self, w: SimWorker) -> None:
         if not w.online:
@@ -298,6 +330,13 @@ class Simulation:
         else:
             for j in back:
                 self.policy.route(self, j).own.append(j)
+
+    def _speed(self, w: SimWorker) -> None:
+        """Its slowdown windows say another speed from now: what runs goes on at that one."""
+        self._advance(w)
+        w.factor = w.spec.speed_factor(self.now)
+        self._reschedule(w)
+        self.policy.speed_changed(self, w)
 
     def _advance(self, w: SimWorker) -> None:
         if w.runs:
@@ -362,6 +401,18 @@ class Simulation:
             self.benchmarks += 1
         else:
             self.start_order.append(w.name)
+            self.start_s.append(self.now)
+            # The speed the task gets here (its share beside what runs already) against the one a
+            # free slot elsewhere would give it; a lead under MIN_RATIO is not worth routing on
+            # (the detector's floor) and ordinary estimates make such calls either way.
+            mine = w.true.decode_tps * w.factor * _share(len(w.runs), w.exponent)
+            there = {
+                x.name: x.true.decode_tps * x.factor * _share(len(x.runs) + 1, x.exponent)
+                for x in self.workers
+                if x.free
+            }
+            faster = [n for n, v in there.items() if v > MIN_RATIO * mine]
+            self.misrouted.append(max(faster, key=there.__getitem__) if faster else "")
         self._reschedule(w)
 
     def _expire(self, w: SimWorker) -> None:
