@@ -197,3 +197,12 @@ def grader_for(snapshot: Snapshot, digest: str) -> str | None:
         if best is None or key < best:
             best = key
     return None if best is None else best[1]
+
+
+def on_demand(snapshot: Snapshot, digest: str, domain: str, count: int) -> list[BenchPrompt]:
+    """`count` prompts of `domain` for a benchmark someone asked for: the ones `digest` has not been
+    graded on first (each is new evidence), then the graded ones (speed samples, no new grade)."""
+    pool = [p for p in benchset() if p.domain == domain] or list(benchset())
+    fresh = {p.id for p in ungraded(snapshot, digest, domain)}
+    ordered = [p for p in pool if p.id in fresh] + [p for p in pool if p.id not in fresh]
+    return [ordered[i % len(ordered)] for i in range(count)]

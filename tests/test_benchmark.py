@@ -12,6 +12,7 @@ from dispatch.benchmark import (
     domains,
     grade,
     grader_for,
+    on_demand,
     pick,
     prompt_by_id,
     request_benchmark,
@@ -219,3 +220,13 @@ async def test_a_worker_grades_every_prompt_of_every_domain_once_for_its_model(
     requested = await events_of(ledger, BenchmarkRequested)
     assert {r.reason.split(":")[0] for r in requested} == {"joined", "grading"}
     assert all(r.prompts <= config.grade_batch for r in requested)
+
+
+def test_a_benchmark_asked_for_sends_the_prompts_the_model_was_not_graded_on_first() -> None:
+    snap = Snapshot()
+    code = [p.id for p in benchset() if p.domain == "code"]
+    snap.quality[MODEL_DIGEST, "code"] = QualityRow(
+        digest=MODEL_DIGEST, domain="code", graded=sorted(grade_mark("reference", i) for i in code[:3])
+    )
+    assert [p.id for p in on_demand(snap, MODEL_DIGEST, "code", 5)] == code[3:] + code[:1]
+    assert [p.id for p in on_demand(Snapshot(), MODEL_DIGEST, "code", 2)] == code[:2]
