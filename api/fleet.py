@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from api.common import JSON, gateway
 from api.errors import BadRequestError, model_not_found
 from api.schemas import BenchCreate
-from dispatch.benchmark import domains, request_benchmark
+from dispatch.benchmark import BenchPrompt, domains, on_demand, request_benchmark
 from dispatch.errors import ModelNotServedError
 from dispatch.lease import resources_of
 from dispatch.serving import catalog, holdings, served
@@ -172,11 +172,16 @@ async def bench(request: Request, body: BenchCreate) -> JSON:
     if not targets:
         raise model_not_found(body.model or "any model", leases)
     count = body.count or 3
+    evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
     sent = []
     for worker, local, digest in targets:
+        # Prompts the model has not been graded on first: each answer is then a new grade too.
+        prompts = on_demand(evidence.snapshot, digest, domain, count)
 
-        async def send(w: str = worker, n: str = local, d: str = digest) -> str:
-            return await request_benchmark(gw.queues, worker=w, model=n, digest=d, domain=domain, count=count)
+        async def send(
+            w: str = worker, n: str = local, d: str = digest, ps: list[BenchPrompt] = prompts
+        ) -> str:
+            return await request_benchmark(gw.queues, worker=w, model=n, digest=d, domain=domain, prompts=ps)
 
         bench_id = await gw.retrying(send)
         sent.append(

@@ -5,12 +5,21 @@ online, when it gains a model, and whenever one of its (worker, digest) speed ro
 `min_samples` samples or only stale ones. `routeledger bench run` sends the prompt set to every
 live holder, never only to the current winner. Speed comes from the runs (BenchmarkResult); quality
 is graded from the same answers but recorded separately (QualityScored), at its own time.
+
+Grading, per (digest, domain): quality belongs to the model, and a grade of a fixed digest stays
+true, so each shipped prompt is graded once per digest (a prompt asked again at temperature 0 gets
+the same answer: no new evidence). One holder grades a digest (`grader_for`: the live holder with
+the fastest measured decode, so the answers cost the least time), `GRADE_BATCH` prompts at a time,
+until every prompt of every domain is graded: at most the shipped set (7 prompts a domain) times
+`GRADE_MAX_TOKENS` tokens per digest, ever, and on demand more through `POST /v1/bench` or
+`routeledger bench run --domain D`.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from typing import Final
@@ -22,7 +31,7 @@ from dispatch.payload import Message, TaskMessage
 from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
 from projections.shift import CONFIRM, detect
-from projections.snapshot import Snapshot
+from projections.snapshot import Snapshot, grade_mark
 
 # A worker benchmarks a (worker, digest) pair whose speed row has fewer samples than this, or whose
 # newest sample is older than BENCH_STALE_AFTER_S (the worker's defaults; the simulator's too).
@@ -35,6 +44,17 @@ BENCH_STALE_AFTER_S: Final = 7 * 86_400.0
 PROBE_AFTER_S: Final = 120.0
 PROBE_PROMPTS: Final = CONFIRM
 
+# The token budget of a benchmark answer. A thinking model (qwen3-class) reasons for a few hundred
+# tokens before its one-word answer to these prompts; cut at 32 it never answers and grades 0. A
+# model that answers at once stops after a few tokens, so the cap costs it nothing; a thinking one
+# costs at most this many tokens per prompt (about 12 s at 83 tok/s, 90 s at 11 tok/s).
+GRADE_MAX_TOKENS: Final = 1024
+# Prompts one scheduled grading request sends (then the next batch once these are folded).
+GRADE_BATCH: Final = 3
+# The grader whose grades the schedule counts (a judge's are extra).
+REFERENCE: Final = "reference"
+_THINKING = re.compile(r"<think>.*?(</think>|\Z)", re.DOTALL)
+
 
 class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
     """One shipped benchmark prompt with its reference check."""
@@ -45,7 +65,7 @@ class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
     expect: list[str]
     # The canonical answer: the simulated backends answer with it when they answer right.
     answer: str = ""
-    max_tokens: int = 64
+    max_tokens: int = GRADE_MAX_TOKENS
 
     def passes(self, text: str) -> bool:
         """Whether `text` matches any of the expected patterns."""
@@ -86,9 +106,15 @@ def domains() -> list[str]:
     return sorted({p.domain for p in benchset()})
 
 
+def final_answer(text: str) -> str:
+    """The answer without a thinking model's reasoning (`<think>…</think>`, or an unclosed one cut
+    off by the budget): what it reasons about is not what it answers."""
+    return _THINKING.sub("", text)
+
+
 def grade(prompt: BenchPrompt, answer: str) -> float:
-    """1.0 when the answer matches any of the prompt's expected patterns, else 0.0."""
-    return 1.0 if prompt.passes(answer) else 0.0
+    """1.0 when the final answer matches any of the prompt's expected patterns, else 0.0."""
+    return 1.0 if prompt.passes(final_answer(answer)) else 0.0
 
 
 def pick(domain: str, count: int, start: int = 0) -> list[BenchPrompt]:
@@ -107,11 +133,15 @@ async def request_benchmark(
     count: int = 3,
     reason: str = "manual",
     start: int = 0,
+    prompts: Sequence[BenchPrompt] | None = None,
 ) -> str:
-    """Queue `count` benchmark prompts on `worker`'s pinned stream; returns the bench id."""
+    """Queue `count` benchmark prompts (or exactly `prompts`) on `worker`'s pinned stream; returns
+    the bench id."""
     bench_id = uuid.uuid4().hex[:16]
     queue = queues.keys.pinned(worker)
-    for i, prompt in enumerate(pick(domain, count, start)):
+    chosen = list(prompts) if prompts is not None else pick(domain, count, start)
+    count = len(chosen)
+    for i, prompt in enumerate(chosen):
         task = TaskMessage(
             task_id=f"bench-{bench_id}-{i}",
             model=model,
@@ -174,3 +204,37 @@ def needs_benchmark(
 def is_probe(reason: str) -> bool:
     """Whether a `needs_benchmark` reason is a probe (asked again sooner than other benchmarks)."""
     return reason.startswith("probe:")
+
+
+def ungraded(snapshot: Snapshot, digest: str, domain: str) -> list[BenchPrompt]:
+    """The shipped prompts of `domain` that the reference check has not graded for `digest`."""
+    row = snapshot.quality.get((digest, domain))
+    done = set(row.graded) if row is not None else set()
+    return [p for p in benchset() if p.domain == domain and grade_mark(REFERENCE, p.id) not in done]
+
+
+def grader_for(snapshot: Snapshot, digest: str) -> str | None:
+    """The live holder that grades `digest`: the fastest measured decode (lifetime mean), then the
+    first name; None when no live worker holds it. One holder grades, so the answers are not
+    bought twice; every holder computes the same one from the same snapshot."""
+    live = set(snapshot.live)
+    best: tuple[float, str] | None = None
+    for worker, row in snapshot.fleet.items():
+        inventory = row.inventory.value
+        if worker not in live or not isinstance(inventory, dict) or digest not in inventory.values():
+            continue
+        speed = snapshot.speed.get((worker, digest))
+        tps = speed.decode_tps.mean if speed is not None else None
+        key = (-(tps or 0.0), worker)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[1]
+
+
+def on_demand(snapshot: Snapshot, digest: str, domain: str, count: int) -> list[BenchPrompt]:
+    """`count` prompts of `domain` for a benchmark someone asked for: the ones `digest` has not been
+    graded on first (each is new evidence), then the graded ones (speed samples, no new grade)."""
+    pool = [p for p in benchset() if p.domain == domain] or list(benchset())
+    fresh = {p.id for p in ungraded(snapshot, digest, domain)}
+    ordered = [p for p in pool if p.id in fresh] + [p for p in pool if p.id not in fresh]
+    return [ordered[i % len(ordered)] for i in range(count)]

@@ -350,6 +350,14 @@ class QualityScored(Event, frozen=True, kw_only=True):
     task_id: str = ""
     bench_id: str = ""
     worker: str = ""
+    # The benchmark prompt answered: one grade per (prompt, grader) counts, since a prompt asked
+    # again at temperature 0 gets the same answer and is no new evidence ("" in older events:
+    # every such grade counts).
+    prompt_id: str = ""
+    # The answer's token budget, and whether the backend stopped it there: a cut-off answer that
+    # failed says the budget was short, not that the model was wrong, and is not folded.
+    max_tokens: Count | None = None
+    truncated: bool = False
 
 
 class SpeedShiftDetected(Event, frozen=True, kw_only=True):

@@ -9,6 +9,7 @@ and the rest of the event still counts (missing means unknown, never zero).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from typing import Any, Final
@@ -46,6 +47,7 @@ from projections.snapshot import (
     TaskRow,
     add_entry,
     fold,
+    grade_mark,
 )
 from projections.status import fold_status
 from projections.tables import Tables
@@ -141,6 +143,12 @@ def ttft_s(ttft_ms: float | None) -> float | None:
 def valid_score(score: float) -> bool:
     """A quality score counts only inside [0, 1]."""
     return math.isfinite(score) and 0.0 <= score <= 1.0
+
+
+def counts_as_grade(score: float, truncated: bool) -> bool:
+    """A valid score counts, except a failed answer the backend cut off at its token budget: that
+    says the budget was short, not that the model is wrong."""
+    return valid_score(score) and not (truncated and score < 1.0)
 
 
 def task_error(kind: str, message: str) -> str:
@@ -487,12 +495,17 @@ class Folder:
         self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold)
 
     def _quality(self, e: QualityScored) -> None:
-        if not valid_score(e.score):
+        if not counts_as_grade(e.score, e.truncated):
             return
         key = (e.digest, e.domain)
         row = self.tables.quality.get(key)
         if row is None:
             row = self.tables.quality[key] = QualityRow(digest=e.digest, domain=e.domain)
+        if e.prompt_id:
+            mark = grade_mark(e.grader, e.prompt_id)
+            if mark in row.graded:
+                return
+            bisect.insort(row.graded, mark)
         row.score = fold(row.score, e.score, e.at, self.tables.half_life_s)
         self.dirty_quality.add(key)
 

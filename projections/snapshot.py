@@ -146,6 +146,14 @@ class QualityRow(msgspec.Struct, kw_only=True, gc=False):
     digest: str
     domain: str
     score: Stat = msgspec.field(default_factory=Stat)
+    # "grader/prompt_id" of every prompt already graded, sorted: a second grade of one (a prompt
+    # asked again at temperature 0 answers the same) is not new evidence and is not folded.
+    graded: list[str] = msgspec.field(default_factory=list)
+
+
+def grade_mark(grader: str, prompt_id: str) -> str:
+    """The `QualityRow.graded` entry of one prompt graded by one grader."""
+    return f"{grader}/{prompt_id}"
 
 
 class Stamped(msgspec.Struct, kw_only=True, gc=False):

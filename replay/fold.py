@@ -303,11 +303,21 @@ def _length(tables: Tables, counted: pl.LazyFrame) -> None:
 
 
 def _quality(tables: Tables, quality: pl.DataFrame) -> None:
-    score = pl.col("score")
-    samples = quality.filter(score.is_finite() & (score >= 0.0) & (score <= 1.0))
+    """projections.folder's rule: valid scores, not a failed answer cut off at its budget, and one
+    grade per (grader, prompt) of a (digest, domain), the first in ledger order."""
+    score, prompt = pl.col("score"), pl.col("prompt_id")
+    valid = score.is_finite() & (score >= 0.0) & (score <= 1.0) & ~(pl.col("truncated") & (score < 1.0))
     keys = ["digest", "domain"]
+    first = (prompt == "") | pl.struct(*keys, "grader", "prompt_id").is_first_distinct()
+    samples = quality.sort("seq").filter(valid).filter(first)
+    marks = (
+        samples.filter(prompt != "")
+        .group_by(keys)
+        .agg(pl.concat_str([pl.col("grader"), prompt], separator="/").sort().alias("graded"))
+    )
+    graded = {(str(d), str(m)): list(g) for d, m, g in marks.iter_rows()}
     for key, stat in _stat_rows(stats(samples, keys, "score", tables.half_life_s), keys).items():
-        tables.quality[key] = QualityRow(digest=key[0], domain=key[1], score=stat)
+        tables.quality[key] = QualityRow(digest=key[0], domain=key[1], score=stat, graded=graded.get(key, []))
 
 
 def _demand(tables: Tables, submitted: pl.DataFrame) -> None:

@@ -177,6 +177,9 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "digest": (_STR, "digest"),
             "domain": (_STR, "domain"),
             "score": (_F64, "score"),
+            "grader": (_STR, "grader"),
+            "prompt_id": (_STR, "prompt_id"),
+            "truncated": (_BOOL, "truncated"),
         },
     ),
 }

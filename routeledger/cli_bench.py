@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import typer
 from rich.table import Table
 
-from dispatch.benchmark import domains, request_benchmark
+from dispatch.benchmark import domains, on_demand, request_benchmark
 from dispatch.lease import live_workers
 from dispatch.payload import Message, result_decoder
 from dispatch.queues import TaskQueues
@@ -18,6 +18,7 @@ from dispatch.serving import holdings
 from dispatch.submit import TaskRequest, submit_task
 from events.event import BenchmarkResult, QualityScored
 from events.ledger import Ledger
+from projections.reader import snapshot
 from routeledger.runtime import Instance, command, console, fail
 
 bench_app = typer.Typer(
@@ -58,10 +59,17 @@ def bench_run(
         ledger = Ledger(client, keys)
         queues = TaskQueues(client, keys, ledger)
         start = await ledger.last_id() or "0-0"
+        snap = await snapshot(client, keys)
         sent = {}
         for name, local, digest in targets:
+            # Prompts the model has not been graded on first: each answer is then a new grade too.
             bench_id = await request_benchmark(
-                queues, worker=name, model=local, digest=digest, domain=domain, count=count
+                queues,
+                worker=name,
+                model=local,
+                digest=digest,
+                domain=domain,
+                prompts=on_demand(snap, digest, domain, count),
             )
             sent[bench_id] = (name, local)
             console.print(f"sent {count} {domain} prompts to {name} for {local} (bench {bench_id})")

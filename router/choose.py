@@ -7,6 +7,17 @@ utility `quality_weight * quality - latency_weight * expected_finish_s / latency
 weights are parameters and are part of the breakdown. A model that cannot win is shown with bounds
 on its figures instead of a plan of its queue (`ModelCandidate.bound`). Ties share a rank: equal
 evidence gives equal rank, whatever the names.
+
+Quality is uncertain and latency is not (speed has hundreds of samples, quality a handful of
+graded answers), so `auto` does not trade latency for a quality lead that may be noise. The
+*baseline* is the model best on latency among those graded in the domain (among all, when none
+is): its quality counts at its posterior mean. Every other model's quality counts as the
+baseline's mean plus the lower end of a one-sided `quality_z` interval of its lead over the
+baseline (`mean - z * sqrt(sd² + sd_baseline²)`). Two models graded on three answers each never
+differ confidently, so the faster wins; 40 graded answers each at 0.9 and 0.5 do, and then quality
+buys latency as the weights say. A never-graded model is never the baseline while a graded one
+exists: its wide prior keeps it from winning on quality, only its speed can carry it, and the
+breakdown says so (`Choice.note`).
 """
 
 from __future__ import annotations
@@ -76,6 +87,9 @@ class ChooseParams(msgspec.Struct, kw_only=True, frozen=True):
     latency_weight: float = 1.0
     # Seconds of expected finish that cost as much utility as one whole unit of quality.
     latency_scale_s: float = 120.0
+    # A quality lead over the baseline counts at the lower end of its one-sided interval with this
+    # many standard deviations (1.645: 95 %); 0 compares posterior means alone.
+    quality_z: float = 1.645
 
 
 class WorkerCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -218,6 +232,8 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     `bound`: the model could not win, and its queue was not laid out to find out by how much: its
     `expected_finish_s` is a floor under the new task's finish (`best_worker` the holder that
     floor was taken at), its `utility` the most it could reach, and its rank is by that utility.
+    `quality_counted`: the quality the utility used (the posterior mean for the baseline, the
+    baseline's mean plus the lower bound of the lead for the others; the mean on a bound).
     """
 
     model: str
@@ -228,9 +244,12 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     expected_finish_s: float
     best_worker: str
     bound: bool = False
+    quality_counted: float = 0.0
+    baseline: bool = False
 
     def to_dict(self) -> dict[str, object]:
-        """Plain data; "bound": true only on a bound (a key on every model would grow every record)."""
+        """Plain data; "bound" and "baseline" only where true (a key on every model would grow
+        every record)."""
         out: dict[str, object] = {
             "model": self.model,
             "digest": self.digest,
@@ -239,9 +258,12 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
             "expected_finish_s": self.expected_finish_s,
             "best_worker": self.best_worker,
             "quality": self.quality.to_dict(),
+            "quality_counted": self.quality_counted,
         }
         if self.bound:
             out["bound"] = True
+        if self.baseline:
+            out["baseline"] = True
         return out
 
 
@@ -254,15 +276,28 @@ class Choice(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     params: ChooseParams
     candidates: list[ModelCandidate]
     ranking: Ranking
+    # Why the choice is what it is, where quality and latency pulled apart or a prior decided it.
+    note: str = ""
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "model": self.model,
             "digest": self.digest,
             "domain": self.domain,
             "weights": msgspec.to_builtins(self.params),
+            "rule": RULE,
             "models": [c.to_dict() for c in self.candidates],
         }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+RULE: Final = (
+    "utility = quality_weight * quality - latency_weight * finish_s / latency_scale_s; quality is the "
+    "posterior mean for the baseline (the graded model best on latency) and, for every other model, the "
+    "baseline's mean plus the lower bound (quality_z) of its lead over the baseline"
+)
 
 
 def choose_model(
@@ -302,18 +337,57 @@ def choose_model(
     state, steps = laid[best.digest]
     plan = state.plan(view.backlog.get(best.digest, []), steps)
     ranking = _ranking(est, best.digest, by_digest[best.digest], state, plan, query, pp)
+    ordered = [candidates[i] for i in order]
     return Choice(
         model=best.model,
         digest=best.digest,
         domain=domain,
         params=p,
-        candidates=[candidates[i] for i in order],
+        candidates=ordered,
         ranking=ranking,
+        note=_note(ordered, domain),
     )
+
+
+def _note(candidates: Sequence[ModelCandidate], domain: str) -> str:
+    """What a reader of the breakdown should know about the choice, or '' when nothing stands out:
+    a never-graded winner beside graded models, or a better-looking model passed over."""
+    best = candidates[0]
+    graded = [c for c in candidates[1:] if c.quality.n > 0]
+    if best.quality.n == 0 and graded:
+        names = ", ".join(f"{c.model} (n={c.quality.n})" for c in graded)
+        return (
+            f"{best.model} was never graded for {domain}: it won on its prior and its speed "
+            f"over graded {names}"
+        )
+    better = [c for c in candidates[1:] if c.quality.value > best.quality.value and not c.bound]
+    if better:
+        c = max(better, key=lambda c: c.quality.value)
+        lead = c.quality.value - best.quality.value
+        gain = c.expected_finish_s - best.expected_finish_s
+        return (
+            f"{c.model} looks better by {lead:.2f} (n={c.quality.n} vs {best.quality.n}), within the "
+            f"noise of its grades or not worth {gain:.1f} s more"
+        )
+    return ""
 
 
 def _utility(params: ChooseParams, quality: float, finish_s: float) -> float:
     return params.quality_weight * quality - params.latency_weight * finish_s / params.latency_scale_s
+
+
+def _latency_part(params: ChooseParams, finish_s: float) -> float:
+    return -params.latency_weight * finish_s / params.latency_scale_s
+
+
+def _lead_penalty(params: ChooseParams, sd: float | None, baseline_sd: float | None) -> float:
+    """How much of a model's quality lead over the baseline is noise: z standard deviations of the
+    difference. Nothing when quality has no weight (or a negative one: then less quality is better
+    and a pessimistic bound would run the other way) or z is 0."""
+    if params.quality_weight <= 0.0 or params.quality_z <= 0.0:
+        return 0.0
+    var = (sd or 0.0) ** 2 + (baseline_sd or 0.0) ** 2
+    return params.quality_z * math.sqrt(var)
 
 
 def _score_models(
@@ -329,17 +403,22 @@ def _score_models(
     """Every model's candidate (in the order of `weighed`), and the state and walk of each queue
     that was laid out.
 
-    A queue is laid out only when its model might win. A model's utility has a ceiling: the new
-    task cannot finish before its service at its holders' fastest speeds (`service_floor`, cached
-    per snapshot), and utility falls as the finish grows (a non-negative latency weight). Models
-    are taken by that ceiling, best first. Once the best utility found passes a model's ceiling by
-    more than the margin within which `_ranks` lets utilities share a rank (so no tie can reach
-    it), the model cannot win. Otherwise its holders' slot state gives a higher floor that counts
-    their waits and loads (`PlanState.finish_floor`), checked the same way, and only then is its
-    queue laid out. A model that cannot win is a `bound` candidate: its ceiling, the floor under
-    it and that floor's holder. The chosen model, its ranking and every laid-out model's figures
-    are what laying out every queue gives; a bound model's rank is by its ceiling, and so may
-    differ from its rank on its true utility.
+    A queue is laid out only when its model might win or might be the baseline. A model's utility
+    has a ceiling: its quality counted at the posterior mean (never more than the rule counts) and
+    the new task's service at its holders' fastest speeds (`service_floor`, cached per snapshot),
+    since utility falls as the finish grows (a non-negative latency weight). Models are taken by
+    that ceiling, best first, and each laid-out model gives a floor under its final utility (its
+    lead's penalty taken against the most uncertain model, whichever the baseline turns out to
+    be). Once the best floor passes a model's ceiling by more than the margin within which
+    `_ranks` lets utilities share a rank (so no tie can reach it), the model cannot win. Otherwise
+    its holders' slot state gives a higher finish floor that counts their waits and loads
+    (`PlanState.finish_floor`), checked the same way, and only then is its queue laid out. The
+    baseline is the best on latency among graded models (all models when none is graded): every
+    model of that pool whose finish floor could reach the best finish found is laid out too. A
+    model that cannot win is a `bound` candidate: its ceiling, the floor under its finish and
+    that floor's holder. The chosen model, its ranking and every laid-out model's figures are what
+    laying out every queue gives; a bound model's rank is by its ceiling, and so may differ from
+    its rank on its true utility.
     """
     domain = query.domain
     default_prompt = plan_params.default_prompt_tokens
@@ -357,37 +436,79 @@ def _score_models(
             floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
         ceiling = math.inf if floor is None else _utility(params, quality.value, floor[1])
         rows.append((quality, out, queue, floor, ceiling))
+    widest = max((r[0].sd or 0.0) for r in rows)
     margin = _TIE * (len(rows) + 1)
     best = -math.inf
-    scored: list[tuple[float, float, str, bool]] = [(0.0, 0.0, "", False)] * len(rows)
+    # Per model: (finish, worker) when laid out, else (ceiling, finish floor, floor's worker).
+    finished: dict[int, tuple[float, str]] = {}
+    bounds: dict[int, tuple[float, float, str]] = {}
     laid: dict[str, tuple[PlanState, list[Step]]] = {}
-    for k in sorted(range(len(rows)), key=lambda k: -rows[k][4]):
+
+    def state_of(k: int) -> PlanState:
         _, digest, holders = weighed[k]
-        quality, out, queue, floor, ceiling = rows[k]
-        if floor is not None and ceiling < best - margin:
-            scored[k] = (ceiling, floor[1], holders[floor[0]].name, True)
-            continue
         for w in holders:
             if w.name not in free:
                 # An idle worker's slots are all free now (`slot_free_times` without the call).
                 free[w.name] = (
                     slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
                 )
-        state = PlanState(holders, est, digest, now_ms, plan_params, free=free)
+        return PlanState(holders, est, digest, now_ms, plan_params, free=free)
+
+    def lay_out(k: int, state: PlanState) -> float:
+        """Lay the model's queue out; its finish for the new task."""
+        _, digest, _ = weighed[k]
+        _, out, queue, _, _ = rows[k]
+        steps = state.walk(queue)
+        laid[digest] = (state, steps)
+        finishes = state.finishes(prompt, out)
+        i = _first_best(finishes)
+        finished[k] = (finishes[i], state.names[i])
+        bounds.pop(k, None)
+        return finishes[i]
+
+    for k in sorted(range(len(rows)), key=lambda k: -rows[k][4]):
+        _, _, holders = weighed[k]
+        quality, out, queue, floor, ceiling = rows[k]
+        if floor is not None and ceiling < best - margin:
+            bounds[k] = (ceiling, floor[1], holders[floor[0]].name)
+            continue
+        state = state_of(k)
         if floor is not None:
             floor = state.finish_floor(prompt, out, queue)
             if floor is not None:
                 ceiling = _utility(params, quality.value, floor[1])
                 if ceiling < best - margin:
-                    scored[k] = (ceiling, floor[1], state.names[floor[0]], True)
+                    bounds[k] = (ceiling, floor[1], state.names[floor[0]])
                     continue
-        steps = state.walk(queue)
-        laid[digest] = (state, steps)
-        finishes = state.finishes(prompt, out)
-        i = _first_best(finishes)
-        utility = _utility(params, quality.value, finishes[i])
-        best = max(best, utility)
-        scored[k] = (utility, finishes[i], state.names[i], False)
+        finish = lay_out(k, state)
+        penalty = _lead_penalty(params, quality.sd, widest)
+        best = max(best, _utility(params, quality.value - penalty, finish))
+
+    pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))
+    # The baseline's pool: a bound model whose finish floor reaches the best latency found may be
+    # the baseline, so its queue is laid out (its figures then are its true ones).
+    for k in sorted((k for k in pool if k in bounds), key=lambda k: bounds[k][1]):
+        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        if _latency_part(params, bounds[k][1]) < top - margin:
+            break
+        lay_out(k, state_of(k))
+    top = max(_latency_part(params, finished[j][0]) for j in pool if j in finished)
+    tied = [j for j in pool if j in finished and _latency_part(params, finished[j][0]) >= top - _TIE]
+    base = max(tied, key=lambda j: (rows[j][0].value, -j))
+    base_quality = rows[base][0]
+
+    scored: list[tuple[float, float, str, bool, float]] = []
+    for k, (quality, _, _, _, _) in enumerate(rows):
+        if k in bounds:
+            ceiling, floor_s, worker = bounds[k]
+            scored.append((ceiling, floor_s, worker, True, quality.value))
+            continue
+        finish, worker = finished[k]
+        counted = quality.value
+        if k != base:
+            # The baseline's mean plus the lower bound of the lead: the mean less the lead's noise.
+            counted = quality.value - _lead_penalty(params, quality.sd, base_quality.sd)
+        scored.append((_utility(params, counted, finish), finish, worker, False, counted))
     ranks = _ranks([-s[0] for s in scored])
     candidates = [
         ModelCandidate(
@@ -399,10 +520,15 @@ def _score_models(
             expected_finish_s=finish,
             best_worker=worker,
             bound=bound,
+            quality_counted=counted,
+            baseline=k == base,
         )
-        for (name, digest, _), (quality, _, _, _, _), (utility, finish, worker, bound), rank in zip(
-            weighed, rows, scored, ranks, strict=True
-        )
+        for k, (
+            (name, digest, _),
+            (quality, _, _, _, _),
+            (utility, finish, worker, bound, counted),
+            rank,
+        ) in enumerate(zip(weighed, rows, scored, ranks, strict=True))
     ]
     return candidates, laid
 

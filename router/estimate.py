@@ -10,6 +10,12 @@ section 5):
   whose speed agrees with its prior moves no total.
 - output tokens and quality of (digest, domain): the model's pooled value over other domains;
   else a default. Both belong to the digest, so a worker that gains a model has them at once.
+- quality does not age: a grade of a fixed digest stays true (the weights did not change), so
+  quality reads the lifetime sums, not the decayed ones. It is a Beta posterior: the prior (the
+  pooled value, else `default_quality`) counts as `k_quality` grades, Beta(k·m0, k·(1-m0)), and
+  each grade in [0, 1] adds its score to the successes and the rest to the failures. The field
+  carries the posterior's standard deviation and a two-sided `quality_interval` interval (normal
+  approximation, clipped to [0, 1]), so `auto` can weigh how well each model was measured.
 - concurrency of (worker, digest): with k generations at once each runs at k**(e-1) of its solo
   speed. The speed table keeps the in-flight count of every sample but only as its own moments
   (no cross term with speed), so the exponent is read from how much the decode speed varies
@@ -52,6 +58,9 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     min_length_samples_for_tail: int = 20
     # The quantile of output length taken as "as long as a task plausibly runs".
     length_tail_quantile_z: float = 2.326  # the 99th percentile of a normal
+
+    # Two-sided coverage of the quality interval the breakdown shows.
+    quality_interval: float = 0.9
     fit_iterations: int = 12
     # Prior strength of "no concurrency slowdown" (in samples) and the floor of the exponent.
     k_concurrency: float = 5.0
@@ -71,10 +80,23 @@ class Field(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     age_s: float | None
     weight: float = 0.0  # decayed evidence of the own samples, what the shrinkage used
     prior: float | None = None
+    # Posterior standard deviation and interval, where the estimate has one (quality).
+    sd: float | None = None
+    interval: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """The breakdown as the preview JSON and TaskRouted show it."""
-        return {"value": self.value, "n": self.n, "source": self.source, "age_s": self.age_s}
+        out: dict[str, object] = {
+            "value": self.value,
+            "n": self.n,
+            "source": self.source,
+            "age_s": self.age_s,
+        }
+        if self.sd is not None:
+            out["sd"] = self.sd
+        if self.interval is not None:
+            out["interval"] = list(self.interval)
+        return out
 
 
 class SpeedEstimate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -150,6 +172,38 @@ def _cell(stat: Stat, now_ms: int, half_life_s: float) -> _Cell | None:
 
 def _normal_cdf(x: float) -> float:
     return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _lifetime_cell(stat: Stat) -> _Cell | None:
+    """A field that does not age: its lifetime mean, every sample at full weight."""
+    mean = stat.mean
+    if mean is None:
+        return None
+    return _Cell(mean=mean, weight=float(stat.n), n=stat.n, updated_at=stat.updated_at)
+
+
+def normal_quantile(p: float) -> float:
+    """The standard normal quantile of `p` in (0, 1) (bisection on erf: exact enough, no scipy)."""
+    lo, hi = -10.0, 10.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if 0.5 * (1.0 + math.erf(mid / math.sqrt(2.0))) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def beta_posterior(successes: float, n: float, prior: float, k: float) -> tuple[float, float]:
+    """(mean, standard deviation) of Beta(k·prior + successes, k·(1-prior) + n - successes)."""
+    a = k * prior + successes
+    b = k * (1.0 - prior) + (n - successes)
+    total = a + b
+    if total <= 0.0:
+        return prior, 0.5
+    mean = a / total
+    var = a * b / (total * total * (total + 1.0))
+    return mean, math.sqrt(max(0.0, var))
 
 
 def _newest(a: int | None, b: int | None) -> int | None:
@@ -325,7 +379,7 @@ class Estimator:
         self._quality_cells: dict[tuple[str, str], _Cell] = {}
         self._quality_pools: dict[str, _Pool] = {}
         for qrow in quality:
-            c = _cell(qrow.score, now_ms, half_life_s)
+            c = _lifetime_cell(qrow.score)
             if c is not None:
                 self._quality_cells[(qrow.digest, qrow.domain)] = c
                 self._quality_pools.setdefault(qrow.digest, _Pool()).add(qrow.domain, c)
@@ -357,6 +411,7 @@ class Estimator:
         self.memo: dict[object, object] = {}
         self._length_cache: dict[tuple[str, str], Field] = {}
         self._quality_cache: dict[tuple[str, str], Field] = {}
+        self._interval_z = normal_quantile(0.5 + self.params.quality_interval / 2.0)
 
     def clear_cache(self) -> None:
         """Forget the looked-up estimates (the fits stay): for benchmarks of a cold decision."""
@@ -561,16 +616,53 @@ class Estimator:
         return _normal_cdf(sigma - z) / survive - done
 
     def quality(self, digest: str, domain: str) -> Field:
-        """Quality in [0, 1] of the model for the domain, whichever worker runs it."""
+        """Quality in [0, 1] of the model for the domain, whichever worker runs it: the Beta
+        posterior's mean, with its standard deviation and interval (the module's docstring)."""
         key = (digest, domain)
         hit = self._quality_cache.get(key)
         if hit is None:
-            p = self.params
-            hit = self._by_domain(
-                self._quality_cells, self._quality_pools, digest, domain, p.k_quality, p.default_quality
-            )
+            hit = self._quality(digest, domain)
             self._quality_cache[key] = hit
         return hit
+
+    def _quality(self, digest: str, domain: str) -> Field:
+        p = self.params
+        k = p.k_quality
+        pool = self._quality_pools.get(digest)
+        pooled = pool.without(domain) if pool is not None else None
+        if pooled is not None:
+            m0, _, pooled_n, newest = pooled
+            prior_kind = "model-pooled"
+            prior_text = f"model-pooled n={pooled_n} other domains, age {format_age(self._age(newest))}"
+        else:
+            m0, prior_kind, prior_text = p.default_quality, "default", "default"
+        a0, b0 = k * m0, k * (1.0 - m0)
+        cell = self._quality_cells.get((digest, domain))
+        n = 0 if cell is None else cell.n
+        successes = 0.0 if cell is None else cell.mean * cell.n
+        mean, sd = beta_posterior(successes, float(n), m0, k)
+        z = self._interval_z
+        interval = (max(0.0, mean - z * sd), min(1.0, mean + z * sd))
+        if cell is None:
+            return Field(
+                value=mean,
+                n=0,
+                source=f"prior {prior_text}, Beta({a0:.2g}, {b0:.2g}), never graded",
+                age_s=None,
+                prior=m0,
+                sd=sd,
+                interval=interval,
+            )
+        return Field(
+            value=mean,
+            n=n,
+            source=f"model n={n} graded + prior {prior_kind} Beta({a0:.2g}, {b0:.2g})",
+            age_s=self._age(cell.updated_at),
+            weight=cell.weight,
+            prior=m0,
+            sd=sd,
+            interval=interval,
+        )
 
 
 def _concurrency_moments(

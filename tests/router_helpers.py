@@ -6,7 +6,10 @@ from collections.abc import Iterable
 
 from hypothesis import strategies as st
 
+from events.event import QualityScored
+from projections.folder import Folder
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold
+from projections.tables import Tables
 from router.estimate import Estimator, build_estimator
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from sim.random_fleet import FleetShape
@@ -59,6 +62,27 @@ def snapshot(
         )
     for (digest, domain), q in (qualities or {}).items():
         snap.quality[(digest, domain)] = QualityRow(digest=digest, domain=domain, score=stat([q] * n))
+    return snap
+
+
+def graded(snap: Snapshot, digest: str, domain: str, scores: Iterable[float], at_ms: int = NOW) -> Snapshot:
+    """`snap` with the quality row the projector folds from reference grades `scores` of `digest`
+    in `domain` (one QualityScored per answer, each on its own prompt, all at `at_ms`)."""
+    tables = Tables(half_life_s=snap.half_life_s, quality=snap.quality)
+    folder = Folder(tables)
+    for i, score in enumerate(scores):
+        folder.apply(
+            QualityScored(
+                at=at_ms,
+                digest=digest,
+                domain=domain,
+                score=score,
+                task_id=f"bench-{digest[:8]}-{domain}-{i}",
+                bench_id=f"{digest[:8]}-{domain}",
+                worker="grader",
+                prompt_id=f"{domain}-{i}",
+            )
+        )
     return snap
 
 

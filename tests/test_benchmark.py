@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
-from dispatch.benchmark import benchset, grade, pick, request_benchmark
+from dispatch.benchmark import (
+    GRADE_MAX_TOKENS,
+    benchset,
+    domains,
+    grade,
+    grader_for,
+    on_demand,
+    pick,
+    prompt_by_id,
+    request_benchmark,
+    ungraded,
+)
 from dispatch.lease import live_workers
 from dispatch.queues import TaskQueues
 from dispatch.serving import holdings
 from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.projector import Projector
+from projections.reader import snapshot
+from projections.snapshot import FleetRow, QualityRow, Snapshot, SpeedRow, Stamped, grade_mark
 from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.router_helpers import stat
 
 
 def test_the_shipped_prompt_set_covers_every_domain_and_its_answers_pass_their_own_checks() -> None:
@@ -126,3 +143,90 @@ def test_a_prompt_set_with_a_bad_pattern_is_refused_naming_the_prompt() -> None:
     text = '[[prompt]]\nid = "p1"\ndomain = "general"\nprompt = "?"\nexpect = ["(unclosed"]\n'
     with pytest.raises(BenchSetError, match="prompt p1 has a bad regex"):
         parse_benchset(text)
+
+
+def test_a_thinking_model_is_graded_on_its_final_answer_within_a_budget_it_can_answer_in() -> None:
+    paris = prompt_by_id("general-capital-france")
+    assert paris is not None
+    assert all(p.max_tokens == GRADE_MAX_TOKENS >= 1024 for p in benchset())
+    assert grade(paris, "<think>France... its capital is Paris.</think>\nParis") == 1.0
+    # What it only considered while thinking is not its answer.
+    assert grade(paris, "<think>Paris? No, I recall Lyon.</think>\nLyon") == 0.0
+    # Cut off while still thinking: no answer at all.
+    assert grade(paris, "<think>The capital of France is Paris, but let me") == 0.0
+
+
+def _fleet_snapshot(measured: dict[str, float | None]) -> Snapshot:
+    snap = Snapshot(live=sorted(measured))
+    for worker, tps in measured.items():
+        snap.fleet[worker] = FleetRow(worker=worker, inventory=Stamped(value={"m": MODEL_DIGEST}, at=1))
+        if tps is not None:
+            snap.speed[worker, MODEL_DIGEST] = SpeedRow(
+                worker=worker, digest=MODEL_DIGEST, decode_tps=stat([tps] * 3)
+            )
+    return snap
+
+
+def test_one_live_holder_grades_a_digest_the_fastest_measured_and_every_holder_agrees_which() -> None:
+    assert (
+        grader_for(_fleet_snapshot({"laptop": 11.4, "gpu-pc": 83.0, "new": None}), MODEL_DIGEST) == "gpu-pc"
+    )
+    assert grader_for(_fleet_snapshot({"b": None, "a": None}), MODEL_DIGEST) == "a"
+    gone = _fleet_snapshot({"laptop": 11.4, "gpu-pc": 83.0})
+    gone.live = ["laptop"]  # the GPU PC is switched off: the laptop grades
+    assert grader_for(gone, MODEL_DIGEST) == "laptop"
+    assert grader_for(Snapshot(), MODEL_DIGEST) is None
+
+
+def test_the_schedule_asks_only_for_the_prompts_the_reference_check_has_not_graded() -> None:
+    snap = Snapshot()
+    general = [p.id for p in benchset() if p.domain == "general"]
+    snap.quality[MODEL_DIGEST, "general"] = QualityRow(
+        digest=MODEL_DIGEST,
+        domain="general",
+        graded=sorted([grade_mark("reference", general[0]), grade_mark("judge:x", general[1])]),
+    )
+    assert [p.id for p in ungraded(snap, MODEL_DIGEST, "general")] == general[1:]
+    assert len(ungraded(snap, MODEL_DIGEST, "code")) == sum(p.domain == "code" for p in benchset())
+
+
+async def test_a_worker_grades_every_prompt_of_every_domain_once_for_its_model(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    keys = Keys()
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    stop = asyncio.Event()
+    folding = asyncio.create_task(projector.run(stop))
+    try:
+        async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
+            config = fast_config("a", auto_bench=True, bench_check_s=0.2)
+            async with running_agent(redis_client, sim.url("a"), config):
+
+                async def all_graded() -> bool:
+                    snap = await snapshot(redis_client, keys)
+                    return all(not ungraded(snap, MODEL_DIGEST, d) for d in domains())
+
+                await wait_until(all_graded, timeout=60)
+    finally:
+        stop.set()
+        await folding
+    grades = [g for g in await events_of(ledger, QualityScored) if g.digest == MODEL_DIGEST]
+    by_domain = {d: sorted(g.prompt_id for g in grades if g.domain == d) for d in domains()}
+    for d in domains():
+        assert set(by_domain[d]) == {p.id for p in benchset() if p.domain == d}
+    # Each prompt once, but the speed benchmark's and the schedule's may have crossed once.
+    assert len(grades) <= len(benchset()) + 3
+    requested = await events_of(ledger, BenchmarkRequested)
+    assert {r.reason.split(":")[0] for r in requested} == {"joined", "grading"}
+    assert all(r.prompts <= config.grade_batch for r in requested)
+
+
+def test_a_benchmark_asked_for_sends_the_prompts_the_model_was_not_graded_on_first() -> None:
+    snap = Snapshot()
+    code = [p.id for p in benchset() if p.domain == "code"]
+    snap.quality[MODEL_DIGEST, "code"] = QualityRow(
+        digest=MODEL_DIGEST, domain="code", graded=sorted(grade_mark("reference", i) for i in code[:3])
+    )
+    assert [p.id for p in on_demand(snap, MODEL_DIGEST, "code", 5)] == code[3:] + code[:1]
+    assert [p.id for p in on_demand(Snapshot(), MODEL_DIGEST, "code", 2)] == code[:2]

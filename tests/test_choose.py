@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import assume, given, settings
@@ -10,9 +11,21 @@ from hypothesis import strategies as st
 
 from router.choose import ChooseParams, RouteQuery, choose_model, classify_domain, decide, rank_workers
 from router.errors import NoHolderError, NoModelError
-from router.plan import PlanParams, plan_queue
+from router.estimate import Estimator
+from router.plan import FleetView, PlanParams, plan_queue
 from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
-from tests.router_helpers import ELYZA, NOW, QWEN, estimator, fleet_shapes, snapshot, speed_row, view, worker
+from tests.router_helpers import (
+    ELYZA,
+    NOW,
+    QWEN,
+    estimator,
+    fleet_shapes,
+    graded,
+    snapshot,
+    speed_row,
+    view,
+    worker,
+)
 
 MODELS = {"qwen3:8b": QWEN, "elyza-jp-8b": ELYZA}
 
@@ -172,3 +185,124 @@ def test_on_a_fleet_of_hundreds_auto_lays_out_only_the_queues_that_could_win_and
         upside = decide(query, models, fleet, est, NOW_MS, params=ChooseParams(latency_weight=-1.0))
         assert upside.choice is not None and not any(c.bound for c in upside.choice.candidates)
     assert bounds > 0
+
+
+# -- `auto` under uncertainty ------------------------------------------------------------------
+
+# The story's demo: a `general` task, qwen3:8b on the GPU PC, elyza on the laptop six times slower.
+FAST_TPS, SLOW_TPS = 84.0, 14.0
+GENERAL_TOKENS = 200.0
+
+
+def two_model_fleet(fast_grades: list[float], slow_grades: list[float]) -> tuple[FleetView, Estimator]:
+    """QWEN only on the fast machine, ELYZA only on the slow one, each graded on the given answers
+    (folded as the projector folds QualityScored)."""
+    rows = [
+        speed_row("rtx3070ti", QWEN, FAST_TPS, 200, prompt=2000.0, load=3.0),
+        speed_row("macbookair", ELYZA, SLOW_TPS, 200, prompt=330.0, load=8.0),
+    ]
+    lengths = {(QWEN, "general"): GENERAL_TOKENS, (ELYZA, "general"): GENERAL_TOKENS}
+    snap = snapshot(rows, lengths)
+    graded(snap, QWEN, "general", fast_grades)
+    graded(snap, ELYZA, "general", slow_grades)
+    fv = view([worker("rtx3070ti", {QWEN}), worker("macbookair", {ELYZA})])
+    return fv, estimator(snap)
+
+
+def draw(rng: random.Random, quality: float, n: int) -> list[float]:
+    return [1.0 if rng.random() < quality else 0.0 for _ in range(n)]
+
+
+def picks_of_the_faster(fast_q: float, slow_q: float, n: int, params: ChooseParams) -> int:
+    picked = 0
+    for seed in range(100):
+        rng = random.Random(seed)
+        fv, est = two_model_fleet(draw(rng, fast_q, n), draw(rng, slow_q, n))
+        picked += (
+            choose_model(RouteQuery(domain="general"), MODELS, fv, est, NOW, params=params).model
+            == "qwen3:8b"
+        )
+    return picked
+
+
+def test_one_side_of_the_uncertainty_fleet_is_six_times_faster_and_the_gap_is_worth_over_0_04() -> None:
+    fv, est = two_model_fleet([], [])
+    choice = choose_model(RouteQuery(domain="general"), MODELS, fv, est, NOW)
+    finish = {c.model: c.expected_finish_s for c in choice.candidates}
+    assert finish["elyza-jp-8b"] / finish["qwen3:8b"] > 5.0
+    # With the true qualities known, the faster model is the better choice either way round: the
+    # latency gap costs more utility than 0.04 of quality.
+    p = ChooseParams()
+    gap = p.latency_weight * (finish["elyza-jp-8b"] - finish["qwen3:8b"]) / p.latency_scale_s
+    assert gap > 0.04 * p.quality_weight
+
+
+@pytest.mark.parametrize(
+    ("fast_q", "slow_q"),
+    [(0.74, 0.70), (0.70, 0.74)],
+    ids=["the-faster-is-better-as-in-the-demo", "the-faster-is-worse-by-0.04"],
+)
+def test_a_thin_quality_lead_on_three_grades_never_buys_a_large_well_measured_latency_gap(
+    fast_q: float, slow_q: float
+) -> None:
+    assert picks_of_the_faster(fast_q, slow_q, 3, ChooseParams()) >= 95
+    # The test can fail: comparing posterior means alone, the noise of three grades often wins.
+    assert picks_of_the_faster(fast_q, slow_q, 3, ChooseParams(quality_z=0.0)) < 95
+
+
+def test_a_large_well_measured_quality_gap_does_win_over_latency() -> None:
+    assert picks_of_the_faster(0.5, 0.9, 100, ChooseParams()) <= 5
+    # The same on fixed grades: 60 answers each, 54 right against 30.
+    fv, est = two_model_fleet([1.0] * 30 + [0.0] * 30, [1.0] * 54 + [0.0] * 6)
+    choice = choose_model(RouteQuery(domain="general"), MODELS, fv, est, NOW)
+    assert choice.model == "elyza-jp-8b"
+    assert choice.candidates[1].baseline and choice.candidates[1].model == "qwen3:8b"
+
+
+def test_the_auto_breakdown_shows_each_models_quality_with_its_n_and_interval() -> None:
+    fv, est = two_model_fleet([1.0, 1.0, 0.0], [1.0, 1.0, 1.0])
+    decision = decide(RouteQuery(model="auto", domain="general"), MODELS, fv, est, NOW)
+    data = json.loads(json.dumps(decision.to_record()))
+    auto = data["auto"]
+    assert "lower bound" in auto["rule"] and auto["weights"]["quality_z"] == ChooseParams().quality_z
+    by_model = {m["model"]: m for m in auto["models"]}
+    for model, successes in (("qwen3:8b", 2), ("elyza-jp-8b", 3)):
+        q = by_model[model]["quality"]
+        assert q["n"] == 3 and q["source"].startswith("model n=3 graded")
+        low, high = q["interval"]
+        assert 0.0 <= low < q["value"] < high <= 1.0
+        # Beta(1 + successes, 1 + 3 - successes): the mean the breakdown shows.
+        assert q["value"] == pytest.approx((1 + successes) / 5)
+    assert by_model["qwen3:8b"].get("baseline") is True
+    assert by_model["elyza-jp-8b"]["quality_counted"] < by_model["elyza-jp-8b"]["quality"]["value"]
+    # elyza looked better, and the breakdown says why it did not win.
+    assert decision.model == "qwen3:8b" and "elyza-jp-8b looks better" in auto["note"]
+
+
+def test_a_never_graded_model_does_not_beat_a_measured_mediocre_one_on_its_prior() -> None:
+    mediocre = [1.0] * 6 + [0.0] * 14  # 0.3 on 20 answers
+    fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
+    rows = [speed_row("rtx3070ti", d, 83.0, 50, prompt=2000.0, load=3.0) for d in (QWEN, ELYZA)]
+    snap = graded(
+        snapshot(rows, {(QWEN, "general"): 200.0, (ELYZA, "general"): 200.0}), QWEN, "general", mediocre
+    )
+    choice = choose_model(RouteQuery(domain="general"), MODELS, fv, estimator(snap), NOW)
+    assert choice.model == "qwen3:8b"
+    unknown = next(c for c in choice.candidates if c.model == "elyza-jp-8b")
+    assert unknown.quality.n == 0 and "never graded" in unknown.quality.source
+    assert unknown.quality.value == 0.5 and "elyza-jp-8b looks better" in choice.note
+
+
+def test_a_never_graded_model_that_wins_on_speed_is_named_as_such_in_the_breakdown() -> None:
+    # The graded model is on the laptop only, the never-graded one on the GPU PC: far faster.
+    fv = view([worker("macbookair", {QWEN}), worker("rtx3070ti", {ELYZA})])
+    rows = [
+        speed_row("macbookair", QWEN, 2.0, 50, prompt=100.0, load=8.0),
+        speed_row("rtx3070ti", ELYZA, 90.0, 50, prompt=2000.0, load=3.0),
+    ]
+    snap = snapshot(rows, {(QWEN, "general"): 600.0, (ELYZA, "general"): 600.0})
+    graded(snap, QWEN, "general", [1.0] * 8 + [0.0] * 2)
+    choice = choose_model(RouteQuery(domain="general"), MODELS, fv, estimator(snap), NOW)
+    assert choice.model == "elyza-jp-8b"
+    assert "never graded" in choice.note and "qwen3:8b (n=10)" in choice.note
+    assert "note" in choice.to_dict()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,13 +12,14 @@ from dispatch.lease import LeaseInfo
 from dispatch.view import fleet_view
 from events.event import ModelEntry
 from projections.snapshot import FleetRow, Stamped
-from router.choose import RouteQuery, rank_workers
+from router.choose import RouteQuery, choose_model, rank_workers
 from router.estimate import EstimateParams, build_estimator
 from tests.router_helpers import (
     ELYZA,
     NOW,
     QWEN,
     estimator,
+    graded,
     snapshot,
     speed_row,
     view,
@@ -43,7 +46,11 @@ def test_an_empty_ledger_gives_the_defaults_and_says_so() -> None:
     assert sp.decode_tps.value == EstimateParams().default_decode_tps
     assert sp.decode_tps.source == "default"
     assert sp.decode_tps.n == 0
-    assert est.quality(QWEN, "general").source == "default"
+    q = est.quality(QWEN, "general")
+    assert q.source.startswith("prior default") and "never graded" in q.source
+    assert (q.n, q.value) == (0, EstimateParams().default_quality)
+    # The prior is explicit about how little it knows: Beta(1, 1) spans most of [0, 1].
+    assert q.interval is not None and q.interval[1] - q.interval[0] > 0.7
 
 
 def test_a_few_samples_are_shrunk_toward_the_models_pooled_speed() -> None:
@@ -173,3 +180,37 @@ def test_a_worker_reporting_no_resources_never_ranks_above_an_identical_one_that
     ranking = rank_workers(fv, estimator(snap), QWEN, NOW)
     ranks = {c.worker: c.rank for c in ranking.candidates}
     assert ranks["a"] == ranks["b"]
+
+
+def test_a_model_graded_at_0_9_stays_above_an_ungraded_one_after_30_days_without_traffic() -> None:
+    day_ms = 86_400_000
+    rows = [speed_row("rtx3070ti", d, 83.0, 20, prompt=2000.0, load=3.0) for d in (QWEN, ELYZA)]
+    snap = snapshot(rows, {(QWEN, "general"): 200.0, (ELYZA, "general"): 200.0})
+    graded(snap, QWEN, "general", [1.0] * 9 + [0.0])  # 0.9 on ten answers, graded on day 0
+    fresh = estimator(snap, NOW).quality(QWEN, "general")
+    later = estimator(snap, NOW + 30 * day_ms)
+    kept, unknown = later.quality(QWEN, "general"), later.quality(ELYZA, "general")
+    # The digest did not change, so neither did its grades: same value, same n, same interval.
+    assert (kept.value, kept.n, kept.interval) == (fresh.value, fresh.n, fresh.interval)
+    assert kept.value == pytest.approx((9 + 1) / (10 + 2))
+    assert kept.age_s == pytest.approx(30 * 86_400)
+    assert unknown.n == 0 and kept.value > unknown.value + 0.3
+    assert kept.interval is not None and unknown.interval is not None
+    assert kept.interval[1] - kept.interval[0] < unknown.interval[1] - unknown.interval[0]
+    # And `auto`, between the two on one machine, takes the graded one.
+    fv = view([worker("rtx3070ti", {QWEN, ELYZA})])
+    models = {"qwen3:8b": QWEN, "elyza-jp-8b": ELYZA}
+    choice = choose_model(RouteQuery(domain="general"), models, fv, later, NOW + 30 * day_ms)
+    assert choice.model == "qwen3:8b"
+
+
+def test_quality_is_a_beta_posterior_around_the_models_other_domains_when_a_domain_is_ungraded() -> None:
+    snap = graded(snapshot(), ELYZA, "japanese", [1.0] * 8 + [0.0] * 2)
+    est = estimator(snap)
+    other = est.quality(ELYZA, "general")
+    # The prior is the model's pooled quality (0.8) counted as k_quality grades.
+    k = EstimateParams().k_quality
+    assert other.n == 0 and other.value == pytest.approx(0.8)
+    assert other.source.startswith("prior model-pooled n=10 other domains")
+    a, b = k * 0.8, k * 0.2
+    assert other.sd == pytest.approx(math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1))))

@@ -33,7 +33,9 @@ def test_the_preview_has_the_model_digest_candidates_best_first_and_the_plan() -
     assert set(first) == {"worker", "expected_finish_s", "terms", "fields"}
     assert first["worker"] == "rtx3070ti"
     for field in ("decode_tps", "prompt_tps", "load_s", "output_tokens", "quality"):
-        assert set(first["fields"][field]) == {"value", "n", "source", "age_s"}
+        # Quality also shows how uncertain it is (its posterior's sd and interval).
+        extra = {"sd", "interval"} if field == "quality" else set()
+        assert set(first["fields"][field]) == {"value", "n", "source", "age_s"} | extra
     assert first["fields"]["decode_tps"]["n"] == 3
     plan = data["plan"]
     assert plan["taker"] == "rtx3070ti"

@@ -93,6 +93,36 @@ async def test_quality_for_a_digest_is_one_row_whichever_worker_produced_it(
     assert snap.quality[D1, "japanese"].score.mean == pytest.approx(0.8)
 
 
+async def test_a_prompt_graded_again_and_a_failed_answer_cut_off_at_its_budget_are_not_new_grades(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    def grade(at: int, score: float, prompt: str, **kw: object) -> QualityScored:
+        return QualityScored(at=at, digest=D1, domain="general", score=score, prompt_id=prompt, **kw)  # type: ignore[arg-type]
+
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            grade(T0, 1.0, "p1"),
+            # The same prompt at temperature 0 again (a speed re-benchmark, another holder).
+            grade(T0 + 1, 0.0, "p1", worker="macbookair"),
+            # A thinking model cut off at 32 tokens: the budget failed, not the model.
+            grade(T0 + 2, 0.0, "p2", max_tokens=32, truncated=True),
+            grade(T0 + 3, 1.0, "p3", max_tokens=1024, truncated=True),  # its answer came in time
+            grade(T0 + 4, 0.0, "p4"),
+            grade(T0 + 5, 0.5, "p1", grader="judge:m"),  # another grader's view of the same answer
+            grade(T0 + 6, 1.0, ""),  # an older event without a prompt: every one counts
+            grade(T0 + 7, 1.0, ""),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    row = snap.quality[D1, "general"]
+    assert row.graded == ["judge:m/p1", "reference/p1", "reference/p3", "reference/p4"]
+    assert (row.score.n, row.score.sum) == (6, 4.5)
+    rebuilt, _ = await build(redis_client, keys)
+    assert rebuilt.quality[D1, "general"] == row
+
+
 async def test_a_stale_speed_field_and_a_fresh_quality_field_keep_their_own_timestamps(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:

@@ -171,8 +171,12 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         at=AT,
         digest=DIGESTS,
         domain=DOMAINS,
-        score=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))),
+        score=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan")), st.sampled_from([0.0, 1.0])),
         worker=WORKERS,
+        grader=st.sampled_from(["reference", "judge:m"]),
+        # Repeated prompts (one grade each counts), none (every grade counts), cut-off answers.
+        prompt_id=st.sampled_from(["", "p1", "p2"]),
+        truncated=st.booleans(),
     ),
 )
 # What happens between two batches of the live projector.

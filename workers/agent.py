@@ -21,7 +21,17 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from dispatch.benchmark import PROBE_AFTER_S, is_probe, needs_benchmark, request_benchmark
+from dispatch.benchmark import (
+    PROBE_AFTER_S,
+    benchset,
+    domains,
+    grader_for,
+    is_probe,
+    needs_benchmark,
+    pick,
+    request_benchmark,
+    ungraded,
+)
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.payload import Chunk, Result, encode_chunk
@@ -41,6 +51,7 @@ from events.event import (
 )
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.snapshot import Snapshot
 from projections.status import Outcome
 from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Generated, Inventory
@@ -141,6 +152,9 @@ class WorkerAgent:
         self._inventory_changed = asyncio.Event()
         # digest -> monotonic time of the last benchmark this worker requested for itself
         self._benched: dict[str, float] = {}
+        # (digest, domain) -> (monotonic time, prompts still ungraded then) of the last grading
+        # this worker requested: the next batch goes once those grades are folded.
+        self._grading: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
         self._ordinal = 0
         # What the ledger last heard of this worker's state; the machine's figures go only to the lease.
         self.liveness = Liveness(self.name, config.slots, config.serves)
@@ -809,7 +823,11 @@ class WorkerAgent:
                         reason=reason,
                     )
                     self._benched[model.digest] = time.monotonic()
+                    # Its answers are graded too: the schedule does not ask for them again meanwhile.
+                    sent = frozenset(p.id for p in pick(self.config.bench_domain, count))
+                    self._grading[(model.digest, self.config.bench_domain)] = (time.monotonic(), sent)
                     log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
+                await self._grade(snap)
                 first = False
             except (RedisError, OSError) as exc:
                 log.warning("could not check benchmarks (%s); will retry", exc)
@@ -818,6 +836,40 @@ class WorkerAgent:
             self._inventory_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inventory_changed.wait(), self.config.bench_check_s)
+
+    async def _grade(self, snap: Snapshot) -> None:
+        """Grade each served model's ungraded prompts, per domain, when this worker is the one that
+        grades it (dispatch.benchmark: one holder, a batch per domain and check, each prompt once
+        per digest; a prompt asked for in the last 10 minutes is not asked again meanwhile)."""
+        for model in self.serving():
+            if grader_for(snap, model.digest) != self.name:
+                continue
+            for domain in domains():
+                missing = ungraded(snap, model.digest, domain)
+                if not missing:
+                    continue
+                total = sum(1 for p in benchset() if p.domain == domain)
+                done = total - len(missing)
+                key = (model.digest, domain)
+                asked = self._grading.get(key)
+                if asked is not None and time.monotonic() - asked[0] < 600:
+                    # Prompts asked for lately whose grades are not folded yet are not asked again.
+                    missing = [p for p in missing if p.id not in asked[1]]
+                    if not missing:
+                        continue
+                batch = missing[: self.config.grade_batch]
+                await request_benchmark(
+                    self.queues,
+                    worker=self.name,
+                    model=model.name,
+                    digest=model.digest,
+                    domain=domain,
+                    reason=f"grading: {done} of {total} {domain} prompts graded",
+                    prompts=batch,
+                )
+                pending = asked[1] if asked is not None and time.monotonic() - asked[0] < 600 else frozenset()
+                self._grading[key] = (time.monotonic(), pending | {p.id for p in batch})
+                log.info("grading %s in %s on %s (%d prompts)", model.name, domain, self.name, len(batch))
 
     async def _fail(self, run: Running, exc: BackendError) -> None:
         entry = run.entry

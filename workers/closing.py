@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from dispatch.benchmark import grade, prompt_by_id
+from dispatch.benchmark import REFERENCE, grade, prompt_by_id
 from dispatch.payload import TaskMessage, sha256_hex
 from events.event import BenchmarkResult, Event, QualityScored, TaskCompleted
 from workers.backend import Generated
@@ -84,8 +84,11 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
             digest=task.digest,
             domain=task.domain,
             score=grade(prompt, self.text),
-            grader="reference",
+            grader=REFERENCE,
             task_id=task.task_id,
             bench_id=task.bench_id,
             worker=self.worker,
+            prompt_id=prompt.id,
+            max_tokens=task.max_tokens,
+            truncated=self.generated.done_reason == "length",
         )

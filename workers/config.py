@@ -8,7 +8,7 @@ from typing import Final
 
 import msgspec
 
-from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S
+from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, GRADE_BATCH
 from events.keys import DEAD_MAX_ENTRIES
 from events.singleton import DEFAULT_LEASE_MS
 
@@ -50,3 +50,5 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     bench_stale_after_s: float = BENCH_STALE_AFTER_S
     bench_check_s: float = 30.0
     bench_domain: str = "general"
+    # Prompts per scheduled grading request (auto_bench grades every domain, a batch at a time).
+    grade_batch: int = GRADE_BATCH
