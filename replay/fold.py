@@ -250,8 +250,15 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
         for worker, digest, values in tails.iter_rows():
             setattr(tables.speed[(worker, digest)], window, list(values))
         _held_out(tables, ordered, field, window)
-    for row in tables.speed.values():
-        row.sampled_at = row.decode_tps.updated_at
+    # The newest decode sample's time, held out of the long run or not (as the live fold keeps it).
+    newest = (
+        samples.filter(pl.col("decode_tps").is_not_null())
+        .group_by(keys)
+        .agg(pl.col("at").max().alias("sampled_at"))
+        .collect()
+    )
+    for worker, digest, sampled_at in newest.iter_rows():
+        tables.speed[(worker, digest)].sampled_at = sampled_at
 
 
 def _held_out(tables: Tables, ordered: pl.LazyFrame, field: str, window: str) -> None:
