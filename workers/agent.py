@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import socket
 import time
@@ -155,6 +156,8 @@ class WorkerAgent:
         # (digest, domain) -> (monotonic time, prompts still ungraded then) of the last grading
         # this worker requested: the next batch goes once those grades are folded.
         self._grading: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
+        # When this worker last took an entry from a shared queue (monotonic; grading waits for quiet).
+        self._last_shared_take = -math.inf
         self._ordinal = 0
         # What the ledger last heard of this worker's state; the machine's figures go only to the lease.
         self.liveness = Liveness(self.name, config.slots, config.serves)
@@ -446,6 +449,7 @@ class WorkerAgent:
         if taken.entry_id:
             self._missed = 0
             self.expects_work = True
+            self._last_shared_take = time.monotonic()
             self._start(admission.queue, taken)
             return None
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
@@ -840,7 +844,10 @@ class WorkerAgent:
     async def _grade(self, snap: Snapshot) -> None:
         """Grade each served model's ungraded prompts, per domain, when this worker is the one that
         grades it (dispatch.benchmark: one holder, a batch per domain and check, each prompt once
-        per digest; a prompt asked for in the last 10 minutes is not asked again meanwhile)."""
+        per digest; a prompt asked for in the last 10 minutes is not asked again meanwhile). Only
+        while the worker is quiet (`grade_quiet_s`): grading is never worth delaying user work."""
+        if self.running or time.monotonic() - self._last_shared_take < self.config.grade_quiet_s:
+            return
         for model in self.serving():
             if grader_for(snap, model.digest) != self.name:
                 continue

@@ -52,3 +52,6 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     bench_domain: str = "general"
     # Prompts per scheduled grading request (auto_bench grades every domain, a batch at a time).
     grade_batch: int = GRADE_BATCH
+    # Scheduled grading waits until the worker has taken no shared work for this long and runs
+    # nothing: a grading answer on the pinned stream goes ahead of queued user work.
+    grade_quiet_s: float = 30.0
