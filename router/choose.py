@@ -409,7 +409,8 @@ def _score_models(
     since utility falls as the finish grows (a non-negative latency weight). Models are taken by
     that ceiling, best first, and each laid-out model gives a floor under its final utility (its
     lead's penalty taken against the most uncertain model, whichever the baseline turns out to
-    be). Once the best floor passes a model's ceiling by more than the margin within which
+    be, from the pool it is drawn from). Once the best floor passes a model's ceiling by more than the
+    margin within which
     `_ranks` lets utilities share a rank (so no tie can reach it), the model cannot win. Otherwise
     its holders' slot state gives a higher finish floor that counts their waits and loads
     (`PlanState.finish_floor`), checked the same way, and only then is its queue laid out. The
@@ -436,13 +437,17 @@ def _score_models(
             floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
         ceiling = math.inf if floor is None else _utility(params, quality.value, floor[1])
         rows.append((quality, out, queue, floor, ceiling))
-    widest = max((r[0].sd or 0.0) for r in rows)
+    # The baseline comes from this pool (graded models, or every model when none is), so a floor's
+    # lead penalty need only allow for the most uncertain model in it.
+    pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))
+    widest = max((rows[k][0].sd or 0.0) for k in pool)
     margin = _TIE * (len(rows) + 1)
     best = -math.inf
     # Per model: (finish, worker) when laid out, else (ceiling, finish floor, floor's worker).
     finished: dict[int, tuple[float, str]] = {}
     bounds: dict[int, tuple[float, float, str]] = {}
     laid: dict[str, tuple[PlanState, list[Step]]] = {}
+    slowdowns: dict[str, float] = {}
 
     def state_of(k: int) -> PlanState:
         _, digest, holders = weighed[k]
@@ -452,7 +457,7 @@ def _score_models(
                 free[w.name] = (
                     slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
                 )
-        return PlanState(holders, est, digest, now_ms, plan_params, free=free)
+        return PlanState(holders, est, digest, now_ms, plan_params, free=free, slowdowns=slowdowns)
 
     def lay_out(k: int, state: PlanState) -> float:
         """Lay the model's queue out; its finish for the new task."""
@@ -466,9 +471,47 @@ def _score_models(
         bounds.pop(k, None)
         return finishes[i]
 
+    in_pool = set(pool)
+    calmest = min((rows[k][0].sd or 0.0) for k in pool)
+    # Each pool model's finish floor (None where no floor holds), to tell when a laid-out model is
+    # sure to be the baseline: then its floor is its utility with no lead penalty at all.
+    pool_floor: dict[int, float | None] = {}
+    if prune:
+        for k in pool:
+            _, digest, holders = weighed[k]
+            _, out, queue, floor, _ = rows[k]
+            if floor is None and not queue:
+                floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
+            pool_floor[k] = None if floor is None else floor[1]
+
+    def sure_baseline(k: int, finish: float) -> bool:
+        """Whether no other pool model can finish within the tie margin of `finish` or sooner."""
+        if not prune or k not in in_pool:
+            return False
+        mine = _latency_part(params, finish)
+        for i in pool:
+            if i == k:
+                continue
+            other = finished[i][0] if i in finished else pool_floor.get(i)
+            if other is None or _latency_part(params, other) >= mine - margin:
+                return False
+        return True
+
+    def ceiling_of(k: int, quality: Field, floor_s: float) -> float:
+        """Model k's ceiling for a finish floor: its mean, less the smallest lead penalty it can
+        pay once it cannot be the baseline (outside the pool, or a floor slower than a pool
+        model's finish: the baseline's latency only gets better as queues are laid out)."""
+        counted = quality.value
+        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        if k not in in_pool or _latency_part(params, floor_s) < top - margin:
+            counted -= _lead_penalty(params, quality.sd, calmest)
+        return _utility(params, counted, floor_s)
+
     for k in sorted(range(len(rows)), key=lambda k: -rows[k][4]):
         _, _, holders = weighed[k]
         quality, out, queue, floor, ceiling = rows[k]
+        if floor is not None:
+            ceiling = ceiling_of(k, quality, floor[1])
         if floor is not None and ceiling < best - margin:
             bounds[k] = (ceiling, floor[1], holders[floor[0]].name)
             continue
@@ -476,15 +519,14 @@ def _score_models(
         if floor is not None:
             floor = state.finish_floor(prompt, out, queue)
             if floor is not None:
-                ceiling = _utility(params, quality.value, floor[1])
+                ceiling = ceiling_of(k, quality, floor[1])
                 if ceiling < best - margin:
                     bounds[k] = (ceiling, floor[1], state.names[floor[0]])
                     continue
         finish = lay_out(k, state)
-        penalty = _lead_penalty(params, quality.sd, widest)
+        penalty = 0.0 if sure_baseline(k, finish) else _lead_penalty(params, quality.sd, widest)
         best = max(best, _utility(params, quality.value - penalty, finish))
 
-    pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))
     # The baseline's pool: a bound model whose finish floor reaches the best latency found may be
     # the baseline, so its queue is laid out (its figures then are its true ones).
     for k in sorted((k for k in pool if k in bounds), key=lambda k: bounds[k][1]):

@@ -367,6 +367,7 @@ class Estimator:
         self._length_pools: dict[str, _Pool] = {}
         # Lifetime (n, sum, sumsq) of output lengths, for their spread (`output_tail`).
         self._length_moments: dict[tuple[str, str], tuple[int, float, float]] = {}
+        self._sigma_cache: dict[tuple[str, str], float] = {}
         length = list(length)
         for lrow in length:
             st = lrow.output_tokens
@@ -584,13 +585,18 @@ class Estimator:
         """The spread of the model's output lengths in the domain, as a lognormal's sigma: from the
         measured lengths' mean and variance, or `default_length_cv` while fewer than
         `min_length_samples_for_tail` were measured."""
+        key = (digest, domain)
+        hit = self._sigma_cache.get(key)
+        if hit is not None:
+            return hit
         p = self.params
         cv = p.default_length_cv
-        n, total, sumsq = self._length_moments.get((digest, domain), (0, 0.0, 0.0))
+        n, total, sumsq = self._length_moments.get(key, (0, 0.0, 0.0))
         if n >= p.min_length_samples_for_tail and total > 0.0:
             mean = total / n
             cv = math.sqrt(max(0.0, sumsq / n - mean * mean)) / mean
-        return math.sqrt(math.log1p(cv * cv))
+        sigma = self._sigma_cache[key] = math.sqrt(math.log1p(cv * cv))
+        return sigma
 
     def output_tail(self, digest: str, domain: str) -> float:
         """How many times its mean a task's output plausibly runs to: the 99th percentile (by

@@ -324,14 +324,16 @@ def overdue_slowdown(
             expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
         if expected <= 0.0:
             continue
-        elapsed = (now_ms - t.started_at_ms) / 1000.0
+        over = (now_ms - t.started_at_ms) / 1000.0 / expected
+        if over <= p.overdue_tolerance:
+            continue  # within the tolerance that every tail allows (most tasks: nothing to look up)
         # A long answer is no sign of a slow machine: only time beyond what the plausible longest
         # output (or the task's own cap, whichever is shorter) takes at the estimated speed is.
         tail = est.output_tail(t.digest, t.domain)
         if t.max_tokens is not None:
             c = _coef(est, worker.name, t.digest, t.domain)
             tail = min(tail, max(1.0, t.max_tokens / c.out)) if c.out > 0 else tail
-        worst = max(worst, elapsed / (max(p.overdue_tolerance, tail) * expected))
+        worst = max(worst, over / max(p.overdue_tolerance, tail))
     return worst
 
 
@@ -480,7 +482,10 @@ class PlanState:
         now_ms: int,
         params: PlanParams,
         free: Mapping[str, list[float]] | None = None,
+        slowdowns: dict[str, float] | None = None,
     ) -> None:
+        """`free` and `slowdowns` (worker -> `overdue_slowdown`, filled as met) are one decision's
+        caches across the queues it lays out."""
         self.names = names = list(map(_name, holders))
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
@@ -493,7 +498,14 @@ class PlanState:
             ]
         self.head = list(map(_first, self.free))
         self.sp = _speeds(est, holders, digest)
-        slow = [overdue_slowdown(w, est, now_ms, params) if w.running else 1.0 for w in holders]
+        seen = {} if slowdowns is None else slowdowns
+        slow = [1.0] * len(holders)
+        for i, w in enumerate(holders):
+            if w.running:
+                k = seen.get(w.name)
+                if k is None:
+                    k = seen[w.name] = overdue_slowdown(w, est, now_ms, params)
+                slow[i] = k
         if any(k > 1.0 for k in slow):
             self.sp = _slowed(self.sp, slow)
         self.fac = self.sp.fac
