@@ -374,6 +374,9 @@ class SpeedShiftDetected(Event, frozen=True, kw_only=True):
     samples: Small = 0
     # True: the recent samples agree with the long run again (the shift is over).
     cleared: bool = False
+    # True: the shift lasted (projections.shift.ADOPT_SAMPLES, ADOPT_AFTER_S) and became the long
+    # run, restarted from the recent window: `long_run` is the old value, `recent` the new one.
+    adopted: bool = False
 
 
 # -- pipelines ----------------------------------------------------------------------------------

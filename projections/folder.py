@@ -35,7 +35,7 @@ from events.event import (
     WorkerOnline,
 )
 from projections.mention import Mention
-from projections.shift import WINDOWS, Shift, detect, fold_sample
+from projections.shift import HELD, WINDOWS, Folded, Shift, detect, fold_sample
 from projections.snapshot import (
     DemandRow,
     FleetRow,
@@ -44,6 +44,7 @@ from projections.snapshot import (
     QualityRow,
     SpeedRow,
     Stamped,
+    Stat,
     TaskRow,
     add_entry,
     fold,
@@ -315,33 +316,54 @@ class Folder:
         at = self._ledger_ms(at)
         row = self._speed(worker, digest)
         if decode is not None:
-            before = detect("decode_tps", row.decode_tps, row.decode_recent)
-            row.decode_tps, row.decode_recent, after = fold_sample(
-                "decode_tps", row.decode_tps, row.decode_recent, decode, at, h
-            )
+            self._shifting_sample(row, "decode_tps", decode, at)
             row.sampled_at = at if row.sampled_at is None else max(row.sampled_at, at)
-            self._shift_notice(row, "decode_tps", before, after, at)
             if t.counted is not None:
                 row.counted_n += 1
             if in_flight >= 0:
                 row.in_flight = fold(row.in_flight, float(in_flight), at, h)
         if prompt is not None:
-            before = detect("prompt_tps", row.prompt_tps, row.prompt_recent)
-            row.prompt_tps, row.prompt_recent, after = fold_sample(
-                "prompt_tps", row.prompt_tps, row.prompt_recent, prompt, at, h
-            )
-            self._shift_notice(row, "prompt_tps", before, after, at)
+            self._shifting_sample(row, "prompt_tps", prompt, at)
         if load is not None:
             row.load_s = fold(row.load_s, load, at, h)
         if ttft is not None:
             row.ttft_s = fold(row.ttft_s, ttft, at, h)
 
-    def _shift_notice(
-        self, row: SpeedRow, field: str, before: Shift | None, after: Shift | None, at: int
-    ) -> None:
-        """Note a change of the field's shift state: entering one, changing side, or clearing."""
-        stat = getattr(row, field)
-        window: list[float] = getattr(row, WINDOWS[field])
+    def _shifting_sample(self, row: SpeedRow, field: str, x: float, at: int) -> None:
+        """Fold one sample of a field with a window (projections.shift.fold_sample) into `row`, and
+        note a change of its shift state."""
+        window, (held, since) = WINDOWS[field], HELD[field]
+        stat: Stat = getattr(row, field)
+        recent: list[float] = getattr(row, window)
+        before = detect(field, stat, recent)
+        h = self.tables.half_life_s
+        out = fold_sample(field, stat, recent, x, at, h, getattr(row, held), getattr(row, since))
+        setattr(row, field, out.stat)
+        setattr(row, window, out.window)
+        setattr(row, held, out.held)
+        setattr(row, since, out.held_since)
+        self._shift_notice(row, field, before, out, at)
+
+    def _shift_notice(self, row: SpeedRow, field: str, before: Shift | None, out: Folded, at: int) -> None:
+        """Note a change of the field's shift state: entering one, changing side, clearing, or the
+        shift becoming the long run (adopted: `long_run` the old value, `recent` the new one)."""
+        after = out.shift
+        if out.adopted is not None:
+            self.shifts.append(
+                SpeedShiftDetected(
+                    at=at,
+                    worker=row.worker,
+                    digest=row.digest,
+                    field=field,
+                    long_run=out.adopted.long_run,
+                    recent=out.stat.decayed_mean,
+                    samples=len(out.window),
+                    adopted=True,
+                )
+            )
+            if after is None:
+                return
+            before = None  # a shift from the new long run at once is a new one
         if after is None and before is None:
             return
         if after is not None and before is not None and before.slower == after.slower:
@@ -352,8 +374,8 @@ class Folder:
                 worker=row.worker,
                 digest=row.digest,
                 field=field,
-                long_run=stat.decayed_mean if after is None else after.long_run,
-                recent=window[-1] if after is None else after.recent,
+                long_run=out.stat.decayed_mean if after is None else after.long_run,
+                recent=out.window[-1] if after is None else after.recent,
                 samples=0 if after is None else after.samples,
                 cleared=after is None,
             )

@@ -21,6 +21,19 @@ slowdown, and the machine would then look slow for good, with nothing sent to it
 see it fast again. Held out, the shift lasts exactly as long as the samples say so, and the first
 probes after the recovery clear it.
 
+A shift that lasts is *adopted*: a machine that changed for good (a new driver, a slower disk,
+dried thermal paste) would otherwise be probed every PROBE_AFTER_S forever with a long run that
+never moves. Once `ADOPT_SAMPLES` samples in a row have been held out AND they span at least
+`ADOPT_AFTER_S` of ledger time, the long run restarts from the recent window (its samples folded
+at the newest one's time), so the field is no longer shifted and the router's long run is the new
+speed. Both conditions are needed: a count alone is a duration in disguise, because a machine
+that looks slow is probed at a fixed rate (PROBE_PROMPTS per PROBE_AFTER_S, one sample a minute),
+so ten samples would adopt an evening's game after ten minutes; once adopted, nothing probes a
+slow machine, and it would not be seen fast again when the game ends. A day's use (an evening's
+slowdown, a night switched off) stays a shift; a change still there half a day later is the
+machine. A machine adopted slow is seen fast again like any other row: by the work the plan gives
+it when the fleet is busy, or by the week-old re-benchmark.
+
 The state is a function of the row alone (the window and the long-run statistics), so the live
 projector, replay's rebuild and the router all compute the same answer from the same row, and
 nothing else needs to be stored or replayed. Counting in samples, not seconds, is what lets a
@@ -48,6 +61,15 @@ CONFIRM: Final = 2
 MIN_LONG_RUN: Final = 5
 # The fields that keep a window, with the name of their window on SpeedRow.
 WINDOWS: Final = {"decode_tps": "decode_recent", "prompt_tps": "prompt_recent"}
+# Samples in a row held out of the long run, and the ledger time they must span, before a shift
+# becomes the long run (see the module docstring for why both).
+ADOPT_SAMPLES: Final = 10
+ADOPT_AFTER_S: Final = 12 * 3600.0
+# The fields' held-out run on SpeedRow: (samples held out in a row, ledger ms of the first).
+HELD: Final = {
+    "decode_tps": ("decode_held", "decode_held_since"),
+    "prompt_tps": ("prompt_held", "prompt_held_since"),
+}
 
 
 class Shift(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -113,18 +135,52 @@ def detect(field: str, stat: Stat, window: Sequence[float]) -> Shift | None:
     return Shift(field=field, long_run=mean, recent=value, samples=len(recent))
 
 
+class Folded(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A field after one sample: its long run, window, held-out run and shift state."""
+
+    stat: Stat
+    window: list[float]
+    held: int  # samples in a row kept out of the long run
+    held_since: int | None  # ledger ms of the first of them
+    shift: Shift | None
+    # The shift this sample made the long run (the long run restarted from the window), if any.
+    adopted: Shift | None = None
+
+
 def fold_sample(
-    field: str, stat: Stat, window: list[float], x: float, at_ms: int, half_life_s: float
-) -> tuple[Stat, list[float], Shift | None]:
-    """One sample `x` of a field with a window: (long run, window, shift state) after it. The sample
-    joins the window; it joins the long run only when the window with it is not shifted. The one
-    rule for the projector, replay's rebuild and the simulator."""
+    field: str,
+    stat: Stat,
+    window: list[float],
+    x: float,
+    at_ms: int,
+    half_life_s: float,
+    held: int = 0,
+    held_since: int | None = None,
+) -> Folded:
+    """One sample `x` of a field with a window, given its held-out run so far. The sample joins the
+    window; it joins the long run only when the window with it is not shifted; a shift held long
+    enough becomes the long run. The one rule for the projector, replay's rebuild and the
+    simulator."""
     recent = push_recent(window, x)
     shift = detect(field, stat, recent)
-    if shift is not None:
-        return stat, recent, shift
-    folded = fold(stat, x, at_ms, half_life_s)
-    return folded, recent, detect(field, folded, recent)
+    if shift is None:
+        folded = fold(stat, x, at_ms, half_life_s)
+        after = detect(field, folded, recent)
+        return Folded(stat=folded, window=recent, held=0, held_since=None, shift=after)
+    since = at_ms if held_since is None else held_since
+    if held + 1 >= ADOPT_SAMPLES and at_ms - since >= ADOPT_AFTER_S * 1000:
+        restart = Stat()
+        for v in recent:
+            restart = fold(restart, v, at_ms, half_life_s)
+        return Folded(
+            stat=restart,
+            window=recent,
+            held=0,
+            held_since=None,
+            shift=detect(field, restart, recent),
+            adopted=shift,
+        )
+    return Folded(stat=stat, window=recent, held=held + 1, held_since=since, shift=shift)
 
 
 def row_shifts(row: SpeedRow) -> dict[str, Shift]:

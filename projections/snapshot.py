@@ -125,6 +125,12 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     # Producer time (ms) of the newest decode sample, kept out of the long run or not: how long a
     # machine has had nothing (a probe's wait) while `decode_tps.updated_at` stays at a shift's start.
     sampled_at: int | None = None
+    # Samples in a row each field has kept out of its long run, and the ledger time (ms) of the
+    # first: how long its shift has lasted, for adopting one that lasts (projections.shift).
+    decode_held: int = 0
+    decode_held_since: int | None = None
+    prompt_held: int = 0
+    prompt_held_since: int | None = None
 
 
 def push_recent(window: list[float], x: float) -> list[float]:

@@ -27,7 +27,7 @@ from projections.folder import (
     NS_PER_S,
     resources_dict,
 )
-from projections.shift import MIN_LONG_RUN, MIN_RATIO, WINDOWS, fold_sample
+from projections.shift import HELD, MIN_LONG_RUN, MIN_RATIO, WINDOWS, Folded, fold_sample
 from projections.snapshot import (
     RECENT_SAMPLES,
     DemandRow,
@@ -287,16 +287,22 @@ def _held_out(tables: Tables, ordered: pl.LazyFrame, field: str, window: str) ->
         .select(*keys, "at", field)
         .collect()
     )
-    state: dict[tuple[str, str], tuple[Stat, list[float]]] = {}
+    state: dict[tuple[str, str], Folded] = {}
     h = tables.half_life_s
     for worker, digest, at, value in redo.iter_rows():
-        stat, recent = state.get((worker, digest)) or (Stat(), [])
-        stat, recent, _ = fold_sample(field, stat, recent, value, at, h)
-        state[(worker, digest)] = (stat, recent)
-    for key, (stat, recent) in state.items():
+        s = state.get((worker, digest))
+        state[(worker, digest)] = (
+            fold_sample(field, Stat(), [], value, at, h)
+            if s is None
+            else fold_sample(field, s.stat, s.window, value, at, h, s.held, s.held_since)
+        )
+    held, since = HELD[field]
+    for key, s in state.items():
         row = tables.speed[key]
-        setattr(row, field, stat)
-        setattr(row, window, recent)
+        setattr(row, field, s.stat)
+        setattr(row, window, s.window)
+        setattr(row, held, s.held)
+        setattr(row, since, s.held_since)
 
 
 def _length(tables: Tables, counted: pl.LazyFrame) -> None:

@@ -20,7 +20,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import snapshot
-from projections.shift import detect, fold_sample
+from projections.shift import ADOPT_AFTER_S, ADOPT_SAMPLES, Folded, detect, fold_sample
 from projections.snapshot import Snapshot, SpeedRow, Stat, fold, push_recent
 from replay.rebuild import build
 from replay.verify import diff_rows
@@ -111,6 +111,30 @@ async def test_the_projector_appends_one_notice_per_shift_with_both_values_and_a
     )
 
 
+async def test_the_projector_notes_an_adopted_shift_once_and_a_rebuild_folds_the_same_long_run(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    fast = [completed(f"f{i}", "rtx3070ti", at=T0 + i * 1000, timings=timings(tps=83.0)) for i in range(10)]
+    step = 2 * 3_600_000
+    slow = [
+        completed(f"s{i}", "rtx3070ti", at=T0 + 60_000 + i * step, timings=timings(tps=30.0))
+        for i in range(20)
+    ]
+    projector = await fold_all(redis_client, keys, [*fast, *slow])
+    notices = [e async for _, e in Ledger(redis_client, keys).read() if isinstance(e, SpeedShiftDetected)]
+    decode = [n for n in notices if n.field == "decode_tps"]
+    assert [(n.cleared, n.adopted) for n in decode] == [(False, False), (False, True)]
+    adopted = decode[1]
+    assert adopted.long_run is not None and adopted.long_run > 75.0
+    assert adopted.recent == pytest.approx(30.0)
+    row = (await snapshot(redis_client, keys)).speed["rtx3070ti", D1]
+    assert row.decode_tps.decayed_mean == pytest.approx(30.0, rel=0.01)
+    assert detect("decode_tps", row.decode_tps, row.decode_recent) is None
+    assert projector.tables is not None
+    rebuilt, _ = await build(redis_client, keys)
+    assert diff_rows("speed", projector.tables.speed, rebuilt.speed) == []
+
+
 def test_the_router_and_the_preview_read_the_recent_value_of_a_shifted_field() -> None:
     laptop = _row("macbookair", QWEN, 30, [], speed=11.4)
     gpu = _row("rtx3070ti", QWEN, 30, [5.0, 5.0])
@@ -166,24 +190,65 @@ def test_a_stat_never_measured_has_no_shift() -> None:
     assert detect("decode_tps", Stat(), [5.0, 5.0]) is None
 
 
-def test_a_long_slowdown_leaves_the_long_run_where_it_was_and_two_fast_samples_clear_it() -> None:
-    stat, window = Stat(), list[float]()
-    at = NOW
-    for _ in range(8):  # a young row: a few samples of the machine's usual speed
-        stat, window, _ = fold_sample("decode_tps", stat, window, 60.0, at, H)
-        at += 10_000
+def _fold_all(folded: Folded, xs: list[float], at: int, step_ms: int) -> tuple[Folded, list[Folded]]:
+    """`folded` after the samples `xs`, one every `step_ms` from `at`, and the state after each."""
     states = []
-    for x in [6.0] * 200:  # an evening of slow samples, probes and all
-        stat, window, shift = fold_sample("decode_tps", stat, window, x, at, H)
-        states.append(shift)
-        at += 10_000
-    before = stat
-    assert all(s is not None and s.slower for s in states[1:])
+    for i, x in enumerate(xs):
+        folded = fold_sample(
+            "decode_tps", folded.stat, folded.window, x, at + i * step_ms, H, folded.held, folded.held_since
+        )
+        states.append(folded)
+    return folded, states
+
+
+EMPTY = Folded(stat=Stat(), window=[], held=0, held_since=None, shift=None)
+
+
+def test_a_long_slowdown_leaves_the_long_run_where_it_was_and_two_fast_samples_clear_it() -> None:
+    # A young row (a few samples of the machine's usual speed), then an evening of slow samples,
+    # probes and all, 10 s apart: 2,000 s, far short of a shift that lasts.
+    young, _ = _fold_all(EMPTY, [60.0] * 8, NOW, 10_000)
+    slow, states = _fold_all(young, [6.0] * 200, NOW + 80_000, 10_000)
+    before = slow.stat
+    assert all(s.shift is not None and s.shift.slower and s.adopted is None for s in states[1:])
     assert before.n == 9 and before.decayed_mean is not None and before.decayed_mean > 50.0
-    stat, window, first = fold_sample("decode_tps", stat, window, 60.0, at, H)
-    assert first is not None and stat == before  # one fast sample: still the shift, held out
-    stat, window, second = fold_sample("decode_tps", stat, window, 59.0, at + 10_000, H)
-    assert second is None and stat.n == before.n + 1
+    at = NOW + 80_000 + 200 * 10_000
+    first, _ = _fold_all(slow, [60.0], at, 10_000)
+    assert first.shift is not None and first.stat == before  # one fast sample: still the shift, held out
+    second, _ = _fold_all(first, [59.0], at + 10_000, 10_000)
+    assert second.shift is None and second.stat.n == before.n + 1 and second.held == 0
+
+
+def test_a_shift_that_lasts_becomes_the_long_run_with_one_adopted_notice() -> None:
+    history, _ = _fold_all(EMPTY, [83.0 * (1 + 0.02 * ((i % 3) - 1)) for i in range(200)], NOW, 60_000)
+    # A permanent change: 20 samples at the new speed, two hours apart (a machine probed, or used).
+    # The first joins the long run (one odd sample is noise); the next ADOPT_SAMPLES are held out
+    # and span (ADOPT_SAMPLES - 1) steps, past ADOPT_AFTER_S.
+    step = 2 * 3_600_000
+    assert (ADOPT_SAMPLES - 1) * step >= ADOPT_AFTER_S * 1000
+    after, states = _fold_all(history, [30.0] * 20, NOW + 200 * 60_000, step)
+    adopted = [s for s in states if s.adopted is not None]
+    assert len(adopted) == 1
+    assert adopted[0].adopted is not None and adopted[0].adopted.long_run > 75.0
+    assert adopted[0].adopted.recent == pytest.approx(30.0)
+    assert states.index(adopted[0]) == ADOPT_SAMPLES
+    assert after.shift is None and after.held == 0
+    assert after.stat.decayed_mean == pytest.approx(30.0)
+
+
+def test_a_slowdown_of_fewer_samples_or_less_time_than_adoption_asks_returns_to_the_old_long_run() -> None:
+    history, _ = _fold_all(EMPTY, [83.0] * 50, NOW, 60_000)
+    old = history.stat
+    start = NOW + 50 * 60_000
+    # One held out fewer than ADOPT_SAMPLES, however far apart; then many within a short evening.
+    # The first slow sample joins the long run (alone, it is noise); the rest are held out.
+    for count, step in ((ADOPT_SAMPLES, 3_600_000), (60, 120_000)):
+        slow, states = _fold_all(history, [5.0] * count, start, step)
+        assert all(s.adopted is None for s in states)
+        assert slow.held == count - 1 and slow.stat.n == old.n + 1
+        back, _ = _fold_all(slow, [83.0, 83.0], start + count * step, step)
+        assert back.shift is None and back.held == 0 and back.stat.n == old.n + 2
+        assert back.stat.decayed_mean == pytest.approx(83.0, rel=0.03)
 
 
 def test_the_probe_waits_from_the_newest_sample_even_one_kept_out_of_the_long_run() -> None:

@@ -260,8 +260,8 @@ class Routeledger(_Base):
         # (it does not ask again before the last probe's results can have been folded).
         self._checked_at = -math.inf
         self._probed: dict[str, float] = {}
-        # (simulated second, worker, shifted slower / faster / cleared) each time the decode field's
-        # shift state changed: what the projector would append as SpeedShiftDetected.
+        # (simulated second, worker, shifted slower / faster / cleared / adopted) each time the
+        # decode field's shift state changed: what the projector would append as SpeedShiftDetected.
         self.shifts: list[tuple[float, str, str]] = []
 
     def start(self, sim: Simulation) -> None:
@@ -359,24 +359,46 @@ class Routeledger(_Base):
         key = (worker.name, sim.digest)
         row = self.tables.speed.get(key) or SpeedRow(worker=worker.name, digest=sim.digest)
         before = detect("decode_tps", row.decode_tps, row.decode_recent)
-        decode, decode_recent, after = fold_sample(
-            "decode_tps", row.decode_tps, row.decode_recent, measured.decode_tps, at, hl
+        decode = fold_sample(
+            "decode_tps",
+            row.decode_tps,
+            row.decode_recent,
+            measured.decode_tps,
+            at,
+            hl,
+            row.decode_held,
+            row.decode_held_since,
         )
-        prompt, prompt_recent, _ = fold_sample(
-            "prompt_tps", row.prompt_tps, row.prompt_recent, measured.prompt_tps, at, hl
+        prompt = fold_sample(
+            "prompt_tps",
+            row.prompt_tps,
+            row.prompt_recent,
+            measured.prompt_tps,
+            at,
+            hl,
+            row.prompt_held,
+            row.prompt_held_since,
         )
         self.tables.speed[key] = SpeedRow(
             worker=row.worker,
             digest=row.digest,
-            decode_tps=decode,
-            prompt_tps=prompt,
+            decode_tps=decode.stat,
+            prompt_tps=prompt.stat,
             load_s=row.load_s if measured.load_s is None else fold(row.load_s, measured.load_s, at, hl),
             ttft_s=row.ttft_s,
             in_flight=fold(row.in_flight, float(measured.in_flight), at, hl),
-            decode_recent=decode_recent,
-            prompt_recent=prompt_recent,
+            decode_recent=decode.window,
+            prompt_recent=prompt.window,
             sampled_at=at if row.sampled_at is None else max(row.sampled_at, at),
+            decode_held=decode.held,
+            decode_held_since=decode.held_since,
+            prompt_held=prompt.held,
+            prompt_held_since=prompt.held_since,
         )
+        after = decode.shift
+        if decode.adopted is not None:
+            self.shifts.append((sim.now, worker.name, "adopted"))
+            before = None
         state = "cleared" if after is None else ("slower" if after.slower else "faster")
         if (before is None) != (after is None) or (before and after and before.slower != after.slower):
             self.shifts.append((sim.now, worker.name, state))
