@@ -457,7 +457,9 @@ def _score_models(
                 free[w.name] = (
                     slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
                 )
-        return PlanState(holders, est, digest, now_ms, plan_params, free=free, slowdowns=slowdowns)
+        return PlanState(
+            holders, est, digest, now_ms, plan_params, free=free, slowdowns=slowdowns, backlog=view.backlog
+        )
 
     def lay_out(k: int, state: PlanState) -> float:
         """Lay the model's queue out; its finish for the new task."""

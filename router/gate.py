@@ -129,7 +129,7 @@ def should_take(
         return GateDecision(take=False, worker=worker, reason="nothing queued for the models I serve")
     digest, queue = head
     holders = view.holders(digest)
-    state = PlanState(holders, est, digest, now_ms, p.plan)
+    state = PlanState(holders, est, digest, now_ms, p.plan, backlog=view.backlog)
     mine = state.names.index(worker)
     my_first = state.best_on(mine, queue[0])
     # Guard: another holder free right now that finishes the head sooner takes it, whatever comes;

@@ -14,6 +14,14 @@ the length table's mean and variance) still needs on average once it is that lon
 machine that silently slowed stops getting work before its first slow sample completes, while a
 long answer, which says nothing about the machine, does not count against it.
 
+A model's load is charged where it is not loaded, and on a machine with room for one model
+(`WorkerView.max_loaded == 1`) also where another model goes first (`runs_another_first`): one it
+runs now, or one it holds whose queue head waited longer than this model's next task, because its
+gate turns to the queue that waited longest and loading that model evicts this one. Plans are per
+model; this is how one model's plan sees the others' queues, from the same backlog the gate and
+`auto` read. It does not foresee a later switch (the other model's task arriving after this one's
+first task there), and it charges the load even where that older task will go to another holder.
+
 The plan assigns the backlog in queue order, each task to the live holder whose slot would finish
 it earliest. Times are seconds from `now`. `FleetView` holds the live facts the ledger projections
 do not (the queues' backlog and the running tasks' start times); the caller fills it.
@@ -78,21 +86,56 @@ class WorkerView(msgspec.Struct, kw_only=True, gc=False):
     max_loaded: int | None = None
 
 
-def load_to_pay(worker: WorkerView, digest: str, est: Estimator, load_s: float) -> float:
+def load_to_pay(
+    worker: WorkerView,
+    digest: str,
+    est: Estimator,
+    load_s: float,
+    backlog: Mapping[str, Sequence[BacklogEntry]] | None = None,
+    head_ms: int | None = None,
+) -> float:
     """Seconds a task of `digest` on `worker` is expected to spend loading the model first.
 
-    Nothing where it is loaded, unless the machine has room for one model and runs another now (that
-    one evicted it, or will have by the time the task starts). `load_s` where it is not. For a
-    backend that cannot say what is loaded, the expected load its own runs have shown
-    (Estimator.unknown_load: nothing until a run showed one).
+    Nothing where it is loaded, unless the machine has room for one model and another goes first
+    (`runs_another_first`: that one evicts it). `load_s` where it is not. For a backend that cannot
+    say what is loaded, the expected load its own runs have shown (Estimator.unknown_load: nothing
+    until a run showed one).
     """
     if not worker.loaded_known:
         return est.unknown_load(worker.name, digest).value
     if digest not in worker.loaded:
         return load_s
-    if worker.max_loaded == 1 and any(t.digest != digest for t in worker.running):
+    if runs_another_first(worker, digest, backlog, head_ms):
         return load_s
     return 0.0
+
+
+def runs_another_first(
+    worker: WorkerView,
+    digest: str,
+    backlog: Mapping[str, Sequence[BacklogEntry]] | None = None,
+    head_ms: int | None = None,
+) -> bool:
+    """On a machine with room for one model: whether it runs another model before the next task of
+    `digest` (whose queue's head was enqueued at `head_ms`), evicting `digest`.
+
+    It does when it runs another model now, or when another model it holds has a queue whose head
+    waited longer: its gate looks at the queue that waited longest first (router.gate._head_queue),
+    so it takes that task or waits for it to go before it turns to `digest`. That it may wait while
+    another holder takes that task is not counted (the cost is one load, on one machine).
+    """
+    if worker.max_loaded != 1:
+        return False
+    if any(t.digest != digest for t in worker.running):
+        return True
+    if not backlog or head_ms is None:
+        return False
+    for other in worker.holds:
+        if other != digest:
+            queue = backlog.get(other)
+            if queue and queue[0].enqueued_at_ms < head_ms:
+                return True
+    return False
 
 
 class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
@@ -483,9 +526,11 @@ class PlanState:
         params: PlanParams,
         free: Mapping[str, list[float]] | None = None,
         slowdowns: dict[str, float] | None = None,
+        backlog: Mapping[str, Sequence[BacklogEntry]] | None = None,
     ) -> None:
         """`free` and `slowdowns` (worker -> `overdue_slowdown`, filled as met) are one decision's
-        caches across the queues it lays out."""
+        caches across the queues it lays out. `backlog` (every model's queue) tells whether a
+        one-model machine runs another model first (`runs_another_first`)."""
         self.names = names = list(map(_name, holders))
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
@@ -511,8 +556,12 @@ class PlanState:
         self.fac = self.sp.fac
         self.shared = self.sp.shared
         # Load seconds a task would pay there: none once the model is loaded (or planned there).
+        # The next task of this model is its queue's head, or a new one (enqueued now).
+        own = None if backlog is None else backlog.get(digest)
+        head_ms = own[0].enqueued_at_ms if own else now_ms
         self.load_left = [
-            load_to_pay(w, digest, est, s) for w, s in zip(holders, self.sp.load_s, strict=True)
+            load_to_pay(w, digest, est, s, backlog, head_ms)
+            for w, s in zip(holders, self.sp.load_s, strict=True)
         ]
         self.loaded = [ld == 0.0 for ld in self.load_left]
         self.outs: dict[str, float] = {}
@@ -895,8 +944,9 @@ def plan_state(
     entries = view.backlog.get(digest, []) if backlog is None else backlog
     if not hs:
         return Plan(digest=digest, assignments=[], free_s={}), None
-    state = PlanState(hs, est, digest, now_ms, p, free=free)
     todo = entries if isinstance(entries, list) else list(entries)
+    queues = view.backlog if backlog is None else {**view.backlog, digest: todo}
+    state = PlanState(hs, est, digest, now_ms, p, free=free, backlog=queues)
     return state.plan(todo, state.walk(todo)), state
 
 

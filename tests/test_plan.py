@@ -6,16 +6,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import router.plan as plan_module
 from projections.snapshot import LengthRow
+from router.choose import rank_workers
+from router.estimate import Estimator
+from router.gate import should_take
 from router.plan import (
     PRUNE_MIN_HOLDERS,
     PRUNE_MIN_TASKS,
     BacklogEntry,
+    FleetView,
     PlanParams,
     PlanState,
     WorkerView,
@@ -298,6 +303,65 @@ def test_on_a_machine_with_room_for_one_model_running_another_evicts_the_loaded_
     unknown = WorkerView(name="rtx3070ti", slots=1, holds={QWEN, OTHER}, loaded={QWEN})
     busy(unknown, OTHER, started_s_ago=1.0)
     assert _load_paid(roomy) == 0.0 and _load_paid(unknown) == 0.0
+
+
+def _evicting_fleet(other_queued: int, qwen_queued: int = 0) -> tuple[FleetView, Estimator]:
+    """The GPU PC with room for one model (qwen loaded, holding another) beside the laptop with
+    qwen loaded; `other_queued` tasks of the other model waiting, then `qwen_queued` of qwen."""
+    rows = [
+        speed_row("rtx3070ti", QWEN, 83.0, 30, prompt=2000.0, load=30.0),
+        speed_row("rtx3070ti", OTHER, 40.0, 30, prompt=1000.0, load=6.0),
+        speed_row("macbookair", QWEN, 11.4, 30, prompt=120.0, load=8.0),
+    ]
+    est = estimator(snapshot(rows, {(QWEN, "general"): 100.0, (OTHER, "general"): 100.0}))
+    pc = WorkerView(name="rtx3070ti", slots=1, holds={QWEN, OTHER}, loaded={QWEN}, max_loaded=1)
+    laptop = WorkerView(name="macbookair", slots=1, holds={QWEN}, loaded={QWEN})
+    queues: dict[str, list[BacklogEntry]] = {}
+    if other_queued:
+        queues[OTHER] = backlog(OTHER, other_queued)
+    if qwen_queued:  # enqueued after the other model's tasks
+        queues[QWEN] = [
+            msgspec.structs.replace(e, task_id=f"qwen{i}", enqueued_at_ms=NOW - 100 + i)
+            for i, e in enumerate(backlog(QWEN, qwen_queued))
+        ]
+    return view([pc, laptop], queues), est
+
+
+def _qwen_loads(fv: FleetView, est: Estimator) -> list[float]:
+    """Load seconds qwen's plan charges each of its holders."""
+    return PlanState(fv.holders(QWEN), est, QWEN, NOW, PlanParams(), backlog=fv.backlog).load_left
+
+
+def test_an_idle_one_model_machine_with_another_model_queued_first_is_priced_with_the_load() -> None:
+    """The plans are per model: qwen's plan sees the other model's older queue on the GPU PC (its
+    gate turns to that queue first, and loading that model evicts qwen)."""
+    alone, est = _evicting_fleet(0)
+    crowded, _ = _evicting_fleet(2)
+    assert _qwen_loads(crowded, est) == [pytest.approx(30.0, rel=0.01), 0.0]
+    assert _qwen_loads(alone, est) == [0.0, 0.0]
+    # The router prices qwen's next task with the load there, and sends it to the laptop instead.
+    assert rank_workers(alone, est, QWEN, NOW).best.worker == "rtx3070ti"
+    ranked = rank_workers(crowded, est, QWEN, NOW)
+    pc = next(c for c in ranked.candidates if c.worker == "rtx3070ti")
+    assert pc.terms["load_s"] == pytest.approx(30.0, rel=0.01)
+    assert ranked.best.worker == "macbookair"
+    # Its own gate looks at the other model's queue first, the one the qwen plan charged for.
+    gate = should_take("rtx3070ti", crowded, est, NOW)
+    assert gate.digest == OTHER
+
+
+def test_a_one_model_machine_keeps_its_loaded_model_when_that_queue_waited_longest() -> None:
+    # Qwen's queue head waited longer than the other's: qwen goes first there, still loaded.
+    fv, est = _evicting_fleet(0, qwen_queued=1)
+    fv.backlog[OTHER] = [msgspec.structs.replace(e, enqueued_at_ms=NOW - 10) for e in backlog(OTHER, 1)]
+    assert _qwen_loads(fv, est) == [0.0, 0.0]
+    assert plan_queue(fv, est, QWEN, NOW).assignments[0].worker == "rtx3070ti"
+    gate = should_take("rtx3070ti", fv, est, NOW)
+    assert gate.digest == QWEN and gate.take
+    # A machine with room for two keeps both whatever is queued.
+    crowded, _ = _evicting_fleet(2)
+    crowded.workers[0].max_loaded = 2
+    assert _qwen_loads(crowded, est) == [0.0, 0.0]
 
 
 def test_a_worker_that_cannot_say_what_is_loaded_pays_no_default_load() -> None:
