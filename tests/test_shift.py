@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +29,8 @@ from router.choose import RouteQuery
 from router.estimate import build_estimator
 from router.preview import preview
 from sim.backends.hosts import SimHosts
-from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until
+from tests.reliability.support import spawn_worker, stop_all
 from tests.router_helpers import NOW, QWEN, backlog, estimator, view, worker
 from tests.test_projector import D1, T0, completed, fold_all, timings
 
@@ -263,41 +265,43 @@ def test_the_probe_waits_from_the_newest_sample_even_one_kept_out_of_the_long_ru
     assert needs_benchmark(snap, "rtx3070ti", QWEN, at + 100_000, **kwargs) is not None
 
 
-async def test_a_sim_host_slowed_at_run_time_is_noticed_in_the_ledger_and_the_preview_reads_it(
-    redis_client: aioredis.Redis, ledger: Ledger
+async def test_a_sim_host_slowed_at_run_time_under_a_worker_process_is_noticed_in_the_ledger_and_the_preview(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, tmp_path: Path
 ) -> None:
-    """The whole path: a worker agent on a sim host, the projector folding as it runs, the host's
-    speed changed through its control API, and the preview the API serves."""
+    """The whole path: a `routeledger worker` process on a sim host, the projector folding as it
+    runs, the host's speed changed through its control API, and the preview the API serves."""
     keys = Keys()
     queues = TaskQueues(redis_client, keys, ledger)
     stop = asyncio.Event()
-    projector = Projector(redis_client, keys)
-    folding = asyncio.create_task(projector.run(stop))
+    folding = asyncio.create_task(Projector(redis_client, keys).run(stop))
 
     async def results(n: int) -> bool:
         return len(await events_of(ledger, BenchmarkResult)) >= n
 
+    async def noticed() -> bool:
+        return bool(await events_of(ledger, SpeedShiftDetected))
+
+    procs = []
     try:
         async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
-            async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-                await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=8)
-                await wait_until(lambda: results(8), timeout=20)
-                async with httpx.AsyncClient(base_url=sim.url("a")) as http:
-                    assert (await http.post("/sim/speed", json={"factor": 0.06})).status_code == 200
-                await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=2)
-                await wait_until(lambda: results(10), timeout=20)
-
-                async def noticed() -> bool:
-                    return bool(await events_of(ledger, SpeedShiftDetected))
-
-                await wait_until(noticed, timeout=20)
-                snap = await snapshot(redis_client, keys)
-                leases = await live_workers(redis_client, keys)
+            procs.append(spawn_worker(redis_url, sim.url("a"), "a", tmp_path / "worker.log"))
+            await wait_until(lambda: _live(redis_client, keys, "a"), timeout=20)
+            await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=8)
+            await wait_until(lambda: results(8), timeout=20)
+            async with httpx.AsyncClient(base_url=sim.url("a")) as http:
+                assert (await http.post("/sim/speed", json={"factor": 0.06})).status_code == 200
+            await request_benchmark(queues, worker="a", model="m", digest=MODEL_DIGEST, count=2)
+            await wait_until(lambda: results(10), timeout=20)
+            await wait_until(noticed, timeout=20)
+            snap = await snapshot(redis_client, keys)
+            leases = await live_workers(redis_client, keys)
     finally:
+        stop_all(procs)
         stop.set()
         await asyncio.wait_for(folding, 10)
     notice = next(e for e in await events_of(ledger, SpeedShiftDetected) if e.field == "decode_tps")
-    assert notice.worker == "a" and notice.digest == MODEL_DIGEST and not notice.cleared
+    assert notice.worker == "a" and notice.digest == MODEL_DIGEST
+    assert not notice.cleared and not notice.adopted
     assert notice.long_run is not None and notice.recent is not None
     assert notice.recent == pytest.approx(0.06 * notice.long_run, rel=0.2)
     now = snap.taken_at
@@ -307,3 +311,7 @@ async def test_a_sim_host_slowed_at_run_time_is_noticed_in_the_ledger_and_the_pr
     fields = next(c for c in data["candidates"] if c["worker"] == "a")["fields"]
     assert fields["decode_tps"]["source"].startswith("recent n=2")
     assert fields["decode_tps"]["value"] == pytest.approx(notice.recent)
+
+
+async def _live(redis: aioredis.Redis, keys: Keys, name: str) -> bool:
+    return name in await live_workers(redis, keys)
