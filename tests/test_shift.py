@@ -1,6 +1,7 @@
 """Speed that follows a changing machine: the run test on the recent window, the projector's one
 notice per shift in the ledger with both values, the same windows from a rebuild, the router and
-the preview reading the recent value, and the probe of a machine that looks slow."""
+the preview reading the recent value, the probe of a machine that looks slow, and a shift that
+lasts becoming the long run."""
 
 from __future__ import annotations
 
