@@ -407,10 +407,12 @@ def _score_models(
     has a ceiling: its quality counted at the posterior mean (never more than the rule counts) and
     the new task's service at its holders' fastest speeds (`service_floor`, cached per snapshot),
     since utility falls as the finish grows (a non-negative latency weight). Models are taken by
-    that ceiling, best first, and each laid-out model gives a floor under its final utility (its
-    lead's penalty taken against the most uncertain model, whichever the baseline turns out to
-    be, from the pool it is drawn from). Once the best floor passes a model's ceiling by more than the
-    margin within which
+    that ceiling, best first (the pool model with the fastest finish floor, the likeliest
+    baseline, ahead of them all), and each laid-out model gives a floor under its final utility:
+    its lead's penalty taken against the most uncertain pool model that may still turn out the
+    baseline, none when no other can. A model that can no longer be the baseline has its
+    smallest lead penalty taken off its ceiling. Once the best floor passes a model's ceiling by
+    more than the margin within which
     `_ranks` lets utilities share a rank (so no tie can reach it), the model cannot win. Otherwise
     its holders' slot state gives a higher finish floor that counts their waits and loads
     (`PlanState.finish_floor`), checked the same way, and only then is its queue laid out. The
@@ -486,18 +488,25 @@ def _score_models(
                 floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
             pool_floor[k] = None if floor is None else floor[1]
 
-    def sure_baseline(k: int, finish: float) -> bool:
-        """Whether no other pool model can finish within the tie margin of `finish` or sooner."""
-        if not prune or k not in in_pool:
-            return False
-        mine = _latency_part(params, finish)
-        for i in pool:
-            if i == k:
-                continue
-            other = finished[i][0] if i in finished else pool_floor.get(i)
-            if other is None or _latency_part(params, other) >= mine - margin:
-                return False
-        return True
+    def floor_penalty(k: int) -> float:
+        """The most lead penalty laid-out model k can pay: against the most uncertain pool model
+        other than k that may still turn out the baseline, and nothing when there is none (then
+        k is the baseline). A model is out of that running once its finish, or its finish floor,
+        is slower than the best finish laid out by more than the margin; the best only gets
+        better as queues are laid out, so the bound holds to the end."""
+        if not prune:
+            return _lead_penalty(params, rows[k][0].sd, widest)
+        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        rivals = [
+            rows[i][0].sd or 0.0
+            for i in pool
+            if i != k
+            and (
+                (other := finished[i][0] if i in finished else pool_floor.get(i)) is None
+                or _latency_part(params, other) >= top - margin
+            )
+        ]
+        return _lead_penalty(params, rows[k][0].sd, max(rivals)) if rivals else 0.0
 
     def ceiling_of(k: int, quality: Field, floor_s: float) -> float:
         """Model k's ceiling for a finish floor: its mean, less the smallest lead penalty it can
@@ -507,9 +516,19 @@ def _score_models(
         top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
         if k not in in_pool or _latency_part(params, floor_s) < top - margin:
             counted -= _lead_penalty(params, quality.sd, calmest)
+
         return _utility(params, counted, floor_s)
 
-    for k in sorted(range(len(rows)), key=lambda k: -rows[k][4]):
+    order = sorted(range(len(rows)), key=lambda k: -rows[k][4])
+    # The pool model with the fastest finish floor first: the likeliest baseline, whose finish
+    # tells most models early that they cannot be it (their lead penalty then counts in their
+    # ceilings), and which floors the best with no penalty when it is sure to be it.
+    known = [k for k in pool if pool_floor.get(k) is not None]
+    if known:
+        first = min(known, key=lambda k: (pool_floor[k], k))
+        order.remove(first)
+        order.insert(0, first)
+    for k in order:
         _, _, holders = weighed[k]
         quality, out, queue, floor, ceiling = rows[k]
         if floor is not None:
@@ -526,7 +545,7 @@ def _score_models(
                     bounds[k] = (ceiling, floor[1], state.names[floor[0]])
                     continue
         finish = lay_out(k, state)
-        penalty = 0.0 if sure_baseline(k, finish) else _lead_penalty(params, quality.sd, widest)
+        penalty = floor_penalty(k)
         best = max(best, _utility(params, quality.value - penalty, finish))
 
     # The baseline's pool: a bound model whose finish floor reaches the best latency found may be
