@@ -473,9 +473,13 @@ def _score_models(
         i = _first_best(finishes)
         finished[k] = (finishes[i], state.names[i])
         bounds.pop(k, None)
+        if k in in_pool:
+            best_latency[0] = max(best_latency[0], _latency_part(params, finishes[i]))
         return finishes[i]
 
     in_pool = set(pool)
+    # The best latency part among the laid-out pool models (kept by lay_out: read on every check).
+    best_latency = [-math.inf]
     calmest = min((rows[k][0].sd or 0.0) for k in pool)
     # Each pool model's finish floor (None where no floor holds), to tell when a laid-out model is
     # sure to be the baseline: then its floor is its utility with no lead penalty at all.
@@ -496,7 +500,7 @@ def _score_models(
         better as queues are laid out, so the bound holds to the end."""
         if not prune:
             return _lead_penalty(params, rows[k][0].sd, widest)
-        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        top = best_latency[0]
         rivals = [
             rows[i][0].sd or 0.0
             for i in pool
@@ -513,7 +517,7 @@ def _score_models(
         pay once it cannot be the baseline (outside the pool, or a floor slower than a pool
         model's finish: the baseline's latency only gets better as queues are laid out)."""
         counted = quality.value
-        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        top = best_latency[0]
         if k not in in_pool or _latency_part(params, floor_s) < top - margin:
             counted -= _lead_penalty(params, quality.sd, calmest)
 
@@ -551,7 +555,7 @@ def _score_models(
     # The baseline's pool: a bound model whose finish floor reaches the best latency found may be
     # the baseline, so its queue is laid out (its figures then are its true ones).
     for k in sorted((k for k in pool if k in bounds), key=lambda k: bounds[k][1]):
-        top = max((_latency_part(params, finished[j][0]) for j in pool if j in finished), default=-math.inf)
+        top = best_latency[0]
         if _latency_part(params, bounds[k][1]) < top - margin:
             break
         lay_out(k, state_of(k))
