@@ -308,6 +308,14 @@ def _works_left(start: float, ends: Sequence[float], fac: Factors) -> list[float
     return out
 
 
+def _expected_s(worker: WorkerView, t: RunningTask, est: Estimator, p: PlanParams) -> float:
+    """Seconds running task `t` is expected to take on `worker`: its own figure, else the estimate."""
+    if t.expected_s is not None:
+        return t.expected_s
+    prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
+    return _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
+
+
 def slot_free_times(
     worker: WorkerView, est: Estimator, now_ms: int, params: PlanParams | None = None
 ) -> list[float]:
@@ -325,10 +333,7 @@ def slot_free_times(
     share = 1.0 if fac is None else fac[m]
     remaining: list[float] = []
     for t in worker.running:
-        expected = t.expected_s
-        if expected is None:
-            prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
-            expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
+        expected = _expected_s(worker, t, est, p)
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
         # Never before now, whatever a malformed task says (a negative expected time or size):
         # the plan's floors on a finish count on free times of 0 or later. Work done so far went at
@@ -361,10 +366,7 @@ def overdue_slowdown(
     p = params or PlanParams()
     worst = 1.0
     for t in worker.running:
-        expected = t.expected_s
-        if expected is None:
-            prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
-            expected = _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
+        expected = _expected_s(worker, t, est, p)
         if expected <= 0.0:
             continue
         over = (now_ms - t.started_at_ms) / 1000.0 / expected
