@@ -373,7 +373,7 @@ def _note(candidates: Sequence[ModelCandidate], domain: str) -> str:
 
 
 def _utility(params: ChooseParams, quality: float, finish_s: float) -> float:
-    return params.quality_weight * quality - params.latency_weight * finish_s / params.latency_scale_s
+    return params.quality_weight * quality + _latency_part(params, finish_s)
 
 
 def _latency_part(params: ChooseParams, finish_s: float) -> float:
