@@ -16,9 +16,7 @@ import gc
 import json
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 import redis.asyncio as aioredis
@@ -39,7 +37,7 @@ from events.event import (
 )
 from events.keys import Keys
 from events.ledger import Ledger
-from routeledger.embedded import EmbeddedRedis
+from routeledger.embedded import redis_or_embedded
 
 WORKERS = ["macbookair", "rtx3070ti", "homeserver", "minipc"]
 MODELS = {
@@ -206,19 +204,8 @@ def main() -> None:
     # The generated input stands for what many producers wrote; a reader's heap does not hold it.
     # Freezing it keeps the cyclic GC from rescanning it on every collection during the timings.
     gc.freeze()
-    server: EmbeddedRedis | None = None
-    tmp = tempfile.TemporaryDirectory(prefix="rl-bench-")
-    try:
-        if args.redis_url:
-            url = args.redis_url
-        else:
-            server = EmbeddedRedis(Path(tmp.name))
-            url = server.start()
+    with redis_or_embedded(args.redis_url, prefix="rl-bench-") as url:
         runs = [asyncio.run(run_once(url, events, args.batch)) for _ in range(args.repeat)]
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
 
     append = statistics.median(a for a, _ in runs)
     read = statistics.median(r for _, r in runs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from projections import store
 from projections.projector import Projector
 from projections.snapshot import TaskRow
 from projections.tables import Tables
-from routeledger.embedded import EmbeddedRedis
+from routeledger.embedded import redis_or_embedded
 
 D1 = "a" * 64
 DAY_MS = store.DAY_MS
@@ -109,14 +108,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--redis-url")
     args = parser.parse_args()
-    tmp = tempfile.TemporaryDirectory(prefix="rl-bench-start-")
-    server: EmbeddedRedis | None = None
-    try:
-        if args.redis_url:
-            url = args.redis_url
-        else:
-            server = EmbeddedRedis(Path(tmp.name))
-            url = server.start()
+    with redis_or_embedded(args.redis_url, prefix="rl-bench-start-") as url:
         for n, spread in ((n, spread) for n in args.rows for spread in (1, 30)):
             r = asyncio.run(measure(url, n, spread))
             print(
@@ -126,10 +118,6 @@ def main() -> None:
                 f"{r['step_s'] * 1000:7.1f} ms (Redis {r['step_redis_ms']:6.1f} ms)",
                 flush=True,
             )
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
 
 
 if __name__ == "__main__":

