@@ -368,12 +368,10 @@ class Estimator:
         # Lifetime (n, sum, sumsq) of output lengths, for their spread (`output_tail`).
         self._length_moments: dict[tuple[str, str], tuple[int, float, float]] = {}
         self._sigma_cache: dict[tuple[str, str], float] = {}
-        length = list(length)
         for lrow in length:
             st = lrow.output_tokens
             self._length_moments[(lrow.digest, lrow.domain)] = (st.n, st.sum, st.sumsq)
-        for lrow in length:
-            c = _cell(lrow.output_tokens, now_ms, half_life_s)
+            c = _cell(st, now_ms, half_life_s)
             if c is not None:
                 self._length_cells[(lrow.digest, lrow.domain)] = c
                 self._length_pools.setdefault(lrow.digest, _Pool()).add(lrow.domain, c)
