@@ -293,15 +293,22 @@ class Routeledger(_Base):
     def joined(self, sim: Simulation, worker: SimWorker) -> int:
         if self.oracle:
             return 0
-        need = needs_benchmark(
+        need = self._need(sim, worker.name)
+        return 0 if need is None else need[0]
+
+    def _need(
+        self, sim: Simulation, worker: str, probe_after_s: float | None = None
+    ) -> tuple[int, str] | None:
+        """What the agent's grading schedule (`needs_benchmark`) asks of `worker` now."""
+        return needs_benchmark(
             self.tables,
-            worker.name,
+            worker,
             sim.digest,
             sim.now_ms,
             min_samples=BENCH_MIN_SAMPLES,
             stale_after_s=BENCH_STALE_AFTER_S,
+            probe_after_s=probe_after_s,
         )
-        return 0 if need is None else need[0]
 
     def _probe(self, sim: Simulation) -> None:
         """The agent's benchmark loop (every `BENCH_CHECK_S`): probe a worker that looks slow."""
@@ -311,15 +318,7 @@ class Routeledger(_Base):
         for w in sim.workers:
             if not w.online or sim.now - self._probed.get(w.name, -math.inf) < PROBE_AFTER_S:
                 continue
-            need = needs_benchmark(
-                self.tables,
-                w.name,
-                sim.digest,
-                sim.now_ms,
-                min_samples=BENCH_MIN_SAMPLES,
-                stale_after_s=BENCH_STALE_AFTER_S,
-                probe_after_s=PROBE_AFTER_S,
-            )
+            need = self._need(sim, w.name, PROBE_AFTER_S)
             if need is not None and need[1].startswith("probe:"):
                 self._probed[w.name] = sim.now
                 sim.benchmark(w, need[0])
