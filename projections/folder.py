@@ -349,17 +349,14 @@ class Folder:
         shift becoming the long run (adopted: `long_run` the old value, `recent` the new one)."""
         after = out.shift
         if out.adopted is not None:
-            self.shifts.append(
-                SpeedShiftDetected(
-                    at=at,
-                    worker=row.worker,
-                    digest=row.digest,
-                    field=field,
-                    long_run=out.adopted.long_run,
-                    recent=out.stat.decayed_mean,
-                    samples=len(out.window),
-                    adopted=True,
-                )
+            self._notice(
+                row,
+                field,
+                at,
+                long_run=out.adopted.long_run,
+                recent=out.stat.decayed_mean,
+                samples=len(out.window),
+                adopted=True,
             )
             if after is None:
                 return
@@ -368,17 +365,20 @@ class Folder:
             return
         if after is not None and before is not None and before.slower == after.slower:
             return
+        self._notice(
+            row,
+            field,
+            at,
+            long_run=out.stat.decayed_mean if after is None else after.long_run,
+            recent=out.window[-1] if after is None else after.recent,
+            samples=0 if after is None else after.samples,
+            cleared=after is None,
+        )
+
+    def _notice(self, row: SpeedRow, field: str, at: int, **values: Any) -> None:
+        """Queue a SpeedShiftDetected for the row's field (appended once the batch is written)."""
         self.shifts.append(
-            SpeedShiftDetected(
-                at=at,
-                worker=row.worker,
-                digest=row.digest,
-                field=field,
-                long_run=out.stat.decayed_mean if after is None else after.long_run,
-                recent=out.window[-1] if after is None else after.recent,
-                samples=0 if after is None else after.samples,
-                cleared=after is None,
-            )
+            SpeedShiftDetected(at=at, worker=row.worker, digest=row.digest, field=field, **values)
         )
 
     # -- tasks ---------------------------------------------------------------------------------
