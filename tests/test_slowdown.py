@@ -179,25 +179,26 @@ def _random_fleet(rng: random.Random) -> tuple[Fleet, str, float]:
     return fleet, rng.choice(workers).name, rng.uniform(0.03, 0.3)
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14])
-def test_on_random_fleets_a_random_slowdown_is_left_within_a_minute_and_returned_from_within_five(
-    seed: int,
-) -> None:
+def _random_case(seed: int) -> tuple[Fleet, str, WorkloadSpec, Slowdown]:
+    """A random fleet, its slowed worker, a workload and a slowdown window in its middle part."""
     rng = random.Random(seed)
     fleet, worker, factor = _random_fleet(rng)
     spec = WorkloadSpec(load=rng.uniform(0.2, 0.6), tasks=1200, seed=seed)
     end = generate(fleet, "m", spec)[-1].arrival
     start = rng.uniform(0.2, 0.4) * end
     window = Slowdown(from_s=start, until_s=start + rng.uniform(0.1, 0.3) * end, factor=factor)
+    return fleet, worker, spec, window
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_on_random_fleets_a_random_slowdown_is_left_within_a_minute_and_returned_from_within_five(
+    seed: int,
+) -> None:
+    fleet, worker, spec, window = _random_case(seed)
     _check_follows(_slowed(fleet, worker, window), "m", spec, worker, window, back=False)
 
 
 @pytest.mark.parametrize("seed", [12, 13, 14, 33, 40])
 def test_on_random_fleets_work_returns_within_five_minutes_of_the_recovery(seed: int) -> None:
-    rng = random.Random(seed)
-    fleet, worker, factor = _random_fleet(rng)
-    spec = WorkloadSpec(load=rng.uniform(0.2, 0.6), tasks=1200, seed=seed)
-    end = generate(fleet, "m", spec)[-1].arrival
-    start = rng.uniform(0.2, 0.4) * end
-    window = Slowdown(from_s=start, until_s=start + rng.uniform(0.1, 0.3) * end, factor=factor)
+    fleet, worker, spec, window = _random_case(seed)
     _check_follows(_slowed(fleet, worker, window), "m", spec, worker, window, unslowed=fleet)
