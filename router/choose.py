@@ -22,6 +22,7 @@ breakdown says so (`Choice.note`).
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -111,17 +112,70 @@ class WorkerCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         }
 
 
-class Ranking(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """The holders of one model ranked for a new task, best first, with the plan they were ranked on."""
+class Ranking:
+    """The holders of one model ranked for a new task, best first, with the plan they were ranked on.
 
-    digest: str
-    domain: str
-    candidates: list[WorkerCandidate]
-    plan: Plan
+    A holder's candidate, with every term and source, is built when it is first read: a decision
+    over hundreds of holders keeps three of them (`Decision.to_record`), and building them all
+    cost more than laying out a queue.
+    """
+
+    __slots__ = ("_build", "_built", "_finishes", "_order", "_ranks", "digest", "domain", "plan")
+
+    def __init__(
+        self,
+        *,
+        digest: str,
+        domain: str,
+        plan: Plan,
+        finishes: list[float],
+        build: Callable[[int, int], WorkerCandidate],
+    ) -> None:
+        """`finishes[i]`: holder i's finish for the new task; `build(i, rank)` its candidate."""
+        self.digest = digest
+        self.domain = domain
+        self.plan = plan
+        self._finishes = finishes
+        self._ranks = _ranks(finishes)
+        # Best first; equal ranks in holder (registration) order.
+        self._order = sorted(range(len(finishes)), key=self._ranks.__getitem__)
+        self._build = build
+        self._built: list[WorkerCandidate] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Ranking):
+            return NotImplemented
+        return (self.digest, self.domain, self.plan, self.candidates) == (
+            other.digest,
+            other.domain,
+            other.plan,
+            other.candidates,
+        )
+
+    def top(self, n: int) -> list[WorkerCandidate]:
+        """The first `n` candidates, best first."""
+        built, order = self._built, self._order
+        while len(built) < min(n, len(order)):
+            i = order[len(built)]
+            built.append(self._build(i, self._ranks[i]))
+        return built[:n]
+
+    @property
+    def candidates(self) -> list[WorkerCandidate]:
+        """Every holder's candidate, best first."""
+        return self.top(len(self._order))
 
     @property
     def best(self) -> WorkerCandidate:
-        return self.candidates[0]
+        return self.top(1)[0]
+
+    def best_finish_after(self, n: int) -> float | None:
+        """The best expected finish among the candidates after the first `n` (None: there are none)."""
+        rest = self._order[n:]
+        return min(self._finishes[i] for i in rest) if rest else None
 
 
 def _ranks(values: list[float]) -> list[int]:
@@ -193,8 +247,10 @@ def _ranking(
     quality = est.quality(digest, domain)
     max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
-    rows: list[tuple[str, float, dict[str, float], dict[str, Field]]] = []
-    for i, (w, sp) in enumerate(zip(holders, state.sp.estimates, strict=True)):
+    finishes = state.finishes(prompt, out)
+
+    def build(i: int, rank: int) -> WorkerCandidate:
+        w, sp = holders[i], state.sp.estimates[i]
         wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
         terms = {
             "wait_s": wait,
@@ -216,14 +272,9 @@ def _ranking(
             # Its other slots' tasks share the machine with this one: the time that costs, and why.
             terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)
             fields["parallel_exponent"] = est.concurrency(w.name, digest).exponent
-        rows.append((w.name, finish, terms, fields))
-    ranks = _ranks([r[1] for r in rows])
-    candidates = [
-        WorkerCandidate(worker=name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
-        for (name, finish, terms, fields), rank in zip(rows, ranks, strict=True)
-    ]
-    candidates.sort(key=lambda c: c.rank)
-    return Ranking(digest=digest, domain=domain, candidates=candidates, plan=plan)
+        return WorkerCandidate(worker=w.name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
+
+    return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build)
 
 
 class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -233,7 +284,7 @@ class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     `expected_finish_s` is a floor under the new task's finish (`best_worker` the holder that
     floor was taken at), its `utility` the most it could reach, and its rank is by that utility.
     `quality_counted`: the quality the utility used (the posterior mean for the baseline, the
-    baseline's mean plus the lower bound of the lead for the others; the mean on a bound).
+    baseline's mean plus the lower bound of the lead for the others, bound or not).
     """
 
     model: str
@@ -360,14 +411,19 @@ def _note(candidates: Sequence[ModelCandidate], domain: str) -> str:
             f"{best.model} was never graded for {domain}: it won on its prior and its speed "
             f"over graded {names}"
         )
-    better = [c for c in candidates[1:] if c.quality.value > best.quality.value and not c.bound]
+    better = [c for c in candidates[1:] if c.quality.value > best.quality.value]
     if better:
         c = max(better, key=lambda c: c.quality.value)
         lead = c.quality.value - best.quality.value
-        gain = c.expected_finish_s - best.expected_finish_s
+        # A bound model's finish is a floor: its queue was never laid out.
+        later = (
+            f"a finish of at least {c.expected_finish_s:.1f} s against {best.expected_finish_s:.1f} s"
+            if c.bound
+            else f"{c.expected_finish_s - best.expected_finish_s:.1f} s more"
+        )
         return (
             f"{c.model} looks better by {lead:.2f} (n={c.quality.n} vs {best.quality.n}), within the "
-            f"noise of its grades or not worth {gain:.1f} s more"
+            f"noise of its grades or not worth {later}"
         )
     return ""
 
@@ -403,55 +459,60 @@ def _score_models(
     """Every model's candidate (in the order of `weighed`), and the state and walk of each queue
     that was laid out.
 
-    A queue is laid out only when its model might win or might be the baseline. A model's utility
-    has a ceiling: its quality counted at the posterior mean (never more than the rule counts) and
-    the new task's service at its holders' fastest speeds (`service_floor`, cached per snapshot),
-    since utility falls as the finish grows (a non-negative latency weight). Models are taken by
-    that ceiling, best first (the pool model with the fastest finish floor, the likeliest
-    baseline, ahead of them all), and each laid-out model gives a floor under its final utility:
-    its lead's penalty taken against the most uncertain pool model that may still turn out the
-    baseline, none when no other can. A model that can no longer be the baseline has its
-    smallest lead penalty taken off its ceiling. Once the best floor passes a model's ceiling by
-    more than the margin within which
-    `_ranks` lets utilities share a rank (so no tie can reach it), the model cannot win. Otherwise
-    its holders' slot state gives a higher finish floor that counts their waits and loads
-    (`PlanState.finish_floor`), checked the same way, and only then is its queue laid out. The
-    baseline is the best on latency among graded models (all models when none is graded): every
-    model of that pool whose finish floor could reach the best finish found is laid out too. A
-    model that cannot win is a `bound` candidate: its ceiling, the floor under its finish and
-    that floor's holder. The chosen model, its ranking and every laid-out model's figures are what
-    laying out every queue gives; a bound model's rank is by its ceiling, and so may differ from
-    its rank on its true utility.
+    A queue is laid out only when its model might be the baseline or might win, in that order.
+
+    The baseline comes first, because until it is known no model's quality is known: it is the
+    best on latency among graded models (all models when none is graded). Each pool model has a
+    floor under the new task's finish: its holders' fastest speeds with no wait and no load
+    (`service_floor`, cached per snapshot). Its holders' slot state gives a higher floor that
+    counts their waits and loads (`PlanState.finish_floor`). The model with the lowest floor is
+    taken first, again and again: a first floor is raised, a raised one laid out; once the lowest
+    floor is slower than the best finish laid out, no other model can be faster. A floor is never
+    above the finish it bounds and the best finish only gets better, so every model that could be
+    the baseline is laid out and the baseline is exact.
+
+    Then every model's counted quality is exact (the baseline's mean, or a mean less the noise of
+    its lead over that baseline), and its utility has a ceiling: that quality with its finish
+    floor, since utility falls as the finish grows (a non-negative latency weight). Taken by
+    ceiling, best first, a model whose ceiling is below the best utility found by more than the
+    margin within which `_ranks` lets utilities share a rank (so no tie can reach it) cannot win;
+    otherwise its finish floor is checked the same way, and only then is its queue laid out.
+
+    A model that cannot win is a `bound` candidate: its ceiling, the floor under its finish and
+    that floor's holder. The chosen model, its ranking, the baseline and every laid-out model's
+    figures are what laying out every queue gives; a bound model's rank is by its ceiling, and so
+    may differ from its rank on its true utility.
     """
     domain = query.domain
     default_prompt = plan_params.default_prompt_tokens
     prompt = default_prompt if query.prompt_tokens is None else query.prompt_tokens
     prune = not plan_params.full_walk and params.latency_weight >= 0.0 and params.latency_scale_s > 0.0
-    rows: list[tuple[Field, float, list[BacklogEntry], tuple[int, float] | None, float]] = []
+    # Per model: quality, output tokens, queue, and the floor under the new task's finish as
+    # (seconds, holder) (None where no floor holds, or when nothing is pruned).
+    rows: list[tuple[Field, float, list[BacklogEntry], tuple[float, str] | None]] = []
     for _, digest, holders in weighed:
         quality = est.quality(digest, domain)
         out_value = est.output_tokens(digest, domain).value
         out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
         queue = view.backlog.get(digest, [])
-        # With nothing queued there is no walk to save.
         floor = None
-        if prune and queue:
-            floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
-        ceiling = math.inf if floor is None else _utility(params, quality.value, floor[1])
-        rows.append((quality, out, queue, floor, ceiling))
-    # The baseline comes from this pool (graded models, or every model when none is), so a floor's
-    # lead penalty need only allow for the most uncertain model in it.
+        if prune:
+            found = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
+            floor = None if found is None else (found[1], holders[found[0]].name)
+        rows.append((quality, out, queue, floor))
     pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))
-    widest = max((rows[k][0].sd or 0.0) for k in pool)
     margin = _TIE * (len(rows) + 1)
-    best = -math.inf
-    # Per model: (finish, worker) when laid out, else (ceiling, finish floor, floor's worker).
+    # Per model: (finish, worker) when laid out; (ceiling, finish floor, floor's worker) when bound.
     finished: dict[int, tuple[float, str]] = {}
     bounds: dict[int, tuple[float, float, str]] = {}
     laid: dict[str, tuple[PlanState, list[Step]]] = {}
+    states: dict[int, PlanState] = {}
     slowdowns: dict[str, float] = {}
 
     def state_of(k: int) -> PlanState:
+        state = states.get(k)
+        if state is not None:
+            return state
         _, digest, holders = weighed[k]
         for w in holders:
             if w.name not in free:
@@ -459,122 +520,94 @@ def _score_models(
                 free[w.name] = (
                     slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
                 )
-        return PlanState(
+        state = states[k] = PlanState(
             holders, est, digest, now_ms, plan_params, free=free, slowdowns=slowdowns, backlog=view.backlog
         )
+        return state
 
-    def lay_out(k: int, state: PlanState) -> float:
+    def raise_floor(k: int) -> bool:
+        """Put the slot state's finish floor in place of model k's floor: False where none holds
+        (then only laying its queue out tells)."""
+        state = state_of(k)
+        _, out, queue, _ = rows[k]
+        found = state.finish_floor(prompt, out, queue)
+        if found is None:
+            return False
+        quality, out, queue, _ = rows[k]
+        rows[k] = (quality, out, queue, (found[1], state.names[found[0]]))
+        return True
+
+    def lay_out(k: int) -> float:
         """Lay the model's queue out; its finish for the new task."""
+        state = state_of(k)
         _, digest, _ = weighed[k]
-        _, out, queue, _, _ = rows[k]
+        _, out, queue, _ = rows[k]
         steps = state.walk(queue)
         laid[digest] = (state, steps)
         finishes = state.finishes(prompt, out)
         i = _first_best(finishes)
         finished[k] = (finishes[i], state.names[i])
-        bounds.pop(k, None)
-        if k in in_pool:
-            best_latency[0] = max(best_latency[0], _latency_part(params, finishes[i]))
         return finishes[i]
 
-    in_pool = set(pool)
-    # The best latency part among the laid-out pool models (kept by lay_out: read on every check).
-    best_latency = [-math.inf]
-    calmest = min((rows[k][0].sd or 0.0) for k in pool)
-    # Each pool model's finish floor (None where no floor holds), to tell when a laid-out model is
-    # sure to be the baseline: then its floor is its utility with no lead penalty at all.
-    pool_floor: dict[int, float | None] = {}
-    if prune:
-        for k in pool:
-            _, digest, holders = weighed[k]
-            _, out, queue, floor, _ = rows[k]
-            if floor is None and not queue:
-                floor = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
-            pool_floor[k] = None if floor is None else floor[1]
+    def slower(finish_s: float, top: float) -> bool:
+        return _latency_part(params, finish_s) < top - margin
 
-    def floor_penalty(k: int) -> float:
-        """The most lead penalty laid-out model k can pay: against the most uncertain pool model
-        other than k that may still turn out the baseline, and nothing when there is none (then
-        k is the baseline). A model is out of that running once its finish, or its finish floor,
-        is slower than the best finish laid out by more than the margin; the best only gets
-        better as queues are laid out, so the bound holds to the end."""
-        if not prune:
-            return _lead_penalty(params, rows[k][0].sd, widest)
-        top = best_latency[0]
-        rivals = [
-            rows[i][0].sd or 0.0
-            for i in pool
-            if i != k
-            and (
-                (other := finished[i][0] if i in finished else pool_floor.get(i)) is None
-                or _latency_part(params, other) >= top - margin
-            )
-        ]
-        return _lead_penalty(params, rows[k][0].sd, max(rivals)) if rivals else 0.0
-
-    def ceiling_of(k: int, quality: Field, floor_s: float) -> float:
-        """Model k's ceiling for a finish floor: its mean, less the smallest lead penalty it can
-        pay once it cannot be the baseline (outside the pool, or a floor slower than a pool
-        model's finish: the baseline's latency only gets better as queues are laid out)."""
-        counted = quality.value
-        top = best_latency[0]
-        if k not in in_pool or _latency_part(params, floor_s) < top - margin:
-            counted -= _lead_penalty(params, quality.sd, calmest)
-
-        return _utility(params, counted, floor_s)
-
-    order = sorted(range(len(rows)), key=lambda k: -rows[k][4])
-    # The pool model with the fastest finish floor first: the likeliest baseline, whose finish
-    # tells most models early that they cannot be it (their lead penalty then counts in their
-    # ceilings), and which floors the best with no penalty when it is sure to be it.
-    known = [k for k in pool if pool_floor.get(k) is not None]
-    if known:
-        first = min(known, key=lambda k: (pool_floor[k], k))
-        order.remove(first)
-        order.insert(0, first)
-    for k in order:
-        _, _, holders = weighed[k]
-        quality, out, queue, floor, ceiling = rows[k]
-        if floor is not None:
-            ceiling = ceiling_of(k, quality, floor[1])
-        if floor is not None and ceiling < best - margin:
-            bounds[k] = (ceiling, floor[1], holders[floor[0]].name)
-            continue
-        state = state_of(k)
-        if floor is not None:
-            floor = state.finish_floor(prompt, out, queue)
-            if floor is not None:
-                ceiling = ceiling_of(k, quality, floor[1])
-                if ceiling < best - margin:
-                    bounds[k] = (ceiling, floor[1], state.names[floor[0]])
-                    continue
-        finish = lay_out(k, state)
-        penalty = floor_penalty(k)
-        best = max(best, _utility(params, quality.value - penalty, finish))
-
-    # The baseline's pool: a bound model whose finish floor reaches the best latency found may be
-    # the baseline, so its queue is laid out (its figures then are its true ones).
-    for k in sorted((k for k in pool if k in bounds), key=lambda k: bounds[k][1]):
-        top = best_latency[0]
-        if _latency_part(params, bounds[k][1]) < top - margin:
-            break
-        lay_out(k, state_of(k))
+    # The baseline: every pool model whose finish could reach the best finish laid out. The
+    # lowest floor is looked at first, and raised (or laid out, once raised) before any other:
+    # of several fast-looking models, the one whose waits and loads are shortest is most often
+    # the fastest, and its finish tells the others they are not.
+    top = -math.inf
+    raised: set[int] = set()
+    heap = [(-math.inf if (f := rows[k][3]) is None else f[0], k) for k in pool]
+    heapq.heapify(heap)
+    while heap:
+        floor_s, k = heapq.heappop(heap)
+        if slower(floor_s, top):
+            break  # the rest are no faster
+        if rows[k][3] is not None and k not in raised:
+            raised.add(k)
+            if raise_floor(k):
+                heapq.heappush(heap, (rows[k][3][0], k))  # type: ignore[index]
+                continue
+        top = max(top, _latency_part(params, lay_out(k)))
     top = max(_latency_part(params, finished[j][0]) for j in pool if j in finished)
     tied = [j for j in pool if j in finished and _latency_part(params, finished[j][0]) >= top - _TIE]
     base = max(tied, key=lambda j: (rows[j][0].value, -j))
-    base_quality = rows[base][0]
+    base_sd = rows[base][0].sd
+
+    def counted_of(k: int) -> float:
+        quality = rows[k][0]
+        if k == base:
+            return quality.value
+        # The baseline's mean plus the lower bound of the lead: the mean less the lead's noise.
+        return quality.value - _lead_penalty(params, quality.sd, base_sd)
+
+    def ceiling_of(k: int) -> float:
+        floor = rows[k][3]
+        return math.inf if floor is None else _utility(params, counted_of(k), floor[0])
+
+    # Every other model that might win.
+    best = max(_utility(params, counted_of(k), finished[k][0]) for k in finished)
+    for k in sorted((k for k in range(len(rows)) if k not in finished), key=lambda k: (-ceiling_of(k), k)):
+        floor = rows[k][3]
+        if floor is not None and ceiling_of(k) < best - margin:
+            bounds[k] = (ceiling_of(k), floor[0], floor[1])
+            continue
+        if floor is not None and k not in raised and raise_floor(k) and ceiling_of(k) < best - margin:
+            raised_floor = rows[k][3]
+            assert raised_floor is not None
+            bounds[k] = (ceiling_of(k), raised_floor[0], raised_floor[1])
+            continue
+        best = max(best, _utility(params, counted_of(k), lay_out(k)))
 
     scored: list[tuple[float, float, str, bool, float]] = []
-    for k, (quality, _, _, _, _) in enumerate(rows):
+    for k in range(len(rows)):
         if k in bounds:
             ceiling, floor_s, worker = bounds[k]
-            scored.append((ceiling, floor_s, worker, True, quality.value))
+            scored.append((ceiling, floor_s, worker, True, counted_of(k)))
             continue
         finish, worker = finished[k]
-        counted = quality.value
-        if k != base:
-            # The baseline's mean plus the lower bound of the lead: the mean less the lead's noise.
-            counted = quality.value - _lead_penalty(params, quality.sd, base_quality.sd)
+        counted = counted_of(k)
         scored.append((_utility(params, counted, finish), finish, worker, False, counted))
     ranks = _ranks([-s[0] for s in scored])
     candidates = [
@@ -592,7 +625,7 @@ def _score_models(
         )
         for k, (
             (name, digest, _),
-            (quality, _, _, _, _),
+            (quality, _, _, _),
             (utility, finish, worker, bound, counted),
             rank,
         ) in enumerate(zip(weighed, rows, scored, ranks, strict=True))
@@ -637,8 +670,9 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         whole seconds). The digest is TaskRouted's own field. Old entries (the whole `to_dict()`) and
         new ones both list `candidates` with `worker` and `expected_finish_s`.
         """
-        candidates = self.ranking.candidates
-        rest = candidates[top:]
+        ranking = self.ranking
+        candidates = ranking.top(top)
+        rest_best = ranking.best_finish_after(top)
         shared_terms = ("output_tokens", "quality")
         first = candidates[0]
         out: dict[str, object] = {
@@ -657,11 +691,11 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
                     "terms": {k: _short(v) for k, v in c.terms.items() if k not in shared_terms},
                     "fields": {k: _field_record(f) for k, f in c.fields.items() if k not in shared_terms},
                 }
-                for c in candidates[:top]
+                for c in candidates
             ],
             "others": {
-                "count": len(rest),
-                "best_finish_s": _short(min(c.expected_finish_s for c in rest)) if rest else None,
+                "count": max(0, len(ranking) - top),
+                "best_finish_s": None if rest_best is None else _short(rest_best),
             },
         }
         if self.choice is not None:

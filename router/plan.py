@@ -323,6 +323,13 @@ def slot_free_times(
     p = params or PlanParams()
     if not worker.running:
         return [0.0] * max(1, worker.slots)
+    return _free_times(worker, est, now_ms, p, [_expected_s(worker, t, est, p) for t in worker.running])
+
+
+def _free_times(
+    worker: WorkerView, est: Estimator, now_ms: int, p: PlanParams, expecteds: Sequence[float]
+) -> list[float]:
+    """`slot_free_times` of a busy worker, given `_expected_s` of each of its running tasks."""
     slots = max(1, worker.slots)
     fac = None
     for t in worker.running:
@@ -332,8 +339,7 @@ def slot_free_times(
     m = min(len(worker.running), slots)
     share = 1.0 if fac is None else fac[m]
     remaining: list[float] = []
-    for t in worker.running:
-        expected = _expected_s(worker, t, est, p)
+    for t, expected in zip(worker.running, expecteds, strict=True):
         elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
         # Never before now, whatever a malformed task says (a negative expected time or size):
         # the plan's floors on a finish count on free times of 0 or later. Work done so far went at
@@ -364,9 +370,15 @@ def overdue_slowdown(
     """How much slower than estimated the worker's running tasks show it to be (1.0: no sign):
     the most overdue task's elapsed time over `overdue_tolerance` times its estimate."""
     p = params or PlanParams()
+    return _slowdown(worker, est, now_ms, p, [_expected_s(worker, t, est, p) for t in worker.running])
+
+
+def _slowdown(
+    worker: WorkerView, est: Estimator, now_ms: int, p: PlanParams, expecteds: Sequence[float]
+) -> float:
+    """`overdue_slowdown`, given `_expected_s` of each of the worker's running tasks."""
     worst = 1.0
-    for t in worker.running:
-        expected = _expected_s(worker, t, est, p)
+    for t, expected in zip(worker.running, expecteds, strict=True):
         if expected <= 0.0:
             continue
         over = (now_ms - t.started_at_ms) / 1000.0 / expected
@@ -537,16 +549,26 @@ class PlanState:
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
         known = free or {}
+        seen = {} if slowdowns is None else slowdowns
+        slow = [1.0] * len(holders)
         try:
             self.free = list(map(known.__getitem__, names))
         except KeyError:
-            self.free = [
-                known[w.name] if w.name in known else slot_free_times(w, est, now_ms, params) for w in holders
-            ]
+            self.free = []
+            for i, w in enumerate(holders):
+                slots = known.get(w.name)
+                if slots is not None:
+                    self.free.append(slots)
+                elif not w.running:
+                    self.free.append([0.0] * max(1, w.slots))
+                else:
+                    # One pass over its running tasks for both its free times and its slowdown.
+                    expecteds = [_expected_s(w, t, est, params) for t in w.running]
+                    self.free.append(_free_times(w, est, now_ms, params, expecteds))
+                    if w.name not in seen:
+                        slow[i] = seen[w.name] = _slowdown(w, est, now_ms, params, expecteds)
         self.head = list(map(_first, self.free))
         self.sp = _speeds(est, holders, digest)
-        seen = {} if slowdowns is None else slowdowns
-        slow = [1.0] * len(holders)
         for i, w in enumerate(holders):
             if w.running:
                 k = seen.get(w.name)
