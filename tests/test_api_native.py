@@ -131,6 +131,8 @@ async def test_a_hundred_concurrent_streams_all_complete_each_with_its_own_text(
     assert len({tid for tid, _ in got}) == 100
     bad = [(text, stored[tid]) for tid, text in got if text != stored[tid]]
     assert not bad, bad[:2]
-    assert len({text for _, text in got}) == 100
+    # Each stream is its own task's text (above), and the texts differ: a sim answer of a word or
+    # two can come out twice (one run of five had a pair), a relay that mixes streams far more often.
+    assert len({text for _, text in got}) >= 95
     submitted = await events_of(ledger, TaskSubmitted)
     assert len(submitted) == 100 and len(await events_of(ledger, TaskRouted)) == 100
