@@ -118,7 +118,9 @@ def interface_addresses() -> list[str]:
 def server_names(bind: str) -> list[str]:
     """The names a worker may dial Redis by, bound to `bind`: loopback, this machine's host name,
     and the bound address (each of the machine's addresses when it binds them all)."""
-    names: list[str] = [*LOOPBACK_NAMES, socket.gethostname(), socket.getfqdn()]
+    host = socket.gethostname()
+    # The host name as the LAN's multicast DNS answers it (macOS, Avahi) and as DNS knows it.
+    names: list[str] = [*LOOPBACK_NAMES, host, f"{host.split('.')[0]}.local", socket.getfqdn()]
     for part in bind.split():
         names += interface_addresses() if part in WILDCARD_BINDS else [part]
     seen: dict[str, None] = {}

@@ -21,6 +21,7 @@ from rich.table import Table
 
 import routeledger
 from events.codec import event_fields
+from events.connection import check_tls
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.certs import WILDCARD_BINDS, ensure_server_tls, interface_addresses, server_names
@@ -201,6 +202,7 @@ def _check_external_memory(url: str) -> None:
     from dispatch.memory import parse_info
 
     log = logging.getLogger("routeledger.up")
+    check_tls(url)
     client = sync_redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         state = parse_info(client.info("memory"))
@@ -320,6 +322,8 @@ def api_cmd(
     # Each server process builds its app from the environment (api_from_env), so the resolved
     # settings travel there; a flag or file value wins over what the environment said.
     os.environ["ROUTELEDGER_REDIS_URL"] = redis_url_for(s)
+    # A TLS file that cannot be read is said here, not in each server process's start-up traceback.
+    check_tls(os.environ["ROUTELEDGER_REDIS_URL"])
     os.environ["ROUTELEDGER_PREFIX"] = s.prefix
     os.environ["ROUTELEDGER_LOG_LEVEL"] = s.log_level
     os.environ["ROUTELEDGER_MAX_BODY_BYTES"] = str(s.max_body_bytes)

@@ -1,6 +1,6 @@
 """The story, replayed: a fast machine that nobody measured joins a fleet whose statistics say the
 slow laptop is the only one that runs qwen3:8b. Real Redis, simulated hosts, worker processes, the
-projector, and the router's preview, as the API would show it."""
+projector, and the router's preview, as the API would show it; over plain Redis and over TLS."""
 
 from __future__ import annotations
 
