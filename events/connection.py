@@ -7,17 +7,27 @@ out again, and its next command fails with "Connection closed by server." (redis
 clients from from_url do not retry). A worker that draws one for a task's claim leaves the task
 pending until the reaper takes it back. routeledger talks to a Redis that sends no maintenance
 notifications, so it turns them off and gets the check back: a closed connection is replaced.
+
+TLS: a `rediss://` URL makes a TLS connection, and the files it trusts and presents travel in the
+URL's query, under the names redis-py reads there (`ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`).
+So one string carries everything a process needs to reach Redis: `up` hands it to its children in
+the environment, and a remote worker gets it in one `--redis-url`.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 from typing import Any, Final
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
+
+from events.errors import RedisUrlError
 
 # TCP keepalive: a peer that vanished (Wi-Fi, VPN, a machine switched off) is noticed in about
 # 10 + 3 x 3 seconds even on a connection that waits for nothing.
@@ -26,6 +36,50 @@ _KEEPALIVE: Final = {
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3))
     if (opt := getattr(socket, name, None)) is not None
 }
+
+
+# The query parameters of a Redis URL that name TLS files, and what each file is.
+TLS_FILE_PARAMS: Final = {
+    "ssl_ca_certs": "CA file (the certificate that signed the server's)",
+    "ssl_certfile": "client certificate file",
+    "ssl_keyfile": "client key file",
+}
+
+
+def with_tls_files(url: str, *, ca: str = "", cert: str = "", key: str = "") -> str:
+    """`url` with the CA, client certificate and key files added to its query, as absolute paths
+    (a process started elsewhere finds them too). A file the URL names already is kept: the URL
+    was written for this Redis, a setting may be for any."""
+    given = {"ssl_ca_certs": ca, "ssl_certfile": cert, "ssl_keyfile": key}
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    present = {name for name, _ in query}
+    added = [
+        (name, str(Path(path).expanduser().resolve()))
+        for name, path in given.items()
+        if path and name not in present
+    ]
+    if not added:
+        return url
+    query += added
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def check_tls(url: str) -> None:
+    """Refuse, in words, a URL whose TLS settings cannot work, before any connection is tried."""
+    parts = urlsplit(url)
+    files = [(name, value) for name, value in parse_qsl(parts.query) if name in TLS_FILE_PARAMS]
+    if files and parts.scheme != "rediss":
+        names = ", ".join(name for name, _ in files)
+        raise RedisUrlError(
+            f"the Redis URL names TLS files ({names}) but its scheme is {parts.scheme}://, which does "
+            "not use TLS: write rediss:// (or unset redis_ca, redis_cert and redis_key)"
+        )
+    for name, value in files:
+        if not os.access(value, os.R_OK) or not Path(value).is_file():
+            raise RedisUrlError(
+                f"the Redis {TLS_FILE_PARAMS[name]} {value} ({name}) does not exist or cannot be read"
+            )
 
 
 def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> aioredis.Redis:
@@ -39,7 +93,10 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
       makes), and TCP keepalive is on, so that a half-open connection fails instead of hanging.
     - Maintenance notifications are off, so that a pooled connection the server closed is replaced
       at checkout (see the module's docstring).
+    - A `rediss://` URL is TLS, with the files in its query (see the module's docstring); they are
+      checked here, so that a missing one is named rather than failing the first command.
     """
+    check_tls(url)
     return aioredis.Redis.from_url(
         url,
         socket_connect_timeout=3,

@@ -21,3 +21,8 @@ class UndecodableEntryError(LedgerError):
         self.reason = reason
         # Kept so that the projector can dead-letter the raw entry as it was.
         self.fields = fields or {}
+
+
+class RedisUrlError(RouteledgerError):
+    """Raised when a Redis URL's TLS settings cannot work: TLS files on a plain redis:// URL, or a
+    CA, certificate or key file that cannot be read."""

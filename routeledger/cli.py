@@ -21,8 +21,10 @@ from rich.table import Table
 
 import routeledger
 from events.codec import event_fields
+from events.connection import check_tls
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
+from routeledger.certs import WILDCARD_BINDS, ensure_server_tls, interface_addresses, server_names
 from routeledger.cli_acl import acl_app
 from routeledger.cli_bench import bench_app
 from routeledger.cli_pipeline import pipeline_app
@@ -32,8 +34,8 @@ from routeledger.cli_sim import sim_app
 from routeledger.cli_status import status_cmd
 from routeledger.cli_traffic import traffic_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
-from routeledger.config import FIELDS, maxmemory_bytes, url_file
-from routeledger.embedded import EmbeddedRedis, free_port, port_is_free, write_private
+from routeledger.config import FIELDS, Settings, maxmemory_bytes, redis_url_for, url_file
+from routeledger.embedded import EmbeddedRedis, free_port, is_loopback, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
 from routeledger.runtime import Instance, command, console, err_console, fail, print_json, setup_logging
 from routeledger.supervisor import Supervisor, python_argv
@@ -102,7 +104,7 @@ def _wait_http(url: str, timeout: float, alive: Any) -> bool:
 
 
 @app.command()
-@command(settings=("host", "port", "redis_bind", "redis_port"))
+@command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"))
 def up(
     inst: Instance,
     host: Annotated[str | None, typer.Option(help="Address the API binds.")] = None,
@@ -111,6 +113,12 @@ def up(
         str | None, typer.Option("--redis-bind", help="Address embedded Redis binds (for remote workers).")
     ] = None,
     redis_port: Annotated[int | None, typer.Option("--redis-port", help="Port of embedded Redis.")] = None,
+    redis_tls: Annotated[
+        bool | None,
+        typer.Option(
+            "--tls", help="Embedded Redis speaks only TLS, with a CA and certificate made in the data dir."
+        ),
+    ] = None,
     demo: Annotated[bool, typer.Option("--demo", help="Also run a simulated fleet.")] = False,
 ) -> None:
     """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
@@ -128,12 +136,20 @@ def up(
 
     embedded: EmbeddedRedis | None = None
     if s.redis_url:
-        url = s.redis_url
+        if s.redis_tls:
+            raise ConfigError(
+                "--tls makes the Redis that `up` starts speak TLS; a Redis of your own (--redis-url) "
+                "has its own: give its rediss:// URL, with redis_ca when its CA is not a public one"
+            )
+        url = redis_url_for(s)
         _check_external_memory(url)
     else:
+        # Made before the certificates, so that a Redis too old to listen where asked is refused first.
         embedded = EmbeddedRedis(
             Path(s.data_dir), port=s.redis_port or None, bind=s.redis_bind, maxmemory=maxmemory_bytes(s)
         )
+        if s.redis_tls:
+            embedded.tls = ensure_server_tls(embedded.data_dir, server_names(s.redis_bind))
         url = embedded.start()
     Path(s.data_dir).mkdir(parents=True, exist_ok=True)
     write_private(url_file(s), url + "\n")
@@ -161,6 +177,8 @@ def up(
         if not _wait_http(base + "/healthz", 30, lambda: api.alive):
             fail(f"the API did not come up on {base}; see its log above")
         _print_banner(base, url, s.data_dir, embedded is not None, demo_hosts)
+        if embedded is not None and embedded.tls is not None:
+            _print_worker_line(s, embedded)
         while not stop:
             sup.poll()
             if embedded is not None and not embedded.running:
@@ -184,6 +202,7 @@ def _check_external_memory(url: str) -> None:
     from dispatch.memory import parse_info
 
     log = logging.getLogger("routeledger.up")
+    check_tls(url)
     client = sync_redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         state = parse_info(client.info("memory"))
@@ -234,7 +253,8 @@ def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict
         f"dashboard  {base}/dashboard",
         f"API        {base}",
         f"health     {base}/healthz",
-        f"Redis      {_mask(url)}{'  (embedded, AOF)' if embedded else ''}",
+        # The query (the TLS files) is left out: the data dir's tls/ holds them.
+        f"Redis      {_mask(url.split('?', 1)[0])}{'  (embedded, AOF)' if embedded else ''}",
         f"data dir   {data_dir}",
         "Open WebUI connections:",
         f"  OpenAI   {base}/v1   (any API key, or one of api_keys)",
@@ -243,6 +263,37 @@ def _print_banner(base: str, url: str, data_dir: str, embedded: bool, demo: dict
     for name, host in demo.items():
         lines.append(f"sim        {name:<11} {host}  (simulated Ollama, with a worker)")
     console.print(Panel("\n".join(lines), title="routeledger is up", subtitle="Ctrl-C stops everything"))
+
+
+def _advertised_host(bind: str) -> str:
+    """The address a worker on another machine dials to reach Redis bound to `bind`."""
+    first = bind.split()[0]
+    if first not in WILDCARD_BINDS:
+        return f"[{first}]" if ":" in first else first
+    addresses = interface_addresses()
+    ipv4 = [a for a in addresses if ":" not in a]
+    return (ipv4 or [f"[{a}]" for a in addresses] or ["127.0.0.1"])[0]
+
+
+def _print_worker_line(s: Settings, embedded: EmbeddedRedis) -> None:
+    """How a worker on another machine connects: the CA file to copy and the command to run there.
+    The user and password are its own (`acl worker`), never the admin's, which is not printed."""
+    assert embedded.tls is not None
+    host = _advertised_host(s.redis_bind)
+    url = f"rediss://NAME:PASSWORD@{host}:{embedded.port}/0"
+    lines = [
+        f"remote worker: copy {embedded.tls.ca} to its machine as ~/routeledger-ca.crt, make its Redis "
+        "user with `routeledger acl worker NAME` (NAME, PASSWORD), and run there:",
+        f"  ROUTELEDGER_REDIS_CA=~/routeledger-ca.crt routeledger worker --id NAME "
+        f"--backend http://127.0.0.1:11434 --redis-url '{url}'",
+    ]
+    if is_loopback(s.redis_bind):
+        lines.append(
+            f"  (Redis listens on {s.redis_bind} only: start with --redis-bind ADDRESS to let others in)"
+        )
+    # One line each, never wrapped, so that the command can be copied as it is.
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("api")
@@ -271,6 +322,8 @@ def api_cmd(
     # Each server process builds its app from the environment (api_from_env), so the resolved
     # settings travel there; a flag or file value wins over what the environment said.
     os.environ["ROUTELEDGER_REDIS_URL"] = redis_url_for(s)
+    # A TLS file that cannot be read is said here, not in each server process's start-up traceback.
+    check_tls(os.environ["ROUTELEDGER_REDIS_URL"])
     os.environ["ROUTELEDGER_PREFIX"] = s.prefix
     os.environ["ROUTELEDGER_LOG_LEVEL"] = s.log_level
     os.environ["ROUTELEDGER_MAX_BODY_BYTES"] = str(s.max_body_bytes)

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
+from events.connection import with_tls_files
 from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
 from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
@@ -42,6 +43,10 @@ class Settings(msgspec.Struct, kw_only=True):
     redis_url: str | None = None
     redis_bind: str = "127.0.0.1"
     redis_port: int = 0
+    redis_tls: bool = False
+    redis_ca: str = ""
+    redis_cert: str = ""
+    redis_key: str = ""
     prefix: str = DEFAULT_PREFIX
     host: str = "127.0.0.1"
     port: int = 8600
@@ -73,6 +78,12 @@ FIELDS: Final[dict[str, str]] = {
     "redis_url": "use this Redis instead of starting an embedded one",
     "redis_bind": "address embedded Redis listens on (other than 127.0.0.1 lets remote workers in)",
     "redis_port": "port of embedded Redis (0: a free one)",
+    "redis_tls": (
+        "embedded Redis speaks only TLS (rediss://), with a CA and certificate  made in <data_dir>/tls"
+    ),
+    "redis_ca": "CA file a rediss:// connection trusts (the server's certificate must be signed by it)",
+    "redis_cert": "client certificate a rediss:// connection presents (for a Redis that asks for one)",
+    "redis_key": "key of redis_cert",
     "prefix": "prefix of every Redis key",
     "host": "address the HTTP API binds",
     "port": "port of the HTTP API",
@@ -263,9 +274,13 @@ def url_file(settings: Settings) -> Path:
 
 
 def redis_url_for(settings: Settings) -> str:
-    """The Redis URL a command should use: the configured one, else the one `up` recorded."""
-    if settings.redis_url:
-        return settings.redis_url
+    """The Redis URL a command should use: the configured one, else the one `up` recorded; with
+    the TLS files of `redis_ca`, `redis_cert` and `redis_key` in its query (see events/connection.py)."""
+    url = settings.redis_url or _recorded_url(settings)
+    return with_tls_files(url, ca=settings.redis_ca, cert=settings.redis_cert, key=settings.redis_key)
+
+
+def _recorded_url(settings: Settings) -> str:
     path = url_file(settings)
     if path.is_file():
         url = path.read_text().strip()

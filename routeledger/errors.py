@@ -27,3 +27,12 @@ class RedisStartError(RouteledgerError):
 
 class NotRunningError(RouteledgerError):
     """Raised when a command needs a running routeledger and none is found in the data directory."""
+
+
+class CertificateError(RouteledgerError):
+    """Raised when the TLS certificates cannot be made: no `openssl` command, or it failed."""
+
+
+class RedisTooOldError(RouteledgerError):
+    """Raised when embedded Redis would listen beyond loopback but its version cannot enforce a
+    remote worker's limits (ACL selectors and key checks inside scripts need Redis 7)."""

@@ -159,6 +159,19 @@ def setup_logging(level: str = "info") -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def unreachable(exc: Exception) -> str:
+    """What to say when Redis cannot be reached, naming the fix for the causes a user can mend."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (
+            f"Redis's TLS certificate is not one this client trusts ({exc}): its certificate must be "
+            "signed by the CA file in redis_ca (ROUTELEDGER_REDIS_CA, or ssl_ca_certs= in the URL); "
+            "for a Redis that `routeledger up --tls` runs, copy tls/ca.crt from its data dir"
+        )
+    return (
+        f"cannot reach Redis: {exc}; is `routeledger up` running (same --data-dir), or is --redis-url right?"
+    )
+
+
 def guarded(fn: Callable[P, T]) -> Callable[P, T]:
     """Turn the errors a user can meet into one line and exit status 2."""
 
@@ -171,10 +184,7 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
         except AuthenticationError as exc:
             fail(f"Redis refused the password ({exc}); check --redis-url or the data dir's redis.url")
         except (RedisError, ConnectionError) as exc:
-            fail(
-                f"cannot reach Redis: {exc}; "
-                "is `routeledger up` running (same --data-dir), or is --redis-url right?"
-            )
+            fail(unreachable(exc))
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         except (typer.Exit, typer.Abort, SystemExit):

@@ -14,6 +14,7 @@ from hypothesis import settings
 from events.connection import redis_client as redis_client_for
 from events.keys import Keys
 from events.ledger import Ledger
+from routeledger.certs import ensure_server_tls, issue_client_certificate, server_names
 from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_version
 from routeledger.errors import RedisBinaryNotFoundError
 
@@ -54,6 +55,20 @@ def redis_62_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def tls_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """A redis-server that speaks only TLS, with a CA and server certificate made as `up --tls`
+    makes them, that also asks every client for a certificate signed by that CA. Its `url` is
+    rediss:// and names the CA, a client certificate and its key."""
+    data = tmp_path_factory.mktemp("redis-tls")
+    tls = ensure_server_tls(data, server_names("127.0.0.1"))
+    client = issue_client_certificate(data, "tests")
+    server = EmbeddedRedis(data / "redis", binary=_binary(), tls=tls, client_certificate=client)
+    server.start()
+    yield server
+    server.stop()
+
+
 def _flushed(server: EmbeddedRedis) -> str:
     if not server.running:
         server.restart()
@@ -70,6 +85,13 @@ def _flushed(server: EmbeddedRedis) -> str:
 def redis_url(redis_server: EmbeddedRedis) -> str:
     """URL of the session's Redis, emptied for this test (restarted first if a test killed it)."""
     return _flushed(redis_server)
+
+
+@pytest.fixture
+def tls_redis_url(tls_redis_server: EmbeddedRedis) -> str:
+    """URL of the session's TLS Redis (rediss://, naming its CA, client certificate and key),
+    emptied for this test."""
+    return _flushed(tls_redis_server)
 
 
 @pytest.fixture(params=["current", "6.2"])

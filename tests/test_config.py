@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import pytest
 
@@ -51,3 +52,30 @@ def test_without_a_running_instance_commands_say_how_to_start_one(tmp_path: Path
     r = resolve({"data_dir": str(tmp_path)}, environ={})
     with pytest.raises(NotRunningError, match="routeledger up"):
         redis_url_for(r.settings)
+
+
+def test_tls_file_settings_from_the_environment_join_the_redis_url(tmp_path: Path) -> None:
+    env = {
+        "ROUTELEDGER_REDIS_URL": "rediss://:pw@redis.lan:6380/0",
+        "ROUTELEDGER_REDIS_CA": str(tmp_path / "ca.crt"),
+        "ROUTELEDGER_REDIS_CERT": str(tmp_path / "me.crt"),
+        "ROUTELEDGER_REDIS_KEY": str(tmp_path / "me.key"),
+    }
+    r = resolve({}, environ=env)
+    assert r.sources["redis_ca"] == "env ROUTELEDGER_REDIS_CA"
+    url = urlsplit(redis_url_for(r.settings))
+    assert (url.scheme, url.netloc, url.path) == ("rediss", ":pw@redis.lan:6380", "/0")
+    assert dict(parse_qsl(url.query)) == {
+        "ssl_ca_certs": str(tmp_path / "ca.crt"),
+        "ssl_certfile": str(tmp_path / "me.crt"),
+        "ssl_keyfile": str(tmp_path / "me.key"),
+    }
+
+
+def test_the_url_up_recorded_gets_the_tls_settings_too(tmp_path: Path) -> None:
+    (tmp_path / "redis.url").write_text("rediss://:pw@127.0.0.1:7000/0\n")
+    r = resolve({"data_dir": str(tmp_path)}, environ={"ROUTELEDGER_REDIS_CA": str(tmp_path / "ca.crt")})
+    assert (
+        redis_url_for(r.settings)
+        == f"rediss://:pw@127.0.0.1:7000/0?ssl_ca_certs={quote(str(tmp_path / 'ca.crt'), safe='')}"
+    )

