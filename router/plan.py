@@ -538,44 +538,45 @@ class PlanState:
         digest: str,
         now_ms: int,
         params: PlanParams,
-        free: Mapping[str, list[float]] | None = None,
+        free: dict[str, list[float]] | None = None,
         slowdowns: dict[str, float] | None = None,
         backlog: Mapping[str, Sequence[BacklogEntry]] | None = None,
     ) -> None:
-        """`free` and `slowdowns` (worker -> `overdue_slowdown`, filled as met) are one decision's
-        caches across the queues it lays out. `backlog` (every model's queue) tells whether a
-        one-model machine runs another model first (`runs_another_first`)."""
-        self.names = names = list(map(_name, holders))
+        """`free` (worker -> `slot_free_times`) and `slowdowns` (worker -> `overdue_slowdown`),
+        both filled as met, are one decision's caches across the queues it lays out. `backlog`
+        (every model's queue) tells whether a one-model machine runs another model first
+        (`runs_another_first`)."""
+        self.names = list(map(_name, holders))
         # Slot lists are shared with `free` until a task is assigned there (most holders get none).
         self._own: set[int] = set()
-        known = free or {}
+        known: dict[str, list[float]] = {} if free is None else free
         seen = {} if slowdowns is None else slowdowns
-        slow = [1.0] * len(holders)
-        try:
-            self.free = list(map(known.__getitem__, names))
-        except KeyError:
-            self.free = []
-            for i, w in enumerate(holders):
-                slots = known.get(w.name)
-                if slots is not None:
-                    self.free.append(slots)
-                elif not w.running:
-                    self.free.append([0.0] * max(1, w.slots))
-                else:
-                    # One pass over its running tasks for both its free times and its slowdown.
-                    expecteds = [_expected_s(w, t, est, params) for t in w.running]
-                    self.free.append(_free_times(w, est, now_ms, params, expecteds))
-                    if w.name not in seen:
-                        slow[i] = seen[w.name] = _slowdown(w, est, now_ms, params, expecteds)
-        self.head = list(map(_first, self.free))
-        self.sp = _speeds(est, holders, digest)
+        # One pass over the holders, and over each busy one's running tasks at most once per
+        # decision for both its free times and its slowdown: this runs for every queue laid out.
+        free_lists: list[list[float]] = []
+        self.free = free_lists
+        slow: list[float] | None = None
         for i, w in enumerate(holders):
+            name = w.name
+            slots = known.get(name)
             if w.running:
-                k = seen.get(w.name)
-                if k is None:
-                    k = seen[w.name] = overdue_slowdown(w, est, now_ms, params)
-                slow[i] = k
-        if any(k > 1.0 for k in slow):
+                k = seen.get(name)
+                if slots is None or k is None:
+                    expecteds = [_expected_s(w, t, est, params) for t in w.running]
+                    if slots is None:
+                        slots = known[name] = _free_times(w, est, now_ms, params, expecteds)
+                    if k is None:
+                        k = seen[name] = _slowdown(w, est, now_ms, params, expecteds)
+                if k > 1.0:
+                    if slow is None:
+                        slow = [1.0] * len(holders)
+                    slow[i] = k
+            elif slots is None:
+                slots = known[name] = [0.0] * max(1, w.slots)
+            free_lists.append(slots)
+        self.head = list(map(_first, free_lists))
+        self.sp = _speeds(est, holders, digest)
+        if slow is not None:
             self.sp = _slowed(self.sp, slow)
         self.fac = self.sp.fac
         self.shared = self.sp.shared
@@ -584,7 +585,10 @@ class PlanState:
         own = None if backlog is None else backlog.get(digest)
         head_ms = own[0].enqueued_at_ms if own else now_ms
         self.load_left = [
-            load_to_pay(w, digest, est, s, backlog, head_ms)
+            # Loaded where eviction is no question (room for more than one model): nothing to pay.
+            0.0
+            if w.loaded_known and w.max_loaded != 1 and digest in w.loaded
+            else load_to_pay(w, digest, est, s, backlog, head_ms)
             for w, s in zip(holders, self.sp.load_s, strict=True)
         ]
         self.loaded = [ld == 0.0 for ld in self.load_left]
@@ -941,7 +945,7 @@ def plan_queue(
     *,
     backlog: Iterable[BacklogEntry] | None = None,
     params: PlanParams | None = None,
-    free: Mapping[str, list[float]] | None = None,
+    free: dict[str, list[float]] | None = None,
 ) -> Plan:
     """Assign `digest`'s backlog (or the given entries) in order to the holder finishing each earliest.
 
@@ -959,7 +963,7 @@ def plan_state(
     *,
     backlog: Iterable[BacklogEntry] | None = None,
     params: PlanParams | None = None,
-    free: Mapping[str, list[float]] | None = None,
+    free: dict[str, list[float]] | None = None,
     holders: Sequence[WorkerView] | None = None,
 ) -> tuple[Plan, PlanState | None]:
     """`plan_queue`, with the slot state after it (None without a holder) for ranking a new task."""
