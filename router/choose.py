@@ -43,7 +43,6 @@ from router.plan import (
     holders_by_digest,
     plan_state,
     service_floor,
-    slot_free_times,
 )
 
 DomainClassifier = Callable[[str], str]
@@ -213,7 +212,7 @@ def rank_workers(
     query: RouteQuery | None = None,
     *,
     params: PlanParams | None = None,
-    free: Mapping[str, list[float]] | None = None,
+    free: dict[str, list[float]] | None = None,
     holders: Sequence[WorkerView] | None = None,
 ) -> Ranking:
     """Every live holder of `digest`, ranked by when it would finish a new task queued behind the
@@ -514,12 +513,6 @@ def _score_models(
         if state is not None:
             return state
         _, digest, holders = weighed[k]
-        for w in holders:
-            if w.name not in free:
-                # An idle worker's slots are all free now (`slot_free_times` without the call).
-                free[w.name] = (
-                    slot_free_times(w, est, now_ms, plan_params) if w.running else [0.0] * max(1, w.slots)
-                )
         state = states[k] = PlanState(
             holders, est, digest, now_ms, plan_params, free=free, slowdowns=slowdowns, backlog=view.backlog
         )
@@ -575,40 +568,38 @@ def _score_models(
     base = max(tied, key=lambda j: (rows[j][0].value, -j))
     base_sd = rows[base][0].sd
 
-    def counted_of(k: int) -> float:
-        quality = rows[k][0]
-        if k == base:
-            return quality.value
-        # The baseline's mean plus the lower bound of the lead: the mean less the lead's noise.
-        return quality.value - _lead_penalty(params, quality.sd, base_sd)
+    # The quality each model counts: the baseline's mean, or the baseline's mean plus the lower
+    # bound of the lead, which is the mean less the lead's noise.
+    counted = [
+        q.value if k == base else q.value - _lead_penalty(params, q.sd, base_sd)
+        for k, (q, _, _, _) in enumerate(rows)
+    ]
 
     def ceiling_of(k: int) -> float:
         floor = rows[k][3]
-        return math.inf if floor is None else _utility(params, counted_of(k), floor[0])
+        return math.inf if floor is None else _utility(params, counted[k], floor[0])
 
-    # Every other model that might win.
-    best = max(_utility(params, counted_of(k), finished[k][0]) for k in finished)
-    for k in sorted((k for k in range(len(rows)) if k not in finished), key=lambda k: (-ceiling_of(k), k)):
+    # Every other model that might win, by its ceiling, best first.
+    best = max(_utility(params, counted[k], finished[k][0]) for k in finished)
+    rest = sorted((-ceiling_of(k), k) for k in range(len(rows)) if k not in finished)
+    for negated, k in rest:
+        ceiling = -negated
         floor = rows[k][3]
-        if floor is not None and ceiling_of(k) < best - margin:
-            bounds[k] = (ceiling_of(k), floor[0], floor[1])
+        if floor is not None and k not in raised and ceiling >= best - margin and raise_floor(k):
+            ceiling, floor = ceiling_of(k), rows[k][3]
+        if floor is not None and ceiling < best - margin:
+            bounds[k] = (ceiling, floor[0], floor[1])
             continue
-        if floor is not None and k not in raised and raise_floor(k) and ceiling_of(k) < best - margin:
-            raised_floor = rows[k][3]
-            assert raised_floor is not None
-            bounds[k] = (ceiling_of(k), raised_floor[0], raised_floor[1])
-            continue
-        best = max(best, _utility(params, counted_of(k), lay_out(k)))
+        best = max(best, _utility(params, counted[k], lay_out(k)))
 
     scored: list[tuple[float, float, str, bool, float]] = []
     for k in range(len(rows)):
         if k in bounds:
             ceiling, floor_s, worker = bounds[k]
-            scored.append((ceiling, floor_s, worker, True, counted_of(k)))
+            scored.append((ceiling, floor_s, worker, True, counted[k]))
             continue
         finish, worker = finished[k]
-        counted = counted_of(k)
-        scored.append((_utility(params, counted, finish), finish, worker, False, counted))
+        scored.append((_utility(params, counted[k], finish), finish, worker, False, counted[k]))
     ranks = _ranks([-s[0] for s in scored])
     candidates = [
         ModelCandidate(
@@ -620,13 +611,13 @@ def _score_models(
             expected_finish_s=finish,
             best_worker=worker,
             bound=bound,
-            quality_counted=counted,
+            quality_counted=counted_k,
             baseline=k == base,
         )
         for k, (
             (name, digest, _),
             (quality, _, _, _),
-            (utility, finish, worker, bound, counted),
+            (utility, finish, worker, bound, counted_k),
             rank,
         ) in enumerate(zip(weighed, rows, scored, ranks, strict=True))
     ]
