@@ -21,7 +21,7 @@ from dispatch.queues import TaskQueues
 from dispatch.serving import describe_fleet, require_model, resolve_models, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
-from router.choose import Decision, RouteQuery, classify_domain, decide
+from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.preview import preview
 
@@ -176,8 +176,8 @@ async def submit_task(
     breakdown = b""
     if decision is not None:
         events.append(routed_event(task.task_id, queue, decision))
-        # The whole breakdown (every candidate) stays readable while the task is recent.
-        breakdown = msgspec.json.encode(decision.to_dict())
+        # The whole breakdown (every candidate, up to a bound) stays readable while the task is recent.
+        breakdown = msgspec.json.encode(decision.to_dict(top=STORED_CANDIDATES))
     info: dict[str, str | bytes] = {
         "queue": queue,
         "model": task.model,

@@ -50,6 +50,10 @@ DomainClassifier = Callable[[str], str]
 # Candidates a decision's ledger record keeps in full; the rest are a count and their best finish
 # (a decision over 28 holders cost 17 KB of ledger otherwise, most of it about losers).
 RECORDED_CANDIDATES: Final = 3
+# Candidates the task's own record (readable while the task is recent) keeps in full: every one
+# cost 150 KB of Redis and about 1 ms of the API's CPU per task at 500 workers (bench/scale.py's
+# fleet); 16 keep it near 20 KB there, and every candidate of a fleet of a few machines.
+STORED_CANDIDATES: Final = 16
 # Values this close share a rank (`_ranks`), each to the next: equal evidence, equal rank.
 _TIE: Final = 1e-9
 
@@ -633,15 +637,19 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ranking: Ranking
     choice: Choice | None = None
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain data for TaskRouted.breakdown: candidates, every term, every source."""
+    def to_dict(self, top: int | None = None) -> dict[str, object]:
+        """Plain data: candidates, every term, every source. `top`: only the first `top`
+        candidates, and the rest as `others` ({"count", "best_finish_s"}) when there are more."""
+        ranking = self.ranking
         out: dict[str, object] = {
             "model": self.model,
             "digest": self.digest,
             "domain": self.domain,
-            "candidates": [c.to_dict() for c in self.ranking.candidates],
-            "backlog": len(self.ranking.plan.assignments),
+            "candidates": [c.to_dict() for c in (ranking.candidates if top is None else ranking.top(top))],
+            "backlog": len(ranking.plan.assignments),
         }
+        if top is not None and len(ranking) > top:
+            out["others"] = {"count": len(ranking) - top, "best_finish_s": ranking.best_finish_after(top)}
         if self.choice is not None:
             out["auto"] = self.choice.to_dict()
         return out

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from router.choose import ChooseParams, RouteQuery, choose_model, classify_domain, decide, rank_workers
+from router.choose import (
+    STORED_CANDIDATES,
+    ChooseParams,
+    RouteQuery,
+    choose_model,
+    classify_domain,
+    decide,
+    rank_workers,
+)
 from router.errors import NoHolderError, NoModelError
 from router.estimate import Estimator
 from router.plan import FleetView, PlanParams, plan_queue
@@ -187,6 +195,25 @@ def test_on_a_fleet_of_hundreds_auto_lays_out_only_the_queues_that_could_win_and
         upside = decide(query, models, fleet, est, NOW_MS, params=ChooseParams(latency_weight=-1.0))
         assert upside.choice is not None and not any(c.bound for c in upside.choice.candidates)
     assert bounds > 0
+
+
+def test_the_stored_breakdown_of_a_large_fleet_keeps_the_best_candidates_and_counts_the_rest() -> None:
+    snap, fleet, models = random_fleet(FleetShape(workers=200, backlog=400), seed=3)
+    est = estimator(snap, NOW_MS)
+    decision = decide(RouteQuery(model="auto", domain="code", prompt_tokens=500), models, fleet, est, NOW_MS)
+    whole = decision.ranking.candidates
+    assert len(whole) > STORED_CANDIDATES
+    stored = decision.to_dict(top=STORED_CANDIDATES)
+    kept = stored["candidates"]
+    assert isinstance(kept, list) and len(kept) == STORED_CANDIDATES
+    assert kept == [c.to_dict() for c in whole[:STORED_CANDIDATES]]
+    assert stored["others"] == {
+        "count": len(whole) - STORED_CANDIDATES,
+        "best_finish_s": min(c.expected_finish_s for c in whole[STORED_CANDIDATES:]),
+    }
+    # Within the bound every candidate is kept, with nothing left over.
+    within = decision.to_dict(top=len(whole))
+    assert "others" not in within and within["candidates"] == decision.to_dict()["candidates"]
 
 
 # -- `auto` under uncertainty ------------------------------------------------------------------
