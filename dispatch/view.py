@@ -106,16 +106,30 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
     ]
 
 
+def with_own(views: list[WorkerView], own: LeaseInfo) -> list[WorkerView] | None:
+    """`views` (from `worker_views`) with the worker `own` describes as it is now, in its place,
+    and left out while it drains; None when it is not among them (then only `worker_views` knows
+    its place)."""
+    for i, w in enumerate(views):
+        if w.name == own.worker:
+            return views[:i] + worker_views({own.worker: own}) + views[i + 1 :]
+    return None
+
+
 def fleet_view(
     leases: dict[str, LeaseInfo],
     backlog: dict[str, list[BacklogEntry]],
     snapshot: Snapshot,
     now_ms: int,
+    workers: list[WorkerView] | None = None,
 ) -> FleetView:
-    """The FleetView a decision reads: live workers from their leases, the given backlogs, and each
-    backlog's arrival rate from the snapshot's demand table (the one way production builds it)."""
+    """The FleetView a decision reads: live workers from their leases (`workers`: their views,
+    already built), the given backlogs, and each backlog's arrival rate from the snapshot's demand
+    table (the one way production builds it)."""
     return FleetView(
-        workers=worker_views(leases), backlog=backlog, arrival_rate=arrival_rates(snapshot, backlog, now_ms)
+        workers=worker_views(leases) if workers is None else workers,
+        backlog=backlog,
+        arrival_rate=arrival_rates(snapshot, backlog, now_ms),
     )
 
 
@@ -169,6 +183,10 @@ class LiveView:
         self._leases = Cached(self._load_leases, leases_every_s)
         self._evidence = Cached(self._load_evidence, snapshot_every_s)
         self._backlog = redis.register_script(_BACKLOG)
+        # `worker_views` of the last leases read: the cached leases are one object until the next
+        # read, and building 500 workers' views cost a millisecond per decision.
+        self._views_of: dict[str, LeaseInfo] | None = None
+        self._views: list[WorkerView] = []
 
     async def _load_leases(self) -> dict[str, LeaseInfo]:
         return await live_workers(self.redis, self.keys)
@@ -191,6 +209,13 @@ class LiveView:
     async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:
         """Live workers' leases (cached for `leases_every_s`)."""
         return await self._leases.get(fresh)
+
+    def worker_views(self, leases: dict[str, LeaseInfo]) -> list[WorkerView]:
+        """`worker_views(leases)`, built once for each read of the leases. The list and its views
+        are shared: the router never changes them."""
+        if leases is not self._views_of:
+            self._views, self._views_of = worker_views(leases), leases
+        return self._views
 
     async def evidence(self, fresh: bool = False) -> Evidence:
         """The snapshot and its estimator (cached for `snapshot_every_s`)."""
@@ -233,7 +258,7 @@ class LiveView:
         live = leases if leases is not None else await self.leases()
         wanted = set(digests) if digests is not None else set(served_models(live).values())
         backlog = await self.backlogs(wanted)
-        return fleet_view(live, backlog, snap, now), est, now, live
+        return fleet_view(live, backlog, snap, now, self.worker_views(live)), est, now, live
 
 
 class _TaskSize(msgspec.Struct, kw_only=True):

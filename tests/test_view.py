@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dispatch.lease import LeaseInfo
-from dispatch.view import fleet_view
+import redis.asyncio as aioredis
+
+from dispatch.lease import LeaseInfo, RunningInfo
+from dispatch.view import LiveView, fleet_view, with_own, worker_views
 from events.event import ModelEntry
+from events.keys import Keys
 from projections.snapshot import DemandRow
 from tests.router_helpers import NOW, QWEN, backlog, snapshot, stat
 
@@ -37,3 +40,24 @@ def test_a_draining_worker_is_not_in_the_view_and_holds_nothing_for_the_plan() -
     fv = fleet_view(leases, {QWEN: []}, snapshot(), NOW)
     assert [w.name for w in fv.workers] == ["macbookair"]
     assert [w.name for w in fv.holders(QWEN)] == ["macbookair"]
+
+
+def test_a_worker_sees_itself_as_it_is_now_in_its_place_among_the_views_of_the_others() -> None:
+    leases = {name: lease(name, since=i) for i, name in enumerate(["a", "me", "b"])}
+    views = worker_views(leases)
+    now = lease("me", since=1, running=[RunningInfo(task_id="t1", digest=QWEN, started_at=NOW)])
+    mine = with_own(views, now)
+    assert mine is not None and [w.name for w in mine] == ["a", "me", "b"]
+    assert [t.task_id for t in mine[1].running] == ["t1"] and not views[1].running
+    drained = with_own(views, lease("me", since=1, draining=True))
+    assert drained is not None and [w.name for w in drained] == ["a", "b"]
+    # Not among them (it came online since the leases were read): only a rebuild knows its place.
+    assert with_own(views, lease("new", since=5)) is None
+
+
+async def test_the_views_of_one_read_of_the_leases_are_built_once(redis_client: aioredis.Redis) -> None:
+    view = LiveView(redis_client, Keys())
+    first = {"a": lease("a", since=1)}
+    assert view.worker_views(first) is view.worker_views(first)
+    again = {"a": lease("a", since=1), "b": lease("b", since=2)}
+    assert [w.name for w in view.worker_views(again)] == ["a", "b"]

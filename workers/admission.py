@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.view import LiveView, worker_views
+from dispatch.view import LiveView, with_own, worker_views
 from events.event import now_ms
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, decide_take
@@ -123,9 +123,13 @@ class RouterGate:
     ) -> Admission:
         snap, est = await self.view.estimates()
         # The cached leases, with this worker's own as it is now (it knows what it runs).
-        leases = {**await self.view.leases(), agent.name: agent.lease_info()}
+        leases = await self.view.leases()
+        own = agent.lease_info()
+        views = with_own(self.view.worker_views(leases), own)
+        if views is None:
+            views = worker_views({**leases, agent.name: own})
         now = now_ms()
-        decision = decide_take(agent.name, worker_views(leases), backlog, snap, est, now, self.params)
+        decision = decide_take(agent.name, views, backlog, snap, est, now, self.params)
         self.last = decision
         if not decision.take or decision.digest is None:
             if decision.task_id is not None:
