@@ -18,7 +18,7 @@ from dispatch.errors import ModelNotServedError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.queues import TaskQueues
-from dispatch.serving import describe_fleet, require_model, resolve_models, served_models
+from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
@@ -82,11 +82,11 @@ async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest)
     text = req.text()
     domain = req.domain or classify_domain(text)
     leases = await view.leases()
-    candidates = resolve_models(req.model, leases)
+    candidates = view.resolve(req.model, leases)
     if candidates is None:
         # A worker that came online since the cached read is found at once.
         leases = await view.leases(fresh=True)
-        candidates = resolve_models(req.model, leases)
+        candidates = view.resolve(req.model, leases)
     if candidates is None:
         require_model(req.model, leases)  # raises, naming what is served
         raise ModelNotServedError(

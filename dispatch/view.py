@@ -12,14 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import F_ID, F_TASK
-from dispatch.serving import served, served_models
+from dispatch.serving import resolve_models, served, served_models
 from events.codec import as_str
 from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
@@ -106,6 +106,10 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
     ]
 
 
+# `LiveView.resolve` keeps at most this many models' answers per read of the leases.
+_RESOLVED_MAX: Final = 256
+
+
 def with_own(views: list[WorkerView], own: LeaseInfo) -> list[WorkerView] | None:
     """`views` (from `worker_views`) with the worker `own` describes as it is now, in its place,
     and left out while it drains; None when it is not among them (then only `worker_views` knows
@@ -187,6 +191,9 @@ class LiveView:
         # read, and building 500 workers' views cost a millisecond per decision.
         self._views_of: dict[str, LeaseInfo] | None = None
         self._views: list[WorkerView] = []
+        # `resolve_models` of the last leases read, per model asked for (as cheap to keep).
+        self._resolved_of: dict[str, LeaseInfo] | None = None
+        self._resolved: dict[str, dict[str, str] | None] = {}
 
     async def _load_leases(self) -> dict[str, LeaseInfo]:
         return await live_workers(self.redis, self.keys)
@@ -194,6 +201,18 @@ class LiveView:
     def leases_stale(self) -> bool:
         """True when the next `leases()` reads Redis."""
         return self._leases.stale()
+
+    def resolve(self, model: str, leases: dict[str, LeaseInfo]) -> dict[str, str] | None:
+        """`resolve_models(model, leases)`, worked out once per model for each read of the leases
+        (a pass over every worker's inventory: a millisecond at 500 workers). Callers only read it."""
+        if leases is not self._resolved_of:
+            self._resolved_of, self._resolved = leases, {}
+        if model in self._resolved:
+            return self._resolved[model]
+        if len(self._resolved) >= _RESOLVED_MAX:
+            self._resolved.clear()  # the names come from requests: any string at all
+        found = self._resolved[model] = resolve_models(model, leases)
+        return found
 
     async def _load_evidence(self) -> Evidence:
         now = now_ms()

@@ -61,3 +61,13 @@ async def test_the_views_of_one_read_of_the_leases_are_built_once(redis_client: 
     assert view.worker_views(first) is view.worker_views(first)
     again = {"a": lease("a", since=1), "b": lease("b", since=2)}
     assert [w.name for w in view.worker_views(again)] == ["a", "b"]
+
+
+async def test_a_model_is_resolved_once_per_read_of_the_leases(redis_client: aioredis.Redis) -> None:
+    view = LiveView(redis_client, Keys())
+    first = {"a": lease("a", since=1)}
+    assert view.resolve("qwen3:8b", first) == {"qwen3:8b": QWEN}
+    assert view.resolve("auto", first) is view.resolve("auto", first)
+    assert view.resolve("llama3", first) is None
+    # A new read answers from the new leases: nobody serves qwen3 once its only holder drains.
+    assert view.resolve("qwen3:8b", {"a": lease("a", since=1, draining=True)}) is None
