@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -23,6 +23,7 @@ from dispatch.serving import served, served_models
 from events.codec import as_str
 from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.scripts import ScriptDef
 from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
@@ -77,6 +78,7 @@ if unread > 0 or #rows >= depth then
 end
 return {cursor, rows}
 """
+_BACKLOG_DEF: Final = ScriptDef("backlog", _BACKLOG, allow_oom=True)
 
 
 def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
@@ -168,7 +170,7 @@ class LiveView:
         self.keys = keys
         self._leases = Cached(self._load_leases, leases_every_s)
         self._evidence = Cached(self._load_evidence, snapshot_every_s)
-        self._backlog = redis.register_script(_BACKLOG)
+        self._backlog = _BACKLOG_DEF.bind(redis)
 
     async def _load_leases(self) -> dict[str, LeaseInfo]:
         return await live_workers(self.redis, self.keys)

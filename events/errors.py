@@ -21,3 +21,7 @@ class UndecodableEntryError(LedgerError):
         self.reason = reason
         # Kept so that the projector can dead-letter the raw entry as it was.
         self.fields = fields or {}
+
+
+class ScriptLibraryError(RouteledgerError):
+    """Raised when Redis lacks the routeledger functions of this version and the caller may not load them."""

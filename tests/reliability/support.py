@@ -30,6 +30,7 @@ def spawn_worker(
     extra_env: dict[str, str] | None = None,
     slots: int = 1,
     bench: bool = False,
+    inbox: bool = False,
 ) -> subprocess.Popen[bytes]:
     """A `routeledger worker` process whose stderr goes to `log` (appended, one file per name),
     with the router's gate; `bench`: it benchmarks itself on joining, as a worker does by default.
@@ -50,6 +51,8 @@ def spawn_worker(
         env["ROUTELEDGER_TEST_CRASH"] = crash
     argv = [sys.executable, "-m", "routeledger", "worker", "--backend", backend, "--id", name]
     argv += ["--slots", str(slots), "--redis-url", redis_url, "--bench" if bench else "--no-bench"]
+    if inbox:
+        argv.append("--inbox")
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=out)
 
