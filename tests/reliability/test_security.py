@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shlex
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -29,7 +26,7 @@ from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, make_test_fleet, wait_until
-from tests.reliability.support import spawn_worker, stop_all
+from tests.reliability.support import acl_line, spawn_worker, stop_all
 from tests.test_api_support import serving
 
 PASSWORD = "worker-a-secret"
@@ -41,24 +38,13 @@ async def hosts() -> AsyncIterator[SimHosts]:
         yield sim
 
 
-def _acl_line(name: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "routeledger", "acl", "worker", name, "--password", PASSWORD],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    line = next(line for line in out.splitlines() if line.startswith("ACL SETUSER"))
-    return shlex.split(line)
-
-
 async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projection_or_the_ledger(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, tmp_path: Path
 ) -> None:
     version = redis_version(find_redis_server())
     if version is None or version < (7,):
         pytest.skip(f"worker ACLs need Redis 7 (selectors, %R~); this redis-server is {version}")
-    await redis_client.execute_command(*_acl_line("a"))
+    await redis_client.execute_command(*acl_line("a", PASSWORD))
     parts = urlsplit(redis_url)
     worker_url = f"redis://a:{PASSWORD}@{parts.hostname}:{parts.port}/0"
     log = tmp_path / "worker.log"
