@@ -129,6 +129,11 @@ _claims_encoder: Final = msgspec.msgpack.Encoder()
 _claims_decoder: Final = msgspec.msgpack.Decoder(list[Claim])
 
 
+def decode_claims(raw: bytes) -> list[Claim]:
+    """A task's claimed runs, as `rl:claims` holds them."""
+    return _claims_decoder.decode(raw)
+
+
 class Held(msgspec.Struct, frozen=True):
     """What Redis says of the queue entry a claim names: who holds it, and whose task it is."""
 
@@ -199,6 +204,23 @@ class Ingest:
             self._cursors[name] = entries[-1][0]
         return handled
 
+    async def prune(self, now_ms: int, count: int = 1000) -> int:
+        """Forget the claims of tasks whose every claimed run is older than CLAIM_TTL_MS (their runs
+        failed, or their workers died, and no completion closed them); returns how many tasks.
+
+        The runs that are kept are never rewritten here: a claim accepted meanwhile (the ingest
+        writes it in its own script) is not lost; one whose task is pruned as it arrives is its run's
+        only, and the run is at least a day old."""
+        dropped = 0
+        async for task_id, value in self.redis.hscan_iter(self.keys.claims, count=count):
+            try:
+                runs = decode_claims(value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                runs = []
+            if all(now_ms - c.at >= CLAIM_TTL_MS for c in runs):
+                dropped += int(await self.redis.hdel(self.keys.claims, task_id))
+        return dropped
+
     async def catch_up(self) -> int:
         """Move everything the inboxes hold now (tests and tools); returns entries handled."""
         total = 0
@@ -267,7 +289,7 @@ class Ingest:
             if value is None:
                 continue
             try:
-                out[task_id] = _claims_decoder.decode(value)
+                out[task_id] = decode_claims(value)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.warning("claims of task %s are unreadable; starting them again", task_id)
         return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -31,7 +32,7 @@ from redis.exceptions import RedisError
 
 from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted
+from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted, now_ms
 from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
 from events.scripts import load_library
@@ -51,6 +52,8 @@ ROLE: Final = "projector"
 # A write needs a renewal younger than the lease less this share of it: room for the write itself
 # to reach Redis while the lease still holds.
 SAFETY_SHARE: Final = 0.25
+# How often the ingest forgets claims no completion closed (projections.ingest.CLAIM_TTL_MS).
+PRUNE_CLAIMS_EVERY_S: Final = 3600.0
 
 
 class Projector:
@@ -414,11 +417,15 @@ class Projector:
         """Move the workers' inboxes into the ledger for as long as this instance holds the lease
         (projections/ingest.py), beside the fold, so that an inbox waits for no fold."""
         idle_s = self.lease_ms / 4000
+        pruned_at = -math.inf
         while not stop.is_set():
             if not self._leased or self._lost:
                 await _wait(stop, idle_s)
                 continue
             try:
+                if _now() - pruned_at >= PRUNE_CLAIMS_EVERY_S:
+                    pruned_at = _now()
+                    await self.ingest.prune(now_ms())
                 moved = await self.ingest.step(self.block_ms, before_write=self._check_lease)
                 if not moved and not await self.ingest.inboxes():
                     await _wait(stop, idle_s)

@@ -23,7 +23,7 @@ from events.event import (
 )
 from events.keys import Keys
 from events.ledger import Ledger
-from projections.ingest import Ingest
+from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
 
 DIGEST = "a" * 64
 OTHER = "b" * 64
@@ -206,3 +206,18 @@ async def test_a_type_no_worker_writes_and_an_undecodable_entry_are_dead_lettere
     assert reasons[0] == "a worker may not append TaskSubmitted"
     assert reasons[1].startswith("undecodable")
     assert await redis_client.xlen(keys.inbox("a")) == 0
+
+
+async def test_claims_no_completion_closed_are_forgotten_after_a_day_and_others_are_kept(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    old = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+    await _inbox(redis_client, keys, "a", old, await _taken(queues, keys.queue(DIGEST), "a", "t2"))
+    ingest = Ingest(redis_client, keys)
+    await ingest.catch_up()
+    assert set(await redis_client.hkeys(keys.claims)) == {b"t1", b"t2"}
+    first_seen = max(c.at for v in await redis_client.hvals(keys.claims) for c in decode_claims(v))
+    assert await ingest.prune(first_seen + CLAIM_TTL_MS - 1) == 0
+    assert await ingest.prune(first_seen + CLAIM_TTL_MS) == 2
+    assert await redis_client.hlen(keys.claims) == 0
