@@ -11,6 +11,7 @@ from dispatch.benchmark import REFERENCE, benchset
 from dispatch.payload import Message, TaskMessage
 from dispatch.queues import TaskQueues
 from events.codec import encode_fields
+from events.connection import redis_client as redis_client_for
 from events.event import (
     BenchmarkResult,
     Event,
@@ -69,8 +70,16 @@ async def _dead_reasons(redis: aioredis.Redis, keys: Keys) -> list[str]:
 
 
 async def test_a_claimed_and_completed_run_is_moved_into_the_ledger_in_order_and_leaves_the_inbox(
-    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+    any_redis_url: str, keys: Keys
 ) -> None:
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        await _moved_in_order(redis_client, keys, Ledger(redis_client, keys))
+    finally:
+        await redis_client.aclose()
+
+
+async def _moved_in_order(redis_client: aioredis.Redis, keys: Keys, ledger: Ledger) -> None:
     queues = TaskQueues(redis_client, keys, ledger)
     claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
     online = WorkerOnline(worker="a", slots=1)
