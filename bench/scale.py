@@ -168,7 +168,7 @@ async def idle_worker_cost(url: str, workers: int, seconds: float, result_keys: 
     per = workers * elapsed
     return {
         "cmds": sum(delta.values()) / per,
-        "scripts": (delta.get("evalsha", 0) + delta.get("eval", 0)) / per,
+        "scripts": (delta.get("evalsha", 0) + delta.get("eval", 0) + delta.get("fcall", 0)) / per,
     }
 
 

@@ -16,6 +16,7 @@ from redis.asyncio.client import Pipeline
 
 from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
+from events.scripts import ScriptDef
 
 
 class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -114,6 +115,11 @@ end
 redis.call('SREM', KEYS[2], ARGV[2])
 return 1
 """
+# The scripts above as functions of the routeledger library (events/scripts.py), which a worker
+# calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
+_LEASE_DEF: Final = ScriptDef("lease", _LEASE)
+_RELEASE_DEF: Final = ScriptDef("release_lease", _RELEASE, allow_oom=True)
+_PRUNE_DEF: Final = ScriptDef("prune_workers", _PRUNE, allow_oom=True)
 
 
 class LeaseTaken(msgspec.Struct, frozen=True):
@@ -132,9 +138,9 @@ class Leases:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._lease = redis.register_script(_LEASE)
-        self._release = redis.register_script(_RELEASE)
-        self._prune = redis.register_script(_PRUNE)
+        self._lease = _LEASE_DEF.bind(redis)
+        self._release = _RELEASE_DEF.bind(redis)
+        self._prune = _PRUNE_DEF.bind(redis)
 
     async def put(self, info: LeaseInfo, ttl_ms: int) -> LeaseTaken:
         """Write `info` as `info.worker`'s lease unless another process (token) holds it."""

@@ -35,6 +35,7 @@ from events.codec import as_str, encode_batch, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import LUA_APPEND_BLOB, Ledger
+from events.scripts import ScriptDef
 
 # Acknowledge and delete a finished entry (prompts do not outlive their task), only while `owner`
 # holds it: a run that lost its entry (re-queued in place, perhaps taken again) must not remove it.
@@ -279,6 +280,17 @@ end
 redis.call('XDEL', KEYS[1], ARGV[2])
 return {2, ARGV[2], attempt}
 """
+# The scripts above as functions of the routeledger library (events/scripts.py), which a worker
+# calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
+_FINISH_DEF: Final = ScriptDef("finish", _FINISH, allow_oom=True)
+_REQUEUE_DEF: Final = ScriptDef("requeue", _REQUEUE, allow_oom=True)
+_RESULT_ONCE_DEF: Final = ScriptDef("result_once", _RESULT_ONCE)
+_CANCEL_QUEUED_DEF: Final = ScriptDef("cancel_queued", _CANCEL_QUEUED, allow_oom=True)
+_TAKE_OVER_DEF: Final = ScriptDef("take_over", _TAKE_OVER)
+_CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
+_TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
+_KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
+_SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
 
 CANCEL_REMOVED: Final = 2
 CANCEL_RUNNING: Final = 1
@@ -402,15 +414,15 @@ class TaskQueues:
         self.keys = keys
         self.ledger = ledger or Ledger(redis, keys)
         self.dead_max_entries = dead_max_entries
-        self._finish = redis.register_script(_FINISH)
-        self._requeue = redis.register_script(_REQUEUE)
-        self._result_once = redis.register_script(_RESULT_ONCE)
-        self._cancel_queued = redis.register_script(_CANCEL_QUEUED)
-        self._take_over = redis.register_script(_TAKE_OVER)
-        self._close_run = redis.register_script(_CLOSE_RUN)
-        self._take = redis.register_script(_TAKE)
-        self._keep = redis.register_script(_KEEP)
-        self._submit = redis.register_script(_SUBMIT)
+        self._finish = _FINISH_DEF.bind(redis)
+        self._requeue = _REQUEUE_DEF.bind(redis)
+        self._result_once = _RESULT_ONCE_DEF.bind(redis)
+        self._cancel_queued = _CANCEL_QUEUED_DEF.bind(redis)
+        self._take_over = _TAKE_OVER_DEF.bind(redis)
+        self._close_run = _CLOSE_RUN_DEF.bind(redis)
+        self._take = _TAKE_DEF.bind(redis)
+        self._keep = _KEEP_DEF.bind(redis)
+        self._submit = _SUBMIT_DEF.bind(redis)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -648,7 +660,7 @@ class TaskQueues:
         while True:
             pipe = self.redis.pipeline(transaction=False)
             for event in left:
-                pipe.xadd(self.keys.events, encode_fields(event))  # type: ignore[arg-type]
+                pipe.xadd(self.ledger.appends_to, encode_fields(event))  # type: ignore[arg-type]
             # After a refusal the mark waits for a round in which no event is outstanding.
             with_rest = rounds == 0 or not left
             if mark and with_rest:

@@ -23,6 +23,7 @@ from dispatch.serving import resolve_models, served, served_models
 from events.codec import as_str
 from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.scripts import ScriptDef
 from projections.errors import ProjectionError
 from projections.reader import snapshot
 from projections.snapshot import Snapshot
@@ -77,6 +78,7 @@ if unread > 0 or #rows >= depth then
 end
 return {cursor, rows}
 """
+_BACKLOG_DEF: Final = ScriptDef("backlog", _BACKLOG, allow_oom=True)
 
 
 def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
@@ -186,7 +188,7 @@ class LiveView:
         self.keys = keys
         self._leases = Cached(self._load_leases, leases_every_s)
         self._evidence = Cached(self._load_evidence, snapshot_every_s)
-        self._backlog = redis.register_script(_BACKLOG)
+        self._backlog = _BACKLOG_DEF.bind(redis)
         # `worker_views` of the last leases read: the cached leases are one object until the next
         # read, and building 500 workers' views cost a millisecond per decision.
         self._views_of: dict[str, LeaseInfo] | None = None

@@ -26,3 +26,7 @@ class UndecodableEntryError(LedgerError):
 class RedisUrlError(RouteledgerError):
     """Raised when a Redis URL's TLS settings cannot work: TLS files on a plain redis:// URL, or a
     CA, certificate or key file that cannot be read."""
+
+
+class ScriptLibraryError(RouteledgerError):
+    """Raised when Redis lacks the routeledger functions of this version and the caller may not load them."""

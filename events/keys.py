@@ -37,6 +37,27 @@ class Keys:
         # The ledger stream: every event, in order.
         return f"{self.prefix}events"
 
+    def inbox(self, worker: str) -> str:
+        # A worker's own event stream, the only one its ACL lets it append to; the projector's
+        # ingest checks each entry against the worker it came from and moves it into the ledger.
+        return f"{self.prefix}events:w:{worker}"
+
+    @property
+    def inboxes(self) -> str:
+        # Set of the names of workers that write to an inbox, so that the ingest finds them without SCAN.
+        return f"{self.prefix}inboxes"
+
+    @property
+    def claims(self) -> str:
+        # Hash task id -> the runs of it the ingest accepted a claim for (attempt, worker, digest):
+        # a completion, a failure or a grade counts only for a run claimed by the same worker.
+        return f"{self.prefix}claims"
+
+    @property
+    def graded(self) -> str:
+        # Set of "task grader" pairs the ingest let through: one grade per answer and grader.
+        return f"{self.prefix}graded"
+
     @property
     def archive(self) -> str:
         # Hash: the archive's state (last archived id, segments, events, bytes, last run, last error).

@@ -18,6 +18,7 @@ from events.codec import as_str, decode_rows, encode_batch, encode_fields
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
+from events.scripts import ScriptDef
 
 # A Lua function that XADDs a packed batch of events to `stream`: `blob` is codec.encode_batch's
 # packing (per event the lengths of type, v and data (>HHI4), then the three strings); `given`, when
@@ -48,6 +49,9 @@ end
 # XADDs a whole batch in one round trip. ARGV[1] the packed batch; ARGV[2], when given, the ids to
 # write them under (for importing a history).
 _APPEND_MANY: Final = LUA_APPEND_BLOB + "return append_blob(KEYS[1], ARGV[1], ARGV[2])\n"
+# The scripts above as functions of the routeledger library (events/scripts.py), which a worker
+# calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
+_APPEND_MANY_DEF: Final = ScriptDef("append_many", _APPEND_MANY)
 
 # A bounded batch keeps one script from blocking the server for long; append_many splits larger
 # inputs (1,000 events take about 3 ms of server time).
@@ -84,11 +88,14 @@ def next_id(entry_id: str) -> str:
 class Ledger:
     """The ledger stream and the stream primitives the other layers use."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, *, inbox: str | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self.stream = self.keys.events
-        self._append_many = redis.register_script(_APPEND_MANY)
+        # Where this process appends: the ledger, or (a worker under its own ACL) its inbox
+        # (`Keys.inbox`), which the projector's ingest checks and moves into the ledger.
+        self.appends_to = self.keys.inbox(inbox) if inbox else self.stream
+        self._append_many = _APPEND_MANY_DEF.bind(redis)
 
     # -- appending ----------------------------------------------------------------------------
     async def append(self, event: Event) -> str:
@@ -99,7 +106,7 @@ class Ledger:
         other error ends their loop (a worker's heartbeat, which keeps its lease, among them).
         """
         try:
-            raw: Any = await self.redis.xadd(self.stream, encode_fields(event))  # type: ignore[arg-type]
+            raw: Any = await self.redis.xadd(self.appends_to, encode_fields(event))  # type: ignore[arg-type]
         except RedisError as exc:
             exc.add_note(f"while appending {type(event).__name__} to the ledger")
             raise
@@ -119,7 +126,7 @@ class Ledger:
             if ids is not None:
                 args.append(" ".join(ids[start : start + MAX_BATCH]))
             try:
-                raw = await self._append_many(keys=[self.stream], args=args)
+                raw = await self._append_many(keys=[self.appends_to], args=args)
             except RedisError as exc:
                 exc.add_note(f"while appending a batch of {len(chunk)} events to the ledger")
                 raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -31,13 +32,15 @@ from redis.exceptions import RedisError
 
 from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted
+from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted, now_ms
 from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
+from events.scripts import load_library
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
 from projections.folder import FOLDED_TYPES, TASK_EVENTS, Folder
+from projections.ingest import Ingest
 from projections.mention import Mention, read_mention
 from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from projections.store import TableChange
@@ -49,6 +52,8 @@ ROLE: Final = "projector"
 # A write needs a renewal younger than the lease less this share of it: room for the write itself
 # to reach Redis while the lease still holds.
 SAFETY_SHARE: Final = 0.25
+# How often the ingest forgets claims no completion closed (projections.ingest.CLAIM_TTL_MS).
+PRUNE_CLAIMS_EVERY_S: Final = 3600.0
 
 
 class Projector:
@@ -93,6 +98,8 @@ class Projector:
         # Set by the renewal task when the lease turned out to be another's.
         self._lost = False
         self._renewer: asyncio.Task[None] | None = None
+        # Workers' inboxes, moved into the ledger while this instance holds the lease.
+        self.ingest = Ingest(redis, self.keys, dead_max_entries=dead_max_entries)
         # Entries folded by this instance (for the benchmark and the log).
         self.folded = 0
         self.dead_lettered = 0
@@ -170,7 +177,9 @@ class Projector:
     # -- the namespace -------------------------------------------------------------------------
     async def start(self) -> None:
         """Adopt the live namespace (creating the first one if there is none) and load its small
-        tables; no task row is read."""
+        tables; no task row is read. Loads the routeledger function library first (workers under
+        their ACL call it and may not load it themselves)."""
+        await load_library(self.redis)
         ns = await store.current(self.redis, self.keys)
         if ns is None:
             empty = Tables(
@@ -360,8 +369,10 @@ class Projector:
         self.dead_lettered += len(poison)
 
     async def catch_up(self) -> int:
-        """Fold until nothing is left to read (tests and the benchmark); returns entries folded."""
+        """Move what the workers' inboxes hold, then fold until nothing is left to read (tests and the
+        benchmark); returns entries folded."""
         total = 0
+        await self.ingest.catch_up()
         while True:
             n = await self.step()
             if n == 0 and self.tables is not None:
@@ -373,6 +384,7 @@ class Projector:
         """Wait for the lease, then fold forever (until `stop` is set), taking over again after a loss."""
         stop = stop or asyncio.Event()
         idle_s = self.lease_ms / 4000
+        ingesting = asyncio.create_task(self._ingesting(stop), name="ingest")
         try:
             while not stop.is_set():
                 try:
@@ -395,8 +407,33 @@ class Projector:
                     await self._stop_renewing()
                     await _wait(stop, idle_s)
         finally:
+            ingesting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ingesting
             await self._stop_renewing()
             await self.release()
+
+    async def _ingesting(self, stop: asyncio.Event) -> None:
+        """Move the workers' inboxes into the ledger for as long as this instance holds the lease
+        (projections/ingest.py), beside the fold, so that an inbox waits for no fold."""
+        idle_s = self.lease_ms / 4000
+        pruned_at = -math.inf
+        while not stop.is_set():
+            if not self._leased or self._lost:
+                await _wait(stop, idle_s)
+                continue
+            try:
+                if _now() - pruned_at >= PRUNE_CLAIMS_EVERY_S:
+                    pruned_at = _now()
+                    await self.ingest.prune(now_ms())
+                moved = await self.ingest.step(self.block_ms, before_write=self._check_lease)
+                if not moved and not await self.ingest.inboxes():
+                    await _wait(stop, idle_s)
+            except LeaseLostError:
+                await _wait(stop, idle_s)
+            except (RedisError, OSError) as exc:
+                log.warning("Redis error in the ingest (%s); retrying", exc)
+                await _wait(stop, idle_s)
 
 
 def _changes(folder: Folder, t: Tables, now_ms: int) -> list[TableChange]:

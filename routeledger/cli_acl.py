@@ -1,20 +1,33 @@
 """`routeledger acl worker NAME`: Redis ACL lines for a worker that runs on another machine.
 
-A worker's Redis user may touch only what a worker touches (read from workers/ and events/):
+A worker's Redis user may touch only what a worker touches (read from workers/ and events/), and
+speaks only for itself: the projector's ingest checks what it appends to its inbox against what it
+holds before moving it into the ledger (projections/ingest.py).
 
 | keys | access | why |
 |---|---|---|
-| `rl:q:{12 hex}` | read, write | shared queues of models: read through the group, ack, re-queue (scripts) |
+| `rl:events:w:NAME` | XADD only | its inbox (`--inbox`), the only stream it appends events to |
+| `rl:inboxes` | read, write | it lists its inbox there, so that the ingest finds it without SCAN |
+| `rl:q:{12 hex}` | read, write | shared queues of models: taken, finished, re-queued (functions) |
 | `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
 | `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
 | `rl:live:NAME` | read, write | its own lease |
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
 | `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
-| `rl:events`, `rl:dead` | XADD only | it appends to the ledger and to the dead letters, never rewrites them |
+| `rl:events` | read | ledger news wakes a worker the gate held back |
+| `rl:dead` | XADD only | it dead-letters a malformed or spent task, never rewrites the stream |
 
-The last line is a Redis 7 *selector*, and read-only keys use Redis 7's `%R~`: Redis 6.2 rejects
-both. Only Redis 7 checks the commands a Lua script runs against the caller's key permissions; on
-6.2 a script may touch any key, so these lines need Redis 7 to mean what they say.
+Scripts: FCALL of the `routeledger` function library only (events/scripts.py; the projector loads it
+with the admin's credentials). No EVAL, EVALSHA or SCRIPT LOAD: a worker runs no Lua of its own. No
+SCAN, KEYS or any admin command.
+
+Redis runs a function with its caller's ACL, so the commands the functions send (XACK, XDEL, XCLAIM
+on the shared queues; HSET on results) are the worker's own too: its user can send them directly,
+on the keys above. What the ledger says cannot be forged (the ingest checks it); what a worker does
+to the queues and results of the models it serves is trusted, as its answers are.
+
+Read-only keys use Redis 7's `%R~` and the last line is a Redis 7 *selector*: Redis 6.2 rejects
+both, and has no functions, so these lines need Redis 7 to mean what they say.
 """
 
 from __future__ import annotations
@@ -36,7 +49,6 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "ping",
     "select",
     "time",
-    "scan",
     "get",
     "set",
     "del",
@@ -47,7 +59,6 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "sadd",
     "smembers",
     "sismember",
-    "sscan",
     "hset",
     "hget",
     "hgetall",
@@ -55,6 +66,7 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "hexists",
     "hsetnx",
     "xadd",
+    # Sent by the library's functions (which run under this user's ACL), and by nothing else.
     "xack",
     "xdel",
     "xclaim",
@@ -67,10 +79,7 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "xinfo|groups",
     "xinfo|stream",
     "xgroup|create",
-    "evalsha",
-    "eval",
-    "script|load",
-    "script|exists",
+    "fcall",
 )
 
 _HEX12 = "[0-9a-f]" * 12
@@ -92,13 +101,16 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         # The registries: its own entry in the live workers, and the queues it makes.
         f"~{k.workers}",
         f"~{k.queues}",
+        f"~{k.inboxes}",
         f"%R~{k.live('*')}",
         f"%R~{k.prefix}p:*",
         f"%R~{k.cancel('*')}",
+        f"%R~{k.events}",
     ]
     rules += [f"+{c}" for c in WORKER_COMMANDS]
-    # Append-only: XADD (directly or from the batch-append script), and nothing else, on these two.
-    rules.append(f"(~{k.events} ~{k.dead} +xadd +evalsha +eval)")
+    # Append-only: XADD (directly or from the batch-append function), and nothing else, on its inbox
+    # and the dead letters.
+    rules.append(f"(~{k.inbox(name)} ~{k.dead} +xadd +fcall)")
     return rules
 
 
@@ -121,7 +133,7 @@ def acl_worker(
     # Only the ACL line goes to stdout, so that `... > file; redis-cli < file` sends nothing else.
     typer.echo(
         f"# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < FILE; then run the worker with\n"
-        f"#   routeledger worker --id {name} --redis-url redis://{name}:PASSWORD@HOST:PORT/0",
+        f"#   routeledger worker --id {name} --inbox --redis-url redis://{name}:PASSWORD@HOST:PORT/0",
         err=True,
     )
     typer.echo(" ".join(shlex.quote(p) for p in ["ACL", "SETUSER", name, *rules]))

@@ -75,6 +75,13 @@ def worker(
     gate: Annotated[
         str, typer.Option(help="router: take work only when the plan says so; plain: take whatever comes.")
     ] = "router",
+    inbox: Annotated[
+        bool,
+        typer.Option(
+            help="Append events to this worker's own inbox stream, checked and moved into the ledger by "
+            "the projector (needed under the ACL `routeledger acl worker` prints)."
+        ),
+    ] = False,
 ) -> None:
     """Run a worker: consume the streams of the models the backend holds, through the `workers` group."""
     if ctx.invoked_subcommand is not None:
@@ -103,6 +110,7 @@ def worker(
         delivery_limit=s.delivery_limit,
         dead_max_entries=s.dead_max_entries,
         auto_bench=bench,
+        inbox=inbox,
     )
 
     async def go(client: aioredis.Redis) -> None:

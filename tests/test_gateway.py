@@ -11,12 +11,13 @@ import redis.asyncio as aioredis
 from dispatch.errors import TaskFailedError
 from dispatch.gateway import Gateway
 from dispatch.payload import Chunk, Message, Result, encode_chunk, encode_result
-from dispatch.queues import _SUBMIT, OUTPUT_TTL_MS
+from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS
 from dispatch.submit import TaskRequest
 from events.connection import redis_client as make_client
 from events.event import TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
+from events.scripts import load_library
 from tests.helpers import MODEL_DIGEST, events_of
 from tests.reliability.proxy import redis_proxy
 from tests.test_api_support import ghost_worker
@@ -26,14 +27,16 @@ async def test_a_submission_whose_reply_was_lost_is_sent_again_and_queued_once(
     redis_client: aioredis.Redis, redis_url: str, keys: Keys, ledger: Ledger
 ) -> None:
     await ghost_worker(redis_client)
-    # Loaded beforehand, so that the gateway's first sending is the EVALSHA whose reply is lost.
+    # Loaded beforehand, so that the gateway's first sending is the FCALL (EVALSHA on a Redis without
+    # functions) whose reply is lost.
     sha = await redis_client.script_load(_SUBMIT)
+    call = _SUBMIT_DEF.function if await load_library(redis_client) else sha
     parts = urlsplit(redis_url)
     async with redis_proxy(parts.hostname or "127.0.0.1", parts.port or 6379) as proxy:
         client = make_client(proxy.url(parts.password), socket_timeout=1.0)
         gateway = Gateway(client, keys, retry_budget_s=6.0)
         try:
-            proxy.mute_reply_after(sha.encode() if isinstance(sha, str) else sha)
+            proxy.mute_reply_after(call.encode() if isinstance(call, str) else call)
             sub = await gateway.submit(
                 TaskRequest(model="m", messages=[Message(role="user", content="once")])
             )

@@ -120,7 +120,7 @@ class WorkerAgent:
         self.gate: Gate = gate or PlainPull(redis, keys)
         # A speed-aware gate plans with what every worker runs, so the lease says so at once.
         self.eager_lease = not isinstance(self.gate, PlainPull)
-        self.ledger = Ledger(redis, keys)
+        self.ledger = Ledger(redis, keys, inbox=config.name if config.inbox else None)
         self.leases = Leases(redis, keys)
         # Monotonic time until which the lease is known to hold (from the last renewal's sending).
         self._lease_until = 0.0
@@ -221,6 +221,9 @@ class WorkerAgent:
 
     async def _announce(self) -> None:
         """WorkerOnline, then what is loaded (WorkerOnline does not say): the ledger's start of a life."""
+        if self.config.inbox:
+            # Listed before its first event, so that the ingest finds the inbox without a SCAN.
+            await self.redis.sadd(self.keys.inboxes, self.name)
         online = WorkerOnline(
             worker=self.name,
             slots=self.config.slots,
@@ -604,7 +607,7 @@ class WorkerAgent:
             if self.eager_lease:
                 await self.leases.put_in(pipe, self.lease_info(), self.config.lease_ms)
             pipe.xadd(
-                self.keys.events,
+                self.ledger.appends_to,
                 encode_fields(  # type: ignore[arg-type]
                     TaskClaimed(
                         task_id=task.task_id,

@@ -55,3 +55,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     # Scheduled grading waits until the worker has taken no shared work for this long and runs
     # nothing: a grading answer on the pinned stream goes ahead of queued user work.
     grade_quiet_s: float = 30.0
+    # Append events to its own inbox (`Keys.inbox`) instead of the ledger: a worker on another
+    # machine, under the ACL `routeledger acl worker` prints, may append nowhere else; the
+    # projector's ingest checks what it says against what it holds and moves it into the ledger.
+    inbox: bool = False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,12 @@ def spawn_worker(
     extra_env: dict[str, str] | None = None,
     slots: int = 1,
     bench: bool = False,
+    inbox: bool = False,
 ) -> subprocess.Popen[bytes]:
     """A `routeledger worker` process whose stderr goes to `log` (appended, one file per name),
     with the router's gate; `bench`: it benchmarks itself on joining, as a worker does by default.
+
+    `inbox`: it appends to its own inbox (`--inbox`), as a worker under its ACL must.
 
     `crash` is the worker's test hook (ROUTELEDGER_TEST_CRASH, POINT@N): it kills itself with
     SIGKILL at that point of its N-th task.
@@ -50,8 +54,22 @@ def spawn_worker(
         env["ROUTELEDGER_TEST_CRASH"] = crash
     argv = [sys.executable, "-m", "routeledger", "worker", "--backend", backend, "--id", name]
     argv += ["--slots", str(slots), "--redis-url", redis_url, "--bench" if bench else "--no-bench"]
+    if inbox:
+        argv.append("--inbox")
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=out)
+
+
+def acl_line(name: str, password: str) -> list[str]:
+    """The `ACL SETUSER` command `routeledger acl worker NAME` prints, split into its arguments."""
+    out = subprocess.run(
+        [sys.executable, "-m", "routeledger", "acl", "worker", name, "--password", password],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    line = next(line for line in out.splitlines() if line.startswith("ACL SETUSER"))
+    return shlex.split(line)
 
 
 def reaper_process(redis_url: str, log: Path) -> subprocess.Popen[bytes]:

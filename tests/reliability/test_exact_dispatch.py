@@ -21,12 +21,13 @@ import redis.asyncio as aioredis
 from api.app import AppConfig
 from dispatch.lease import live_workers
 from dispatch.payload import Message, chunk_decoder
-from dispatch.queues import _REQUEUE, TaskQueues
+from dispatch.queues import _REQUEUE, _REQUEUE_DEF, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as make_client
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed, WorkerOnline
 from events.keys import Keys
 from events.ledger import Ledger
+from events.scripts import load_library
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
@@ -171,10 +172,12 @@ async def test_a_reclaim_whose_reply_was_lost_is_sent_again_and_recorded(
     queue = keys.queue(MODEL_DIGEST)
     # A worker that took it and died (it has no lease).
     assert (await queues.take(queue, "dead")).entry_id
+    # The re-queue's FCALL (EVALSHA on a Redis without functions) is the call whose reply is lost.
     sha = await redis_client.script_load(_REQUEUE)
+    call = _REQUEUE_DEF.function if await load_library(redis_client) else sha
     await asyncio.sleep(0.3)
     async with _proxied(redis_url, socket_timeout=1.0) as (proxy, client):
-        proxy.mute_reply_after(sha.encode() if isinstance(sha, str) else sha)
+        proxy.mute_reply_after(call.encode() if isinstance(call, str) else call)
         report = await Reaper(client, keys, ReaperConfig(lease_ms=200)).sweep()
     assert proxy.muted_replies == 1
     assert report.reclaimed == 1

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shlex
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -24,10 +21,12 @@ from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
+from events.scripts import LIBRARY
+from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
 from tests.helpers import events_of, make_test_fleet, wait_until
-from tests.reliability.support import spawn_worker, stop_all
+from tests.reliability.support import acl_line, spawn_worker, stop_all
 from tests.test_api_support import serving
 
 PASSWORD = "worker-a-secret"
@@ -39,28 +38,21 @@ async def hosts() -> AsyncIterator[SimHosts]:
         yield sim
 
 
-def _acl_line(name: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "routeledger", "acl", "worker", name, "--password", PASSWORD],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    line = next(line for line in out.splitlines() if line.startswith("ACL SETUSER"))
-    return shlex.split(line)
-
-
 async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projection_or_the_ledger(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, tmp_path: Path
 ) -> None:
     version = redis_version(find_redis_server())
     if version is None or version < (7,):
         pytest.skip(f"worker ACLs need Redis 7 (selectors, %R~); this redis-server is {version}")
-    await redis_client.execute_command(*_acl_line("a"))
+    await redis_client.execute_command(*acl_line("a", PASSWORD))
     parts = urlsplit(redis_url)
     worker_url = f"redis://a:{PASSWORD}@{parts.hostname}:{parts.port}/0"
     log = tmp_path / "worker.log"
-    proc = spawn_worker(worker_url, hosts.url("a"), "a", log)
+    # The projector loads the functions the worker calls and moves its inbox into the ledger.
+    stop = asyncio.Event()
+    projector = asyncio.create_task(Projector(redis_client, Keys(), lease_ms=2000).run(stop))
+    await wait_until(lambda: _library_loaded(redis_client), timeout=30)
+    proc = spawn_worker(worker_url, hosts.url("a"), "a", log, inbox=True)
     worker = aioredis.Redis.from_url(worker_url)
     try:
         await wait_until(lambda: _exists(redis_client, Keys().live("a")), timeout=60)
@@ -74,6 +66,7 @@ async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projectio
             ("HSET", "rl:p:{x}:speed", "w", "1"),
             ("SET", "rl:p:current", "x"),
             ("XDEL", "rl:events", "0-1"),
+            ("XADD", "rl:events", "*", "type", "TaskCompleted"),
             ("XTRIM", "rl:events", "MAXLEN", "0"),
             ("DEL", "rl:events"),
             ("SET", Keys().live("b"), "x"),
@@ -93,10 +86,12 @@ async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projectio
     finally:
         await worker.aclose()
         await asyncio.to_thread(stop_all, [proc])
+        stop.set()
+        await projector
         await redis_client.execute_command("ACL", "DELUSER", "a")
     text = log.read_text()
     assert "NOPERM" not in text and "permission" not in text.lower(), text[-2000:]
-    assert len(refused) == 11
+    assert len(refused) == 12
     done = [e for e in await events_of(ledger, TaskCompleted) if e.task_id == task.task_id]
     assert [(e.worker, e.duplicate) for e in done] == [("a", False)]
 
@@ -105,6 +100,10 @@ def _refusal(exc: BaseException) -> bool:
     # A command is refused with NOPERM (redis-py: NoPermissionError); a command inside a script with
     # "the user executing the script can't run this command" (or "can't access" a key).
     return isinstance(exc, NoPermissionError) or "user executing the script can't" in str(exc)
+
+
+async def _library_loaded(redis: aioredis.Redis) -> bool:
+    return bool(await redis.function_list(library=LIBRARY))
 
 
 async def _exists(redis: aioredis.Redis, key: str) -> bool:

@@ -1,0 +1,193 @@
+"""A compromised worker, holding a real worker's Redis credentials, tries to forge the fleet's history;
+Redis refuses what the ACL forbids, the ingest dead-letters the rest with the reason, replay still
+agrees with the live tables, and the real worker on the same credentials goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
+
+from dispatch.benchmark import REFERENCE, benchset
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
+from events.codec import encode_fields
+from events.event import Event, QualityScored, TaskClaimed, TaskCompleted, Timings
+from events.keys import Keys
+from events.ledger import Ledger
+from events.scripts import LIBRARY
+from projections.projector import Projector
+from routeledger.embedded import find_redis_server, redis_version
+from sim.backends.hosts import SimHosts
+from tests.helpers import events_of, make_test_fleet, wait_until
+from tests.reliability.support import acl_line, spawn_worker, stop_all
+
+PASSWORD = "worker-a-secret"
+
+FORGED = 500
+
+
+@pytest.fixture
+async def hosts() -> AsyncIterator[SimHosts]:
+    async with SimHosts(make_test_fleet(), time_scale=1.0, seed=23) as sim:
+        yield sim
+
+
+def _slow(task_id: str, worker: str, digest: str, attempt: int = 1) -> TaskCompleted:
+    """A completion at 1 token per second."""
+    return TaskCompleted(
+        task_id=task_id,
+        worker=worker,
+        digest=digest,
+        attempt=attempt,
+        timings=Timings(eval_count=10, eval_duration=10 * 10**9),
+    )
+
+
+async def _append(redis: aioredis.Redis, stream: str, events: list[Event]) -> None:
+    pipe = redis.pipeline(transaction=False)
+    for event in events:
+        pipe.xadd(stream, encode_fields(event))  # type: ignore[arg-type]
+    await pipe.execute()
+
+
+async def _submit(redis: aioredis.Redis, ledger: Ledger) -> str:
+    queues = TaskQueues(redis, Keys(), ledger)
+    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+    return (await submit_task(queues, request)).task.task_id
+
+
+async def _completions(ledger: Ledger, task_id: str) -> list[TaskCompleted]:
+    return [e for e in await events_of(ledger, TaskCompleted) if e.task_id == task_id]
+
+
+async def _inbox_dead(redis: aioredis.Redis) -> list[dict[bytes, bytes]]:
+    rows: Any = await redis.xrange(Keys().dead)
+    return [fields for _, fields in rows if fields.get(b"source") == b"inbox"]
+
+
+async def test_a_worker_credential_forges_nothing_the_ledger_believes_and_the_worker_keeps_serving(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, tmp_path: Path
+) -> None:
+    version = redis_version(find_redis_server())
+    if version is None or version < (7,):
+        pytest.skip(f"worker ACLs need Redis 7 (selectors, functions); this redis-server is {version}")
+    keys = Keys()
+    await redis_client.execute_command(*acl_line("a", PASSWORD))
+    parts = urlsplit(redis_url)
+    worker_url = f"redis://a:{PASSWORD}@{parts.hostname}:{parts.port}/0"
+    stop = asyncio.Event()
+    projector = asyncio.create_task(Projector(redis_client, keys, lease_ms=2000).run(stop))
+    proc = spawn_worker(worker_url, hosts.url("a"), "a", tmp_path / "worker.log", inbox=True)
+    mallory = aioredis.Redis.from_url(worker_url)
+    try:
+        await wait_until(lambda: _has_library(redis_client), timeout=30)
+        await wait_until(lambda: _exists(redis_client, keys.live("a")), timeout=60)
+        first = await _submit(redis_client, ledger)
+        await wait_until(lambda: _completed(ledger, first), timeout=30)
+        (done,) = await _completions(ledger, first)
+        digest = done.digest
+
+        # Refused by Redis: the ledger, another worker's inbox, any Lua of its own, a keyspace SCAN.
+        for command in (
+            ("XADD", keys.events, "*", "type", "TaskCompleted"),
+            ("XADD", keys.inbox("rtx3070ti"), "*", "type", "TaskCompleted"),
+            ("EVAL", "while true do end", "0"),
+            ("SCRIPT", "LOAD", "while true do end"),
+            (
+                "FUNCTION",
+                "LOAD",
+                "#!lua name=x\nredis.register_function('x', function() while true do end end)",
+            ),
+            ("FUNCTION", "DELETE", LIBRARY),
+            ("FUNCTION", "FLUSH"),
+            ("SCAN", "0"),
+            ("KEYS", "*"),
+        ):
+            with pytest.raises(NoPermissionError):
+                await mallory.execute_command(*command)
+
+        # Sent to its own inbox, and dead-lettered by the ingest with the reason.
+        prompt = benchset()[0]
+        zero = QualityScored(digest=digest, domain=prompt.domain, score=0.0, grader=REFERENCE, worker="a")
+        forged: list[Event] = [_slow(f"t{i}", "rtx3070ti", digest) for i in range(FORGED)]
+        forged += [_slow(first, "a", digest, done.attempt) for _ in range(FORGED)]
+        forged += [
+            zero,
+            QualityScored(
+                digest=digest,
+                domain=prompt.domain,
+                score=0.0,
+                grader=REFERENCE,
+                worker="a",
+                task_id=f"bench-b0-{0}",
+                bench_id="b0",
+                prompt_id=prompt.id,
+            ),
+            TaskClaimed(task_id="victim", worker="a", digest=digest, attempt=1),
+        ]
+        await _append(mallory, keys.inbox("a"), forged)
+        await wait_until(lambda: _dead_count(redis_client, len(forged)), timeout=60)
+        reasons = [fields[b"reason"].decode() for fields in await _inbox_dead(redis_client)]
+        assert len(reasons) == len(forged)
+        assert reasons[0] == "TaskCompleted names worker 'rtx3070ti' but came from the inbox of 'a'"
+        assert reasons[FORGED].startswith(f"no open claim by a of task {first} attempt {done.attempt}")
+        assert "is not of a benchmark task" in reasons[2 * FORGED]
+        assert "no claim by a of benchmark task bench-b0-0" in reasons[2 * FORGED + 1]
+        assert reasons[-1] == "the claim names no queue entry"
+
+        # The real worker, on the same credentials, serves the next task end to end.
+        second = await _submit(redis_client, ledger)
+        await wait_until(lambda: _completed(ledger, second), timeout=30)
+        assert proc.poll() is None
+    finally:
+        await mallory.aclose()
+        await asyncio.to_thread(stop_all, [proc])
+        stop.set()
+        await projector
+        await redis_client.execute_command("ACL", "DELUSER", "a")
+
+    workers = {e.worker for e in await events_of(ledger, TaskCompleted)}
+    assert workers == {"a"}
+    assert [(e.worker, e.duplicate) for e in await _completions(ledger, first)] == [("a", False)]
+    assert await events_of(ledger, QualityScored) == []
+    # The live tables (folded while the forgeries came) still match a rebuild from the ledger.
+    await Projector(redis_client, keys).catch_up()
+    verify = await asyncio.to_thread(_replay_verify, redis_url, tmp_path / "archive")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _replay_verify(redis_url: str, archive: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routeledger", "replay", "verify", "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ROUTELEDGER_ARCHIVE_DIR": str(archive), "COLUMNS": "200"},
+    )
+
+
+async def _has_library(redis: aioredis.Redis) -> bool:
+    return bool(await redis.function_list(library=LIBRARY))
+
+
+async def _exists(redis: aioredis.Redis, key: str) -> bool:
+    return bool(await redis.exists(key))
+
+
+async def _completed(ledger: Ledger, task_id: str) -> bool:
+    return bool(await _completions(ledger, task_id))
+
+
+async def _dead_count(redis: aioredis.Redis, n: int) -> bool:
+    return len(await _inbox_dead(redis)) >= n

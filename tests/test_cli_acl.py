@@ -1,0 +1,22 @@
+"""The worker ACL lets a worker append only to its own inbox and run only the routeledger functions."""
+
+from __future__ import annotations
+
+from events.keys import Keys
+from routeledger.cli_acl import WORKER_COMMANDS, worker_acl_rules
+
+
+def test_a_worker_appends_only_to_its_own_inbox_and_the_dead_letters_and_reads_the_ledger() -> None:
+    keys = Keys()
+    rules = worker_acl_rules("a", "pw", keys)
+    assert rules[-1] == f"(~{keys.inbox('a')} ~{keys.dead} +xadd +fcall)"
+    assert f"%R~{keys.events}" in rules
+    assert not any(r in (f"~{keys.events}", f"~{keys.inbox('*')}", "~*") for r in rules)
+
+
+def test_a_worker_may_run_no_lua_of_its_own_and_scan_nothing() -> None:
+    rules = worker_acl_rules("a", "pw")
+    forbidden = {"eval", "evalsha", "eval_ro", "script|load", "function|load", "scan", "keys", "sscan"}
+    assert "fcall" in WORKER_COMMANDS
+    assert not forbidden & set(WORKER_COMMANDS)
+    assert not [r for r in rules if r.startswith("+") and r[1:] in forbidden]

@@ -1,0 +1,232 @@
+"""The ingest moves what a worker appends to its inbox into the ledger only when the worker speaks
+for itself about runs it holds; anything else goes to the dead letters with the reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from dispatch.benchmark import REFERENCE, benchset
+from dispatch.payload import Message, TaskMessage
+from dispatch.queues import TaskQueues
+from events.codec import encode_fields
+from events.connection import redis_client as redis_client_for
+from events.event import (
+    BenchmarkResult,
+    Event,
+    QualityScored,
+    TaskClaimed,
+    TaskCompleted,
+    TaskSubmitted,
+    Timings,
+    WorkerOnline,
+)
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
+
+DIGEST = "a" * 64
+OTHER = "b" * 64
+
+
+async def _inbox(redis: aioredis.Redis, keys: Keys, worker: str, *events: Event) -> None:
+    await redis.sadd(keys.inboxes, worker)
+    for event in events:
+        await redis.xadd(keys.inbox(worker), encode_fields(event))  # type: ignore[arg-type]
+
+
+async def _taken(queues: TaskQueues, queue: str, worker: str, task_id: str, **fields: Any) -> TaskClaimed:
+    """A task queued and taken by `worker`, and the claim it appends for it."""
+    task = TaskMessage(
+        task_id=task_id, model="m", digest=DIGEST, messages=[Message(role="user", content="hi")], **fields
+    )
+    await queues.enqueue(queue, task)
+    taken = await queues.take(queue, worker)
+    return TaskClaimed(
+        task_id=task_id,
+        worker=worker,
+        digest=DIGEST,
+        attempt=taken.attempt,
+        queue=queue,
+        entry_id=taken.entry_id,
+    )
+
+
+def _done(claim: TaskClaimed, **fields: Any) -> TaskCompleted:
+    values: dict[str, Any] = {"timings": Timings(eval_count=100, eval_duration=10**9), **fields}
+    return TaskCompleted(
+        task_id=claim.task_id, worker=claim.worker, digest=claim.digest, attempt=claim.attempt, **values
+    )
+
+
+async def _ledger_events(ledger: Ledger) -> list[Event]:
+    return [e async for _, e in ledger.read()]
+
+
+async def _dead_reasons(redis: aioredis.Redis, keys: Keys) -> list[str]:
+    rows: Any = await redis.xrange(keys.dead)
+    return [fields[b"reason"].decode() for _, fields in rows if fields.get(b"source") == b"inbox"]
+
+
+async def test_a_claimed_and_completed_run_is_moved_into_the_ledger_in_order_and_leaves_the_inbox(
+    any_redis_url: str, keys: Keys
+) -> None:
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        await _moved_in_order(redis_client, keys, Ledger(redis_client, keys))
+    finally:
+        await redis_client.aclose()
+
+
+async def _moved_in_order(redis_client: aioredis.Redis, keys: Keys, ledger: Ledger) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+    online = WorkerOnline(worker="a", slots=1)
+    await _inbox(redis_client, keys, "a", online, claim, _done(claim))
+    ingest = Ingest(redis_client, keys)
+    assert await ingest.catch_up() == 3
+    assert [type(e).__name__ for e in await _ledger_events(ledger)] == [
+        "WorkerOnline",
+        "TaskClaimed",
+        "TaskCompleted",
+    ]
+    assert await redis_client.xlen(keys.inbox("a")) == 0
+    assert await _dead_reasons(redis_client, keys) == []
+    # Every claimed run of t1 completed: nothing of it is kept.
+    assert await redis_client.hexists(keys.claims, "t1") == 0
+
+
+async def test_an_event_naming_another_worker_is_dead_lettered_and_the_ingest_goes_on(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+    forged = TaskCompleted(task_id="t1", worker="rtx3070ti", digest=DIGEST, attempt=1)
+    await _inbox(redis_client, keys, "a", forged, claim, _done(claim))
+    await Ingest(redis_client, keys).catch_up()
+    assert [e.worker for e in await _ledger_events(ledger)] == ["a", "a"]  # type: ignore[attr-defined]
+    assert await _dead_reasons(redis_client, keys) == [
+        "TaskCompleted names worker 'rtx3070ti' but came from the inbox of 'a'"
+    ]
+
+
+async def test_a_completion_without_a_claim_and_a_second_completion_of_one_run_are_refused(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+    unclaimed = TaskCompleted(task_id="t9", worker="a", digest=DIGEST, attempt=1)
+    await _inbox(redis_client, keys, "a", unclaimed, claim, _done(claim), _done(claim, duplicate=True))
+    await Ingest(redis_client, keys).catch_up()
+    done = [e for e in await _ledger_events(ledger) if isinstance(e, TaskCompleted)]
+    assert [(e.task_id, e.duplicate) for e in done] == [("t1", False)]
+    reasons = await _dead_reasons(redis_client, keys)
+    assert len(reasons) == 2
+    assert all("no open claim by a of task" in r for r in reasons), reasons
+
+
+async def test_a_claim_of_an_entry_another_worker_holds_or_of_a_task_not_in_it_is_refused(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    theirs = await _taken(queues, keys.queue(DIGEST), "b", "t1")
+    mine = await _taken(queues, keys.queue(DIGEST), "a", "t2")
+    stolen = TaskClaimed(
+        task_id="t1", worker="a", digest=DIGEST, attempt=1, queue=theirs.queue, entry_id=theirs.entry_id
+    )
+    renamed = TaskClaimed(
+        task_id="t1", worker="a", digest=DIGEST, attempt=1, queue=mine.queue, entry_id=mine.entry_id
+    )
+    await _inbox(redis_client, keys, "a", stolen, renamed, _done(stolen))
+    await Ingest(redis_client, keys).catch_up()
+    assert await _ledger_events(ledger) == []
+    reasons = await _dead_reasons(redis_client, keys)
+    assert reasons[0] == f"claims entry {theirs.entry_id} of {theirs.queue}, which b holds"
+    assert reasons[1] == f"claims task t1 with entry {mine.entry_id}, which holds task t2"
+    assert reasons[2].startswith("no open claim by a of task t1")
+
+
+async def test_a_grade_counts_only_for_a_benchmark_run_the_worker_claimed_and_only_once(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    prompt = benchset()[0]
+    bench = await _taken(queues, keys.pinned("a"), "a", "bench-b1-0", bench_id="b1", bench_prompt=prompt.id)
+    shared = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+
+    def grade(task_id: str, **fields: Any) -> QualityScored:
+        values: dict[str, Any] = {
+            "digest": DIGEST,
+            "domain": prompt.domain,
+            "score": 0.0,
+            "grader": REFERENCE,
+            "task_id": task_id,
+            "bench_id": "b1",
+            "worker": "a",
+            "prompt_id": prompt.id,
+            **fields,
+        }
+        return QualityScored(**values)
+
+    result = BenchmarkResult(
+        bench_id="b1", worker="a", digest=DIGEST, task_id="bench-b1-0", prompt_id=prompt.id
+    )
+    await _inbox(
+        redis_client,
+        keys,
+        "a",
+        bench,
+        shared,
+        grade("bench-b1-9"),  # a benchmark task it never claimed
+        grade("t1", bench_id=""),  # a user's task, not a benchmark's
+        grade("bench-b1-0", grader="judge:big"),  # a judge's grade, which only an operator records
+        grade("bench-b1-0", digest=OTHER),  # another model than the one it ran
+        result,
+        grade("bench-b1-0"),
+        grade("bench-b1-0"),  # the same answer graded again
+    )
+    await Ingest(redis_client, keys).catch_up()
+    events = await _ledger_events(ledger)
+    assert [type(e).__name__ for e in events] == [
+        "TaskClaimed",
+        "TaskClaimed",
+        "BenchmarkResult",
+        "QualityScored",
+    ]
+    reasons = await _dead_reasons(redis_client, keys)
+    assert len(reasons) == 5, reasons
+    assert "no claim by a of benchmark task bench-b1-9" in reasons[0]
+    assert "is not of a benchmark task" in reasons[1]
+    assert "reference check" in reasons[2]
+    assert "claimed bench-b1-0 for another model" in reasons[3]
+    assert reasons[4] == "task bench-b1-0 was graded by reference already"
+
+
+async def test_a_type_no_worker_writes_and_an_undecodable_entry_are_dead_lettered(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    submitted = TaskSubmitted(task_id="t1", model="m", digest=DIGEST, queue=keys.queue(DIGEST))
+    await _inbox(redis_client, keys, "a", submitted, WorkerOnline(worker="a", slots=1))
+    await redis_client.xadd(keys.inbox("a"), {"type": "TaskCompleted", "data": "garbage"})
+    await Ingest(redis_client, keys).catch_up()
+    assert [type(e).__name__ for e in await _ledger_events(ledger)] == ["WorkerOnline"]
+    reasons = await _dead_reasons(redis_client, keys)
+    assert reasons[0] == "a worker may not append TaskSubmitted"
+    assert reasons[1].startswith("undecodable")
+    assert await redis_client.xlen(keys.inbox("a")) == 0
+
+
+async def test_claims_no_completion_closed_are_forgotten_after_a_day_and_others_are_kept(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    old = await _taken(queues, keys.queue(DIGEST), "a", "t1")
+    await _inbox(redis_client, keys, "a", old, await _taken(queues, keys.queue(DIGEST), "a", "t2"))
+    ingest = Ingest(redis_client, keys)
+    await ingest.catch_up()
+    assert set(await redis_client.hkeys(keys.claims)) == {b"t1", b"t2"}
+    first_seen = max(c.at for v in await redis_client.hvals(keys.claims) for c in decode_claims(v))
+    assert await ingest.prune(first_seen + CLAIM_TTL_MS - 1) == 0
+    assert await ingest.prune(first_seen + CLAIM_TTL_MS) == 2
+    assert await redis_client.hlen(keys.claims) == 0
