@@ -49,6 +49,7 @@ from sim.errors import FleetError
 # What a model can do, in Ollama's words (`/api/show` `capabilities`): `completion` answers chat and
 # generate, `tools` answers with tool calls, `vision` reads images, `embedding` answers embeddings,
 # `thinking` thinks aloud when asked (`think`), `insert` fills in the middle (`suffix`).
+# (`insert` is reported by /api/show only: the simulator does not read `suffix`.)
 CAPABILITIES: Final = ("completion", "tools", "vision", "embedding", "thinking", "insert")
 
 
@@ -82,9 +83,10 @@ class ModelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     # Chance that an answer to a benchmark prompt of the domain contains its reference answer.
     quality: dict[str, float] = msgspec.field(default_factory=dict)
     output: OutputLength = OutputLength()
-    # Whether the model honours Ollama's `format` (JSON mode): True answers a request that sets it
-    # with JSON (see sim.backends.text.json_answer); False ignores it and answers prose, as a model without
-    # JSON mode would (the pipeline tests use it for a decomposer that answers garbage).
+    # Whether the model honours Ollama's `format` (JSON mode, or a schema): True answers a request
+    # that sets it with JSON (valid against the schema: sim.backends.schema; else
+    # sim.backends.text.json_answer); False ignores it and answers prose, as a model without JSON
+    # mode would (the pipeline tests use it for a decomposer that answers garbage).
     follows_format: bool = True
 
 

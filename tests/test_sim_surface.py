@@ -634,3 +634,29 @@ def test_an_unknown_capability_in_the_fleet_is_a_clear_error() -> None:
     bad = '[model."m"]\ncapabilities = ["completion", "telepathy"]\n'
     with pytest.raises(FleetError, match=r"model m has unknown capabilities \['telepathy'\]; known ones are"):
         parse_fleet(bad, "bad.toml")
+
+
+async def test_an_embed_with_keep_alive_zero_unloads_and_an_empty_input_only_loads(hosts: SimHosts) -> None:
+    client = ollama_client(hosts)
+    loaded = await client.embed(model="embedder", input=[])
+    assert loaded.embeddings == [] and loaded.load_duration == 2_000_000_000
+    assert [m.model for m in (await client.ps()).models] == ["embedder:latest"]
+    done = await client.embed(model="embedder", input="bye", keep_alive=0)
+    assert len(done.embeddings) == 1
+    assert (await client.ps()).models == []
+
+
+async def test_generate_takes_images_for_a_vision_model(hosts: SimHosts) -> None:
+    answer = await ollama_client(hosts).generate(model="talker", prompt="Describe.", images=[PIXEL])
+    assert answer.prompt_eval_count == count_tokens("Describe.") + IMAGE_TOKENS
+    with pytest.raises(ollama.ResponseError, match='"plain" does not support vision'):
+        await ollama_client(hosts).generate(model="plain", prompt="Describe.", images=[PIXEL])
+
+
+async def test_a_scaled_machine_waits_out_an_embedding_and_reports_its_simulated_time() -> None:
+    async with SimHosts(parse_fleet(SURFACE, "surface.toml"), time_scale=0.01, seed=SEED) as scaled:
+        done = await ollama_client(scaled).embed(model="embedder", input=["one", "two"])
+    tokens = count_tokens("one") + count_tokens("two")
+    assert done.load_duration == 2_000_000_000
+    # Queue time enters as wall time / time scale: a few simulated milliseconds at most here.
+    assert done.total_duration == pytest.approx((2.0 + tokens / 1000.0) * 1e9, abs=0.2e9)
