@@ -368,6 +368,16 @@ async def test_embeddings_from_a_model_without_the_capability_are_refused(hosts:
     assert chat.value.error == '"embedder" does not support chat'
     with pytest.raises(ollama.ResponseError, match="dimensions must be between 1 and the model's 768"):
         await ollama_client(hosts).embed(model="embedder", input="x", dimensions=4096)
+    async with httpx.AsyncClient(base_url=hosts.url("box")) as http:
+        ids = await http.post("/v1/embeddings", json={"model": "embedder", "input": [[1, 2, 3]]})
+        packed = await http.post(
+            "/v1/embeddings", json={"model": "embedder", "input": "x", "encoding_format": "int8"}
+        )
+    assert (
+        ids.status_code == 400
+        and "input must be a string or a list of strings" in ids.json()["error"]["message"]
+    )
+    assert packed.status_code == 400 and packed.json()["error"]["type"] == "invalid_request_error"
 
 
 # -- images -----------------------------------------------------------------------------------------

@@ -302,8 +302,13 @@ class OpenAIFormat(Format):
         )
 
     def error(self, message: str, status: int = 500) -> bytes:
-        kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
-        return _enc.encode({"error": {"message": message, "type": kind, "param": None, "code": None}})
+        return openai_error(message, status)
+
+
+def openai_error(message: str, status: int = 500) -> bytes:
+    """OpenAI's error body: a client's mistake (4xx) is an `invalid_request_error`."""
+    kind = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    return _enc.encode({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
 
 # -- embeddings -------------------------------------------------------------------------------------

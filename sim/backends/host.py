@@ -85,6 +85,7 @@ from sim.backends.formats import (
     ollama_embed,
     ollama_embeddings,
     openai_embeddings,
+    openai_error,
 )
 from sim.backends.listener import Listener, read_body, respond, until_disconnect
 from sim.backends.machine import Embedded, SimMachine, keep_alive_seconds
@@ -514,25 +515,24 @@ class MachineApp:
             await respond(send, 200, ollama_embeddings(done))
 
     async def _v1_embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fmt = OpenAIFormat("", False, 0)
         try:
             req = decode_body(await read_body(receive), OpenAIEmbeddingsRequest)
         except BadRequestError as exc:
-            await respond(send, 400, fmt.error(f"{exc}; input must be a string or a list of strings", 400))
+            await respond(send, 400, openai_error(f"{exc}; input must be a string or a list of strings", 400))
             return
         texts = [req.input] if isinstance(req.input, str) else req.input
         encoding = req.encoding_format or "float"
         if encoding not in ("float", "base64"):
             await respond(
-                send, 400, fmt.error(f"encoding_format must be float or base64, got {encoding!r}", 400)
+                send, 400, openai_error(f"encoding_format must be float or base64, got {encoding!r}", 400)
             )
             return
         if not texts or any(not t for t in texts):
             await respond(
-                send, 400, fmt.error("input must be a non-empty string or list of non-empty strings", 400)
+                send, 400, openai_error("input must be a non-empty string or list of non-empty strings", 400)
             )
             return
-        done = await self._embed_with(send, req.model, texts, dimensions=req.dimensions, error=fmt.error)
+        done = await self._embed_with(send, req.model, texts, dimensions=req.dimensions, error=openai_error)
         if done is not None:
             await respond(send, 200, openai_embeddings(req.model, done, encoding == "base64"))
 
