@@ -19,3 +19,7 @@ class UnknownModelError(SimHostError):
 
 class BadRequestError(SimHostError):
     """Raised when a request body is not what a simulated endpoint takes."""
+
+
+class CapabilityError(BadRequestError):
+    """Raised when a request asks a model for something its capabilities lack (tools, images, …)."""

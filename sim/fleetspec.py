@@ -18,8 +18,20 @@ other people's fleet files use, is
     load_s = 8.0
 
 and more keys may be added: per worker `parallel_exponent`, `keep_alive_s`, `serves` and the fault
-rates; per worker model an optional `digest` override; and a top-level `[model."NAME"]` table with
-what belongs to the model itself (digest, family, size, quality per domain, output length).
+rates; per worker model an optional `digest` override and `embed_tps`; and a top-level
+`[model."NAME"]` table with what belongs to the model itself (digest, family, size, quality per
+domain, output length, capabilities):
+
+    [model."qwen3:8b"]
+    capabilities = ["completion", "tools", "thinking"]   # default ["completion"]
+    family = "qwen3"               # optional facts: absent from /api/show, /api/tags, /api/ps if unset
+    parameter_size = "8.2B"
+    quantization = "Q4_K_M"
+    size = 5225376047              # bytes on disk and in memory
+    context_length = 40960
+    [model."nomic-embed-text"]
+    capabilities = ["embedding"]
+    embedding_dim = 768
 """
 
 from __future__ import annotations
@@ -28,11 +40,17 @@ import hashlib
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from sim.errors import FleetError
+
+# What a model can do, in Ollama's words (`/api/show` `capabilities`): `completion` answers chat and
+# generate, `tools` answers with tool calls, `vision` reads images, `embedding` answers embeddings,
+# `thinking` thinks aloud when asked (`think`), `insert` fills in the middle (`suffix`).
+# (`insert` is reported by /api/show only: the simulator does not read `suffix`.)
+CAPABILITIES: Final = ("completion", "tools", "vision", "embedding", "thinking", "insert")
 
 
 class OutputLength(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -47,16 +65,28 @@ class ModelSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     """What belongs to the model itself, whichever machine holds it."""
 
     digest: str = ""
+    # Facts a real backend reports; "" / None: nobody knows, and the sim's API leaves them out.
     family: str = ""
     parameter_size: str = ""
+    # Every simulated model is a Q4_K_M gguf unless its table says otherwise ("" for unknown).
     quantization: str = "Q4_K_M"
-    size: int = 0
+    # Bytes of the weights, on disk (`/api/tags`) and in memory once loaded (`/api/ps`).
+    size: int | None = None
+    context_length: int | None = None
+    capabilities: list[str] = msgspec.field(default_factory=lambda: ["completion"])
+    # Length of the vectors an `embedding` model answers (a request's `dimensions` may shorten them).
+    embedding_dim: int = 768
+    # Ollama's prompt template and Modelfile parameters, as `/api/show` reports them; None: a
+    # template made from the capabilities (sim.backends.host) and Qwen-like parameters.
+    template: str | None = None
+    parameters: str | None = None
     # Chance that an answer to a benchmark prompt of the domain contains its reference answer.
     quality: dict[str, float] = msgspec.field(default_factory=dict)
     output: OutputLength = OutputLength()
-    # Whether the model honours Ollama's `format` (JSON mode): True answers a request that sets it
-    # with JSON (see sim.backends.text.json_answer); False ignores it and answers prose, as a model without
-    # JSON mode would (the pipeline tests use it for a decomposer that answers garbage).
+    # Whether the model honours Ollama's `format` (JSON mode, or a schema): True answers a request
+    # that sets it with JSON (valid against the schema: sim.backends.schema; else
+    # sim.backends.text.json_answer); False ignores it and answers prose, as a model without JSON
+    # mode would (the pipeline tests use it for a decomposer that answers garbage).
     follows_format: bool = True
 
 
@@ -70,6 +100,12 @@ class WorkerModel(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     digest: str | None = None
     # False: the machine can be given the model at run time (the sim's POST /api/pull), not at start.
     held: bool = True
+    # Prompt tokens per second of an embedding request; None: as fast as prompt evaluation.
+    embed_tps: float | None = None
+
+    @property
+    def embedding_tps(self) -> float:
+        return self.embed_tps if self.embed_tps is not None else self.prompt_tps
 
 
 class Slowdown(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -118,6 +154,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     openai_usage: bool = True
     # Stretches of time with speed multiplied by a factor (overlapping ones multiply).
     slowdown: list[Slowdown] = msgspec.field(default_factory=list)
+    # Bytes of GPU memory: a loaded model larger than this reports only this much as `size_vram` in
+    # /api/ps (the rest runs on the CPU). None: every model fits.
+    vram_bytes: int | None = None
 
     def speed_factor(self, t: float) -> float:
         """What its speeds are multiplied by at simulated second `t`."""
@@ -189,6 +228,22 @@ def fleet_from_dict(data: dict[str, Any], source: str = "<dict>") -> Fleet:
         fleet = msgspec.convert(data, Fleet)
     except msgspec.ValidationError as exc:
         raise FleetError(f"{source}: {exc}") from None
+    for name, model_spec in fleet.model.items():
+        unknown = [c for c in model_spec.capabilities if c not in CAPABILITIES]
+        if unknown:
+            raise FleetError(
+                f"{source}: model {name} has unknown capabilities {unknown}; "
+                f"known ones are {', '.join(CAPABILITIES)}"
+            )
+        if not model_spec.capabilities:
+            raise FleetError(
+                f"{source}: model {name} has no capabilities; "
+                f"give it at least one of {', '.join(CAPABILITIES)}"
+            )
+        if model_spec.embedding_dim < 1:
+            raise FleetError(f"{source}: model {name} needs a positive embedding_dim")
+        if model_spec.size is not None and model_spec.size < 0:
+            raise FleetError(f"{source}: model {name} has a negative size")
     names = [w.name for w in fleet.worker]
     if len(set(names)) != len(names):
         raise FleetError(f"{source}: worker names must be unique, got {names}")
@@ -202,7 +257,12 @@ def fleet_from_dict(data: dict[str, Any], source: str = "<dict>") -> Fleet:
                     f"empty window ({slow.from_s} to {slow.until_s} s)"
                 )
         for model, spec in w.models.items():
-            if spec.decode_tps <= 0 or spec.prompt_tps <= 0 or spec.load_s < 0:
+            if (
+                spec.decode_tps <= 0
+                or spec.prompt_tps <= 0
+                or spec.load_s < 0
+                or (spec.embed_tps is not None and spec.embed_tps <= 0)
+            ):
                 raise FleetError(
                     f"{source}: {w.name}/{model} needs positive speeds and a non-negative load time"
                 )

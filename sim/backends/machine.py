@@ -12,6 +12,7 @@ State timers — keep_alive expiry and online windows — run on the wall clock 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -22,6 +23,9 @@ from typing import Literal
 import msgspec
 
 from dispatch.ollama import rfc3339
+from sim.backends.ask import IMAGE_TOKENS, Answer, Ask
+from sim.backends.embedding import embedding_vector
+from sim.backends.schema import schema_value
 from sim.backends.text import (
     bench_answer,
     bench_prompt,
@@ -31,8 +35,10 @@ from sim.backends.text import (
     json_answer,
     sample_length,
     seed_of,
+    split_tokens,
 )
-from sim.errors import SimHostError, UnknownModelError
+from sim.backends.tools import plan_calls, quote_results, tool_names
+from sim.errors import BadRequestError, CapabilityError, SimHostError, UnknownModelError
 from sim.fleetspec import Fleet, ModelSpec, WorkerModel, WorkerSpec
 
 # Tokens are released to a streaming client at most this late (wall seconds); fewer wake-ups.
@@ -70,7 +76,9 @@ class Counters(msgspec.Struct, kw_only=True):
 class LoadedModel(msgspec.Struct, kw_only=True):
     name: str
     digest: str
-    size: int
+    # Bytes in memory, and of those in GPU memory; None: the fleet does not say how big the model is.
+    size: int | None
+    size_vram: int | None
     expires_at: str
     in_use: int
 
@@ -90,6 +98,15 @@ class MachineState(msgspec.Struct, kw_only=True):
     time_scale: float
     # Decode and prompt speed times this (POST /sim/speed): the fleet's `slowdown` at run time.
     speed_factor: float = 1.0
+
+
+class Embedded(msgspec.Struct, kw_only=True):
+    """The answer to one embedding request: a vector per input, and Ollama's timings in ns."""
+
+    vectors: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
 
 
 class Timings(msgspec.Struct, kw_only=True):
@@ -170,6 +187,7 @@ class Generation:
     """One generation request, planned up front so that its output is fixed by its seeds."""
 
     __slots__ = (
+        "answer",
         "disconnect_after",
         "fault",
         "gone",
@@ -186,7 +204,7 @@ class Generation:
         self,
         model: _Model,
         prompt_tokens: int,
-        tokens: list[str],
+        answer: Answer,
         max_tokens: int | None,
         keep_alive: float | None,
         fault: Fault | None,
@@ -194,7 +212,8 @@ class Generation:
     ) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self.tokens = tokens
+        self.answer = answer
+        self.tokens = answer.tokens
         self.max_tokens = max_tokens
         self.keep_alive = keep_alive
         self.fault = fault
@@ -290,40 +309,52 @@ class SimMachine:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def plan(
-        self,
-        model_name: str,
-        prompt: str,
-        last_user: str,
-        *,
-        request_seed: int | None = None,
-        max_tokens: int | None = None,
-        keep_alive: object = None,
-        wants_json: bool = False,
-    ) -> Generation:
-        """A job for `prompt` (the whole input) whose last user message is `last_user`.
+    def plan(self, ask: Ask) -> Generation:
+        """A job for `ask`, its output fixed by the machine's seed and the request's.
 
-        `wants_json`: the request set Ollama's `format`; a model that follows it answers JSON.
+        What the model answers, in this order: tool calls, when tools are offered and the rule of
+        sim.backends.tools calls one; a quote of the tool results that end the conversation; the
+        benchmark answer, when the last user message is a benchmark prompt; JSON, when a format is
+        asked for and the model follows formats (valid against the schema if one is given, else an
+        array of three short pseudo-sentences); pseudo-words otherwise. With `think`, thinking comes
+        first: pseudo-words, half as many tokens as the answer and at least 8.
         """
         self.counters.requests += 1
         try:
-            model = self.find(model_name)
+            model = self.find(ask.model)
         except UnknownModelError:
             self.counters.not_found += 1
             raise
-        ka = keep_alive_seconds(keep_alive)
+        self._check_capabilities(model, ask)
+        ka = keep_alive_seconds(ask.keep_alive)
         self._seq += 1
-        salt: object = request_seed if request_seed is not None else f"n{self._seq}"
-        rng = random.Random(seed_of(self.seed, model.digest, salt, prompt))
-        bench = bench_prompt(last_user)
-        tokens: list[str] | None = None
-        if bench is not None:
-            # A model without a number for the domain answers like a coin toss: the sim needs some value.
-            tokens = bench_answer(rng, last_user, model.spec.quality.get(bench.domain, 0.5))
-        if tokens is None and wants_json and model.spec.follows_format:
-            tokens = json_answer(rng, is_japanese(last_user))
-        if tokens is None:
-            tokens = filler(rng, sample_length(rng, model.spec.output), is_japanese(last_user))
+        salt: object = ask.seed if ask.seed is not None else f"n{self._seq}"
+        rng = random.Random(seed_of(self.seed, model.digest, salt, ask.prompt))
+        japanese = is_japanese(ask.last_user)
+        wants_json = bool(ask.format) and model.spec.follows_format
+        answer: Answer | None = None
+        if ask.wants_tools and not ask.tool_results:
+            calls = plan_calls(ask, rng)
+            answer = Answer(tokens=[piece for call in calls for piece in call.pieces], calls=calls)
+        if answer is None and ask.tool_results and not wants_json:
+            answer = Answer(tokens=quote_results(ask.tool_results))
+        if answer is None:
+            bench = bench_prompt(ask.last_user)
+            if bench is not None:
+                # A model without a number for the domain answers like a coin toss: the sim needs some value.
+                tokens = bench_answer(rng, ask.last_user, model.spec.quality.get(bench.domain, 0.5))
+                answer = Answer(tokens=tokens) if tokens is not None else None
+        if answer is None and wants_json:
+            if isinstance(ask.format, dict):
+                text = json.dumps(schema_value(ask.format, rng), ensure_ascii=False)
+                answer = Answer(tokens=split_tokens(text))
+            else:
+                answer = Answer(tokens=json_answer(rng, japanese))
+        if answer is None:
+            answer = Answer(tokens=filler(rng, sample_length(rng, model.spec.output), japanese))
+        if ask.think:
+            thought = filler(rng, max(8, len(answer.tokens) // 2), japanese)
+            answer = Answer(tokens=thought + answer.tokens, thinking=len(thought), calls=answer.calls)
         fault = self._draw_fault()
         disconnect_after = 0
         if fault == "error":
@@ -332,8 +363,99 @@ class SimMachine:
             self.counters.hangs += 1
         elif fault == "disconnect":
             self.counters.disconnects += 1
-            disconnect_after = self._fault_rng.randint(0, max(0, len(tokens) // 2))
-        return Generation(model, count_tokens(prompt), tokens, max_tokens, ka, fault, disconnect_after)
+            disconnect_after = self._fault_rng.randint(0, max(0, len(answer.tokens) // 2))
+        prompt_tokens = count_tokens(ask.prompt) + ask.images * IMAGE_TOKENS
+        if ask.tools:
+            # The tool definitions are rendered into the prompt by the model's template.
+            prompt_tokens += count_tokens(json.dumps(ask.tools))
+        return Generation(model, prompt_tokens, answer, ask.max_tokens, ka, fault, disconnect_after)
+
+    def _check_capabilities(self, model: _Model, ask: Ask) -> None:
+        """Refuse, as Ollama does, what the model cannot do: `"NAME" does not support tools`."""
+        caps = model.spec.capabilities
+        if "completion" not in caps and not ask.load_only:
+            raise CapabilityError(f'"{ask.model}" does not support {ask.surface}')
+        if ask.tools:
+            tool_names(ask.tools)
+            if "tools" not in caps:
+                raise CapabilityError(f'"{ask.model}" does not support tools')
+        if ask.think and "thinking" not in caps:
+            raise CapabilityError(f'"{ask.model}" does not support thinking')
+        if ask.images and "vision" not in caps:
+            raise CapabilityError(f'"{ask.model}" does not support vision')
+
+    async def embed(
+        self,
+        model_name: str,
+        texts: list[str],
+        *,
+        truncate: bool = True,
+        dimensions: int | None = None,
+        keep_alive: object = None,
+    ) -> Embedded:
+        """Embed `texts` (none: only load the model), taking a slot and the model's embedding time:
+        load (if not loaded) plus prompt tokens / `embed_tps`, waited times `time_scale`.
+
+        Inputs longer than the model's `context_length` are cut to it when `truncate` (the
+        default), refused otherwise. No faults are drawn for embeddings.
+        """
+        self.counters.requests += 1
+        try:
+            model = self.find(model_name)
+        except UnknownModelError:
+            self.counters.not_found += 1
+            raise
+        if "embedding" not in model.spec.capabilities:
+            raise CapabilityError(f'"{model_name}" does not support embedding')
+        dim = model.spec.embedding_dim
+        if dimensions is not None and not 0 < dimensions <= dim:
+            raise BadRequestError(f"dimensions must be between 1 and the model's {dim}, got {dimensions}")
+        ka = keep_alive_seconds(keep_alive)
+        context = model.spec.context_length
+        counts: list[int] = []
+        kept: list[str] = []
+        for text in texts:
+            n = count_tokens(text)
+            if context is not None and n > context:
+                if not truncate:
+                    raise BadRequestError(
+                        f"the input length ({n} tokens) exceeds the context length ({context}); "
+                        "shorten it or set truncate to true"
+                    )
+                # Four bytes a token, as count_tokens reads text.
+                text = text.encode()[: context * 4].decode(errors="ignore")
+                n = context
+            counts.append(n)
+            kept.append(text)
+        arrived = _loop_time()
+        await self.acquire()
+        pinned = False
+        try:
+            queued_s = (_loop_time() - arrived) / self.time_scale if self.time_scale else 0.0
+            load_s = await self._use(model)
+            pinned = True
+            tokens = sum(counts)
+            embed_s = tokens * self._share(self.active + 1) / (model.speed.embedding_tps * self.speed_factor)
+            if self.time_scale and tokens:
+                self.active += 1
+                try:
+                    await asyncio.sleep(embed_s * self.time_scale)
+                finally:
+                    self.active -= 1
+            vectors = [embedding_vector(model.digest, text, dim, dimensions) for text in kept]
+            self.counters.completed += 1
+            self.counters.prompt_tokens += tokens
+            reported_load_s = load_s if load_s > 0 else self.spec.warm_load_ms / 1000.0
+            return Embedded(
+                vectors=vectors,
+                total_duration=_ns(queued_s + load_s + embed_s),
+                load_duration=_ns(reported_load_s),
+                prompt_eval_count=tokens,
+            )
+        finally:
+            if pinned:
+                self._unpin(model, ka)
+            self.release()
 
     def _draw_fault(self) -> Fault | None:
         f = self.faults
@@ -573,6 +695,13 @@ class SimMachine:
                     name=model.name,
                     digest=model.digest,
                     size=model.spec.size,
+                    size_vram=(
+                        None
+                        if model.spec.size is None
+                        else min(model.spec.size, self.spec.vram_bytes)
+                        if self.spec.vram_bytes is not None
+                        else model.spec.size
+                    ),
                     expires_at=rfc3339(time.time() + left) if math.isfinite(left) else _FOREVER,
                     in_use=model.refs,
                 )

@@ -13,6 +13,14 @@ from sim.errors import BadRequestError
 class ChatMessageBody(msgspec.Struct):
     role: str = "user"
     content: str | list[dict[str, Any]] | None = None
+    # Ollama: base64 images on a message.
+    images: list[str] | None = None
+    # An assistant's earlier tool calls (both APIs), and which call a `tool` message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    name: str | None = None
+    thinking: str | None = None
 
 
 class ChatRequest(msgspec.Struct):
@@ -22,6 +30,9 @@ class ChatRequest(msgspec.Struct):
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
     format: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    # True/False, or a level ("low", "medium", "high") that also means think.
+    think: bool | str | None = None
 
 
 class GenerateRequest(msgspec.Struct):
@@ -32,6 +43,8 @@ class GenerateRequest(msgspec.Struct):
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
     format: str | dict[str, Any] | None = None
+    images: list[str] | None = None
+    think: bool | str | None = None
 
 
 class OpenAIChatRequest(msgspec.Struct):
@@ -42,6 +55,44 @@ class OpenAIChatRequest(msgspec.Struct):
     max_completion_tokens: int | None = None
     seed: int | None = None
     stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    # "none" turns thinking off; "minimal", "low", "medium", "high" turn it on (Ollama's own mapping).
+    reasoning_effort: str | None = None
+    # Not OpenAI's: Ollama's `think`, which some clients send through `extra_body`.
+    think: bool | str | None = None
+
+
+class EmbedRequest(msgspec.Struct):
+    """Ollama's /api/embed."""
+
+    model: str
+    input: str | list[str] = ""
+    truncate: bool | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+    dimensions: int | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct):
+    """Ollama's older /api/embeddings: one prompt, one vector."""
+
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+
+
+class OpenAIEmbeddingsRequest(msgspec.Struct):
+    """OpenAI's /v1/embeddings (token-id inputs are not taken: the sim has no tokenizer)."""
+
+    model: str
+    input: str | list[str]
+    encoding_format: str | None = None
+    dimensions: int | None = None
+    user: str | None = None
 
 
 class ModelRequest(msgspec.Struct):
@@ -71,6 +122,20 @@ def content_text(content: str | list[dict[str, Any]] | None) -> str:
         return content
     # OpenAI's content parts: only the text parts count.
     return "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+
+
+def image_parts(content: str | list[dict[str, Any]] | None) -> list[str]:
+    """The `image_url` URLs of OpenAI content parts (a string or a `{"url": …}` object)."""
+    if not isinstance(content, list):
+        return []
+    urls: list[str] = []
+    for part in content:
+        if part.get("type") != "image_url":
+            continue
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        urls.append(str(url or ""))
+    return urls
 
 
 def int_option(options: dict[str, Any] | None, key: str) -> int | None:
