@@ -16,8 +16,8 @@ DECOMPOSER_RETRY: Final = (
     "That answer could not be used: {problem}. Answer again with JSON only, in exactly the form "
     '{{"subtasks": ["...", "..."]}}.'
 )
-# Real backends get the shape as a schema (Ollama's structured outputs); the simulator only
-# notices that JSON was asked for.
+# Backends get the shape as a schema (Ollama's structured outputs); the simulator answers JSON
+# valid against it too (sim/backends/schema.py).
 DECOMPOSER_FORMAT: Final = {
     "type": "object",
     "properties": {"subtasks": {"type": "array", "items": {"type": "string"}}},
