@@ -72,7 +72,8 @@ class PipelineCreate(_Body):
     wait: bool = Field(
         True, description="answer when the pipeline has finished; false: 202 once children are queued"
     )
-    timeout_s: float | None = Field(None, gt=0)
+    # At least a second: a shorter wait could only ever end in a 504.
+    timeout_s: float | None = Field(None, ge=1, description="how long a waiting request waits (at least 1 s)")
 
 
 def default_model(request: Request) -> str:
