@@ -51,6 +51,8 @@ ANY: Final = "*"
 # Methods whose body, when they carry one, must be JSON.
 BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 _DEFAULT_PORTS: Final = {b"http": b":80", b"https": b":443"}
+# Most Host header values the guard remembers as allowed (a few per way of reaching it).
+MAX_SEEN_HOSTS: Final = 64
 
 
 def wants_html(scope: Scope) -> bool:
@@ -158,6 +160,8 @@ class Guard:
         self.origins = frozenset(normal_origin(o.encode()) for o in allowed_origins if o.strip())
         # The dashboard's shell: a browser cannot attach a key to a page load, and it holds no data.
         self.pages = pages
+        # Host header values already found allowed, as sent (see _host_allowed).
+        self.seen_hosts: set[bytes] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -184,28 +188,18 @@ class Guard:
             self._record(scope, path, status, time.perf_counter() - start)
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
-        host = origin = authorization = content_type = length = None
-        chunked = False
-        # One pass over the headers: the checks below read only what it found.
-        for name, value in scope.get("headers", ()):
-            if name == b"host":
-                host = value
-            elif name == b"origin":
-                origin = value
-            elif name == b"authorization":
-                authorization = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                length = value
-            elif name == b"transfer-encoding":
-                chunked = True
-        if host is not None and self.hosts is not None and host_name(host) not in self.hosts:
+        # One pass over the headers, in C: the checks below only look names up.
+        headers: dict[bytes, bytes] = dict(scope.get("headers", ()))
+        host = headers.get(b"host")
+        origin = headers.get(b"origin")
+        content_type = headers.get(b"content-type")
+        length = headers.get(b"content-length")
+        if host is not None and host not in self.seen_hosts and not self._host_allowed(host):
             return wrong_host(host)
         if origin is not None and not self._origin_allowed(origin, host):
             return wrong_origin(origin)
         if self.keys and not self._key_exempt(scope, path):
-            presented = bearer_token(authorization)
+            presented = bearer_token(headers.get(b"authorization"))
             if presented is None or not key_matches(presented, self.keys):
                 return UnauthorizedError(
                     "missing or wrong API key",
@@ -220,14 +214,24 @@ class Guard:
                 size = None
         if size is not None and size > self.max_body:
             return too_large(self.max_body)
-        has_body = chunked or (size is not None and size > 0)
+        has_body = b"transfer-encoding" in headers or (size is not None and size > 0)
         if (
             has_body
             and scope.get("method") in BODY_METHODS
+            and content_type != b"application/json"
             and (content_type is None or not is_json(content_type))
         ):
             return not_json(content_type)
         return None
+
+    def _host_allowed(self, host: bytes) -> bool:
+        if self.hosts is not None and host_name(host) not in self.hosts:
+            return False
+        # Clients send a handful of Host values: each allowed one is parsed once. Refused ones are
+        # not kept, and the set is bounded, so no client can grow it.
+        if len(self.seen_hosts) < MAX_SEEN_HOSTS:
+            self.seen_hosts.add(host)
+        return True
 
     def _origin_allowed(self, origin: bytes, host: bytes | None) -> bool:
         if self.any_origin or (host is not None and same_origin(origin, host)):
