@@ -98,6 +98,13 @@ async def test_a_refused_option_or_domain_is_a_400_naming_it_and_queues_nothing(
     assert await ledger.length() == before
 
 
+async def test_a_route_preview_for_an_unknown_domain_is_a_400_too(http: httpx.AsyncClient) -> None:
+    refused = await http.get("/v1/route/preview", params={"model": "m", "domain": "x" * 500})
+    known = await http.get("/v1/route/preview", params={"model": "m", "domain": "code"})
+    assert refused.status_code == 400 and "allowed: general" in refused.text
+    assert known.status_code == 200, known.text
+
+
 async def test_sampling_options_and_a_configured_domain_are_accepted(
     http: httpx.AsyncClient, ledger: Ledger
 ) -> None:
