@@ -12,6 +12,8 @@ host name re-resolves to 127.0.0.1 (DNS rebinding) reads the answers as same-ori
 all on headers the guard scans anyway, close both: the Host must be a name this API answers to,
 an Origin a browser sent must be this API's own (or a configured one), and a body must be sent
 as application/json, which a page cannot send cross-site without a preflight nobody answers.
+A page of an origin the operator allows (allowed_origins) gets its preflight answered and CORS
+headers on its answers, so that a web app served elsewhere can call the API.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 _DEFAULT_PORTS: Final = {b"http": b":80", b"https": b":443"}
 # Most Host header values the guard remembers as allowed (a few per way of reaching it).
 MAX_SEEN_HOSTS: Final = 64
+# Where the guard marks a request from an allowed other origin (its Origin), and a CORS preflight.
+CORS_KEY: Final = "routeledger.cors"
+PREFLIGHT_KEY: Final = "routeledger.preflight"
+# What a page of an allowed other origin may send, and read of the answer besides the body.
+_CORS_ALLOW: Final = [
+    (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+    (b"access-control-allow-headers", b"authorization, content-type"),
+    (b"access-control-max-age", b"600"),
+]
+_CORS_EXPOSE: Final = (
+    b"x-routeledger-task, x-routeledger-model, x-routeledger-worker, x-routeledger-expected-worker, "
+    b"x-routeledger-pipeline, retry-after"
+)
 
 
 def wants_html(scope: Scope) -> bool:
@@ -183,6 +198,10 @@ class Guard:
                 status = refusal.status
                 await send_error(send, path, refusal)
                 return
+            cors: bytes | None = scope.get(CORS_KEY)
+            if cors is not None:
+                status = await self._cross_origin(scope, receive, send, cors)
+                return
             await self.app(scope, self._limited(receive), sending)
         finally:
             self._record(scope, path, status, time.perf_counter() - start)
@@ -196,8 +215,15 @@ class Guard:
         length = headers.get(b"content-length")
         if host is not None and host not in self.seen_hosts and not self._host_allowed(host):
             return wrong_host(host)
-        if origin is not None and not self._origin_allowed(origin, host):
-            return wrong_origin(origin)
+        if origin is not None and not (host is not None and same_origin(origin, host)):
+            if not self.any_origin and normal_origin(origin) not in self.origins:
+                return wrong_origin(origin)
+            # An allowed page of another origin: its answers carry CORS headers, and its preflight
+            # (which carries no key) is answered here.
+            scope[CORS_KEY] = origin
+            if scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers:
+                scope[PREFLIGHT_KEY] = True
+                return None
         if self.keys and not self._key_exempt(scope, path):
             presented = bearer_token(headers.get(b"authorization"))
             if presented is None or not key_matches(presented, self.keys):
@@ -233,10 +259,26 @@ class Guard:
             self.seen_hosts.add(host)
         return True
 
-    def _origin_allowed(self, origin: bytes, host: bytes | None) -> bool:
-        if self.any_origin or (host is not None and same_origin(origin, host)):
-            return True
-        return normal_origin(origin) in self.origins
+    async def _cross_origin(self, scope: Scope, receive: Receive, send: Send, origin: bytes) -> int:
+        """Serve a request from an allowed other origin, with CORS headers; returns the status."""
+        allow = [(b"access-control-allow-origin", origin), (b"vary", b"origin")]
+        if scope.get(PREFLIGHT_KEY):
+            headers = [*allow, *_CORS_ALLOW, (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return 204
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                exposed = [*allow, (b"access-control-expose-headers", _CORS_EXPOSE)]
+                message = {**message, "headers": [*message.get("headers", ()), *exposed]}
+            await send(message)
+
+        await self.app(scope, self._limited(receive), sending)
+        return status
 
     def _key_exempt(self, scope: Scope, path: str) -> bool:
         if path in OPEN_PATHS:

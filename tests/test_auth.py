@@ -120,6 +120,33 @@ async def test_the_apis_own_origin_and_a_configured_one_may_call_it(http: httpx.
     same = await http.post("/v1/tasks", json=TASK, headers={"origin": f"http://{own}"})
     configured = await http.post("/v1/tasks", json=TASK, headers={"origin": "https://chat.example:3000"})
     assert same.status_code == configured.status_code == 202
+    # Only the other origin needs CORS headers to read the answer.
+    assert "access-control-allow-origin" not in same.headers
+    assert configured.headers["access-control-allow-origin"] == "https://chat.example:3000"
+    assert "x-routeledger-task" in configured.headers["access-control-expose-headers"]
+
+
+async def test_a_configured_origins_preflight_is_answered_without_a_key_and_its_request_needs_one(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await ghost_worker(redis_client)
+    config = AppConfig(redis_url=redis_url, api_keys=["k"], allowed_origins=["https://chat.example"])
+    origin = {"origin": "https://chat.example"}
+    async with serving(config) as base, httpx.AsyncClient(base_url=base) as http:
+        preflight = await http.options(
+            "/v1/chat/completions",
+            headers={
+                **origin,
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization",
+            },
+        )
+        keyless = await http.post("/v1/tasks", json=TASK, headers=origin)
+        keyed = await http.post("/v1/tasks", json=TASK, headers={**origin, "authorization": "Bearer k"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "https://chat.example"
+    assert "authorization" in preflight.headers["access-control-allow-headers"]
+    assert keyless.status_code == 401 and keyed.status_code == 202
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -94,14 +94,35 @@ window.results = {};
 </script></body></html>"""
 
 
+def app_page(api: str) -> str:
+    """A web app of another origin calling the API as a browser client does: JSON, with CORS."""
+    body = json.dumps({"model": "m", "prompt": "from an allowed app", "wait": True})
+    return f"""<!doctype html><html><body><script>
+window.results = {{}};
+(async () => {{
+  try {{
+    const r = await fetch("{api}/v1/tasks", {{method: "POST",
+      headers: {{"Content-Type": "application/json"}}, body: {json.dumps(body)}}});
+    results.status = r.status;
+    results.task = r.headers.get("X-Routeledger-Task");
+    results.body = await r.json();
+  }} catch (e) {{ results.status = "blocked: " + e; }}
+  results.done = true;
+}})();
+</script></body></html>"""
+
+
 @contextlib.asynccontextmanager
-async def attacker_site(api: str) -> AsyncIterator[int]:
-    """The attacker's own server, on another port: yields the port."""
+async def attacker_site(
+    api: str, port: int | None = None, make_page: Callable[[str], str] = csrf_page
+) -> AsyncIterator[int]:
+    """A server of another origin (the attacker's, unless the API allows it), on another port:
+    yields the port."""
 
     async def page(request: Request) -> HTMLResponse:
-        return HTMLResponse(csrf_page(api))
+        return HTMLResponse(make_page(api))
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(Starlette(routes=[Route("/", page)]), host="127.0.0.1", port=port, log_level="warning")
     )
@@ -234,3 +255,22 @@ async def test_a_rebound_host_name_reads_nothing_and_queues_nothing_while_the_da
     assert [t.task_id for t in tasks] == [victim]
     assert "a" in fleet and "a" in local
     assert "allowed_hosts" in shell
+
+
+async def test_a_web_app_of_an_allowed_origin_calls_the_api_with_cors(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    app_port = free_port()
+    allowed = [f"http://127.0.0.1:{app_port}"]
+    async with (
+        fleet_and_api(redis_client, redis_url, allowed_origins=allowed) as (base, _),
+        attacker_site(base, app_port, app_page),
+        chromium(NO_LOCAL_NETWORK_ACCESS) as browser,
+    ):
+        page = await browser.new_page()
+        await page.call("Page.navigate", url=f"http://127.0.0.1:{app_port}/")
+        results = await page.wait_for("window.results && window.results.done && window.results", timeout=30)
+        tasks = await submitted(redis_client)
+    assert results["status"] == 200, results
+    assert results["task"] and [t.task_id for t in tasks] == [results["task"]]
+    assert results["body"]["status"] == "completed"
