@@ -37,6 +37,7 @@ from api.metrics import CONTENT_TYPE, Metrics
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
+from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, OptionsPolicy
 from events.connection import redis_client
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
@@ -63,6 +64,16 @@ class AppConfig(msgspec.Struct, kw_only=True):
     redis_max_connections: int = 2048
     # The model of a pipeline's decomposer, children and integration when a request names none.
     pipeline_model: str = "auto"
+    # Host names the API answers to besides loopback's (api/auth.py); `*`: any.
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    # Web origins besides the API's own whose pages may call it; `*`: any.
+    allowed_origins: list[str] = msgspec.field(default_factory=list)
+    # The address the server binds: a host name it answers to too, unless it binds every interface.
+    bound_host: str | None = None
+    # The domains a request may name; whether runtime options are accepted (dispatch/options.py).
+    domains: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_DOMAINS))
+    allow_runtime_options: bool = False
+    max_num_ctx: int = DEFAULT_MAX_NUM_CTX
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -93,9 +104,24 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.metrics = metrics
     app.state.pipeline_model = config.pipeline_model
     app.state.limits = RequestLimits(max_body_bytes=config.max_body_bytes, max_messages=config.max_messages)
-    app.add_middleware(Guard, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes, metrics=metrics)
-    # Outside the guard: a browser cannot send a key with a page load; the shell holds no data.
+    app.state.options = OptionsPolicy(
+        domains=tuple(config.domains),
+        allow_runtime_options=config.allow_runtime_options,
+        max_num_ctx=config.max_num_ctx,
+    )
+    # The shell is inside the guard (added first): its page loads only under an allowed host name,
+    # and without a key (a browser cannot send one with a page load; the shell holds no data).
     app.add_middleware(dashboard.Shell)
+    app.add_middleware(
+        Guard,
+        api_keys=config.api_keys,
+        max_body_bytes=config.max_body_bytes,
+        metrics=metrics,
+        allowed_hosts=config.allowed_hosts,
+        allowed_origins=config.allowed_origins,
+        bound_host=config.bound_host,
+        pages=dashboard.SHELL_PATHS,
+    )
     _handlers(app)
     app.include_router(native.router)
     app.include_router(openai.router)

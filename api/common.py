@@ -25,6 +25,7 @@ from api.errors import (
 from api.relay import RelayResponse
 from dispatch.errors import DispatchError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
+from dispatch.options import OptionsPolicy
 from dispatch.payload import Result
 from dispatch.submit import Submitted, TaskRequest
 
@@ -58,6 +59,11 @@ def limits(request: Request) -> RequestLimits:
     return lim
 
 
+def options_policy(request: Request) -> OptionsPolicy:
+    policy: OptionsPolicy = request.app.state.options
+    return policy
+
+
 def check_messages(request: Request, count: int) -> None:
     most = limits(request).max_messages
     if count > most:
@@ -80,6 +86,14 @@ async def submit(
         )
     if req.kind == "generate" and req.prompt is None:
         raise BadRequestError("prompt is required", param="prompt")
+    policy = options_policy(request)
+    try:
+        policy.check_domain(req.domain)
+        runtime = policy.check_options(req.options)
+    except DispatchError as exc:
+        raise answer(exc) from None
+    if runtime:
+        req = msgspec.structs.replace(req, runtime_options=True)
     # Options and format travel to the backend as msgpack: refuse what cannot (ints over 64 bits).
     for name, value in (("options", req.options), ("format", req.format)):
         try:

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth import wants_html
 from api.common import JSON, gateway
 from dispatch.gateway import TRANSIENT
 from dispatch.overview import Update, live_updates, model_names, overview
@@ -41,6 +42,8 @@ _ASSETS: Final = {
     "/dashboard/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
+# What the shell serves: the guard lets a browser load these without a key.
+SHELL_PATHS: Final = frozenset(_ASSETS)
 # The page may load and connect to this origin only: no CDN, font or analytics request can leave.
 CSP: Final = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -58,16 +61,9 @@ def _asset(name: str) -> bytes:
     return resources.files("api").joinpath("static", name).read_bytes()
 
 
-def wants_html(scope: Scope) -> bool:
-    """A browser navigating (Accept names text/html); Ollama clients send JSON or */* and get the text."""
-    for name, value in scope.get("headers", ()):
-        if name == b"accept":
-            return b"text/html" in value
-    return False
-
-
 class Shell:
-    """Serves the page's static files, and sends browsers that open `/` to it, before the key guard.
+    """Serves the page's static files, and sends browsers that open `/` to it, inside the guard's
+    host and origin checks but exempt from its key (Guard's `pages`).
 
     A browser cannot attach a Bearer key to a page navigation, so the shell must load without one;
     it holds no data (every number on the page comes from the guarded /v1 endpoints). Any other

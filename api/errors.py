@@ -17,6 +17,7 @@ from dispatch.errors import (
     ModelNotServedError,
     RedisMemoryFullError,
     RedisUnavailableError,
+    RequestRefusedError,
     TaskFailedError,
     TaskFinishedError,
     TaskNotFoundError,
@@ -72,6 +73,14 @@ class UnauthorizedError(ApiError):
     openai_code = "invalid_api_key"
 
 
+class ForbiddenError(ApiError):
+    """Raised when a request comes to a host name, or from a browser origin, the API does not serve."""
+
+    status = 403
+    type = "forbidden"
+    openai_code = "forbidden"
+
+
 class ClientGoneError(ApiError):
     """Raised when a client stopped waiting for its answer (it disconnected); nobody reads the reply."""
 
@@ -108,6 +117,14 @@ class PayloadTooLargeError(ApiError):
     status = 413
     type = "payload_too_large"
     openai_code = "request_too_large"
+
+
+class UnsupportedMediaTypeError(ApiError):
+    """Raised when a request body is sent as anything but `Content-Type: application/json`."""
+
+    status = 415
+    type = "unsupported_media_type"
+    openai_code = "invalid_request_error"
 
 
 class UnprocessableError(ApiError):
@@ -165,6 +182,8 @@ def answer(exc: DispatchError) -> ApiError:
     """The HTTP error that answers a dispatch error, with its message, hint and extra data."""
     if isinstance(exc, ModelNotServedError):
         return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
+    if isinstance(exc, RequestRefusedError):
+        return BadRequestError(exc.message, hint=exc.hint, param=exc.param, extra=exc.extra)
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
     headers = {"Retry-After": retry} if retry is not None else None
@@ -205,10 +224,12 @@ def render(exc: ApiError, surface: str) -> bytes:
 
 def _openai_type(exc: ApiError) -> str:
     # OpenAI's `type` is a coarse family; clients branch on the status code and `code`.
-    if exc.status in (400, 404, 409, 413, 422):
+    if exc.status in (400, 404, 409, 413, 415, 422):
         return "invalid_request_error"
     if exc.status == 401:
         return "authentication_error"
+    if exc.status == 403:
+        return "permission_error"
     if exc.status == 429:
         return "rate_limit_error"
     return "server_error" if exc.status >= 500 else "api_error"

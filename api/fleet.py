@@ -7,11 +7,11 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Query, Request
 
-from api.common import JSON, gateway
-from api.errors import BadRequestError, model_not_found
+from api.common import JSON, gateway, options_policy
+from api.errors import BadRequestError, answer, model_not_found
 from api.schemas import BenchCreate
 from dispatch.benchmark import BenchPrompt, domains, on_demand, request_benchmark
-from dispatch.errors import ModelNotServedError
+from dispatch.errors import DispatchError, ModelNotServedError
 from dispatch.lease import resources_of
 from dispatch.serving import catalog, holdings, served
 from dispatch.submit import preview_request
@@ -144,6 +144,10 @@ async def route_preview(
 
     The same function as `routeledger route preview --json` (dispatch.submit.preview_request).
     """
+    try:
+        options_policy(request).check_domain(domain)
+    except DispatchError as exc:
+        raise answer(exc) from None
     gw = gateway(request)
     view = LiveView(gw.redis, gw.keys)
     query = RouteQuery(model=model, domain=domain, max_tokens=tokens)

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from api.common import JSON, Answer, gateway
-from api.errors import BadRequestError, NotFoundError
+from api.common import JSON, Answer, gateway, options_policy
+from api.errors import BadRequestError, NotFoundError, answer
 from api.schemas import MAX_TOKENS
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT
@@ -72,7 +72,8 @@ class PipelineCreate(_Body):
     wait: bool = Field(
         True, description="answer when the pipeline has finished; false: 202 once children are queued"
     )
-    timeout_s: float | None = Field(None, gt=0)
+    # At least a second: a shorter wait could only ever end in a 504.
+    timeout_s: float | None = Field(None, ge=1, description="how long a waiting request waits (at least 1 s)")
 
 
 def default_model(request: Request) -> str:
@@ -85,6 +86,12 @@ def coordinator(request: Request, body: PipelineCreate) -> Coordinator:
         raise BadRequestError(
             "a pipeline needs children or a prompt to decompose", param="children", hint="send one of them"
         )
+    policy = options_policy(request)
+    for c in body.children or []:
+        try:
+            policy.check_domain(c.domain)
+        except DispatchError as exc:
+            raise answer(exc) from None
     default = body.model or default_model(request)
     specs = (
         None

@@ -49,7 +49,10 @@ class TaskCreate(_Body):
     priority: int = Field(0, ge=-1000, le=1000)
     stream: bool = False
     wait: bool = Field(False, description="answer when the task has finished (with its result)")
-    timeout_s: float | None = Field(None, gt=0, description="how long a waiting or streaming request waits")
+    # At least a second: a shorter wait could only ever end in a 504.
+    timeout_s: float | None = Field(
+        None, ge=1, description="how long a waiting or streaming request waits (at least 1 s)"
+    )
 
 
 class StreamOptions(_Body):

@@ -32,6 +32,17 @@ class ModelNotServedError(DispatchError):
         self.fleet = fleet
 
 
+class RequestRefusedError(DispatchError):
+    """Raised when a request names an option or a domain the configuration does not accept; `param`
+    says which."""
+
+    def __init__(
+        self, message: str, *, param: str, hint: str | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message, hint=hint, extra=extra)
+        self.param = param
+
+
 class TaskNotFoundError(DispatchError):
     """Raised when a task id names no task that Redis or the ledger still knows."""
 

@@ -55,6 +55,9 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     stream: bool = True
     # Epoch ms after which nobody waits for it (see TaskMessage.deadline_ms); None: no deadline.
     deadline_ms: int | None = None
+    # Its options change how the backend runs the model (dispatch/options.py): recorded on
+    # TaskSubmitted, so that its run is never a speed sample.
+    runtime_options: bool = False
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -171,6 +174,7 @@ async def submit_task(
             prompt_sha256=sha256_hex(text),
             pipeline_id=task.pipeline_id,
             client=req.client,
+            runtime_options=req.runtime_options,
         )
     ]
     breakdown = b""

@@ -143,6 +143,9 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     prompt_sha256: str = ""
     pipeline_id: str | None = None
     client: str | None = None
+    # Its options change how the backend runs the model (num_gpu, a large num_ctx…; accepted only
+    # with allow_runtime_options): its run's timings are never folded into the speed table.
+    runtime_options: bool = False
 
 
 class TaskRouted(Event, frozen=True, kw_only=True):

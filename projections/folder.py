@@ -393,6 +393,7 @@ class Folder:
         row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue
         row.submitted_at = e.at
         row.pipeline_id = e.pipeline_id
+        row.runtime_options = e.runtime_options
         demand = self.tables.demand.get(e.digest)
         if demand is None:
             demand = self.tables.demand[e.digest] = DemandRow(digest=e.digest)
@@ -430,7 +431,8 @@ class Folder:
             # Its BenchmarkResult carries the speed sample; benchmark answers are short by design,
             # so they say nothing of output length either.
             return
-        self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold)
+        if not row.runtime_options:
+            self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold)
         if t.eval_count is not None and 0 <= t.eval_count <= MAX_OUTPUT_TOKENS:
             key = (e.digest, e.domain)
             length = self.tables.length.get(key)

@@ -219,6 +219,9 @@ class TaskRow(msgspec.Struct, kw_only=True, gc=False):
     # into this row and, once it exists, the entries that only mention the task (projections/
     # mention.py). GET /v1/tasks/{id}/events reads these entries instead of the ledger.
     entries: list[int] = msgspec.field(default_factory=list)
+    # Submitted with options that change how the backend runs the model (TaskSubmitted's): its
+    # timings say nothing of the machine's speed and are not folded into it.
+    runtime_options: bool = False
 
 
 class PipelineRow(msgspec.Struct, kw_only=True, gc=False):

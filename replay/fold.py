@@ -182,7 +182,10 @@ def fold_tables(
     # TaskCompleted only keeps the task's history. Benchmark answers are short by design, so they
     # say nothing of output length either.
     ordinary = counted.filter(pl.col("bench_id").is_null())
-    _speed(tables, ordinary, bench)
+    # A task submitted with runtime options (its first submission says) is no speed sample.
+    first_sub = frames.frame("submitted").lazy().filter(pl.col("task_id").is_first_distinct())
+    marked = first_sub.filter(pl.col("runtime_options")).select("task_id")
+    _speed(tables, ordinary.join(marked, on="task_id", how="anti", maintain_order="left"), bench)
     _length(tables, ordinary)
     _quality(tables, frames.frame("quality"))
     _demand(tables, frames.frame("submitted"))
@@ -480,7 +483,14 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
     )
     entries = task_entries(parts, frames.frame(MENTIONS).lazy())
     first_sub = _first(sub, tid).select(
-        tid, "model", "digest", "domain", "queue", pl.col("at").alias("submitted_at"), "pipeline_id"
+        tid,
+        "model",
+        "digest",
+        "domain",
+        "queue",
+        pl.col("at").alias("submitted_at"),
+        "pipeline_id",
+        "runtime_options",
     )
     last_claim = _first(clm, tid, last=True).select(
         tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at")
@@ -590,6 +600,7 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
         "completed_attempt",
         "first_ms",
         "entries",
+        pl.col("runtime_options").fill_null(False),
     )
     out = table.collect()
     assert tuple(out.columns) == TASK_FIELDS, out.columns

@@ -94,6 +94,7 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "domain": (_STR, "domain"),
             "queue": (_STR, "queue"),
             "pipeline_id": (_STR, "pipeline_id"),
+            "runtime_options": (_BOOL, "runtime_options"),
         },
     ),
     TaskClaimed: (

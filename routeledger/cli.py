@@ -330,6 +330,12 @@ def api_cmd(
     os.environ["ROUTELEDGER_MAX_MESSAGES"] = str(s.max_messages)
     if s.api_keys:
         os.environ["ROUTELEDGER_API_KEYS"] = ",".join(s.api_keys)
+    os.environ["ROUTELEDGER_HOST"] = s.host
+    os.environ["ROUTELEDGER_ALLOWED_HOSTS"] = ",".join(s.allowed_hosts)
+    os.environ["ROUTELEDGER_ALLOWED_ORIGINS"] = ",".join(s.allowed_origins)
+    os.environ["ROUTELEDGER_DOMAINS"] = ",".join(s.domains)
+    os.environ["ROUTELEDGER_ALLOW_RUNTIME_OPTIONS"] = str(s.allow_runtime_options).lower()
+    os.environ["ROUTELEDGER_MAX_NUM_CTX"] = str(s.max_num_ctx)
     uvicorn.run(
         "routeledger.cli:api_from_env",
         factory=True,
@@ -361,6 +367,12 @@ def api_from_env() -> Any:
             wait_timeout_s=s.backend_timeout_s * 2,
             max_queue_s=s.max_queue_s,
             pipeline_model=s.pipeline_model,
+            allowed_hosts=s.allowed_hosts,
+            allowed_origins=s.allowed_origins,
+            bound_host=s.host,
+            domains=s.domains,
+            allow_runtime_options=s.allow_runtime_options,
+            max_num_ctx=s.max_num_ctx,
         )
     )
 

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
+from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, DOMAIN_RULE, valid_domain
 from events.connection import with_tls_files
 from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
@@ -70,6 +71,11 @@ class Settings(msgspec.Struct, kw_only=True):
     redis_maxmemory: int | str = "25%"
     dead_max_entries: int = DEAD_MAX_ENTRIES
     max_queue_s: float = 3_600.0
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    allowed_origins: list[str] = msgspec.field(default_factory=list)
+    domains: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_DOMAINS))
+    allow_runtime_options: bool = False
+    max_num_ctx: int = DEFAULT_MAX_NUM_CTX
 
 
 # What each setting means, for `config show` and the README's table.
@@ -113,9 +119,24 @@ FIELDS: Final[dict[str, str]] = {
         "longest a task waits for a worker; later it expires unrun (TaskExpired). A waiting client's "
         "task expires sooner: when the client stops waiting"
     ),
+    "allowed_hosts": (
+        "host names the API answers to besides localhost, 127.0.0.1, [::1] and the bound address "
+        "(comma-separated in the environment); '*' allows any, behind a proxy that checks them"
+    ),
+    "allowed_origins": (
+        "web origins (https://app.example:3000) besides the API's own whose pages may call it; '*' allows any"
+    ),
+    "domains": "the domains a request may name (anything else is refused with 400)",
+    "allow_runtime_options": (
+        "accept options that change how a backend loads a model (num_gpu, num_ctx above "
+        "max_num_ctx, num_thread…); such runs are marked and never counted in the speed statistics"
+    ),
+    "max_num_ctx": (
+        "largest num_ctx a request may ask for without allow_runtime_options (the models' default)"
+    ),
 }
 
-_LIST_FIELDS: Final = {"api_keys"}
+_LIST_FIELDS: Final = {"api_keys", "allowed_hosts", "allowed_origins", "domains"}
 
 
 class Resolved(msgspec.Struct, kw_only=True):
@@ -210,10 +231,15 @@ def _validate(s: Settings) -> None:
         (s.max_hot_entries >= 0, f"max_hot_entries must not be negative, got {s.max_hot_entries}"),
         (s.archive_every_s > 0, f"archive_every_s must be positive, got {s.archive_every_s}"),
         (s.dead_max_entries >= 1, f"dead_max_entries must be at least 1, got {s.dead_max_entries}"),
+        (s.max_num_ctx >= 1, f"max_num_ctx must be at least 1, got {s.max_num_ctx}"),
+        (bool(s.domains), "domains must name at least one domain"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    bad = [d for d in s.domains if not valid_domain(d)]
+    if bad:
+        raise ConfigError(f"domains {bad} are not domain names: {DOMAIN_RULE}")
     maxmemory_bytes(s)
 
 

@@ -79,3 +79,25 @@ def test_the_url_up_recorded_gets_the_tls_settings_too(tmp_path: Path) -> None:
         redis_url_for(r.settings)
         == f"rediss://:pw@127.0.0.1:7000/0?ssl_ca_certs={quote(str(tmp_path / 'ca.crt'), safe='')}"
     )
+
+
+def test_the_browser_and_options_settings_come_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('allowed_hosts = ["router.lan"]\ndomains = ["general", "legal"]\nmax_num_ctx = 8192\n')
+    env = {
+        "ROUTELEDGER_ALLOWED_ORIGINS": "https://chat.example:3000, http://localhost:3000",
+        "ROUTELEDGER_ALLOW_RUNTIME_OPTIONS": "true",
+    }
+    s = resolve({}, config_file=conf, environ=env).settings
+    assert s.allowed_hosts == ["router.lan"] and s.domains == ["general", "legal"] and s.max_num_ctx == 8192
+    assert s.allowed_origins == ["https://chat.example:3000", "http://localhost:3000"]
+    assert s.allow_runtime_options is True
+    default = resolve({}, environ={}).settings
+    assert default.allowed_hosts == [] and default.allow_runtime_options is False
+    assert {"general", "code", "japanese"} <= set(default.domains)
+
+
+@pytest.mark.parametrize("domains", ["General", "a b", "x" * 40, ""])
+def test_a_domain_that_could_not_be_a_table_key_is_a_config_error(domains: str) -> None:
+    with pytest.raises(ConfigError, match="domain"):
+        resolve({}, environ={"ROUTELEDGER_DOMAINS": domains})

@@ -195,7 +195,8 @@ async def _drain(stream: asyncio.StreamReader | None) -> None:
 
 
 @contextlib.asynccontextmanager
-async def chromium() -> AsyncIterator[Browser]:
+async def chromium(*flags: str) -> AsyncIterator[Browser]:
+    """Headless Chromium; `flags` are added to its command line (host resolver rules, say)."""
     binary = chromium_binary()
     with tempfile.TemporaryDirectory(prefix="rl-chromium-") as profile:
         proc = await asyncio.create_subprocess_exec(
@@ -212,6 +213,7 @@ async def chromium() -> AsyncIterator[Browser]:
             "--disable-extensions",
             f"--user-data-dir={profile}",
             "--remote-debugging-port=0",
+            *flags,
             "about:blank",
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,

@@ -85,6 +85,7 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         digest=DIGESTS,
         queue=st.just("q"),
         domain=DOMAINS,
+        runtime_options=st.booleans(),
     ),
     st.builds(TaskClaimed, at=AT_SKEWED, task_id=TASKS, worker=WORKERS, digest=DIGESTS, attempt=ATTEMPT),
     st.builds(
