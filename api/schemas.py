@@ -6,9 +6,11 @@ original servers do; wrong types are refused with 422.
 
 from __future__ import annotations
 
-from typing import Any
+import base64
+import binascii
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from dispatch.payload import Message
 
@@ -20,12 +22,29 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _base64_images(images: list[str] | None) -> list[str] | None:
+    """Each image must be base64 (as Ollama takes them): refused here, not by a backend after the
+    task was queued (which could only end in a failed task)."""
+    for i, image in enumerate(images or ()):
+        try:
+            base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(
+                f"image {i} is not valid base64: send each image's bytes base64-encoded, "
+                "without a data: prefix"
+            ) from None
+    return images
+
+
+Images = Annotated[list[str] | None, AfterValidator(_base64_images)]
+
+
 class ChatMessage(_Body):
     """A chat message; `content` is text or OpenAI's list of content parts (text parts are used)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
-    images: list[str] | None = None
+    images: Images = None
 
     def to_message(self) -> Message:
         content = self.content
@@ -119,7 +138,7 @@ class OllamaGenerate(_Body):
     stream: bool | None = True
     format: str | dict[str, Any] | None = None
     options: dict[str, Any] | None = None
-    images: list[str] | None = None
+    images: Images = None
     raw: bool | None = None
     keep_alive: str | float | None = None
     think: bool | str | None = None

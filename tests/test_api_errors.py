@@ -63,6 +63,19 @@ async def test_an_unknown_model_lists_the_available_ones_in_every_shape(http: ht
     )
 
 
+async def test_an_image_that_is_not_base64_is_refused_before_anything_is_queued(
+    http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    before = await ledger.length()
+    bad = [{"role": "user", "content": "what is this?", "images": ["aGk=", "data:image/png;base64,aGk="]}]
+    chat = await http.post("/api/chat", json={"model": "m", "messages": bad, "stream": False})
+    generate = await http.post("/api/generate", json={"model": "m", "prompt": "x", "images": ["%%%"]})
+    assert (chat.status_code, generate.status_code) == (422, 422)
+    assert "image 1 is not valid base64" in chat.json()["error"]
+    assert "image 0 is not valid base64" in generate.json()["error"]
+    assert await ledger.length() == before
+
+
 async def test_malformed_json_is_a_400_in_the_clients_shape(http: httpx.AsyncClient, ledger: Ledger) -> None:
     before = await ledger.length()
     headers = {"content-type": "application/json"}
