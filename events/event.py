@@ -143,6 +143,10 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     prompt_sha256: str = ""
     pipeline_id: str | None = None
     client: str | None = None
+    # The name of the API key it came with (never the key); None where keys are not configured.
+    key: str | None = None
+    # Its fair-share round within its priority band (dispatch.quota.round_of).
+    share_round: Small = 0
 
 
 class TaskRouted(Event, frozen=True, kw_only=True):

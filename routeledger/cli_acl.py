@@ -5,6 +5,8 @@ A worker's Redis user may touch only what a worker touches (read from workers/ a
 | keys | access | why |
 |---|---|---|
 | `rl:q:{12 hex}` | read, write | shared queues of models: read through the group, ack, re-queue (scripts) |
+| `rl:q:{rl:q:{12 hex}}:*` | read, write | the same models' priority band queues |
+| `rl:qb:{rl:q:{12 hex}}` | read, write | which band queues a model has (the backlog script reads it) |
 | `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
 | `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
 | `rl:live:NAME` | read, write | its own lease |
@@ -48,6 +50,7 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "smembers",
     "sismember",
     "sscan",
+    "zrange",
     "hset",
     "hget",
     "hgetall",
@@ -84,6 +87,9 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     rules = ["reset", "on", f">{password}", "resetchannels"]
     rules += [
         f"~{k.prefix}q:{_HEX12}",
+        f"~{k.prefix}q:{{{k.prefix}q:{_HEX12}}}:*",
+        # Read and write: a key a script is given must be both (Redis cannot tell which it needs).
+        f"~{k.prefix}qb:{{{k.prefix}q:{_HEX12}}}",
         f"~{k.pinned(name)}",
         f"~{k.out('*')}",
         f"~{k.result('*')}",

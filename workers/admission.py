@@ -74,7 +74,7 @@ class PlainPull:
         if not heads:
             return Admission(cursors=cursors)
         _, digest = min(heads)
-        return Admission(queue=self.keys.queue(digest), cursors=cursors)
+        return Admission(queue=backlog[digest][0].queue or self.keys.queue(digest), cursors=cursors)
 
 
 class RouterGate:
@@ -132,11 +132,14 @@ class RouterGate:
                 log.debug("leaving %s: %s", decision.task_id, decision.reason)
             return Admission(held_back=decision.task_id is not None, cursors=cursors)
         log.debug("taking %s: %s", decision.task_id, decision.reason)
-        # The plan gave me task #k: up to k - 1 others may take theirs first (k within the real backlog).
-        queued = len(backlog.get(decision.digest, ()))
+        # The plan gave me task #k: up to k - 1 others may take theirs first (k within the real
+        # backlog of the band queue that holds the head: a take looks at that queue only).
+        own = backlog.get(decision.digest) or []
+        band = next((e.queue for e in own if e.entry_id == decision.entry_id), "") if own else ""
+        queued = sum(1 for e in own if e.queue == band)
         slack = 0 if decision.position is None else max(0, min(decision.position, queued) - 1)
         return Admission(
-            queue=self.keys.queue(decision.digest),
+            queue=band or self.keys.queue(decision.digest),
             entry_id=decision.entry_id,
             slack=slack,
             cursors=cursors,
