@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import ApiError, PayloadTooLargeError, UnauthorizedError, render, surface_of
 from api.metrics import Metrics
+from dispatch.quota import ApiKey
 
 access = logging.getLogger("routeledger.api.access")
 
@@ -26,14 +27,22 @@ OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
 # Where a handler records the resolved model (for metrics) and the task id (for the access log).
 MODEL_KEY: Final = "routeledger.model"
 TASK_KEY: Final = "routeledger.task"
+# Where the guard records the API key a request came with (an ApiKey; absent when none are configured).
+API_KEY: Final = "routeledger.api_key"
 
 
 def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
     """Constant-time comparison against every configured key (no early exit on a match either)."""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(presented, key)
-    return ok
+    return matching(presented, keys) is not None
+
+
+def matching(presented: bytes, keys: Sequence[bytes]) -> int | None:
+    """The index of the configured key `presented` is, compared with every one in constant time."""
+    found: int | None = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(presented, key):
+            found = i
+    return found
 
 
 def bearer(scope: Scope) -> bytes | None:
@@ -66,10 +75,11 @@ class Guard:
     """Keys, limits, metrics and access log for every HTTP request."""
 
     def __init__(
-        self, app: ASGIApp, *, api_keys: Sequence[str], max_body_bytes: int, metrics: Metrics
+        self, app: ASGIApp, *, api_keys: Sequence[ApiKey], max_body_bytes: int, metrics: Metrics
     ) -> None:
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.named = list(api_keys)
+        self.keys = [k.key.encode() for k in self.named]
         self.max_body = max_body_bytes
         self.metrics = metrics
 
@@ -100,10 +110,13 @@ class Guard:
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         if self.keys and path not in OPEN_PATHS:
             presented = bearer(scope)
-            if presented is None or not key_matches(presented, self.keys):
+            found = None if presented is None else matching(presented, self.keys)
+            if found is not None:
+                scope[API_KEY] = self.named[found]
+            else:
                 return UnauthorizedError(
                     "missing or wrong API key",
-                    hint="send the header 'Authorization: Bearer <key>' with one of the configured api_keys",
+                    hint="send the header 'Authorization: Bearer <key>' with one of the configured keys",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         length = content_length(scope)
