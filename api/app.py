@@ -38,6 +38,7 @@ from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, OptionsPolicy
+from dispatch.quota import ApiKey, named_keys
 from events.connection import redis_client
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
@@ -51,7 +52,11 @@ class AppConfig(msgspec.Struct, kw_only=True):
 
     redis_url: str
     prefix: str = DEFAULT_PREFIX
+    # Plain keys (named key-1, key-2… in order, no limits) and named keys with limits.
     api_keys: list[str] = msgspec.field(default_factory=list)
+    keys: list[ApiKey] = msgspec.field(default_factory=list)
+    # Most tasks one model's queue holds (all its bands together); past it a submission is a 503.
+    max_queue_depth: int = 10_000
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 256
     # How long a non-streaming request waits for its task before answering 504.
@@ -93,6 +98,8 @@ def create_app(config: AppConfig) -> FastAPI:
             retry_budget_s=config.retry_budget_s,
             wait_timeout_s=config.wait_timeout_s,
             max_queue_s=config.max_queue_s,
+            max_queue_depth=config.max_queue_depth,
+            keyed=bool(api_keys),
         )
         try:
             yield
@@ -100,6 +107,8 @@ def create_app(config: AppConfig) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="routeledger", version="0.1.0", lifespan=lifespan)
+    api_keys = named_keys(config.api_keys, config.keys)
+    app.state.api_keys = api_keys
     metrics = Metrics()
     app.state.metrics = metrics
     app.state.pipeline_model = config.pipeline_model
@@ -114,7 +123,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.add_middleware(dashboard.Shell)
     app.add_middleware(
         Guard,
-        api_keys=config.api_keys,
+        api_keys=api_keys,
         max_body_bytes=config.max_body_bytes,
         metrics=metrics,
         allowed_hosts=config.allowed_hosts,
@@ -171,11 +180,14 @@ def create_app(config: AppConfig) -> FastAPI:
     @app.get("/metrics", tags=["operations"])
     async def prometheus() -> Response:
         """Prometheus metrics: requests and latency by route and model, queues, workers, projector,
-        Redis memory, the ledger's length and the archive."""
+        Redis memory, the ledger's length, the archive, and each API key's use."""
         gw: Gateway = app.state.gateway
         leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
         memory = await gw.retrying(gw.memory.state)
-        body = await gw.retrying(lambda: metrics.scrape(app.state.redis, app.state.keys, leases, memory))
+        usage = await gw.retrying(lambda: gw.quotas.usage(api_keys))
+        body = await gw.retrying(
+            lambda: metrics.scrape(app.state.redis, app.state.keys, leases, memory, usage)
+        )
         return Response(body, media_type=CONTENT_TYPE)
 
     return app

@@ -36,6 +36,7 @@ from api.errors import (
     surface_of,
 )
 from api.metrics import Metrics
+from dispatch.quota import ApiKey
 
 access = logging.getLogger("routeledger.api.access")
 
@@ -78,12 +79,22 @@ def wants_html(scope: Scope) -> bool:
     return False
 
 
+# Where the guard records the API key a request came with (an ApiKey; absent when none are configured).
+API_KEY: Final = "routeledger.api_key"
+
+
 def key_matches(presented: bytes, keys: Sequence[bytes]) -> bool:
     """Constant-time comparison against every configured key (no early exit on a match either)."""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(presented, key)
-    return ok
+    return matching(presented, keys) is not None
+
+
+def matching(presented: bytes, keys: Sequence[bytes]) -> int | None:
+    """The index of the configured key `presented` is, compared with every one in constant time."""
+    found: int | None = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(presented, key):
+            found = i
+    return found
 
 
 def bearer_token(value: bytes | None) -> bytes | None:
@@ -158,7 +169,7 @@ class Guard:
         self,
         app: ASGIApp,
         *,
-        api_keys: Sequence[str],
+        api_keys: Sequence[ApiKey],
         max_body_bytes: int,
         metrics: Metrics,
         allowed_hosts: Sequence[str] = (),
@@ -167,7 +178,8 @@ class Guard:
         pages: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.named = list(api_keys)
+        self.keys = [k.key.encode() for k in self.named]
         self.max_body = max_body_bytes
         self.metrics = metrics
         self.hosts = allowed_host_names(allowed_hosts, bound_host)
@@ -226,10 +238,13 @@ class Guard:
                 return None
         if self.keys and not self._key_exempt(scope, path):
             presented = bearer_token(headers.get(b"authorization"))
-            if presented is None or not key_matches(presented, self.keys):
+            found = None if presented is None else matching(presented, self.keys)
+            if found is not None:
+                scope[API_KEY] = self.named[found]
+            else:
                 return UnauthorizedError(
                     "missing or wrong API key",
-                    hint="send the header 'Authorization: Bearer <key>' with one of the configured api_keys",
+                    hint="send the header 'Authorization: Bearer <key>' with one of the configured keys",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         size: int | None = None

@@ -12,7 +12,7 @@ from fastapi import Request
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
-from api.auth import MODEL_KEY, TASK_KEY
+from api.auth import API_KEY, MODEL_KEY, TASK_KEY
 from api.errors import (
     ApiError,
     BadRequestError,
@@ -102,7 +102,8 @@ async def submit(
             raise BadRequestError(
                 f"{name} holds a value that cannot be sent to a backend: {exc}", param=name
             ) from None
-    sub = await gateway(request).submit(req, waits=waits, timeout_s=timeout_s)
+    key = request.scope.get(API_KEY)
+    sub = await gateway(request).submit(req, waits=waits, timeout_s=timeout_s, key=key)
     request.scope[MODEL_KEY] = sub.task.model
     request.scope[TASK_KEY] = sub.task_id
     return sub

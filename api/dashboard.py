@@ -112,6 +112,15 @@ async def read_overview(request: Request) -> JSON:
     return JSON(await gw.retrying(lambda: overview(gw.redis, gw.keys, memory=gw.memory)))
 
 
+@router.get("/v1/dashboard/keys")
+async def read_keys(request: Request) -> JSON:
+    """Each configured API key's use (by name, never the key) against its limits: requests, tokens
+    today, tasks open, refusals by limit."""
+    gw = gateway(request)
+    usage = await gw.retrying(lambda: gw.quotas.usage(request.app.state.api_keys))
+    return JSON({"keys": [u.to_dict() for u in usage]})
+
+
 @router.get("/v1/dashboard/samples")
 async def samples(
     request: Request,

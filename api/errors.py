@@ -15,6 +15,8 @@ import msgspec
 from dispatch.errors import (
     DispatchError,
     ModelNotServedError,
+    QueueFullError,
+    QuotaExceededError,
     RedisMemoryFullError,
     RedisUnavailableError,
     RequestRefusedError,
@@ -135,6 +137,22 @@ class UnprocessableError(ApiError):
     openai_code = "invalid_request_error"
 
 
+class RateLimitedError(ApiError):
+    """Raised when the request's API key is over one of its limits; the body names the limit and
+    Retry-After says when to try again."""
+
+    status = 429
+    type = "rate_limited"
+    openai_code = "rate_limit_exceeded"
+
+
+class QueueDepthError(ApiError):
+    """Raised when the model's queue is at max_queue_depth; the body names the cap."""
+
+    status = 503
+    type = "queue_full"
+
+
 class GenerationError(ApiError):
     """Raised when a task ended without an answer: it failed, was dead-lettered or cancelled."""
 
@@ -184,6 +202,15 @@ def answer(exc: DispatchError) -> ApiError:
         return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
     if isinstance(exc, RequestRefusedError):
         return BadRequestError(exc.message, hint=exc.hint, param=exc.param, extra=exc.extra)
+    if isinstance(exc, QuotaExceededError | QueueFullError):
+        kind_ = RateLimitedError if isinstance(exc, QuotaExceededError) else QueueDepthError
+        return kind_(
+            exc.message,
+            hint=exc.hint,
+            param=str(exc.extra["limit"]),
+            headers={"Retry-After": str(exc.retry_after_s)},
+            extra=exc.extra,
+        )
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
     headers = {"Retry-After": retry} if retry is not None else None

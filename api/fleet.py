@@ -97,14 +97,18 @@ def _stat(s: Stat, now: int) -> dict[str, Any]:
 
 @router.get("/v1/stats")
 async def stats(request: Request) -> JSON:
-    """The projection tables with sample counts and ages (what the router's estimates start from)."""
+    """The projection tables with sample counts and ages (what the router's estimates start from),
+    and each API key's use against its limits."""
     gw = gateway(request)
     evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
+    usage = await gw.retrying(lambda: gw.quotas.usage(request.app.state.api_keys))
     snap = evidence.snapshot
     now = now_ms()
     return JSON(
         {
             "checkpoint": snap.checkpoint,
+            # Each API key's use (by name, never the key): requests, tokens, open tasks, refusals.
+            "keys": [u.to_dict() for u in usage],
             "half_life_s": snap.half_life_s,
             "speed": [
                 {

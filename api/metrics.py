@@ -9,15 +9,15 @@ as Prometheus expects), read incrementally from where the previous scrape stoppe
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from redis.exceptions import ResponseError
 
 from dispatch.memory import MemoryState, archive_info
-from dispatch.queues import requeued_count
+from dispatch.overview import queue_depths
+from dispatch.quota import Usage
 from dispatch.serving import catalog
-from events.keys import WORKERS_GROUP
 from projections.errors import ProjectionError
 from projections.reader import lag
 
@@ -103,17 +103,49 @@ class Metrics:
             ["type"],
             registry=r,
         )
+        # Per API key (by name): what the keys' limits are held against, read from Redis at scrape.
+        self.key_requests = Gauge(
+            "routeledger_key_requests", "requests admitted per API key", ["key"], registry=r
+        )
+        self.key_tokens = Gauge(
+            "routeledger_key_tokens_today",
+            "tokens (prompt and output) charged to an API key today (UTC)",
+            ["key"],
+            registry=r,
+        )
+        self.key_queued = Gauge(
+            "routeledger_key_queued", "tasks of an API key queued or running", ["key"], registry=r
+        )
+        self.key_refused = Gauge(
+            "routeledger_key_refused",
+            "requests refused (429) per API key and limit",
+            ["key", "limit"],
+            registry=r,
+        )
         self._cursor: str | None = None
 
     def observe(self, route: str, model: str, status: int, seconds: float) -> None:
         self.requests.labels(route, model, str(status)).inc()
         self.latency.labels(route, model).observe(seconds)
 
-    async def scrape(self, redis: Any, keys: Any, leases: dict[str, Any], memory: MemoryState) -> bytes:
+    async def scrape(
+        self,
+        redis: Any,
+        keys: Any,
+        leases: dict[str, Any],
+        memory: MemoryState,
+        usage: Sequence[Usage] = (),
+    ) -> bytes:
         """Refresh the fleet gauges from Redis (and the memory gauges from `memory`, the process's
-        cached reading), then render the registry."""
+        cached reading, and the key gauges from `usage`), then render the registry."""
         for g in (self.queue_depth, self.queue_running, self.in_flight, self.slots, self.capacity):
             g.clear()
+        for u in usage:
+            self.key_requests.labels(u.name).set(u.requests)
+            self.key_tokens.labels(u.name).set(u.tokens_today)
+            self.key_queued.labels(u.name).set(u.queued)
+            for limit, n in u.refused_by.items():
+                self.key_refused.labels(u.name, limit).set(n)
         for name, info in leases.items():
             self.in_flight.labels(name).set(info.in_flight)
             self.slots.labels(name).set(info.slots)
@@ -123,17 +155,11 @@ class Metrics:
             if model.entry.digest in seen:
                 continue
             seen.add(model.entry.digest)
-            try:
-                groups: Any = await redis.xinfo_groups(keys.queue(model.entry.digest))
-            except ResponseError:
-                continue
-            for g in groups:
-                if g.get("name") in (WORKERS_GROUP, WORKERS_GROUP.encode()):
-                    # Re-queued entries are pending for no worker: they wait, like unread ones.
-                    again = await requeued_count(redis, keys.queue(model.entry.digest))
-                    self.queue_running.labels(model.name).set(int(g.get("pending") or 0) - again)
-                    if g.get("lag") is not None:
-                        self.queue_depth.labels(model.name).set(int(g["lag"]) + again)
+            depth = (await queue_depths(redis, keys, [model.entry.digest]))[model.entry.digest]
+            if depth["running"] is not None:
+                self.queue_running.labels(model.name).set(depth["running"])
+            if depth["queued"] is not None:
+                self.queue_depth.labels(model.name).set(depth["queued"])
         try:
             entries, ms = await lag(redis, keys)
             self.lag_entries.set(entries)

@@ -71,3 +71,24 @@ class RedisMemoryFullError(DispatchError):
 
 class BenchSetError(RouteledgerError):
     """Raised when the benchmark prompt set is malformed."""
+
+
+class QuotaExceededError(DispatchError):
+    """Raised when an API key is over one of its limits (requests per minute, tokens per day, tasks
+    queued); `limit` names it and `retry_after_s` says when to try again."""
+
+    def __init__(self, message: str, *, hint: str, limit: str, retry_after_s: int) -> None:
+        super().__init__(message, hint=hint, extra={"limit": limit, "retry_after_s": retry_after_s})
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(DispatchError):
+    """Raised when a model's queue holds as many tasks as max_queue_depth allows; new ones wait outside."""
+
+    def __init__(self, message: str, *, hint: str, cap: int, retry_after_s: int) -> None:
+        super().__init__(
+            message, hint=hint, extra={"limit": "max_queue_depth", "cap": cap, "retry_after_s": retry_after_s}
+        )
+        self.cap = cap
+        self.retry_after_s = retry_after_s

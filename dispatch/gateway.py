@@ -8,6 +8,7 @@ every error is a dispatch error that each surface renders in its own shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from dispatch.errors import (
+    DispatchError,
     ModelNotServedError,
     RedisUnavailableError,
     TaskFailedError,
@@ -33,9 +35,11 @@ from dispatch.lease import LeaseInfo
 from dispatch.memory import MemoryWatch, full_error, is_oom
 from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
+from dispatch.quota import ApiKey, Quotas
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
+from events.codec import as_str
 from events.event import Event, TaskCancelled, TaskSubmitted, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
@@ -68,6 +72,8 @@ class Gateway:
         wait_timeout_s: float = 600.0,
         cancel_ttl_s: float = 3600.0,
         max_queue_s: float = 3600.0,
+        max_queue_depth: int | None = None,
+        keyed: bool = False,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -79,6 +85,11 @@ class Gateway:
         self.wait_timeout_s = wait_timeout_s
         self.cancel_ttl_s = cancel_ttl_s
         self.max_queue_s = max_queue_s
+        self.max_queue_depth = max_queue_depth
+        # API keys are configured: tasks are charged to them as their outcomes are handed out.
+        self.keyed = keyed
+        # A key's task stays open (counted against max_queued) until settled, or this long at most.
+        self.quotas = Quotas(redis, keys, open_ttl_s=max_queue_s + wait_timeout_s)
 
     # -- resilience -----------------------------------------------------------------------------
     async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
@@ -111,14 +122,24 @@ class Gateway:
 
     # -- submission -----------------------------------------------------------------------------
     async def submit(
-        self, req: TaskRequest, *, waits: bool = True, timeout_s: float | None = None
+        self,
+        req: TaskRequest,
+        *,
+        waits: bool = True,
+        timeout_s: float | None = None,
+        key: ApiKey | None = None,
     ) -> Submitted:
         """Route and queue through the one submission path (dispatch.submit), retrying while Redis
         is away: the task's id is drawn once, before the first try, so that a try whose reply was
         lost and the next one queue it once. Its deadline is when its client stops waiting (`waits`:
         after `timeout_s`, or the wait timeout), and never later than the longest a task may queue.
         ModelNotServedError (with the leases it was looked for in) when nobody serves it;
-        RedisMemoryFullError past the memory high-water mark, or when Redis refuses the writes (OOM)."""
+        RedisMemoryFullError past the memory high-water mark, or when Redis refuses the writes (OOM).
+
+        With `key`, the request is first held to the key's limits (QuotaExceededError names the one
+        it is over): its priority is capped at the key's ceiling, its name recorded, and its
+        fair-share round drawn from how many of the key's tasks are open. QueueFullError when the
+        model's queue is at max_queue_depth."""
         patience = min(timeout_s or self.wait_timeout_s, self.max_queue_s) if waits else self.max_queue_s
         req = msgspec.structs.replace(
             req,
@@ -126,8 +147,43 @@ class Gateway:
             deadline_ms=req.deadline_ms or now_ms() + int(patience * 1000),
         )
         await self.retrying(self.memory.admit)
+        if key is not None:
+            task_id = req.task_id or ""
+            admitted = await self.retrying(lambda: self.quotas.admit(key, task_id, req.priority))
+            req = msgspec.structs.replace(
+                req, key=key.name, priority=admitted.priority, share_round=admitted.round
+            )
         try:
-            return await self.retrying(lambda: route_and_submit(self.queues, self.fleet, req))
+            return await self._submit_routed(req)
+        except DispatchError:
+            if key is not None:
+                # Nothing was queued (or nobody will learn of it): the key's place is given back.
+                with contextlib.suppress(RedisError, *TRANSIENT):
+                    await self.quotas.settle(key.name, req.task_id or "", 0)
+            raise
+
+    async def _charge(self, task_id: str, result: Result | None, name: bytes | str | None = None) -> None:
+        """Charge a finished task's tokens (prompt and output, as the backend reported them) to the
+        API key it came with, once, and give back its place among the key's open tasks (a task that
+        did not complete is charged nothing). Called wherever the API hands an outcome to a client,
+        and on a cancel; the key's name is read from the task's lookup hash unless given."""
+        if not self.keyed:
+            return
+        if name is None:
+            raw: Any = await self.redis.hget(self.keys.task(task_id), "key")
+            name = raw
+        if not name:
+            return
+        tokens = 0
+        if result is not None and result.status == "completed":
+            tokens = (result.timings.prompt_eval_count or 0) + (result.timings.eval_count or 0)
+        await self.quotas.settle(as_str(name), task_id, tokens)
+
+    async def _submit_routed(self, req: TaskRequest) -> Submitted:
+        try:
+            return await self.retrying(
+                lambda: route_and_submit(self.queues, self.fleet, req, max_depth=self.max_queue_depth)
+            )
         except ResponseError as exc:
             if not is_oom(exc):
                 raise
@@ -188,6 +244,7 @@ class Gateway:
                 if chunk.done:
                     result = carried or await self.result(task_id)
                     if result is not None:
+                        await self._charge(task_id, result)
                         return result
 
     async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[str | Result]:
@@ -230,6 +287,7 @@ class Gateway:
                     result = carried or await self.result(task_id)
                     if result is None:
                         continue  # the done chunk of a run whose result is not written yet
+                    await self._charge(task_id, result)
                     if result.status != "completed":
                         raise TaskFailedError(
                             f"task {task_id} {result.status}: {result.error or chunk.error}"
@@ -266,6 +324,7 @@ class Gateway:
             )
             await self.queues.end_output(task_id, attempt, "cancelled")
             await self.ledger.append(TaskCancelled(task_id=task_id, queue=queue, was_running=False))
+            await self._charge(task_id, None, info.get(b"key", b""))
             return {"task_id": task_id, "status": "cancelled", "was_running": False}
         if status != CANCEL_RUNNING:
             done = await self.result(task_id)
@@ -275,6 +334,8 @@ class Gateway:
         # generates and when it claims, and stops.
         await self.redis.set(self.keys.cancel(task_id), b"1", px=int(self.cancel_ttl_s * 1000))
         await self.ledger.append(TaskCancelled(task_id=task_id, queue=queue, was_running=True))
+        # Nobody will wait for what it had done: its place among its key's open tasks is given back.
+        await self._charge(task_id, None, info.get(b"key", b""))
         return {"task_id": task_id, "status": "cancelling", "was_running": True, "entry": entry_id or None}
 
     async def cancel_quietly(self, task_id: str) -> None:
@@ -319,6 +380,8 @@ class Gateway:
         if not info and row is None and result is None:
             raise TaskNotFoundError(f"no task {task_id}", hint="task records expire 24 h after they finish")
         status = task_status(row, result)
+        if result is not None:
+            await self._charge(task_id, result, info.get(b"key", b""))
         routed = info.get(b"routed")
         out: dict[str, Any] = {
             "task_id": task_id,

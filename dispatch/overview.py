@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from dispatch.lease import LeaseInfo, live_workers, resources_of
 from dispatch.memory import MemoryWatch, archive_info, read_memory
-from dispatch.queues import requeued_count
+from dispatch.queues import band_queues, requeued_count
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
 from events.codec import decode_rows
@@ -105,30 +105,38 @@ def worker_row(
 async def queue_depths(
     redis: aioredis.Redis, keys: Keys, digests: Iterable[str]
 ) -> dict[str, dict[str, int | None]]:
-    """Per model queue: entries nobody took yet (`queued`) and taken, not finished (`running`)."""
+    """Per model queue (all its band queues together): entries nobody took yet (`queued`) and taken,
+    not finished (`running`)."""
     out: dict[str, dict[str, int | None]] = {}
     for digest in sorted(set(digests)):
-        queue = keys.queue(digest)
-        try:
-            groups: Any = await redis.xinfo_groups(queue)
-        except ResponseError:
-            out[digest] = {"queued": 0, "running": 0}  # no queue yet: nothing was ever submitted
-            continue
-        group = next((g for g in groups if g.get("name") in (WORKERS_GROUP, WORKERS_GROUP.encode())), None)
-        if group is None:
-            out[digest] = {"queued": None, "running": None}
-            continue
-        queued: int | None = None if group.get("lag") is None else int(group["lag"])
-        if queued is None:
-            # Redis 6.2 has no lag (nor does 7 after a deletion): count what lies past the group's cursor.
-            last = group.get("last-delivered-id") or b"0-0"
-            start = next_id(last.decode() if isinstance(last, bytes) else str(last))
-            rows: Any = await redis.execute_command(_XRANGE, queue, start, "+", "COUNT", 10_000)  # type: ignore[no-untyped-call]
-            queued = len(rows)
-        # Re-queued entries are pending for no worker: they wait, like unread ones.
-        again = await requeued_count(redis, queue)
-        out[digest] = {"queued": queued + again, "running": int(group.get("pending") or 0) - again}
+        total: dict[str, int | None] = {"queued": 0, "running": 0}
+        for queue in await band_queues(redis, keys, digest):
+            one = await _depth(redis, queue)
+            for field in ("queued", "running"):
+                mine, theirs = total[field], one[field]
+                total[field] = None if mine is None or theirs is None else mine + theirs
+        out[digest] = total
     return out
+
+
+async def _depth(redis: aioredis.Redis, queue: str) -> dict[str, int | None]:
+    try:
+        groups: Any = await redis.xinfo_groups(queue)
+    except ResponseError:
+        return {"queued": 0, "running": 0}  # no queue yet: nothing was ever submitted
+    group = next((g for g in groups if g.get("name") in (WORKERS_GROUP, WORKERS_GROUP.encode())), None)
+    if group is None:
+        return {"queued": None, "running": None}
+    queued: int | None = None if group.get("lag") is None else int(group["lag"])
+    if queued is None:
+        # Redis 6.2 has no lag (nor does 7 after a deletion): count what lies past the group's cursor.
+        last = group.get("last-delivered-id") or b"0-0"
+        start = next_id(last.decode() if isinstance(last, bytes) else str(last))
+        rows: Any = await redis.execute_command(_XRANGE, queue, start, "+", "COUNT", 10_000)  # type: ignore[no-untyped-call]
+        queued = len(rows)
+    # Re-queued entries are pending for no worker: they wait, like unread ones.
+    again = await requeued_count(redis, queue)
+    return {"queued": queued + again, "running": int(group.get("pending") or 0) - again}
 
 
 async def fleet_state(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from dispatch.payload import (
 )
 from events.codec import as_str, encode_batch, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
-from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
 from events.ledger import LUA_APPEND_BLOB, Ledger
 from events.scripts import ScriptDef
 
@@ -185,8 +185,10 @@ return {row[1], attempt, flat, ''}
 # lookup hash (which records the entry, so that a cancel finds it without reading the queue), or
 # nothing if the task exists already (a re-sent submission). The queue and its group are made if
 # missing, and the queue joins the registry of queues.
-# KEYS[1] ledger, KEYS[2] task hash, KEYS[3] queue, KEYS[4] registry of queues; ARGV[1] the packed
-# events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, then n hash field/value items, then
+# A band queue (events.keys.Keys.band_queue) joins its model's zset of bands too.
+# KEYS[1] ledger, KEYS[2] task hash, KEYS[3] queue, KEYS[4] registry of queues, KEYS[5] the model's
+# bands; ARGV[1] the packed events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, ARGV[5] the
+# queue's place among its model's bands ('' = not a band queue), then n hash field/value items, then
 # the queue entry's field/value items. Returns {1, entry id} when queued now, {0, entry id} when it
 # was queued before.
 _SUBMIT: Final = (
@@ -202,13 +204,14 @@ end
 append_blob(KEYS[1], ARGV[1], nil)
 local n = tonumber(ARGV[4])
 local info = {}
-for i = 5, 4 + n do info[#info + 1] = ARGV[i] end
+for i = 6, 5 + n do info[#info + 1] = ARGV[i] end
 local fields = {}
-for i = 5 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 6 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
 local entry = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('HSET', KEYS[2], 'entry', entry, unpack(info))
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[4], KEYS[3])
+if ARGV[5] ~= '' then redis.call('ZADD', KEYS[5], ARGV[5], KEYS[3]) end
 return {1, entry}
 """
 )
@@ -291,6 +294,18 @@ _CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
 _TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
 _KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
 _SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
+
+# How many entries one model's queue holds, all its bands together (queued, and delivered ones not
+# yet finished). KEYS[1] the model's plain queue, KEYS[2] its zset of bands (same slot).
+_DEPTH: Final = """
+local n = 0
+if redis.call('TYPE', KEYS[1]).ok == 'stream' then n = redis.call('XLEN', KEYS[1]) end
+for _, q in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  if q ~= KEYS[1] and redis.call('TYPE', q).ok == 'stream' then n = n + redis.call('XLEN', q) end
+end
+return n
+"""
+_DEPTH_DEF: Final = ScriptDef("depth", _DEPTH)
 
 CANCEL_REMOVED: Final = 2
 CANCEL_RUNNING: Final = 1
@@ -399,6 +414,20 @@ async def requeued_count(redis: aioredis.Redis, queue: str) -> int:
     return 0
 
 
+async def band_queues(redis: aioredis.Redis, keys: Keys, digest: str) -> list[str]:
+    """A model's queues, in the order they are served: its band queues that were ever used, with its
+    plain queue (band 0, round 0) in its place whether it was used or not."""
+    raw: Any = await redis.zrange(keys.bands(digest), 0, -1, withscores=True)
+    return band_list(keys.queue(digest), [(as_str(q), int(score)) for q, score in raw])
+
+
+def band_list(plain: str, scored: Sequence[tuple[str, int]]) -> list[str]:
+    """A model's band queues in serving order, its plain queue placed by band_order(0, 0)."""
+    rows = dict(scored)
+    rows.setdefault(plain, band_order(0, 0))
+    return sorted(rows, key=lambda q: (rows[q], q))
+
+
 class TaskQueues:
     """Operations on the task queues, shared by the submitter, the workers and the reaper."""
 
@@ -423,6 +452,7 @@ class TaskQueues:
         self._take = _TAKE_DEF.bind(redis)
         self._keep = _KEEP_DEF.bind(redis)
         self._submit = _SUBMIT_DEF.bind(redis)
+        self._depth = _DEPTH_DEF.bind(redis)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -438,11 +468,19 @@ class TaskQueues:
         return str(raw.decode())
 
     async def submit(
-        self, queue: str, task: TaskMessage, events: Sequence[Event], info: Mapping[str, str | bytes]
+        self,
+        queue: str,
+        task: TaskMessage,
+        events: Sequence[Event],
+        info: Mapping[str, str | bytes],
+        *,
+        bands: str = "",
+        order: int | None = None,
     ) -> tuple[bool, str]:
         """Record `events`, the task's lookup hash (`info`, plus its entry id) and its queue entry, at
         once and only once per task id (see _SUBMIT): (queued now, entry id). Sending it again after
-        a lost reply is safe: the second finds the task and queues nothing."""
+        a lost reply is safe: the second finds the task and queues nothing. A band queue names its
+        model's zset of bands (`bands`) and its place there (`order`)."""
         flat: list[Any] = []
         for field, value in info.items():
             flat += [field, value]
@@ -450,11 +488,27 @@ class TaskQueues:
         for raw, value in queue_fields(task).items():
             entry += [raw, value]
         reply: Any = await self._submit(
-            keys=[self.keys.events, self.keys.task(task.task_id), queue, self.keys.queues],
-            args=[encode_batch(events), str(RESULT_TTL_MS), WORKERS_GROUP, str(len(flat)), *flat, *entry],
+            keys=[self.keys.events, self.keys.task(task.task_id), queue, self.keys.queues, bands or queue],
+            args=[
+                encode_batch(events),
+                str(RESULT_TTL_MS),
+                WORKERS_GROUP,
+                str(len(flat)),
+                "" if order is None or not bands else str(order),
+                *flat,
+                *entry,
+            ],
         )
         created, entry_id = reply
         return int(created) == 1, as_str(entry_id)
+
+    async def depth(self, digest: str) -> int:
+        """How many entries the model's queue holds, every band together (see _DEPTH)."""
+        return int(await self._depth(keys=[self.keys.queue(digest), self.keys.bands(digest)]))
+
+    async def band_queues(self, digest: str) -> list[str]:
+        """The model's queues, in the order they are served (see band_queues)."""
+        return await band_queues(self.redis, self.keys, digest)
 
     async def keep(self, queue: str, consumer: str, entry_ids: Sequence[str]) -> list[str]:
         """Reset the idle time of the entries `consumer` still holds (see _KEEP); the ids it holds."""

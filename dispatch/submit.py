@@ -14,13 +14,14 @@ from typing import Any, Final
 
 import msgspec
 
-from dispatch.errors import ModelNotServedError
+from dispatch.errors import ModelNotServedError, QueueFullError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.queues import TaskQueues
 from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
+from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.preview import preview
@@ -29,6 +30,8 @@ log = logging.getLogger("routeledger.dispatch")
 
 POLICY: Final = "routeledger"
 POLICY_VERSION: Final = 1
+# Seconds a client refused for a full queue is told to wait.
+QUEUE_FULL_RETRY_S: Final = 5
 
 
 class TaskRequest(msgspec.Struct, kw_only=True):
@@ -58,6 +61,11 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     # Its options change how the backend runs the model (dispatch/options.py): recorded on
     # TaskSubmitted, so that its run is never a speed sample.
     runtime_options: bool = False
+    # The name of the API key it came with (recorded, never the key itself).
+    key: str | None = None
+    # Its fair-share round within its priority band (dispatch.quota.round_of): which of the model's
+    # band queues it joins.
+    share_round: int = 0
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -70,17 +78,22 @@ class Submitted(msgspec.Struct, kw_only=True):
     task: TaskMessage
     queue: str
     decision: Decision | None = None
+    # The name of the API key it came with: its result is charged to that key (Gateway.settle).
+    key: str | None = None
 
     @property
     def task_id(self) -> str:
         return self.task.task_id
 
 
-async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest) -> Submitted:
+async def route_and_submit(
+    queues: TaskQueues, view: LiveView, req: TaskRequest, *, max_depth: int | None = None
+) -> Submitted:
     """Route and queue one request; `req.model` may be `auto`.
 
-    Raises ModelNotServedError at once when no live worker serves the model. A named model the
-    router cannot rank (it never should) is still queued, without a TaskRouted.
+    Raises ModelNotServedError at once when no live worker serves the model, and QueueFullError
+    when the chosen model's queue holds `max_depth` tasks already. A named model the router cannot
+    rank (it never should) is still queued, without a TaskRouted.
     """
     text = req.text()
     domain = req.domain or classify_domain(text)
@@ -115,7 +128,9 @@ async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest)
         domain=domain,
     )
     digest = decision.digest if decision is not None else candidates[req.model]
-    return await submit_task(queues, routed, leases=leases, digest=digest, decision=decision)
+    return await submit_task(
+        queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth
+    )
 
 
 async def submit_task(
@@ -125,6 +140,7 @@ async def submit_task(
     leases: dict[str, LeaseInfo] | None = None,
     digest: str | None = None,
     decision: Decision | None = None,
+    max_depth: int | None = None,
 ) -> Submitted:
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
@@ -132,11 +148,25 @@ async def submit_task(
     Everything is written in one script keyed by the task id (TaskQueues.submit): the ledger
     events, the queue entry, the task's lookup hash, so that no worker sees a task the ledger has
     not recorded, and a second submission of the same id (a re-send after a lost reply) queues
-    nothing. Raises ModelNotServedError at once when no live worker serves the model.
+    nothing. Raises ModelNotServedError at once when no live worker serves the model, and
+    QueueFullError when its queue holds `max_depth` tasks (every band together).
+
+    The task joins its model's band queue for its priority and fair-share round
+    (events.keys.Keys.band_queue): workers serve a model's bands highest priority first, and within
+    a priority the earlier round first.
     """
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
         digest = require_model(req.model, live)
+    if max_depth is not None:
+        held = await queues.depth(digest)
+        if held >= max_depth:
+            raise QueueFullError(
+                f"the queue of {req.model} holds {held} tasks: at its cap max_queue_depth={max_depth}",
+                hint="try again later, or another model; the operator may raise max_queue_depth",
+                cap=max_depth,
+                retry_after_s=QUEUE_FULL_RETRY_S,
+            )
     text = req.text()
     domain = req.domain or classify_domain(text)
     task = TaskMessage(
@@ -158,7 +188,7 @@ async def submit_task(
         deadline_ms=req.deadline_ms,
     )
     keys = queues.keys
-    queue = keys.queue(digest)
+    queue = keys.band_queue(digest, task.priority, req.share_round)
     events: list[Event] = [
         TaskSubmitted(
             task_id=task.task_id,
@@ -175,6 +205,8 @@ async def submit_task(
             pipeline_id=task.pipeline_id,
             client=req.client,
             runtime_options=req.runtime_options,
+            key=req.key,
+            share_round=req.share_round,
         )
     ]
     breakdown = b""
@@ -190,8 +222,18 @@ async def submit_task(
         "submitted_at": str(task.submitted_at),
         "routed": breakdown,
     }
-    await queues.submit(queue, task, events, info)
-    return Submitted(task=task, queue=queue, decision=decision)
+    if req.key is not None:
+        info["key"] = req.key
+    await queues.submit(
+        queue,
+        task,
+        events,
+        info,
+        # The plain queue is always read, listed or not: only the other bands join the zset.
+        bands=keys.bands(digest) if queue != keys.queue(digest) else "",
+        order=band_order(task.priority, req.share_round),
+    )
+    return Submitted(task=task, queue=queue, decision=decision, key=req.key)
 
 
 def routed_event(task_id: str, queue: str, decision: Decision) -> TaskRouted:

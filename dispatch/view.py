@@ -22,7 +22,7 @@ from dispatch.payload import F_ID, F_TASK
 from dispatch.serving import resolve_models, served, served_models
 from events.codec import as_str
 from events.event import now_ms
-from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
 from events.scripts import ScriptDef
 from projections.errors import ProjectionError
 from projections.reader import snapshot
@@ -34,49 +34,74 @@ from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arriva
 log = logging.getLogger("routeledger.view")
 T = TypeVar("T")
 
-# One queue's waiting entries, head first: the re-queued ones (held by the REQUEUED consumer, in
-# their original place) and then those after the group's last-delivered id (nobody has read them),
-# at most ARGV[2] in all; and the id of the queue's last entry (an XREAD from it wakes on the next
-# new one). KEYS[1] the queue (one key: the script runs on a cluster); ARGV group, depth, the
-# REQUEUED consumer's name. A missing queue or group reads from the start; a key that is not a
-# stream gives no entries. Returns {cursor, rows}.
+# One model's waiting entries, head first, across its band queues in serving order (the zset of
+# bands, with the plain queue placed by its order ARGV[4]). Per queue: the re-queued entries (held
+# by the REQUEUED consumer, in their original place) and then those after the group's
+# last-delivered id (nobody has read them), at most ARGV[2] in all; and per queue the id of its
+# last entry (an XREAD from it wakes on the next new one). KEYS[1] the plain queue, KEYS[2] the
+# zset of bands (one slot: the band queues carry the plain queue's name as hash tag); ARGV group,
+# depth, the REQUEUED consumer's name, the plain queue's order. A missing queue or group reads from
+# the start; a key that is not a stream gives no entries. Returns {names, cursors, rows per queue}.
 _BACKLOG = """
-local depth = tonumber(ARGV[2])
-local rows = {}
-local again = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', depth, ARGV[3])
-if type(again) == 'table' and again.err == nil then
-  for _, p in ipairs(again) do
-    local r = redis.call('XRANGE', KEYS[1], p[1], p[1])
-    if #r > 0 then rows[#rows + 1] = r[1] end
-  end
-end
-local start, delivered = '-', '0-0'
-local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
-if type(groups) == 'table' and groups.err == nil then
-  for _, g in ipairs(groups) do
-    local name, last = nil, nil
-    for j = 1, #g, 2 do
-      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+local left = tonumber(ARGV[2])
+local function look(q, want)
+  local rows = {}
+  if want > 0 then
+    local again = redis.pcall('XPENDING', q, ARGV[1], '-', '+', want, ARGV[3])
+    if type(again) == 'table' and again.err == nil then
+      for _, p in ipairs(again) do
+        local r = redis.call('XRANGE', q, p[1], p[1])
+        if #r > 0 then rows[#rows + 1] = r[1] end
+      end
     end
-    if name == ARGV[1] and last ~= nil and last ~= '0-0' then start, delivered = '(' .. last, last end
   end
-end
-local unread = 0
-if #rows < depth then
-  local more = redis.pcall('XRANGE', KEYS[1], start, '+', 'COUNT', depth - #rows)
-  if type(more) == 'table' and more.err == nil then
-    for _, r in ipairs(more) do rows[#rows + 1] = r end
-    unread = #more
+  local start, delivered = '-', '0-0'
+  local groups = redis.pcall('XINFO', 'GROUPS', q)
+  if type(groups) == 'table' and groups.err == nil then
+    for _, g in ipairs(groups) do
+      local name, last = nil, nil
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+      if name == ARGV[1] and last ~= nil and last ~= '0-0' then start, delivered = '(' .. last, last end
+    end
   end
+  local unread = 0
+  if #rows < want then
+    local more = redis.pcall('XRANGE', q, start, '+', 'COUNT', want - #rows)
+    if type(more) == 'table' and more.err == nil then
+      for _, r in ipairs(more) do rows[#rows + 1] = r end
+      unread = #more
+    end
+  end
+  -- With nothing unread, every entry after the group's cursor is new: it is the queue's cursor too
+  -- (an idle worker's look costs no more reads).
+  local cursor = delivered
+  if unread > 0 or #rows >= want then
+    local last = redis.pcall('XREVRANGE', q, '+', '-', 'COUNT', 1)
+    if type(last) == 'table' and last.err == nil and #last > 0 then cursor = last[1][1] end
+  end
+  return cursor, rows
 end
--- With nothing unread, every entry after the group's cursor is new: it is the queue's cursor too
--- (an idle worker's look costs no more reads).
-local cursor = delivered
-if unread > 0 or #rows >= depth then
-  local last = redis.pcall('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  if type(last) == 'table' and last.err == nil and #last > 0 then cursor = last[1][1] end
+local names, placed = {}, false
+local plain = tonumber(ARGV[4])
+local listed = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+for i = 1, #listed, 2 do
+  local q, score = listed[i], tonumber(listed[i + 1])
+  if not placed and (q == KEYS[1] or score > plain) then
+    names[#names + 1] = KEYS[1]
+    placed = true
+  end
+  if q ~= KEYS[1] then names[#names + 1] = q end
 end
-return {cursor, rows}
+if not placed then names[#names + 1] = KEYS[1] end
+local cursors, found = {}, {}
+for i, q in ipairs(names) do
+  local cursor, rows = look(q, left)
+  left = left - #rows
+  cursors[i], found[i] = cursor, rows
+end
+return {names, cursors, found}
 """
 _BACKLOG_DEF: Final = ScriptDef("backlog", _BACKLOG, allow_oom=True)
 
@@ -260,14 +285,25 @@ class LiveView:
         """Each model's waiting queue entries (at most `depth`), head first, and each queue's cursor
         (the id of its last entry: an XREAD from it wakes on the next new one), keyed by queue name."""
         wanted = sorted(set(digests))
+        plain = str(band_order(0, 0))
         replies: list[Any] = await asyncio.gather(
             *(
-                self._backlog(keys=[self.keys.queue(d)], args=[WORKERS_GROUP, depth, REQUEUED_CONSUMER])
+                self._backlog(
+                    keys=[self.keys.queue(d), self.keys.bands(d)],
+                    args=[WORKERS_GROUP, depth, REQUEUED_CONSUMER, plain],
+                )
                 for d in wanted
             )
         )
-        backlog = {digest: _entries(digest, r[1]) for digest, r in zip(wanted, replies, strict=True)}
-        cursors = {self.keys.queue(d): as_str(r[0]) for d, r in zip(wanted, replies, strict=True)}
+        backlog: dict[str, list[BacklogEntry]] = {}
+        cursors: dict[str, str] = {}
+        for digest, (names, marks, found) in zip(wanted, replies, strict=True):
+            entries: list[BacklogEntry] = []
+            for raw, mark, rows in zip(names, marks, found, strict=True):
+                queue = as_str(raw)
+                cursors[queue] = as_str(mark)
+                entries += _entries(digest, rows, queue)
+            backlog[digest] = entries
         return backlog, cursors
 
     async def fleet(
@@ -296,7 +332,7 @@ class _TaskSize(msgspec.Struct, kw_only=True):
 _size_decoder = msgspec.msgpack.Decoder(_TaskSize)
 
 
-def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
+def _entries(digest: str, rows: list[Any], queue: str) -> list[BacklogEntry]:
     out: list[BacklogEntry] = []
     for raw_id, flat in rows:
         fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=False))
@@ -308,7 +344,11 @@ def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
             # A malformed entry stays in the backlog, as a small task: it is the head a worker must
             # take (and dead-letter), or no worker could ever take what lies behind it.
             ident = as_str(fields.get(F_ID, raw_id))
-            out.append(BacklogEntry(entry_id=entry_id, task_id=ident, digest=digest, enqueued_at_ms=enqueued))
+            out.append(
+                BacklogEntry(
+                    entry_id=entry_id, task_id=ident, digest=digest, enqueued_at_ms=enqueued, queue=queue
+                )
+            )
             continue
         out.append(
             BacklogEntry(
@@ -319,6 +359,7 @@ def _entries(digest: str, rows: list[Any]) -> list[BacklogEntry]:
                 domain=task.domain,
                 prompt_tokens=task.prompt_tokens,
                 max_tokens=task.max_tokens,
+                queue=queue,
             )
         )
     return out

@@ -146,6 +146,10 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     # Its options change how the backend runs the model (num_gpu, a large num_ctx…; accepted only
     # with allow_runtime_options): its run's timings are never folded into the speed table.
     runtime_options: bool = False
+    # The name of the API key it came with (never the key); None where keys are not configured.
+    key: str | None = None
+    # Its fair-share round within its priority band (dispatch.quota.round_of).
+    share_round: Small = 0
 
 
 class TaskRouted(Event, frozen=True, kw_only=True):

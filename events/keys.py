@@ -18,6 +18,17 @@ DIGEST_PREFIX_LEN: Final = 12
 # The consumer that holds re-queued entries in a queue's pending list, in their original place
 # (ahead of newer work), until a worker takes one; no worker name can be spelled like it.
 REQUEUED_CONSUMER: Final = "(requeued)"
+# Priorities are served in bands: every priority above BAND_HIGHEST shares its band, and so does
+# every one below BAND_LOWEST.
+BAND_HIGHEST: Final = 9
+BAND_LOWEST: Final = -1
+
+
+def band_order(priority: int, round_: int) -> int:
+    """Where a band queue comes in its model's order (lowest first): higher priority first, then the
+    earlier fair-share round."""
+    band = max(BAND_LOWEST, min(BAND_HIGHEST, priority))
+    return (BAND_HIGHEST - band) * 16 + round_
 
 
 class Keys:
@@ -72,6 +83,19 @@ class Keys:
     def queue(self, digest: str) -> str:
         # Shared task queue of one model (group `workers`); only holders of the digest read it.
         return f"{self.prefix}q:{digest[:DIGEST_PREFIX_LEN]}"
+
+    def band_queue(self, digest: str, priority: int, round_: int) -> str:
+        # One model's queue for one priority band and fair-share round; band 0 round 0 is the
+        # model's plain queue. The hash tag is the plain queue's name: one slot for all of them.
+        band = max(BAND_LOWEST, min(BAND_HIGHEST, priority))
+        if band == 0 and round_ == 0:
+            return self.queue(digest)
+        return f"{self.prefix}q:{{{self.queue(digest)}}}:p{band}r{round_}"
+
+    def bands(self, digest: str) -> str:
+        # Zset of one model's band queues that were ever used, scored in the order they are
+        # served (band_order); same slot as the model's plain queue.
+        return f"{self.prefix}qb:{{{self.queue(digest)}}}"
 
     def pinned(self, worker: str) -> str:
         # Tasks pinned to one worker: benchmarks and explicit pins (group `workers`).
@@ -133,6 +157,15 @@ class Keys:
     def expired(self) -> str:
         # Hash worker -> status_since of the life the reaper ended (lease expired): one WorkerOffline each.
         return f"{self.prefix}expired"
+
+    # -- API keys ------------------------------------------------------------------------------
+    def quota(self, name: str) -> str:
+        # Hash: one API key's use (requests, refusals, today's tokens and day, its rate's timestamp).
+        return f"{self.prefix}quota:{{{name}}}"
+
+    def quota_open(self, name: str) -> str:
+        # Zset: one API key's open tasks (admitted, result not yet delivered) -> admitted at ms.
+        return f"{self.prefix}quota:{{{name}}}:open"
 
     # -- leases of singleton processes ----------------------------------------------------------
     def singleton(self, role: str) -> str:

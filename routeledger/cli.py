@@ -124,7 +124,7 @@ def up(
     """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
     s = inst.settings
     setup_logging(s.log_level)
-    if s.host not in LOOPBACK and not s.api_keys:
+    if s.host not in LOOPBACK and not (s.api_keys or s.keys):
         raise ConfigError(
             f"refusing to serve the API on {s.host} without API keys: set ROUTELEDGER_API_KEYS "
             "(or api_keys in the config file), or bind 127.0.0.1"
@@ -313,7 +313,7 @@ def api_cmd(
 
     s = inst.settings
     setup_logging(s.log_level)
-    if s.host not in LOOPBACK and not s.api_keys:
+    if s.host not in LOOPBACK and not (s.api_keys or s.keys):
         raise ConfigError(
             f"refusing to serve the API on {s.host} without API keys (set ROUTELEDGER_API_KEYS)"
         )
@@ -328,6 +328,7 @@ def api_cmd(
     os.environ["ROUTELEDGER_LOG_LEVEL"] = s.log_level
     os.environ["ROUTELEDGER_MAX_BODY_BYTES"] = str(s.max_body_bytes)
     os.environ["ROUTELEDGER_MAX_MESSAGES"] = str(s.max_messages)
+    os.environ["ROUTELEDGER_MAX_QUEUE_DEPTH"] = str(s.max_queue_depth)
     if s.api_keys:
         os.environ["ROUTELEDGER_API_KEYS"] = ",".join(s.api_keys)
     os.environ["ROUTELEDGER_HOST"] = s.host
@@ -336,6 +337,8 @@ def api_cmd(
     os.environ["ROUTELEDGER_DOMAINS"] = ",".join(s.domains)
     os.environ["ROUTELEDGER_ALLOW_RUNTIME_OPTIONS"] = str(s.allow_runtime_options).lower()
     os.environ["ROUTELEDGER_MAX_NUM_CTX"] = str(s.max_num_ctx)
+    if s.keys:
+        os.environ["ROUTELEDGER_KEYS"] = msgspec.json.encode(s.keys).decode()
     uvicorn.run(
         "routeledger.cli:api_from_env",
         factory=True,
@@ -362,6 +365,8 @@ def api_from_env() -> Any:
             redis_url=redis_url_for(s),
             prefix=s.prefix,
             api_keys=s.api_keys,
+            keys=s.keys,
+            max_queue_depth=s.max_queue_depth,
             max_body_bytes=s.max_body_bytes,
             max_messages=s.max_messages,
             wait_timeout_s=s.backend_timeout_s * 2,
@@ -454,6 +459,8 @@ def config_show(
         values["redis_url"] = _mask(values["redis_url"])
     if values.get("api_keys"):
         values["api_keys"] = [f"…{k[-4:]}" if len(k) > 8 else "***" for k in values["api_keys"]]
+    for table in values.get("keys") or []:
+        table["key"] = f"…{table['key'][-4:]}" if len(table["key"]) > 8 else "***"
     if json_:
         out = {k: {"value": values[k], "source": resolved.sources[k]} for k in FIELDS}
         print_json({"settings": out, "config_file": resolved.config_file})

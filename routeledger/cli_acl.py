@@ -9,6 +9,8 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:events:w:NAME` | XADD only | its inbox (`--inbox`), the only stream it appends events to |
 | `rl:inboxes` | read, write | it lists its inbox there, so that the ingest finds it without SCAN |
 | `rl:q:{12 hex}` | read, write | shared queues of models: taken, finished, re-queued (functions) |
+| `rl:q:{rl:q:{12 hex}}:*` | read, write | the same models' priority band queues |
+| `rl:qb:{rl:q:{12 hex}}` | read, write | which band queues a model has (the backlog function reads it) |
 | `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
 | `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
 | `rl:live:NAME` | read, write | its own lease |
@@ -59,6 +61,7 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "sadd",
     "smembers",
     "sismember",
+    "zrange",
     "hset",
     "hget",
     "hgetall",
@@ -93,6 +96,9 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     rules = ["reset", "on", f">{password}", "resetchannels"]
     rules += [
         f"~{k.prefix}q:{_HEX12}",
+        f"~{k.prefix}q:{{{k.prefix}q:{_HEX12}}}:*",
+        # Read and write: a key a script is given must be both (Redis cannot tell which it needs).
+        f"~{k.prefix}qb:{{{k.prefix}q:{_HEX12}}}",
         f"~{k.pinned(name)}",
         f"~{k.out('*')}",
         f"~{k.result('*')}",

@@ -17,6 +17,7 @@ from typing import Any, Final
 import msgspec
 
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, DOMAIN_RULE, valid_domain
+from dispatch.quota import ApiKey, named_keys
 from events.connection import with_tls_files
 from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
@@ -52,6 +53,8 @@ class Settings(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8600
     api_keys: list[str] = msgspec.field(default_factory=list)
+    keys: list[ApiKey] = msgspec.field(default_factory=list)
+    max_queue_depth: int = 10_000
     lease_ms: int = DEFAULT_LEASE_MS
     heartbeat_ms: int = 2_000
     delivery_limit: int = 3
@@ -93,7 +96,12 @@ FIELDS: Final[dict[str, str]] = {
     "prefix": "prefix of every Redis key",
     "host": "address the HTTP API binds",
     "port": "port of the HTTP API",
-    "api_keys": "Bearer keys the API accepts (comma-separated in the environment)",
+    "api_keys": "Bearer keys the API accepts, without limits (comma-separated in the environment)",
+    "keys": (
+        "named API keys with optional limits: [[keys]] tables with name, key, rpm, tokens_per_day, "
+        "max_queued, max_priority (in the environment: a JSON list of such objects)"
+    ),
+    "max_queue_depth": "most tasks one model's queue holds; a new one past it is refused (503)",
     "lease_ms": "a worker or running task is presumed dead this long after its last heartbeat",
     "heartbeat_ms": "how often a worker refreshes its lease and reports its inventory",
     "delivery_limit": "deliveries of one task before it is dead-lettered",
@@ -137,6 +145,7 @@ FIELDS: Final[dict[str, str]] = {
 }
 
 _LIST_FIELDS: Final = {"api_keys", "allowed_hosts", "allowed_origins", "domains"}
+_JSON_FIELDS: Final = {"keys"}
 
 
 class Resolved(msgspec.Struct, kw_only=True):
@@ -155,6 +164,11 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             raw: Any = environ[var]
             if name in _LIST_FIELDS:
                 raw = [part.strip() for part in raw.split(",") if part.strip()]
+            elif name in _JSON_FIELDS:
+                try:
+                    raw = msgspec.json.decode(raw)
+                except msgspec.DecodeError as exc:
+                    raise ConfigError(f"{var} is not valid JSON: {exc}") from None
             found[name] = (raw, f"env {var}")
     if "redis_url" not in found and environ.get("REDIS_URL"):
         found["redis_url"] = (environ["REDIS_URL"], "env REDIS_URL")
@@ -223,6 +237,7 @@ def _validate(s: Settings) -> None:
         (s.half_life_s > 0, "half_life_s must be positive"),
         (s.demand_half_life_s > 0, "demand_half_life_s must be positive"),
         (s.max_queue_s > 0, f"max_queue_s must be positive, got {s.max_queue_s}"),
+        (s.max_queue_depth >= 1, f"max_queue_depth must be at least 1, got {s.max_queue_depth}"),
         (s.task_retention_days >= 1, f"task_retention_days must be at least 1, got {s.task_retention_days}"),
         (bool(s.prefix), "prefix must not be empty"),
         (s.max_body_bytes >= 1024, f"max_body_bytes must be at least 1024, got {s.max_body_bytes}"),
@@ -240,6 +255,10 @@ def _validate(s: Settings) -> None:
     bad = [d for d in s.domains if not valid_domain(d)]
     if bad:
         raise ConfigError(f"domains {bad} are not domain names: {DOMAIN_RULE}")
+    try:
+        named_keys(s.api_keys, s.keys)
+    except ValueError as exc:
+        raise ConfigError(f"invalid API keys: {exc}") from None
     maxmemory_bytes(s)
 
 

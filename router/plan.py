@@ -150,6 +150,10 @@ class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
     # Its id in the queue ('' where no queue holds it: the simulator's, a preview's); a worker takes
     # the entry its gate decided on only if it is still the head (dispatch.queues.TaskQueues.take).
     entry_id: str = ""
+    # The queue that holds it (one of its model's band queues; '' where no queue holds it). A
+    # model's backlog lists its band queues in serving order: higher priority first, then the
+    # earlier fair-share round, each queue head first.
+    queue: str = ""
 
 
 class FleetView(msgspec.Struct, kw_only=True, gc=False):

@@ -101,3 +101,40 @@ def test_the_browser_and_options_settings_come_from_a_file_or_the_environment(tm
 def test_a_domain_that_could_not_be_a_table_key_is_a_config_error(domains: str) -> None:
     with pytest.raises(ConfigError, match="domain"):
         resolve({}, environ={"ROUTELEDGER_DOMAINS": domains})
+
+
+def test_named_keys_with_limits_come_from_toml_tables_or_a_json_list_in_the_environment(
+    tmp_path: Path,
+) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(
+        'api_keys = ["plain"]\nmax_queue_depth = 50\n'
+        '[[keys]]\nname = "alice"\nkey = "secret-a"\nrpm = 60\ntokens_per_day = 200000\n'
+        "max_queued = 20\nmax_priority = 5\n"
+    )
+    r = resolve({}, config_file=conf, environ={})
+    (alice,) = r.settings.keys
+    assert (alice.name, alice.rpm, alice.tokens_per_day, alice.max_queued, alice.max_priority) == (
+        "alice",
+        60,
+        200000,
+        20,
+        5,
+    )
+    assert r.settings.api_keys == ["plain"] and r.settings.max_queue_depth == 50
+    env = {"ROUTELEDGER_KEYS": '[{"name": "bob", "key": "secret-b", "max_queued": 3}]'}
+    assert resolve({}, environ=env).settings.keys[0].max_queued == 3
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ('[{"name": "a", "key": "1"}, {"name": "a", "key": "2"}]', "repeated"),
+        ('[{"name": "a", "key": "1", "rpm": 0}]', "at least 1"),
+        ('[{"name": "a", "key": "1", "burst": 3}]', "invalid configuration"),
+        ("[{", "not valid JSON"),
+    ],
+)
+def test_a_bad_key_table_is_a_clear_error(keys: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve({}, environ={"ROUTELEDGER_KEYS": keys})

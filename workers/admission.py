@@ -74,7 +74,7 @@ class PlainPull:
         if not heads:
             return Admission(cursors=cursors)
         _, digest = min(heads)
-        return Admission(queue=self.keys.queue(digest), cursors=cursors)
+        return Admission(queue=backlog[digest][0].queue or self.keys.queue(digest), cursors=cursors)
 
 
 class RouterGate:
@@ -124,10 +124,10 @@ class RouterGate:
         snap, est = await self.view.estimates()
         # The cached leases, with this worker's own as it is now (it knows what it runs).
         leases = await self.view.leases()
-        own = agent.lease_info()
-        views = with_own(self.view.worker_views(leases), own)
+        mine = agent.lease_info()
+        views = with_own(self.view.worker_views(leases), mine)
         if views is None:
-            views = worker_views({**leases, agent.name: own})
+            views = worker_views({**leases, agent.name: mine})
         now = now_ms()
         decision = decide_take(agent.name, views, backlog, snap, est, now, self.params)
         self.last = decision
@@ -136,11 +136,14 @@ class RouterGate:
                 log.debug("leaving %s: %s", decision.task_id, decision.reason)
             return Admission(held_back=decision.task_id is not None, cursors=cursors)
         log.debug("taking %s: %s", decision.task_id, decision.reason)
-        # The plan gave me task #k: up to k - 1 others may take theirs first (k within the real backlog).
-        queued = len(backlog.get(decision.digest, ()))
+        # The plan gave me task #k: up to k - 1 others may take theirs first (k within the real
+        # backlog of the band queue that holds the head: a take looks at that queue only).
+        own = backlog.get(decision.digest) or []
+        band = next((e.queue for e in own if e.entry_id == decision.entry_id), "") if own else ""
+        queued = sum(1 for e in own if e.queue == band)
         slack = 0 if decision.position is None else max(0, min(decision.position, queued) - 1)
         return Admission(
-            queue=self.keys.queue(decision.digest),
+            queue=band or self.keys.queue(decision.digest),
             entry_id=decision.entry_id,
             slack=slack,
             cursors=cursors,

@@ -359,7 +359,10 @@ class WorkerAgent:
 
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now."""
-        for queue in [self.pinned, *self.shared_queues()]:
+        queues = [self.pinned]
+        for digest in sorted({m.digest for m in self.serving()}):
+            queues += await self.queues.band_queues(digest)
+        for queue in queues:
             for pending in await self.ledger.pending(queue, consumer=self.name, count=1000):
                 moved = await self.queues.requeue(
                     queue,

@@ -225,6 +225,30 @@ function renderIncidents() {
   fill($("#incidents tbody"), rows, 5, "none recently");
 }
 
+// -- API keys ---------------------------------------------------------------------------------------------
+
+const KEYS_EVERY_MS = 5000;
+const ofLimit = (used, limit) => (limit ? `${used} / ${limit}` : `${used}`);
+
+async function renderKeys() {
+  try {
+    const { keys } = await getJSON("/v1/dashboard/keys");
+    const rows = keys.map((k) =>
+      h("tr", {},
+        h("td", {}, h("b", {}, k.name)),
+        h("td", { class: "num" }, k.requests),
+        h("td", { class: "num" }, ofLimit(k.tokens_today, k.limits.tokens_per_day)),
+        h("td", { class: "num" }, ofLimit(k.queued, k.limits.max_queued)),
+        h("td", { class: "num", title: Object.entries(k.refused_by).map(([l, n]) => `${l}: ${n}`).join(", ") }, k.refused),
+        h("td", { class: "num" }, k.limits.rpm ?? "–"),
+      ),
+    );
+    fill($("#keys tbody"), rows, 6, "no API keys configured");
+  } catch (err) {
+    fill($("#keys tbody"), [], 6, `could not read the keys: ${err.message}`);
+  }
+}
+
 // -- recent tasks -----------------------------------------------------------------------------------------
 
 function renderTasks() {
@@ -531,6 +555,8 @@ async function start() {
     setConn("error", `could not load samples: ${err.message}`);
   }
   drawChart();
+  renderKeys();
+  setInterval(renderKeys, KEYS_EVERY_MS);
   follow();
 }
 

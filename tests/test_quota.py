@@ -1,0 +1,222 @@
+"""API keys and their limits (rpm, tokens per day, tasks queued, priority ceiling), and the order
+a model's band queues are served in (priority first, then the fair-share round)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from api.app import AppConfig
+from dispatch.errors import QuotaExceededError
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
+from dispatch.submit import TaskRequest, submit_task
+from dispatch.view import LiveView
+from events.keys import Keys
+from tests.helpers import MODEL_DIGEST
+from tests.test_api_support import ghost_worker, serving
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def quotas(redis: aioredis.Redis) -> Quotas:
+    return Quotas(redis, Keys(), open_ttl_s=3600)
+
+
+async def refusal(q: Quotas, key: ApiKey, task_id: str) -> QuotaExceededError:
+    with pytest.raises(QuotaExceededError) as caught:
+        await q.admit(key, task_id, 0)
+    return caught.value
+
+
+async def test_a_key_gets_its_rpm_at_once_and_then_a_refusal_that_says_when_to_retry(
+    redis_client: aioredis.Redis,
+) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="alice", key="k", rpm=3)
+    for i in range(3):
+        await q.admit(key, f"t{i}", 0)
+    refused = await refusal(q, key, "t3")
+    assert refused.limit == "rpm"
+    # One request every 20 s once the burst of 3 is spent.
+    assert 1 <= refused.retry_after_s <= 20
+    assert "rpm=3" in refused.message
+    usage = (await q.usage([key]))[0]
+    assert usage.requests == 3 and usage.refused == 1 and usage.refused_by["rpm"] == 1
+
+
+async def test_a_key_over_its_tokens_for_the_day_is_refused_until_midnight(
+    redis_client: aioredis.Redis,
+) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="bob", key="k", tokens_per_day=100)
+    await q.admit(key, "t1", 0)
+    assert await q.settle("bob", "t1", 120)
+    refused = await refusal(q, key, "t2")
+    assert refused.limit == "tokens_per_day"
+    assert 1 <= refused.retry_after_s <= 86_400
+    usage = (await q.usage([key]))[0]
+    assert usage.tokens_today == 120 and usage.tokens_total == 120 and usage.queued == 0
+
+
+async def test_a_task_is_charged_once_however_often_it_is_settled(redis_client: aioredis.Redis) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="carol", key="k")
+    await q.admit(key, "t1", 0)
+    assert await q.settle("carol", "t1", 50)
+    assert not await q.settle("carol", "t1", 50)
+    assert (await q.usage([key]))[0].tokens_today == 50
+
+
+async def test_a_key_at_max_queued_is_refused_until_one_of_its_tasks_is_settled(
+    redis_client: aioredis.Redis,
+) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="dave", key="k", max_queued=2)
+    await q.admit(key, "t1", 0)
+    await q.admit(key, "t2", 0)
+    assert (await refusal(q, key, "t3")).limit == "max_queued"
+    await q.settle("dave", "t1", 0)
+    await q.admit(key, "t3", 0)
+    assert (await q.usage([key]))[0].queued == 2
+
+
+async def test_an_admission_sent_again_for_the_same_task_counts_once(redis_client: aioredis.Redis) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="erin", key="k", max_queued=1)
+    first = await q.admit(key, "t1", 0)
+    again = await q.admit(key, "t1", 0)
+    assert first == again
+    assert (await q.usage([key]))[0].requests == 1
+
+
+async def test_a_priority_above_the_keys_ceiling_is_lowered_to_it_not_refused(
+    redis_client: aioredis.Redis,
+) -> None:
+    key = ApiKey(name="frank", key="k", max_priority=5)
+    admitted = await quotas(redis_client).admit(key, "t1", 9)
+    assert admitted.priority == 5
+    assert band_of(3, key) == 3 and band_of(9, None) == 9
+
+
+async def test_a_keys_round_grows_with_its_open_tasks_up_to_the_last() -> None:
+    assert [round_of(n) for n in (0, FAIR_QUANTUM - 1, FAIR_QUANTUM, 100)] == [0, 0, 1, FAIR_ROUNDS - 1]
+
+
+def test_plain_keys_get_generated_names_and_repeated_names_are_refused() -> None:
+    keys = named_keys(["aaaa", "bbbb"], [ApiKey(name="alice", key="cccc", rpm=60)])
+    assert [k.name for k in keys] == ["key-1", "key-2", "alice"]
+    with pytest.raises(ValueError, match="repeated"):
+        named_keys([], [ApiKey(name="x", key="1"), ApiKey(name="x", key="2")])
+    with pytest.raises(ValueError, match="at least 1"):
+        named_keys([], [ApiKey(name="x", key="1", rpm=0)])
+
+
+async def queue(queues: TaskQueues, name: str, priority: int = 0, share_round: int = 0) -> None:
+    req = TaskRequest(
+        model="m",
+        messages=[Message(role="user", content=name)],
+        task_id=name,
+        priority=priority,
+        share_round=share_round,
+    )
+    await submit_task(queues, req, digest=MODEL_DIGEST)
+
+
+async def test_a_models_backlog_lists_higher_priority_first_then_earlier_rounds_then_arrival(
+    redis_client: aioredis.Redis,
+) -> None:
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys)
+    await queue(queues, "low-r1", 0, 1)
+    await queue(queues, "low-1", 0, 0)
+    await queue(queues, "background", -3, 0)
+    await queue(queues, "high", 9, 2)
+    await queue(queues, "low-2", 0, 0)
+    await queue(queues, "urgent", 40, 0)
+    backlog = await LiveView(redis_client, keys).backlog(MODEL_DIGEST)
+    # Priorities above 9 share band 9, where the earlier round comes first.
+    assert [e.task_id for e in backlog] == ["urgent", "high", "low-1", "low-2", "low-r1", "background"]
+    assert backlog[2].queue == keys.queue(MODEL_DIGEST)
+    assert await queues.depth(MODEL_DIGEST) == 6
+
+
+async def test_a_take_of_the_head_takes_from_the_band_queue_that_holds_it(
+    redis_client: aioredis.Redis,
+) -> None:
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys)
+    await queue(queues, "low", 0, 0)
+    await queue(queues, "high", 9, 0)
+    head = (await LiveView(redis_client, keys).backlog(MODEL_DIGEST))[0]
+    assert head.task_id == "high"
+    taken = await queues.take(head.queue, "w", head.entry_id)
+    assert taken.entry_id == head.entry_id
+    # Taken once: the next look starts at the plain queue.
+    assert [e.task_id for e in await LiveView(redis_client, keys).backlog(MODEL_DIGEST)] == ["low"]
+    assert (await queues.take(head.queue, "w2", head.entry_id)).entry_id == ""
+
+
+async def test_a_request_over_a_limit_is_a_429_naming_it_with_retry_after(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await ghost_worker(redis_client)
+    config = AppConfig(redis_url=redis_url, keys=[ApiKey(name="alice", key="secret-a", max_queued=1)])
+    auth = {"Authorization": "Bearer secret-a"}
+    async with serving(config) as base, httpx.AsyncClient(base_url=base, headers=auth) as http:
+        first = await http.post("/v1/tasks", json=CHAT)
+        native = await http.post("/v1/tasks", json=CHAT)
+        openai = await http.post("/v1/chat/completions", json=CHAT)
+        stats = (await http.get("/v1/stats")).json()
+        metrics = (await http.get("/metrics")).text
+        panel = (await http.get("/v1/dashboard/keys")).json()
+    assert first.status_code == 202
+    assert native.status_code == 429 and native.headers["Retry-After"] == "1"
+    assert (
+        native.json()["error"]["limit"] == "max_queued" and native.json()["error"]["type"] == "rate_limited"
+    )
+    assert openai.status_code == 429 and openai.json()["error"]["code"] == "rate_limit_exceeded"
+    assert openai.json()["error"]["param"] == "max_queued"
+    (alice,) = stats["keys"]
+    assert (
+        alice["name"] == "alice" and alice["requests"] == 1 and alice["queued"] == 1 and alice["refused"] == 2
+    )
+    assert "secret-a" not in str(stats) and "secret-a" not in metrics and "secret-a" not in str(panel)
+    assert 'routeledger_key_refused{key="alice",limit="max_queued"} 2.0' in metrics
+    assert panel["keys"][0]["name"] == "alice"
+
+
+async def test_the_key_name_never_the_key_is_recorded_on_the_submission(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await ghost_worker(redis_client)
+    config = AppConfig(redis_url=redis_url, api_keys=["plain-key"])
+    async with serving(config) as base, httpx.AsyncClient(base_url=base) as http:
+        accepted = await http.post("/v1/tasks", json=CHAT, headers={"Authorization": "Bearer plain-key"})
+        history = (
+            await http.get(
+                f"/v1/tasks/{accepted.json()['task_id']}/events",
+                headers={"Authorization": "Bearer plain-key"},
+            )
+        ).json()
+    submitted = history["events"][0]
+    assert submitted["type"] == "TaskSubmitted" and submitted["key"] == "key-1"
+    assert "plain-key" not in str(history)
+
+
+async def test_a_model_queue_at_its_depth_cap_refuses_with_a_503_naming_the_cap(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await ghost_worker(redis_client)
+    async with (
+        serving(AppConfig(redis_url=redis_url, max_queue_depth=2)) as base,
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        codes = [(await http.post("/v1/tasks", json=CHAT)).status_code for _ in range(2)]
+        full = await http.post("/v1/tasks", json={**CHAT, "priority": 9})
+    assert codes == [202, 202]
+    assert full.status_code == 503 and full.headers["Retry-After"] == "5"
+    body = full.json()["error"]
+    assert body["type"] == "queue_full" and body["cap"] == 2 and "max_queue_depth=2" in body["message"]
