@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Final
 import msgspec
 
 from dispatch.errors import (
+    CapabilityMissingError,
     DispatchError,
     ModelNotServedError,
     RedisMemoryFullError,
@@ -165,6 +166,8 @@ def answer(exc: DispatchError) -> ApiError:
     """The HTTP error that answers a dispatch error, with its message, hint and extra data."""
     if isinstance(exc, ModelNotServedError):
         return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
+    if isinstance(exc, CapabilityMissingError):
+        return BadRequestError(exc.message, hint=exc.hint, param="tools", extra=exc.extra)
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
     headers = {"Retry-After": retry} if retry is not None else None

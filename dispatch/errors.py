@@ -32,6 +32,11 @@ class ModelNotServedError(DispatchError):
         self.fleet = fleet
 
 
+class CapabilityMissingError(DispatchError):
+    """Raised when a request needs a capability (tools) that every live holder of its model says
+    the model lacks."""
+
+
 class TaskNotFoundError(DispatchError):
     """Raised when a task id names no task that Redis or the ledger still knows."""
 

@@ -14,11 +14,11 @@ from typing import Any, Final
 
 import msgspec
 
-from dispatch.errors import ModelNotServedError
+from dispatch.errors import CapabilityMissingError, ModelNotServedError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.queues import TaskQueues
-from dispatch.serving import describe_fleet, require_model, served_models
+from dispatch.serving import capabilities, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
@@ -55,6 +55,11 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     stream: bool = True
     # Epoch ms after which nobody waits for it (see TaskMessage.deadline_ms); None: no deadline.
     deadline_ms: int | None = None
+    # Function tools offered to the model (see TaskMessage.tools): only models whose holders may
+    # call tools are routed to.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -92,6 +97,8 @@ async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest)
         raise ModelNotServedError(
             f"no live worker serves any model ({describe_fleet(leases)})", model=req.model
         )
+    if req.tools and req.tool_choice != "none":
+        candidates = _calling_tools(req.model, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
         model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
@@ -113,6 +120,26 @@ async def route_and_submit(queues: TaskQueues, view: LiveView, req: TaskRequest)
     )
     digest = decision.digest if decision is not None else candidates[req.model]
     return await submit_task(queues, routed, leases=leases, digest=digest, decision=decision)
+
+
+def _calling_tools(model: str, candidates: dict[str, str], leases: dict[str, LeaseInfo]) -> dict[str, str]:
+    """The candidates that may call tools: a model is left out only when every live holder says it
+    cannot (a holder that reports no capabilities may). CapabilityMissingError when none is left."""
+    able = {name: digest for name, digest in candidates.items() if not lacks(digest, "tools", leases)}
+    if able:
+        return able
+    if model == "auto":
+        raise CapabilityMissingError(
+            "no model the live fleet serves supports tools",
+            hint="send the request without tools, or serve a model whose capabilities include tools",
+        )
+    digest = candidates[model]
+    raise CapabilityMissingError(
+        f"model {model!r} does not support tools (its holders report capabilities: "
+        f"{', '.join(capabilities(digest, leases))})",
+        hint="choose a model whose capabilities include tools (/api/show lists them), "
+        "or send the request without tools",
+    )
 
 
 async def submit_task(
@@ -153,6 +180,9 @@ async def submit_task(
         stream=req.stream,
         prompt_tokens=estimate_tokens(text),
         deadline_ms=req.deadline_ms,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
     keys = queues.keys
     queue = keys.queue(digest)
