@@ -26,7 +26,7 @@ from api.relay import RelayResponse
 from dispatch.errors import DispatchError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.options import OptionsPolicy
-from dispatch.payload import Result
+from dispatch.payload import Relayed, Result
 from dispatch.submit import Submitted, TaskRequest
 
 _enc: Final = msgspec.json.Encoder()
@@ -95,7 +95,7 @@ async def submit(
     if runtime:
         req = msgspec.structs.replace(req, runtime_options=True)
     # Options and format travel to the backend as msgpack: refuse what cannot (ints over 64 bits).
-    for name, value in (("options", req.options), ("format", req.format)):
+    for name, value in (("options", req.options), ("format", req.format), ("tools", req.tools)):
         try:
             _msgpack.encode(value)
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:
@@ -121,15 +121,15 @@ def task_headers(sub: Submitted, result: Result | None = None) -> dict[str, str]
 
 class Answer:
     """One generation a surface answers with, a task's or a pipeline's: its output as it arrives
-    (text pieces, then its Result), or whole; the headers that name it; what to do when the client
-    leaves a stream. Each surface renders both kinds through the same code."""
+    (text pieces and tool calls, then its Result), or whole; the headers that name it; what to do
+    when the client leaves a stream. Each surface renders both kinds through the same code."""
 
     def __init__(
         self,
         *,
         ident: str,
         model: str,
-        pieces: Callable[[], AsyncIterator[str | Result]],
+        pieces: Callable[[], AsyncIterator[Relayed]],
         whole: Callable[[], Awaitable[Result]],
         headers: Callable[[Result | None], dict[str, str]],
         on_disconnect: Callable[[], Awaitable[None]],
@@ -205,6 +205,9 @@ def usage(result: Result) -> dict[str, int | None]:
 
 
 def finish_reason(result: Result) -> str:
+    """OpenAI's finish_reason: `tool_calls` when the model called tools (whatever the backend said)."""
+    if result.tool_calls:
+        return "tool_calls"
     return "length" if result.done_reason == "length" else "stop"
 
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Final
 import msgspec
 
 from dispatch.errors import (
+    CapabilityMissingError,
     DispatchError,
     ModelNotServedError,
     QueueFullError,
@@ -211,6 +212,8 @@ def answer(exc: DispatchError) -> ApiError:
             headers={"Retry-After": str(exc.retry_after_s)},
             extra=exc.extra,
         )
+    if isinstance(exc, CapabilityMissingError):
+        return BadRequestError(exc.message, hint=exc.hint, param="tools", extra=exc.extra)
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
     headers = {"Retry-After": retry} if retry is not None else None

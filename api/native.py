@@ -20,8 +20,9 @@ from api.common import (
     task_headers,
     waited,
 )
-from api.errors import NATIVE, ApiError, NotFoundError, render
+from api.errors import NATIVE, ApiError, BadRequestError, NotFoundError, render
 from api.schemas import TaskCreate
+from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
 from dispatch.submit import Submitted, TaskRequest
 from events.codec import event_fields
@@ -32,6 +33,9 @@ router = APIRouter(tags=["tasks"])
 def _request(body: TaskCreate, client: str | None) -> TaskRequest:
     messages = [m.to_message() for m in body.messages or []]
     kind = "generate" if body.prompt is not None and not messages else "chat"
+    tools = check_tools(body.tools)
+    if tools is not None and kind != "chat":
+        raise BadRequestError("tools need messages: a plain prompt cannot call tools", param="tools")
     return TaskRequest(
         model=body.model,
         kind=kind,
@@ -43,6 +47,7 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
         max_tokens=body.max_tokens,
         priority=body.priority,
         client=client,
+        tools=tools,
     )
 
 
@@ -89,6 +94,8 @@ async def _events(gw: Gateway, sub: Submitted, timeout_s: float | None) -> Async
     async for item in gw.relay(sub.task_id, timeout_s):
         if isinstance(item, str):
             yield b"event: chunk\n" + sse(encode({"text": item}))
+        elif isinstance(item, list):
+            yield b"event: tool_calls\n" + sse(encode({"tool_calls": openai_calls(item)}))
         else:
             yield b"event: result\n" + sse(encode(await gw.view(sub.task_id)))
 

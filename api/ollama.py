@@ -2,7 +2,8 @@
 
 Like Ollama, /api/chat and /api/generate stream NDJSON unless `"stream": false`: one object per
 piece with `"done": false`, then a final one with `"done": true`, `done_reason` and the backend's
-own counts and durations (nanoseconds). A failure mid-stream is one `{"error": "..."}` line.
+own counts and durations (nanoseconds). A model's tool calls come as `message.tool_calls` (api.tools)
+in a chunk of their own when streamed. A failure mid-stream is one `{"error": "..."}` line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from api.common import JSON, Answer, check_messages, encode, gateway, stream, su
 from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
 from api.pipelines import pipeline_answer
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
+from api.tools import check_tools, ollama_calls
 from dispatch.lease import LeaseInfo
 from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
 from dispatch.payload import Result
@@ -130,7 +132,8 @@ async def show(body: OllamaShow, request: Request) -> JSON:
                         "general.architecture": m.entry.family or "",
                         "routeledger.holders": m.holders,
                     },
-                    "capabilities": ["completion"],
+                    # What the holders' backends report (what a UI offers tools or images by).
+                    "capabilities": m.entry.capabilities or ["completion"],
                     "modified_at": rfc3339(_since(leases, m)),
                 }
             )
@@ -154,11 +157,15 @@ def _final(ans: Answer, result: Result, key: str) -> dict[str, Any]:
 
 async def _lines(ans: Answer, key: str) -> AsyncIterator[bytes]:
     async for item in ans.pieces():
-        if isinstance(item, str):
-            piece: Any = {"role": "assistant", "content": item} if key == "message" else item
-            yield encode({"model": ans.model, "created_at": rfc3339(), key: piece, "done": False}) + b"\n"
-        else:
+        if isinstance(item, Result):
             yield encode(_final(ans, item, key)) + b"\n"
+            continue
+        piece: Any
+        if isinstance(item, list):
+            piece = {"role": "assistant", "content": "", "tool_calls": ollama_calls(item)}
+        else:
+            piece = {"role": "assistant", "content": item} if key == "message" else item
+        yield encode({"model": ans.model, "created_at": rfc3339(), key: piece, "done": False}) + b"\n"
 
 
 def _error_line(exc: ApiError) -> bytes:
@@ -170,7 +177,12 @@ async def _respond(ans: Answer, streaming: bool, key: str) -> Response:
         return stream(ans, _lines(ans, key), media_type=NDJSON, error_line=_error_line)
     result = await ans.whole()
     body = _final(ans, result, key)
-    body[key] = {"role": "assistant", "content": result.text} if key == "message" else result.text
+    if key == "message":
+        body[key] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            body[key]["tool_calls"] = ollama_calls(result.tool_calls)
+    else:
+        body[key] = result.text
     return JSON(body, headers=ans.headers(result))
 
 
@@ -189,7 +201,10 @@ async def chat(body: OllamaChat, request: Request) -> Response:
     check_messages(request, len(messages))
     if not messages:
         return await _loaded(request, body.model, "message")
+    tools = check_tools(body.tools)
     if body.model == PIPELINE_MODEL:
+        if tools is not None:
+            raise BadRequestError(f'"{PIPELINE_MODEL}" does not support tools', param="tools")
         ans = pipeline_answer(request, messages, _max_tokens(body.options))
     else:
         req = TaskRequest(
@@ -200,6 +215,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
             format=body.format,
             client=request.headers.get("user-agent"),
             stream=body.stream is not False,
+            tools=tools,
         )
         ans = task_answer(request, await submit(request, req))
     return await _respond(ans, body.stream is not False, "message")

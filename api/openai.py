@@ -1,7 +1,8 @@
 """The OpenAI-compatible surface: /v1/models, /v1/chat/completions, /v1/completions.
 
 Streaming answers are SSE as OpenAI sends them: a first chunk with the role, one chunk per relayed
-piece, a last chunk with `finish_reason`, a usage chunk when `stream_options.include_usage` asks
+piece (text, or a model's tool calls as `tool_calls` deltas: api.tools), a last chunk with
+`finish_reason`, a usage chunk when `stream_options.include_usage` asks
 for it, then `data: [DONE]`. A failure after the stream started is one `data: {"error": …}`
 line (the openai client raises it as an APIError) and no [DONE].
 """
@@ -32,6 +33,8 @@ from api.common import (
 from api.errors import OPENAI, BadRequestError, model_not_found
 from api.pipelines import model_entry, pipeline_answer
 from api.schemas import ChatCompletionCreate, CompletionCreate
+from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
+from dispatch.payload import Result
 from dispatch.serving import catalog
 from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
@@ -97,7 +100,13 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
     check_messages(request, len(body.messages))
     messages = [m.to_message() for m in body.messages]
     max_tokens = body.max_completion_tokens or body.max_tokens
+    tools = check_tools(body.tools)
+    tool_choice = check_tool_choice(body.tool_choice, tools)
     if body.model == PIPELINE_MODEL:
+        if tools is not None:
+            raise BadRequestError(
+                f"the {PIPELINE_MODEL} model does not call tools", param="tools", hint="choose another model"
+            )
         ans = pipeline_answer(request, messages, max_tokens)
     else:
         fmt = body.response_format or {}
@@ -110,6 +119,9 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             format="json" if fmt.get("type") == "json_object" else None,
             client=request.headers.get("user-agent"),
             stream=bool(body.stream),
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
         ans = task_answer(request, await submit(request, req))
     cid, created = f"chatcmpl-{ans.ident}", unix_now()
@@ -122,6 +134,11 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             error_line=sse_error(OPENAI),
         )
     result = await ans.whole()
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    if result.tool_calls:
+        # As OpenAI answers a call: no content unless the model also wrote some.
+        message["content"] = result.text or None
+        message["tool_calls"] = openai_calls(result.tool_calls)
     return JSON(
         {
             "id": cid,
@@ -131,7 +148,7 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
+                    "message": message,
                     "finish_reason": finish_reason(result),
                     "logprobs": None,
                 }
@@ -155,9 +172,14 @@ async def _chat_chunks(ans: Answer, cid: str, created: int, include_usage: bool)
 
     # The role goes out at once: a pipeline's children run for a while before any text exists.
     yield chunk({"role": "assistant", "content": ""})
+    calls = 0
     async for item in ans.pieces():
         if isinstance(item, str):
             yield chunk({"content": item})
+        elif isinstance(item, list):
+            for delta in openai_deltas(item, calls):
+                yield chunk({"tool_calls": [delta]})
+            calls += len(item)
         else:
             yield chunk({}, finish_reason(item))
             if include_usage:
@@ -222,7 +244,7 @@ async def _completion_chunks(
     async for item in ans.pieces():
         if isinstance(item, str):
             yield chunk(item)
-        else:
+        elif isinstance(item, Result):
             yield chunk("", finish_reason(item))
             if include_usage:
                 yield sse(encode({**head, "choices": [], "usage": usage(item)}))

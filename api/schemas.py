@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from api.tools import message_calls
 from dispatch.payload import Message
 
 # Far above any model's context, and small enough to travel to a backend as a 64-bit integer.
@@ -40,17 +41,31 @@ Images = Annotated[list[str] | None, AfterValidator(_base64_images)]
 
 
 class ChatMessage(_Body):
-    """A chat message; `content` is text or OpenAI's list of content parts (text parts are used)."""
+    """A chat message; `content` is text or OpenAI's list of content parts (text parts are used).
+    An assistant's `tool_calls` and a `tool` message's `tool_call_id` (OpenAI) or `tool_name`
+    (Ollama; OpenAI's older `name`) travel with it to the backend."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     images: Images = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    name: str | None = None
 
     def to_message(self) -> Message:
         content = self.content
         if isinstance(content, list):
             content = "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
-        return Message(role=self.role, content=content or "", images=self.images)
+        tool_name = self.tool_name or (self.name if self.role == "tool" else None)
+        return Message(
+            role=self.role,
+            content=content or "",
+            images=self.images,
+            tool_calls=message_calls(self.tool_calls),
+            tool_call_id=self.tool_call_id,
+            tool_name=tool_name,
+        )
 
 
 class TaskCreate(_Body):
@@ -64,6 +79,7 @@ class TaskCreate(_Body):
     prompt: str | None = Field(None, description="instead of messages: a plain completion prompt")
     system: str | None = None
     options: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, description="function tools, in OpenAI's shape (chat only)")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     priority: int = Field(0, ge=-1000, le=1000)
     stream: bool = False
@@ -94,6 +110,10 @@ class ChatCompletionCreate(_Body):
     n: int | None = Field(1, ge=1, le=MAX_TOKENS)
     response_format: dict[str, Any] | None = None
     user: str | None = None
+    # Function tools (checked by api.tools: a malformed one is a 400, not a 422).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # routeledger's own extension: the domain the router should choose for.
     domain: str | None = None
 
@@ -126,6 +146,7 @@ class OllamaChat(_Body):
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
     think: bool | str | None = None
+    tools: list[Any] | None = None
 
 
 class OllamaGenerate(_Body):

@@ -43,6 +43,11 @@ class RequestRefusedError(DispatchError):
         self.param = param
 
 
+class CapabilityMissingError(DispatchError):
+    """Raised when a request needs a capability (tools) that every live holder of its model says
+    the model lacks."""
+
+
 class TaskNotFoundError(DispatchError):
     """Raised when a task id names no task that Redis or the ledger still knows."""
 

@@ -33,7 +33,7 @@ from dispatch.errors import (
 )
 from dispatch.lease import LeaseInfo
 from dispatch.memory import MemoryWatch, full_error, is_oom
-from dispatch.payload import Chunk, Result, chunk_decoder, result_decoder
+from dispatch.payload import Chunk, Relayed, Result, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
 from dispatch.quota import ApiKey, Quotas
 from dispatch.serving import find_holders, require_model
@@ -247,8 +247,9 @@ class Gateway:
                         await self._charge(task_id, result)
                         return result
 
-    async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[str | Result]:
-        """The task's output as it arrives (text pieces), then its Result.
+    async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[Relayed]:
+        """The task's output as it arrives (text pieces and tool calls), then its Result. Tool calls
+        the result has and the chunks did not carry (a flush Redis refused) come just before it.
 
         One run is relayed: the first one seen, told apart from others by its attempt and its run
         nonce. A later attempt (the task re-ran after a reclaim or a retryable failure) replaces it
@@ -261,6 +262,7 @@ class Gateway:
         cursor = "0-0"
         followed: tuple[int, str] | None = None
         relayed = False
+        calls = 0
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -283,6 +285,10 @@ class Gateway:
                 if chunk.text:
                     relayed = True
                     yield chunk.text
+                if chunk.tool_calls:
+                    relayed = True
+                    calls += len(chunk.tool_calls)
+                    yield chunk.tool_calls
                 if chunk.done:
                     result = carried or await self.result(task_id)
                     if result is None:
@@ -297,6 +303,8 @@ class Gateway:
                             f"task {task_id} completed on another run (attempt {result.attempt})",
                             hint="retry the request; streamed text from two runs is never mixed",
                         )
+                    if result.tool_calls and len(result.tool_calls) > calls:
+                        yield result.tool_calls[calls:]
                     yield result
                     return
 
@@ -414,6 +422,8 @@ class Gateway:
                 "error": result.error,
                 "attempt": result.attempt,
             }
+            if result.tool_calls:
+                out["result"]["tool_calls"] = msgspec.to_builtins(result.tool_calls)
             out["timings"] = {
                 **msgspec.to_builtins(result.timings),
                 "ttft_ms": result.ttft_ms,

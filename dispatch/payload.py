@@ -7,8 +7,9 @@ with retention; the ledger records only sizes, token counts and digests.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import msgspec
 
@@ -22,12 +23,39 @@ F_ATTEMPT: Final = b"attempt"
 F_ID: Final = b"id"
 
 
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A function call a model made, in neither surface's shape: each surface and each backend
+    spells it its own way (api.tools, workers.backend)."""
+
+    name: str
+    # The arguments' JSON text, as OpenAI spells them (Ollama's object is its decoding): text a
+    # model wrote that is not valid JSON still travels unchanged.
+    arguments: str = "{}"
+    # The call's id, which a `tool` message answering it names (OpenAI's `tool_call_id`); the
+    # worker draws one where the backend gave none (Ollama's own API).
+    id: str = ""
+
+    def arguments_object(self) -> dict[str, Any]:
+        """The arguments as an object (Ollama's spelling); text that is not a JSON object reads as
+        none, as Ollama's own parser drops such a call's arguments."""
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One chat message, as Ollama and OpenAI take it."""
 
     role: str
     content: str = ""
     images: list[str] | None = None
+    # An assistant's calls, and which call a `tool` message answers: OpenAI names its id, Ollama
+    # the function (each backend gets what it reads: workers.backend).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
 
 
 class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -56,6 +84,12 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Epoch ms after which nobody waits for the task (its client gave up, or the longest a task
     # may queue passed): a worker that takes it later records TaskExpired and never runs it.
     deadline_ms: int | None = None
+    # Function tools offered to the model, in OpenAI's shape (Ollama takes the same), checked by
+    # api.tools; None: no tools. `tool_choice` and `parallel_tool_calls` are OpenAI's, passed to an
+    # OpenAI-compatible backend (an Ollama backend reads only what it can: workers.backend).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""
@@ -105,6 +139,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     error: str | None = None
     # A nonce per run, drawn by the worker when it starts the run ('' for outcomes no run wrote).
     run: str = ""
+    # Tool calls the model completed in this piece (after its `text`).
+    tool_calls: list[ToolCall] | None = None
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -123,7 +159,13 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     finished_at: int = msgspec.field(default_factory=now_ms)
     # The nonce of the run that wrote it (see Chunk.run).
     run: str = ""
+    # Every tool call the model made, in order (also streamed in the output's chunks).
+    tool_calls: list[ToolCall] | None = None
 
+
+# What a relay yields of a task's output, in order: text pieces and tool calls as they arrive,
+# then the Result.
+Relayed: TypeAlias = str | list[ToolCall] | Result
 
 _chunk_encoder: Final = msgspec.msgpack.Encoder()
 chunk_decoder: Final = msgspec.msgpack.Decoder(Chunk)

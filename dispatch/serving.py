@@ -75,6 +75,25 @@ def require_model(model: str, leases: dict[str, LeaseInfo]) -> str:
     return digest
 
 
+def capabilities(digest: str, leases: dict[str, LeaseInfo]) -> list[str]:
+    """Every capability a live holder of `digest` reports, in the order first reported."""
+    out: list[str] = []
+    for info in _by_name(leases):
+        for entry in served(info):
+            if entry.digest == digest:
+                out += [c for c in entry.capabilities or [] if c not in out]
+    return out
+
+
+def lacks(digest: str, capability: str, leases: dict[str, LeaseInfo]) -> bool:
+    """Whether every live holder of `digest` reports capabilities without `capability`. A holder
+    that reports none (its backend cannot say) may have it: then the model does not lack it."""
+    reported = [
+        entry.capabilities for info in leases.values() for entry in served(info) if entry.digest == digest
+    ]
+    return bool(reported) and all(caps is not None and capability not in caps for caps in reported)
+
+
 def describe_fleet(leases: dict[str, LeaseInfo]) -> str:
     """What the live workers serve, for error messages."""
     if not leases:

@@ -14,11 +14,11 @@ from typing import Any, Final
 
 import msgspec
 
-from dispatch.errors import ModelNotServedError, QueueFullError
+from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFullError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.queues import TaskQueues
-from dispatch.serving import describe_fleet, require_model, served_models
+from dispatch.serving import capabilities, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
@@ -66,6 +66,11 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     # Its fair-share round within its priority band (dispatch.quota.round_of): which of the model's
     # band queues it joins.
     share_round: int = 0
+    # Function tools offered to the model (see TaskMessage.tools): only models whose holders may
+    # call tools are routed to.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -108,6 +113,8 @@ async def route_and_submit(
         raise ModelNotServedError(
             f"no live worker serves any model ({describe_fleet(leases)})", model=req.model
         )
+    if req.tools and req.tool_choice != "none":
+        candidates = _calling_tools(req.model, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
         model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
@@ -130,6 +137,26 @@ async def route_and_submit(
     digest = decision.digest if decision is not None else candidates[req.model]
     return await submit_task(
         queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth
+    )
+
+
+def _calling_tools(model: str, candidates: dict[str, str], leases: dict[str, LeaseInfo]) -> dict[str, str]:
+    """The candidates that may call tools: a model is left out only when every live holder says it
+    cannot (a holder that reports no capabilities may). CapabilityMissingError when none is left."""
+    able = {name: digest for name, digest in candidates.items() if not lacks(digest, "tools", leases)}
+    if able:
+        return able
+    if model == "auto":
+        raise CapabilityMissingError(
+            "no model the live fleet serves supports tools",
+            hint="send the request without tools, or serve a model whose capabilities include tools",
+        )
+    digest = candidates[model]
+    raise CapabilityMissingError(
+        f"model {model!r} does not support tools (its holders report capabilities: "
+        f"{', '.join(capabilities(digest, leases))})",
+        hint="choose a model whose capabilities include tools (/api/show lists them), "
+        "or send the request without tools",
     )
 
 
@@ -186,6 +213,9 @@ async def submit_task(
         stream=req.stream,
         prompt_tokens=estimate_tokens(text),
         deadline_ms=req.deadline_ms,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
     keys = queues.keys
     queue = keys.band_queue(digest, task.priority, req.share_round)

@@ -122,6 +122,9 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     family: str | None = None
     parameter_size: str | None = None
     quantization: str | None = None
+    # What the model can do, as its backend reports it (Ollama's /api/show `capabilities`:
+    # completion, tools, vision, embedding, thinking…); None: the backend cannot say.
+    capabilities: list[str] | None = None
 
 
 # -- tasks -------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from dispatch.errors import DispatchError, ModelNotServedError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway
 from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import Message, Result, TaskMessage, estimate_tokens
+from dispatch.payload import Message, Relayed, Result, TaskMessage, estimate_tokens
 from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView, worker_views
@@ -386,7 +386,7 @@ class Coordinator:
             await self._fail(exc)
             raise
 
-    async def items(self) -> AsyncIterator[str | Result]:
+    async def items(self) -> AsyncIterator[Relayed]:
         """The whole pipeline, yielding the integration's output as it arrives, then its Result."""
         try:
             await self.start()

@@ -17,6 +17,7 @@ from dispatch.payload import Result, result_decoder
 from events.event import ModelEntry
 from events.keys import Keys
 from sim.backends.hosts import SimHosts
+from sim.fleetspec import Fleet
 from tests.helpers import MODEL_DIGEST, fast_config, make_test_fleet, running_agent
 
 
@@ -53,16 +54,19 @@ async def fleet_and_api(
     workers: tuple[str, ...] = ("a",),
     time_scale: float = 1.0,
     slots: int = 1,
+    fleet: Fleet | None = None,
+    kind: str = "ollama",
     **config: object,
 ) -> AsyncIterator[tuple[str, SimHosts]]:
-    """Simulated machines, one worker agent per name in `workers`, and the API in front of them."""
+    """Simulated machines (of `fleet`, else the test fleet), one worker agent per name in
+    `workers`, each speaking `kind` (ollama or openai) to its machine, and the API in front."""
     async with (
-        SimHosts(make_test_fleet(), time_scale=time_scale, seed=5) as hosts,
+        SimHosts(fleet or make_test_fleet(), time_scale=time_scale, seed=5) as hosts,
         contextlib.AsyncExitStack() as stack,
     ):
         for name in workers:
             await stack.enter_async_context(
-                running_agent(redis_client, hosts.url(name), fast_config(name, slots=slots))
+                running_agent(redis_client, hosts.url(name), fast_config(name, slots=slots), kind=kind)
             )
         async with serving(AppConfig(redis_url=redis_url, **config)) as base:  # type: ignore[arg-type]
             yield base, hosts

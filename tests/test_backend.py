@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import httpx
 import msgspec
 import pytest
 
-from dispatch.payload import Message, TaskMessage
+from dispatch.payload import Message, TaskMessage, ToolCall
 from events.event import TaskCompleted, Timings
 from sim.backends.hosts import SimHosts
+from sim.fleetspec import parse_fleet
 from tests.helpers import MODEL_DIGEST, make_test_fleet
-from workers.backend import Generated, OllamaBackend, OpenAIBackend, _ollama_timings, openai_digest
+from workers.backend import (
+    Generated,
+    OllamaBackend,
+    OpenAIBackend,
+    _ollama_timings,
+    ollama_messages,
+    openai_digest,
+    openai_messages,
+)
 from workers.errors import BackendError
 from workers.resources import read_resources
 
@@ -30,7 +43,7 @@ async def _run(backend: OllamaBackend | OpenAIBackend, name: str) -> tuple[str, 
     async for item in backend.generate(_task(), name):
         if isinstance(item, Generated):
             final = item
-        else:
+        elif isinstance(item, str):
             pieces.append(item)
     assert final is not None
     return "".join(pieces), final
@@ -119,3 +132,176 @@ def test_a_machine_whose_memory_cannot_hold_its_two_smallest_models_has_room_for
     assert max_loaded(listed, Resources()) is None
     unsized = Inventory(models=[*models, ModelEntry(name="c", digest="c")], loaded=[])
     assert max_loaded(unsized, Resources(mem_total_bytes=64 * gib)) is None
+
+
+# -- tools ------------------------------------------------------------------------------------------
+
+TOOLS_FLEET = """
+[model."caller"]
+capabilities = ["completion", "tools"]
+output = { dist = "fixed", mean = 8 }
+[model."plain"]
+output = { dist = "fixed", mean = 8 }
+[[worker]]
+name = "a"
+[worker.models."caller"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+[worker.models."plain"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+"""
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def _tools_task(text: str, **fields: Any) -> TaskMessage:
+    return TaskMessage(
+        task_id="t",
+        model="caller",
+        digest="d",
+        messages=[Message(role="user", content=text)],
+        tools=[WEATHER, CLOCK],
+        **fields,
+    )
+
+
+async def _items(
+    backend: OllamaBackend | OpenAIBackend, task: TaskMessage
+) -> tuple[str, list[ToolCall], Generated]:
+    text, calls, final = "", [], None
+    async for item in backend.generate(task, task.model):
+        if isinstance(item, Generated):
+            final = item
+        elif isinstance(item, list):
+            calls += item
+        else:
+            text += item
+    assert final is not None
+    return text, calls, final
+
+
+async def test_the_ollama_adapter_asks_each_digest_its_capabilities_once() -> None:
+    shown: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        if request.url.path == "/api/show":
+            shown.append(json.loads(request.content)["model"])
+
+    async with SimHosts(parse_fleet(TOOLS_FLEET, "t.toml"), time_scale=0.0) as sim:
+        backend = OllamaBackend(sim.url("a"))
+        backend.client.event_hooks["request"].append(count)
+        try:
+            first = await backend.inventory()
+            again = await backend.inventory()
+        finally:
+            await backend.aclose()
+    caps = {m.name: m.capabilities for m in first.models}
+    assert caps == {"caller:latest": ["completion", "tools"], "plain:latest": ["completion"]}
+    assert again.models == first.models
+    assert sorted(shown) == ["caller:latest", "plain:latest"]
+
+
+async def test_an_openai_compatible_backend_cannot_say_what_a_model_can_do() -> None:
+    async with SimHosts(parse_fleet(TOOLS_FLEET, "t.toml"), time_scale=0.0) as sim:
+        backend = OpenAIBackend(sim.url("a") + "/v1")
+        try:
+            inventory = await backend.inventory()
+        finally:
+            await backend.aclose()
+    assert {m.capabilities for m in inventory.models} == {None}
+
+
+@pytest.mark.parametrize("kind", ["ollama", "openai"])
+async def test_each_adapter_offers_the_tools_and_yields_the_calls_whole_with_ids(kind: str) -> None:
+    async with SimHosts(parse_fleet(TOOLS_FLEET, "t.toml"), time_scale=0.0) as sim:
+        backend = OllamaBackend(sim.url("a")) if kind == "ollama" else OpenAIBackend(sim.url("a") + "/v1")
+        try:
+            text, calls, final = await _items(backend, _tools_task("use get_time and get_weather"))
+        finally:
+            await backend.aclose()
+    assert text == ""
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    # In the ledger's terms: the model stopped of itself (OpenAI's "tool_calls" is not a reason there).
+    assert final.done_reason == "stop"
+    assert final.timings.eval_count is not None and final.timings.eval_count > 0
+
+
+@pytest.mark.parametrize("kind", ["ollama", "openai"])
+async def test_a_tool_choice_of_none_gets_prose_from_either_backend(kind: str) -> None:
+    async with SimHosts(parse_fleet(TOOLS_FLEET, "t.toml"), time_scale=0.0) as sim:
+        backend = OllamaBackend(sim.url("a")) if kind == "ollama" else OpenAIBackend(sim.url("a") + "/v1")
+        try:
+            text, calls, _ = await _items(backend, _tools_task("use get_time", tool_choice="none"))
+        finally:
+            await backend.aclose()
+    assert text and calls == []
+
+
+def test_a_tool_result_that_names_only_its_call_id_reaches_ollama_named_by_its_function() -> None:
+    asked = Message(
+        role="assistant",
+        tool_calls=[ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')],
+    )
+    answer = Message(role="tool", content="rain", tool_call_id="call_1")
+    assert ollama_messages([Message(role="user", content="hi"), asked, answer]) == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
+        {"role": "tool", "content": "rain", "tool_name": "get_weather"},
+    ]
+
+
+def test_calls_sent_back_without_ids_reach_an_openai_backend_with_ids_their_results_name() -> None:
+    asked = Message(
+        role="assistant",
+        tool_calls=[
+            ToolCall(name="get_weather", arguments='{"city": "Oslo"}'),
+            ToolCall(name="get_time"),
+        ],
+    )
+    results = [
+        Message(role="tool", content="noon", tool_name="get_time"),
+        Message(role="tool", content="rain"),
+    ]
+    sent = openai_messages([Message(role="user", content="hi"), asked, *results])
+    assert sent[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            },
+            {"id": "call_1_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    }
+    # By function name where the result names one, else the earliest call not answered yet.
+    assert [m["tool_call_id"] for m in sent[2:]] == ["call_1_1", "call_1_0"]
+
+
+@pytest.mark.parametrize("kind", ["ollama", "openai"])
+async def test_parallel_tool_calls_false_gets_one_call_from_either_backend(kind: str) -> None:
+    async with SimHosts(parse_fleet(TOOLS_FLEET, "t.toml"), time_scale=0.0) as sim:
+        backend = OllamaBackend(sim.url("a")) if kind == "ollama" else OpenAIBackend(sim.url("a") + "/v1")
+        try:
+            _, calls, _ = await _items(
+                backend, _tools_task("use get_time and get_weather", parallel_tool_calls=False)
+            )
+        finally:
+            await backend.aclose()
+    assert [c.name for c in calls] == ["get_weather"]

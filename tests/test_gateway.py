@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import TaskFailedError
 from dispatch.gateway import Gateway
-from dispatch.payload import Chunk, Message, Result, encode_chunk, encode_result
+from dispatch.payload import Chunk, Message, Result, ToolCall, encode_chunk, encode_result
 from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS
 from dispatch.submit import TaskRequest
 from events.connection import redis_client as make_client
@@ -89,3 +89,24 @@ async def test_an_outcome_no_run_wrote_ends_the_relay_whichever_run_it_follows(
     with pytest.raises(TaskFailedError, match="cancelled"):
         await relay()
     assert relayed == ["partial"]
+
+
+async def test_a_relay_yields_tool_calls_as_they_come_and_any_the_chunks_missed_before_the_result(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    weather = ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')
+    clock = ToolCall(id="call_2", name="get_time")
+    await _out(redis_client, keys, "t3", Chunk(attempt=1, text="Let me look. ", run="a"))
+    await _out(redis_client, keys, "t3", Chunk(attempt=1, run="a", tool_calls=[weather]))
+    # The second call's flush was refused (Redis out of memory): only the result carries it.
+    done = Result(
+        task_id="t3",
+        status="completed",
+        attempt=1,
+        text="Let me look. ",
+        run="a",
+        tool_calls=[weather, clock],
+    )
+    await _out(redis_client, keys, "t3", Chunk(attempt=1, done=True, run="a"), done)
+    items = [item async for item in Gateway(redis_client, keys).relay("t3", timeout_s=5)]
+    assert items == ["Let me look. ", [weather], [clock], done]

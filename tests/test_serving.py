@@ -6,7 +6,16 @@ import pytest
 
 from dispatch.errors import ModelNotServedError
 from dispatch.lease import LeaseInfo
-from dispatch.serving import catalog, find_holders, holdings, require_model, resolve_models, served
+from dispatch.serving import (
+    capabilities,
+    catalog,
+    find_holders,
+    holdings,
+    lacks,
+    require_model,
+    resolve_models,
+    served,
+)
 from events.event import ModelEntry
 
 QWEN = ModelEntry(name="qwen3:8b", digest="a" * 64)
@@ -50,3 +59,17 @@ def test_a_model_is_named_by_name_alias_or_digest_prefix_and_aliases_of_one_dige
     assert holdings(leases, "a" * 12) == [("gpu", "qwen3:8b", QWEN.digest), ("mac", "qwen3:8b", QWEN.digest)]
     by_name = {m.name: (m.holders, m.slots) for m in catalog(leases)}
     assert by_name == {"qwen3:8b": (["gpu", "mac"], 4), "qwen3:latest": (["gpu"], 2)}
+
+
+def test_a_model_lacks_a_capability_only_when_every_live_holder_reports_capabilities_without_it() -> None:
+    plain = ModelEntry(name="qwen3:8b", digest="a" * 64, capabilities=["completion"])
+    tooled = ModelEntry(name="qwen3:8b", digest="a" * 64, capabilities=["completion", "tools"])
+    unknown = QWEN
+    both_plain = {"gpu": lease("gpu", plain), "mac": lease("mac", plain)}
+    assert lacks(QWEN.digest, "tools", both_plain)
+    assert capabilities(QWEN.digest, both_plain) == ["completion"]
+    # A holder whose backend cannot say, or says otherwise, lets the request through.
+    assert not lacks(QWEN.digest, "tools", {"gpu": lease("gpu", plain), "mac": lease("mac", unknown)})
+    assert not lacks(QWEN.digest, "tools", {"gpu": lease("gpu", plain), "mac": lease("mac", tooled)})
+    # A draining holder is no holder; a model nobody serves lacks nothing it could be asked for.
+    assert not lacks(QWEN.digest, "tools", {"gpu": lease("gpu", plain, draining=True)})

@@ -35,7 +35,7 @@ from dispatch.benchmark import (
 )
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
-from dispatch.payload import Chunk, Result, encode_chunk
+from dispatch.payload import Chunk, Result, ToolCall, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from events.codec import encode_fields
 from events.errors import RouteledgerError
@@ -664,6 +664,9 @@ class WorkerAgent:
         cancel_key = self.keys.cancel(task.task_id)
         pieces: list[str] = []
         buffer: list[str] = []
+        # Tool calls the model made, and those not written to the output yet.
+        calls: list[ToolCall] = []
+        unsent_calls: list[ToolCall] = []
         t0 = time.perf_counter()
         # Decided before the run, from what the backend last listed as loaded (workers.warmth).
         cold = self.warmth.before(task.digest, self.inventory)
@@ -676,11 +679,14 @@ class WorkerAgent:
 
         async def flush(final: Chunk | None = None) -> None:
             pipe = self.redis.pipeline(transaction=False)
-            if buffer:
-                pipe.xadd(
-                    out_key,
-                    {b"c": encode_chunk(Chunk(attempt=entry.attempt, text="".join(buffer), run=run.run_id))},
+            if buffer or unsent_calls:
+                piece = Chunk(
+                    attempt=entry.attempt,
+                    text="".join(buffer),
+                    run=run.run_id,
+                    tool_calls=list(unsent_calls) or None,
                 )
+                pipe.xadd(out_key, {b"c": encode_chunk(piece)})
             if final is not None:
                 pipe.xadd(out_key, {b"c": encode_chunk(final)})
             pipe.pexpire(out_key, OUTPUT_TTL_MS)
@@ -695,6 +701,7 @@ class WorkerAgent:
                 held.append(True)
                 return
             buffer.clear()
+            unsent_calls.clear()
 
         stream = self.backend.generate(task, local)
         try:
@@ -705,6 +712,15 @@ class WorkerAgent:
                 now = time.perf_counter()
                 if ttft_ms is None:
                     ttft_ms = (now - t0) * 1000
+                if isinstance(item, list):
+                    # Whole calls, which the client acts on: written at once. Calls a refused
+                    # write held back still reach the client, from the result (Gateway.relay).
+                    calls += item
+                    unsent_calls += item
+                    if task.stream:
+                        await flush()
+                        last_flush = now
+                    continue
                 pieces.append(item)
                 buffer.append(item)
                 if task.stream and (len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms):
@@ -741,6 +757,7 @@ class WorkerAgent:
             wall_ms=wall_ms,
             done_reason=generated.done_reason,
             run=run.run_id,
+            tool_calls=calls or None,
         )
         done = Chunk(attempt=entry.attempt, done=True, run=run.run_id)
         # The last text piece and the result in one round trip. A run that lost its entry (the

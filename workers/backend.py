@@ -1,7 +1,12 @@
 """Backend adapters: Ollama's HTTP API, and OpenAI-compatible servers.
 
-A generation is an async iterator of text pieces that ends with one `Generated` carrying the
-backend's own timings. Every failure becomes a BackendError with a kind:
+A generation is an async iterator of text pieces and tool calls (a list of ToolCall, each whole,
+as the backend completed them) that ends with one `Generated` carrying the backend's own timings.
+Each adapter speaks its backend's tool dialect both ways: the offered tools, earlier calls and tool
+results in the request; the calls in its stream (Ollama: `message.tool_calls`, arguments as an
+object and no id, so the adapter draws one; OpenAI: `tool_calls` deltas joined by index). Ollama's
+inventory also says what each model can do (`/api/show` capabilities, asked once per digest).
+Every failure becomes a BackendError with a kind:
 
 | kind | retryable | when |
 |---|---|---|
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -25,7 +32,7 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
-from dispatch.payload import TaskMessage
+from dispatch.payload import Message, TaskMessage, ToolCall
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
 
@@ -56,7 +63,9 @@ class Backend(Protocol):
 
     async def inventory(self) -> Inventory: ...
 
-    def generate(self, task: TaskMessage, local_name: str) -> AsyncIterator[str | Generated]: ...
+    def generate(
+        self, task: TaskMessage, local_name: str
+    ) -> AsyncIterator[str | list[ToolCall] | Generated]: ...
 
     async def aclose(self) -> None: ...
 
@@ -105,6 +114,128 @@ def _options(task: TaskMessage) -> dict[str, Any]:
 _line_decoder = msgspec.json.Decoder(dict[str, Any])
 
 
+def _call_id() -> str:
+    """An id for a call the backend named none for (OpenAI's spelling: `call_` and 24 hex digits)."""
+    return f"call_{secrets.token_hex(12)}"
+
+
+def ollama_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as Ollama's /api/chat reads them: earlier calls with their arguments as objects, and
+    each `tool` message naming its function (found from the call it answers when the client named
+    only the call's id, as OpenAI clients do)."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        body: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.images:
+            body["images"] = m.images
+        if m.tool_calls:
+            body["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": c.arguments_object()}} for c in m.tool_calls
+            ]
+            names.update({c.id: c.name for c in m.tool_calls if c.id})
+        if m.role == "tool":
+            name = m.tool_name or names.get(m.tool_call_id or "")
+            if name:
+                body["tool_name"] = name
+        out.append(body)
+    return out
+
+
+def openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as an OpenAI-compatible server reads them: every earlier call with an id (calls sent
+    back without one, as Ollama clients do, get one from their place), and each `tool` message
+    naming the call it answers (when the client named only the function: its earliest unanswered
+    call, else the earliest unanswered call of all)."""
+    unanswered: list[tuple[str, str]] = []  # (id, function name), in order
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        body: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.images:
+            body["images"] = m.images
+        if m.tool_calls:
+            calls = []
+            for k, c in enumerate(m.tool_calls):
+                ident = c.id or f"call_{i}_{k}"
+                calls.append(
+                    {"id": ident, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                )
+                unanswered.append((ident, c.name))
+            body["tool_calls"] = calls
+            if not m.content:
+                body["content"] = None
+        if m.role == "tool":
+            answers = m.tool_call_id or next(
+                (call for call, name in unanswered if name == m.tool_name),
+                unanswered[0][0] if unanswered else None,
+            )
+            if answers:
+                body["tool_call_id"] = answers
+                unanswered = [u for u in unanswered if u[0] != answers]
+        out.append(body)
+    return out
+
+
+def _ollama_calls(raw: Any) -> list[ToolCall]:
+    """The calls of an Ollama chunk's `message.tool_calls`."""
+    calls: list[ToolCall] = []
+    for call in raw if isinstance(raw, list) else []:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
+            raise BackendError(
+                "protocol", f"a tool call without a function name: {call!r}"[:300], retryable=True
+            )
+        arguments = function.get("arguments")
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments or {}, ensure_ascii=False)
+        ident = call.get("id")
+        calls.append(
+            ToolCall(name=name, arguments=text, id=ident if isinstance(ident, str) and ident else _call_id())
+        )
+    return calls
+
+
+class _CallsBeingStreamed:
+    """OpenAI's streamed `tool_calls` deltas, joined by index: the first delta of a call names its
+    id and function, later ones add chunks of its arguments."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, str] = {}
+        self.names: dict[int, str] = {}
+        self.arguments: dict[int, list[str]] = {}
+
+    def add(self, deltas: Any) -> bool:
+        """Take one chunk's deltas; whether there were any."""
+        took = False
+        for delta in deltas if isinstance(deltas, list) else []:
+            if not isinstance(delta, dict):
+                continue
+            index = delta.get("index")
+            index = index if isinstance(index, int) else len(self.arguments)
+            took = True
+            parts = self.arguments.setdefault(index, [])
+            if isinstance(delta.get("id"), str) and delta["id"]:
+                self.ids[index] = delta["id"]
+            function = delta.get("function") or {}
+            if isinstance(function.get("name"), str) and function["name"] and index not in self.names:
+                self.names[index] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                parts.append(function["arguments"])
+        return took
+
+    def calls(self) -> list[ToolCall]:
+        out: list[ToolCall] = []
+        for index in sorted(self.arguments):
+            name = self.names.get(index)
+            if not name:
+                raise BackendError(
+                    "protocol", f"tool call {index} was streamed without a name", retryable=True
+                )
+            text = "".join(self.arguments[index]) or "{}"
+            out.append(ToolCall(name=name, arguments=text, id=self.ids.get(index) or _call_id()))
+        return out
+
+
 class OllamaBackend:
     """Ollama's native API: /api/tags, /api/ps, /api/chat and /api/generate (NDJSON)."""
 
@@ -118,6 +249,8 @@ class OllamaBackend:
             timeout=_timeout(idle_timeout_s),
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
         )
+        # digest -> its /api/show capabilities (None: the backend does not say), asked once a digest.
+        self._capabilities: dict[str, list[str] | None] = {}
 
     async def inventory(self) -> Inventory:
         try:
@@ -140,6 +273,7 @@ class OllamaBackend:
                     quantization=details.get("quantization_level") or None,
                 )
             )
+        models = await self._with_capabilities(models)
         loaded: list[str] = []
         loaded_bytes: dict[str, int] = {}
         for m in ps.json().get("models", []):
@@ -152,7 +286,43 @@ class OllamaBackend:
                 loaded_bytes[digest] = size
         return Inventory(models=models, loaded=loaded, loaded_bytes=loaded_bytes)
 
-    async def generate(self, task: TaskMessage, local_name: str) -> AsyncIterator[str | Generated]:
+    async def _with_capabilities(self, models: list[ModelEntry]) -> list[ModelEntry]:
+        """`models` with their capabilities, asking /api/show for each digest not asked yet (one
+        request per digest in the worker's life, never per task)."""
+        first: dict[str, str] = {}
+        for m in models:
+            if m.digest and m.digest not in self._capabilities:
+                first.setdefault(m.digest, m.name)
+        if first:
+            await asyncio.gather(*(self._learn(digest, name) for digest, name in first.items()))
+        return [
+            msgspec.structs.replace(m, capabilities=self._capabilities[m.digest])
+            if self._capabilities.get(m.digest) is not None
+            else m
+            for m in models
+        ]
+
+    async def _learn(self, digest: str, name: str) -> None:
+        """Ask /api/show what `name` can do. A backend that cannot say (an error answer, no
+        `capabilities`) is remembered as not saying; one that did not answer is asked again later."""
+        try:
+            resp = await self.client.post("/api/show", json={"model": name}, timeout=10.0)
+        except httpx.HTTPError:
+            return
+        if resp.status_code >= 500:
+            return
+        caps: Any = None
+        if resp.status_code < 400:
+            try:
+                caps = resp.json().get("capabilities")
+            except (ValueError, AttributeError):
+                caps = None
+        ok = isinstance(caps, list) and all(isinstance(c, str) for c in caps)
+        self._capabilities[digest] = list(caps) if ok else None
+
+    async def generate(
+        self, task: TaskMessage, local_name: str
+    ) -> AsyncIterator[str | list[ToolCall] | Generated]:
         body: dict[str, Any] = {"model": local_name, "stream": True, "options": _options(task)}
         if task.format is not None:
             body["format"] = task.format
@@ -163,8 +333,12 @@ class OllamaBackend:
                 body["system"] = task.system
         else:
             path, key = "/api/chat", "message"
-            body["messages"] = [msgspec.to_builtins(m) for m in task.messages]
+            body["messages"] = ollama_messages(task.messages)
+            tools = _ollama_tools(task)
+            if tools:
+                body["tools"] = tools
         started = False
+        called = 0
         final: Generated | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -181,6 +355,15 @@ class OllamaBackend:
                         if text:
                             started = True
                             yield text
+                        if isinstance(piece, dict) and piece.get("tool_calls"):
+                            started = True
+                            calls = _ollama_calls(piece["tool_calls"])
+                            if task.parallel_tool_calls is False:
+                                # Ollama reads no `parallel_tool_calls`: one call is all the client takes.
+                                calls = calls[: max(0, 1 - called)]
+                            called += len(calls)
+                            if calls:
+                                yield calls
                         if data.get("done"):
                             final = Generated(
                                 timings=_ollama_timings(data), done_reason=data.get("done_reason")
@@ -197,6 +380,18 @@ class OllamaBackend:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _ollama_tools(task: TaskMessage) -> list[dict[str, Any]] | None:
+    """The tools to offer an Ollama backend, which reads no `tool_choice`: none for "none", only
+    the named one for a named function (the nearest it comes to being made to call it)."""
+    choice = task.tool_choice
+    if not task.tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        wanted = (choice.get("function") or {}).get("name")
+        return [t for t in task.tools if (t.get("function") or {}).get("name") == wanted] or task.tools
+    return task.tools
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -260,18 +455,26 @@ class OpenAIBackend:
         # The protocol cannot say what is loaded: unknown, not "nothing is loaded".
         return Inventory(models=models, loaded=[], loaded_known=False)
 
-    async def generate(self, task: TaskMessage, local_name: str) -> AsyncIterator[str | Generated]:
+    async def generate(
+        self, task: TaskMessage, local_name: str
+    ) -> AsyncIterator[str | list[ToolCall] | Generated]:
         if task.kind == "generate":
             messages = [{"role": "system", "content": task.system}] if task.system else []
             messages.append({"role": "user", "content": task.prompt or ""})
         else:
-            messages = [msgspec.to_builtins(m) for m in task.messages]
+            messages = openai_messages(task.messages)
         body: dict[str, Any] = {
             "model": local_name,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if task.tools:
+            body["tools"] = task.tools
+            if task.tool_choice is not None:
+                body["tool_choice"] = task.tool_choice
+            if task.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = task.parallel_tool_calls
         if task.max_tokens is not None:
             body["max_tokens"] = task.max_tokens
         for key in ("temperature", "top_p", "seed", "stop"):
@@ -285,6 +488,7 @@ class OpenAIBackend:
         reason: str | None = None
         done_at: int | None = None
         pieces = 0
+        streamed_calls = _CallsBeingStreamed()
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -300,17 +504,26 @@ class OpenAIBackend:
                         if data.get("usage"):
                             usage = data["usage"]
                         for choice in data.get("choices") or []:
-                            text = (choice.get("delta") or {}).get("content") or ""
+                            delta = choice.get("delta") or {}
+                            text = delta.get("content") or ""
                             reason = choice.get("finish_reason") or reason
-                            if text:
+                            calling = streamed_calls.add(delta.get("tool_calls"))
+                            if text or calling:
                                 now = time.perf_counter_ns()
                                 first = first or now
                                 last = now
                                 started = True
                                 pieces += 1
+                            if text:
                                 yield text
                     # The body was read to its end, so the connection goes back to the pool.
                     if done_at is not None:
+                        calls = streamed_calls.calls()
+                        if calls:
+                            yield calls
+                        if reason == "tool_calls":
+                            # In Ollama's terms (the ledger's): the model stopped of itself.
+                            reason = "stop"
                         eval_count = _int_or_none(usage.get("completion_tokens"))
                         counted = None
                         if eval_count is None and pieces > 0:
