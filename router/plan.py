@@ -368,6 +368,32 @@ def _free_times(
     return free
 
 
+def _running_state(
+    worker: WorkerView, est: Estimator, now_ms: int, p: PlanParams
+) -> tuple[list[float], float]:
+    """(`slot_free_times`, `overdue_slowdown`) of a busy worker, in one pass over its running tasks.
+
+    Most busy workers run one task on slots that do not slow each other down: that case is worked
+    out inline, with the same arithmetic as `_free_times` (this runs for every busy holder of every
+    queue a decision lays out)."""
+    running = worker.running
+    if len(running) == 1:
+        t = running[0]
+        slots = max(1, worker.slots)
+        if slots == 1 or _factors(est, worker.name, t.digest, slots) is None:
+            expected = _expected_s(worker, t, est, p)
+            elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
+            if expected > 0.0 and elapsed > expected:
+                left = expected * est.output_left(t.digest, t.domain, elapsed / expected)
+            else:
+                left = expected - elapsed
+            free = [0.0] * (slots - 1)
+            free.append(max(left, p.overdue_fraction * expected, 0.0))
+            return free, _slowdown(worker, est, now_ms, p, (expected,))
+    expecteds = [_expected_s(worker, t, est, p) for t in running]
+    return _free_times(worker, est, now_ms, p, expecteds), _slowdown(worker, est, now_ms, p, expecteds)
+
+
 def overdue_slowdown(
     worker: WorkerView, est: Estimator, now_ms: int, params: PlanParams | None = None
 ) -> float:
@@ -566,11 +592,11 @@ class PlanState:
             if w.running:
                 k = seen.get(name)
                 if slots is None or k is None:
-                    expecteds = [_expected_s(w, t, est, params) for t in w.running]
+                    both = _running_state(w, est, now_ms, params)
                     if slots is None:
-                        slots = known[name] = _free_times(w, est, now_ms, params, expecteds)
+                        slots = known[name] = both[0]
                     if k is None:
-                        k = seen[name] = _slowdown(w, est, now_ms, params, expecteds)
+                        k = seen[name] = both[1]
                 if k > 1.0:
                     if slow is None:
                         slow = [1.0] * len(holders)
