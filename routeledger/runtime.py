@@ -223,15 +223,29 @@ def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
         task = asyncio.ensure_future(coro)
         loop = asyncio.get_running_loop()
 
+        signalled = False
+
         def on_signal() -> None:
+            nonlocal signalled
+            if signalled:
+                return
+            signalled = True
             task.cancel()
             # A cancelled Redis read has been seen, rarely, to leave the task waiting for ever;
             # a user who pressed Ctrl-C is not made to wait for that.
             loop.call_later(CANCEL_GRACE_S, _exit_now)
 
+        def interpreter_handler(signum: int, frame: object) -> None:
+            loop.call_soon_threadsafe(on_signal)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, on_signal)
+                # The loop learns of a signal through its wake-up socket, and uvloop has been seen
+                # to miss one that way (a projector that took no notice of SIGTERM for minutes).
+                # The interpreter's own handler, run at the next bytecode in the main thread (a
+                # heartbeat away at most), tells it too; `signalled` keeps it to one cancel.
+                signal.signal(sig, interpreter_handler)
         try:
             return await task
         except asyncio.CancelledError:

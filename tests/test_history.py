@@ -84,7 +84,12 @@ async def test_events_tail_from_0_prints_archived_events_then_the_stream(
         seen = [json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))["id"] for _ in ids]
     finally:
         proc.terminate()
-        await proc.wait()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
     assert seen == ids
 
 

@@ -410,7 +410,13 @@ async def test_a_projector_killed_mid_batch_and_restarted_counts_nothing_twice_a
         await _wait_caught_up(redis_client, keys, 60)
     finally:
         proc.send_signal(signal.SIGTERM)
-        await proc.wait()
+        try:
+            # A projector that ignores SIGTERM fails here rather than holding the suite for ever.
+            await asyncio.wait_for(proc.wait(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
     ns = await store.current(redis_client, keys)
     assert ns is not None
     live = await store.load(redis_client, keys, ns)
