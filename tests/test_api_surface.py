@@ -401,3 +401,22 @@ async def test_native_tasks_take_images_a_format_and_think_and_answer_thinking(
     assert lines.index("event: thinking") < lines.index("event: chunk")
     assert blind.status_code == 400 and blind.json()["error"]["type"] == "invalid_request"
     assert "does not support images" in blind.json()["error"]["message"]
+
+
+async def test_auto_with_images_or_think_routes_only_to_a_model_that_has_them(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=surface_fleet()) as (base, _):
+        native = ollama.AsyncClient(host=base)
+        seeing = [
+            await native.chat(
+                model="auto", messages=[{"role": "user", "content": f"{LOOK} ({i})", "images": [PIXEL]}]
+            )
+            for i in range(3)
+        ]
+        thinking = [
+            await native.chat(model="auto", messages=[{"role": "user", "content": f"Why? ({i})"}], think=True)
+            for i in range(3)
+        ]
+    assert {c.model for c in seeing + thinking} == {"seer:latest"}
+    assert all(c.message.thinking for c in thinking)
