@@ -18,7 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from api.common import JSON, Answer, check_messages, encode, gateway, stream, submit, task_answer
 from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
-from api.pipelines import pipeline_answer
+from api.pipelines import pipeline_answer, refuse_unsupported
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from api.tools import check_tools, ollama_calls
 from dispatch.lease import LeaseInfo
@@ -217,6 +217,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
     if body.model == PIPELINE_MODEL:
         if tools is not None:
             raise BadRequestError(f'"{PIPELINE_MODEL}" does not support tools', param="tools")
+        refuse_unsupported(messages, format=body.format, think=body.think)
         ans = pipeline_answer(request, messages, _max_tokens(body.options))
     else:
         req = TaskRequest(

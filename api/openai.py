@@ -32,7 +32,7 @@ from api.common import (
     usage,
 )
 from api.errors import OPENAI, BadRequestError, model_not_found
-from api.pipelines import model_entry, pipeline_answer
+from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
 from api.schemas import ChatCompletionCreate, CompletionCreate
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
 from dispatch.payload import Result, Thought
@@ -147,6 +147,11 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             raise BadRequestError(
                 f"the {PIPELINE_MODEL} model does not call tools", param="tools", hint="choose another model"
             )
+        refuse_unsupported(
+            messages,
+            response_format=_format(body.response_format),
+            reasoning_effort=_think(body.reasoning_effort),
+        )
         ans = pipeline_answer(request, messages, max_tokens)
     else:
         req = TaskRequest(

@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
+from pipelines.coordinator import PIPELINE_MODEL
 from sim.backends.ask import IMAGE_TOKENS
 from sim.backends.text import count_tokens
 from sim.fleetspec import Fleet, parse_fleet
@@ -420,3 +421,34 @@ async def test_auto_with_images_or_think_routes_only_to_a_model_that_has_them(
         ]
     assert {c.model for c in seeing + thinking} == {"seer:latest"}
     assert all(c.message.thinking for c in thinking)
+
+
+async def test_the_pipeline_model_refuses_images_formats_and_thinking_rather_than_drop_them(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    asked = [{"role": "user", "content": "Compare two things."}]
+    async with (
+        fleet_and_api(redis_client, redis_url, time_scale=0, fleet=surface_fleet()) as (base, _),
+        httpx.AsyncClient(base_url=base) as http,
+    ):
+        shaped = await http.post(
+            "/v1/chat/completions",
+            json={"model": PIPELINE_MODEL, "messages": asked, "response_format": {"type": "json_object"}},
+        )
+        effort = await http.post(
+            "/v1/chat/completions",
+            json={"model": PIPELINE_MODEL, "messages": asked, "reasoning_effort": "high"},
+        )
+        seen = await http.post(
+            "/api/chat",
+            json={"model": PIPELINE_MODEL, "messages": [{**asked[0], "images": [PIXEL]}], "stream": False},
+        )
+        think = await http.post(
+            "/api/chat", json={"model": PIPELINE_MODEL, "messages": asked, "think": True, "stream": False}
+        )
+        results = await stored_results(redis_client)
+    assert shaped.status_code == 400 and shaped.json()["error"]["param"] == "response_format"
+    assert effort.status_code == 400 and effort.json()["error"]["param"] == "reasoning_effort"
+    assert seen.status_code == 400 and "does not take images" in seen.json()["error"]
+    assert think.status_code == 400 and "does not support think" in think.json()["error"]
+    assert results == []
