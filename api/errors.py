@@ -213,7 +213,7 @@ def answer(exc: DispatchError) -> ApiError:
             extra=exc.extra,
         )
     if isinstance(exc, CapabilityMissingError):
-        return BadRequestError(exc.message, hint=exc.hint, param="tools", extra=exc.extra)
+        return BadRequestError(exc.message, hint=exc.hint, param=exc.param, extra=exc.extra)
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)
     headers = {"Retry-After": retry} if retry is not None else None

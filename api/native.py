@@ -24,6 +24,7 @@ from api.errors import NATIVE, ApiError, BadRequestError, NotFoundError, render
 from api.schemas import TaskCreate
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
+from dispatch.payload import Thought
 from dispatch.submit import Submitted, TaskRequest
 from events.codec import event_fields
 
@@ -48,6 +49,9 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
         priority=body.priority,
         client=client,
         tools=tools,
+        images=body.images or None,
+        format=body.format,
+        think=body.think,
     )
 
 
@@ -94,6 +98,8 @@ async def _events(gw: Gateway, sub: Submitted, timeout_s: float | None) -> Async
     async for item in gw.relay(sub.task_id, timeout_s):
         if isinstance(item, str):
             yield b"event: chunk\n" + sse(encode({"text": item}))
+        elif isinstance(item, Thought):
+            yield b"event: thinking\n" + sse(encode({"thinking": item.text}))
         elif isinstance(item, list):
             yield b"event: tool_calls\n" + sse(encode({"tool_calls": openai_calls(item)}))
         else:

@@ -3,7 +3,8 @@
 Like Ollama, /api/chat and /api/generate stream NDJSON unless `"stream": false`: one object per
 piece with `"done": false`, then a final one with `"done": true`, `done_reason` and the backend's
 own counts and durations (nanoseconds). A model's tool calls come as `message.tool_calls` (api.tools)
-in a chunk of their own when streamed. A failure mid-stream is one `{"error": "..."}` line.
+in a chunk of their own when streamed; its thinking as `message.thinking` (`thinking` on generate).
+A failure mid-stream is one `{"error": "..."}` line.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from starlette.responses import PlainTextResponse, Response
 
 from api.common import JSON, Answer, check_messages, encode, gateway, stream, submit, task_answer
 from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
-from api.pipelines import pipeline_answer
+from api.pipelines import pipeline_answer, refuse_unsupported
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from api.tools import check_tools, ollama_calls
 from dispatch.lease import LeaseInfo
 from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
-from dispatch.payload import Result
+from dispatch.payload import Result, Thought
 from dispatch.serving import ModelInfo, catalog
 from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
@@ -161,11 +162,18 @@ async def _lines(ans: Answer, key: str) -> AsyncIterator[bytes]:
             yield encode(_final(ans, item, key)) + b"\n"
             continue
         piece: Any
-        if isinstance(item, list):
+        line: dict[str, Any] = {"model": ans.model, "created_at": rfc3339()}
+        if isinstance(item, Thought):
+            # Ollama's own spelling: the message's `thinking`; a completion's top-level `thinking`.
+            if key == "message":
+                piece = {"role": "assistant", "content": "", "thinking": item.text}
+            else:
+                piece, line["thinking"] = "", item.text
+        elif isinstance(item, list):
             piece = {"role": "assistant", "content": "", "tool_calls": ollama_calls(item)}
         else:
             piece = {"role": "assistant", "content": item} if key == "message" else item
-        yield encode({"model": ans.model, "created_at": rfc3339(), key: piece, "done": False}) + b"\n"
+        yield encode({**line, key: piece, "done": False}) + b"\n"
 
 
 def _error_line(exc: ApiError) -> bytes:
@@ -179,10 +187,14 @@ async def _respond(ans: Answer, streaming: bool, key: str) -> Response:
     body = _final(ans, result, key)
     if key == "message":
         body[key] = {"role": "assistant", "content": result.text}
+        if result.thinking:
+            body[key]["thinking"] = result.thinking
         if result.tool_calls:
             body[key]["tool_calls"] = ollama_calls(result.tool_calls)
     else:
         body[key] = result.text
+        if result.thinking:
+            body["thinking"] = result.thinking
     return JSON(body, headers=ans.headers(result))
 
 
@@ -205,6 +217,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
     if body.model == PIPELINE_MODEL:
         if tools is not None:
             raise BadRequestError(f'"{PIPELINE_MODEL}" does not support tools', param="tools")
+        refuse_unsupported(messages, format=body.format, think=body.think)
         ans = pipeline_answer(request, messages, _max_tokens(body.options))
     else:
         req = TaskRequest(
@@ -216,6 +229,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
             client=request.headers.get("user-agent"),
             stream=body.stream is not False,
             tools=tools,
+            think=body.think,
         )
         ans = task_answer(request, await submit(request, req))
     return await _respond(ans, body.stream is not False, "message")
@@ -235,6 +249,8 @@ async def generate(body: OllamaGenerate, request: Request) -> Response:
         format=body.format,
         client=request.headers.get("user-agent"),
         stream=body.stream is not False,
+        images=body.images or None,
+        think=body.think,
     )
     return await _respond(
         task_answer(request, await submit(request, req)), body.stream is not False, "response"

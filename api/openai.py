@@ -1,7 +1,8 @@
 """The OpenAI-compatible surface: /v1/models, /v1/chat/completions, /v1/completions.
 
 Streaming answers are SSE as OpenAI sends them: a first chunk with the role, one chunk per relayed
-piece (text, or a model's tool calls as `tool_calls` deltas: api.tools), a last chunk with
+piece (text; thinking as `reasoning_content`, an extension OpenAI's own API lacks; a model's tool
+calls as `tool_calls` deltas: api.tools), a last chunk with
 `finish_reason`, a usage chunk when `stream_options.include_usage` asks
 for it, then `data: [DONE]`. A failure after the stream started is one `data: {"error": …}`
 line (the openai client raises it as an APIError) and no [DONE].
@@ -31,10 +32,10 @@ from api.common import (
     usage,
 )
 from api.errors import OPENAI, BadRequestError, model_not_found
-from api.pipelines import model_entry, pipeline_answer
+from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
 from api.schemas import ChatCompletionCreate, CompletionCreate
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
-from dispatch.payload import Result
+from dispatch.payload import Result, Thought
 from dispatch.serving import catalog
 from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
@@ -51,6 +52,45 @@ def _options(body: ChatCompletionCreate | CompletionCreate) -> dict[str, Any]:
     if body.stop is not None:
         opts["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return opts
+
+
+_FORMAT_HINT = (
+    'send {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}'
+)
+
+
+def _format(response_format: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """OpenAI's `response_format` in Ollama's terms (`format`): "json" for `json_object`, the
+    schema itself for `json_schema`, None for `text`. BadRequestError for anything else."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequestError(
+                "response_format json_schema needs its schema in json_schema.schema (an object)",
+                param="response_format",
+                hint=_FORMAT_HINT,
+            )
+        return schema
+    raise BadRequestError(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema",
+        param="response_format",
+        hint=_FORMAT_HINT,
+    )
+
+
+def _think(effort: str | None) -> bool | str | None:
+    """OpenAI's `reasoning_effort` as Ollama's `think`: "none" turns thinking off, a level turns it on."""
+    if effort is None:
+        return None
+    return False if effort == "none" else effort
 
 
 def _single(n: int | None) -> None:
@@ -107,21 +147,27 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             raise BadRequestError(
                 f"the {PIPELINE_MODEL} model does not call tools", param="tools", hint="choose another model"
             )
+        refuse_unsupported(
+            messages,
+            response_format=_format(body.response_format),
+            reasoning_effort=_think(body.reasoning_effort),
+        )
         ans = pipeline_answer(request, messages, max_tokens)
     else:
-        fmt = body.response_format or {}
         req = TaskRequest(
             model=body.model,
             messages=messages,
             domain=body.domain,
             options=_options(body),
             max_tokens=max_tokens,
-            format="json" if fmt.get("type") == "json_object" else None,
+            format=_format(body.response_format),
             client=request.headers.get("user-agent"),
             stream=bool(body.stream),
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
+            response_format=body.response_format,
+            think=_think(body.reasoning_effort),
         )
         ans = task_answer(request, await submit(request, req))
     cid, created = f"chatcmpl-{ans.ident}", unix_now()
@@ -139,6 +185,9 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
         # As OpenAI answers a call: no content unless the model also wrote some.
         message["content"] = result.text or None
         message["tool_calls"] = openai_calls(result.tool_calls)
+    if result.thinking:
+        # Not OpenAI's own: the field several OpenAI-compatible servers answer thinking in.
+        message["reasoning_content"] = result.thinking
     return JSON(
         {
             "id": cid,
@@ -176,6 +225,8 @@ async def _chat_chunks(ans: Answer, cid: str, created: int, include_usage: bool)
     async for item in ans.pieces():
         if isinstance(item, str):
             yield chunk({"content": item})
+        elif isinstance(item, Thought):
+            yield chunk({"reasoning_content": item.text})
         elif isinstance(item, list):
             for delta in openai_deltas(item, calls):
                 yield chunk({"tool_calls": [delta]})

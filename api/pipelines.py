@@ -180,6 +180,22 @@ def model_entry() -> dict[str, Any]:
     }
 
 
+def refuse_unsupported(messages: Sequence[Message], **sent: object) -> None:
+    """The pipeline model answers prose from text: a request with images, a format or thinking
+    (`sent`, by parameter name) is refused with a 400 rather than answered without them."""
+    if any(m.images for m in messages):
+        raise BadRequestError(
+            f"the {PIPELINE_MODEL} model does not take images", param="messages", hint="choose another model"
+        )
+    for name, value in sent.items():
+        if value is not None and value is not False:
+            raise BadRequestError(
+                f"the {PIPELINE_MODEL} model does not support {name}",
+                param=name,
+                hint=f"choose another model, or send the request without {name}",
+            )
+
+
 def pipeline_answer(request: Request, messages: Sequence[Message], max_tokens: int | None) -> Answer:
     """The answer of a chat request for the `pipeline` model: the last user message decomposed, the
     parts run in parallel, the integration's output streamed (or whole)."""

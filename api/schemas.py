@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from api.images import part_images
 from api.tools import message_calls
 from dispatch.payload import Message
 
@@ -41,9 +42,10 @@ Images = Annotated[list[str] | None, AfterValidator(_base64_images)]
 
 
 class ChatMessage(_Body):
-    """A chat message; `content` is text or OpenAI's list of content parts (text parts are used).
-    An assistant's `tool_calls` and a `tool` message's `tool_call_id` (OpenAI) or `tool_name`
-    (Ollama; OpenAI's older `name`) travel with it to the backend."""
+    """A chat message; `content` is text or OpenAI's list of content parts (text parts are its
+    text, inline `image_url` parts join its `images`: api.images). An assistant's `tool_calls` and
+    a `tool` message's `tool_call_id` (OpenAI) or `tool_name` (Ollama; OpenAI's older `name`)
+    travel with it to the backend."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -55,13 +57,15 @@ class ChatMessage(_Body):
 
     def to_message(self) -> Message:
         content = self.content
+        images = list(self.images or [])
         if isinstance(content, list):
+            images += part_images(content)
             content = "".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
         tool_name = self.tool_name or (self.name if self.role == "tool" else None)
         return Message(
             role=self.role,
             content=content or "",
-            images=self.images,
+            images=images or None,
             tool_calls=message_calls(self.tool_calls),
             tool_call_id=self.tool_call_id,
             tool_name=tool_name,
@@ -80,6 +84,13 @@ class TaskCreate(_Body):
     system: str | None = None
     options: dict[str, Any] | None = None
     tools: list[Any] | None = Field(None, description="function tools, in OpenAI's shape (chat only)")
+    images: Images = Field(None, description="with `prompt`: base64 images (a chat's ride on its messages)")
+    format: str | dict[str, Any] | None = Field(
+        None, description='"json", or a JSON schema the answer follows'
+    )
+    think: bool | str | None = Field(
+        None, description="whether the model thinks first (true/false or a level)"
+    )
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     priority: int = Field(0, ge=-1000, le=1000)
     stream: bool = False
@@ -109,6 +120,8 @@ class ChatCompletionCreate(_Body):
     stop: str | list[str] | None = None
     n: int | None = Field(1, ge=1, le=MAX_TOKENS)
     response_format: dict[str, Any] | None = None
+    # OpenAI's reasoning models' effort ("none", "minimal", "low", "medium", "high"): Ollama's `think`.
+    reasoning_effort: str | None = None
     user: str | None = None
     # Function tools (checked by api.tools: a malformed one is a 400, not a 422).
     tools: list[Any] | None = None

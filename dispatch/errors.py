@@ -44,8 +44,12 @@ class RequestRefusedError(DispatchError):
 
 
 class CapabilityMissingError(DispatchError):
-    """Raised when a request needs a capability (tools) that every live holder of its model says
-    the model lacks."""
+    """Raised when a request needs a capability (tools, vision, thinking) that every live holder of
+    its model says the model lacks; `param` names what in the request needs it."""
+
+    def __init__(self, message: str, *, param: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.param = param
 
 
 class TaskNotFoundError(DispatchError):

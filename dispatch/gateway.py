@@ -33,7 +33,7 @@ from dispatch.errors import (
 )
 from dispatch.lease import LeaseInfo
 from dispatch.memory import MemoryWatch, full_error, is_oom
-from dispatch.payload import Chunk, Relayed, Result, chunk_decoder, result_decoder
+from dispatch.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
 from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
 from dispatch.quota import ApiKey, Quotas
 from dispatch.serving import find_holders, require_model
@@ -248,8 +248,9 @@ class Gateway:
                         return result
 
     async def relay(self, task_id: str, timeout_s: float | None = None) -> AsyncIterator[Relayed]:
-        """The task's output as it arrives (text pieces and tool calls), then its Result. Tool calls
-        the result has and the chunks did not carry (a flush Redis refused) come just before it.
+        """The task's output as it arrives (thinking, text pieces and tool calls), then its Result.
+        Thinking and tool calls the result has and the chunks did not carry (a flush Redis refused)
+        come just before it.
 
         One run is relayed: the first one seen, told apart from others by its attempt and its run
         nonce. A later attempt (the task re-ran after a reclaim or a retryable failure) replaces it
@@ -263,6 +264,7 @@ class Gateway:
         followed: tuple[int, str] | None = None
         relayed = False
         calls = 0
+        thought = 0  # characters of thinking relayed
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -282,6 +284,10 @@ class Gateway:
                                 hint="retry the request; streamed text from two runs is never mixed",
                             )
                         continue  # a superseded run finishing late, or a second run of one attempt
+                if chunk.thinking:
+                    relayed = True
+                    thought += len(chunk.thinking)
+                    yield Thought(chunk.thinking)
                 if chunk.text:
                     relayed = True
                     yield chunk.text
@@ -303,6 +309,8 @@ class Gateway:
                             f"task {task_id} completed on another run (attempt {result.attempt})",
                             hint="retry the request; streamed text from two runs is never mixed",
                         )
+                    if len(result.thinking) > thought:
+                        yield Thought(result.thinking[thought:])
                     if result.tool_calls and len(result.tool_calls) > calls:
                         yield result.tool_calls[calls:]
                     yield result
@@ -424,6 +432,8 @@ class Gateway:
             }
             if result.tool_calls:
                 out["result"]["tool_calls"] = msgspec.to_builtins(result.tool_calls)
+            if result.thinking:
+                out["result"]["thinking"] = result.thinking
             out["timings"] = {
                 **msgspec.to_builtins(result.timings),
                 "ttft_ms": result.ttft_ms,

@@ -90,6 +90,13 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # A completion's images (base64, as Ollama's /api/generate takes them); a chat's ride on its messages.
+    images: list[str] | None = None
+    # OpenAI's `response_format` as the client sent it, for an OpenAI-compatible backend (`format`
+    # is the same request in Ollama's terms, which an Ollama backend reads).
+    response_format: dict[str, Any] | None = None
+    # Ollama's `think`: true/false or a level ("low", "medium", "high"); None: the model's default.
+    think: bool | str | None = None
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""
@@ -129,6 +136,13 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+class Thought(msgspec.Struct, frozen=True):
+    """A piece of a model's thinking (Ollama's `message.thinking`, OpenAI-compatible servers'
+    `reasoning_content`), relayed apart from its answer."""
+
+    text: str
+
+
 class Chunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One piece of output in `rl:out:{task}`; `attempt` and `run` tell a relay which run it
     belongs to (two runs of one attempt, which should never happen, still differ in `run`)."""
@@ -141,6 +155,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     run: str = ""
     # Tool calls the model completed in this piece (after its `text`).
     tool_calls: list[ToolCall] | None = None
+    # Thinking the model wrote in this piece (before its `text`).
+    thinking: str = ""
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -161,11 +177,13 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     run: str = ""
     # Every tool call the model made, in order (also streamed in the output's chunks).
     tool_calls: list[ToolCall] | None = None
+    # All the model's thinking, when it thought (also streamed in the output's chunks).
+    thinking: str = ""
 
 
-# What a relay yields of a task's output, in order: text pieces and tool calls as they arrive,
-# then the Result.
-Relayed: TypeAlias = str | list[ToolCall] | Result
+# What a relay yields of a task's output, in order: thinking, text pieces and tool calls as they
+# arrive, then the Result.
+Relayed: TypeAlias = str | list[ToolCall] | Thought | Result
 
 _chunk_encoder: Final = msgspec.msgpack.Encoder()
 chunk_decoder: Final = msgspec.msgpack.Decoder(Chunk)

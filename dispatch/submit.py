@@ -71,6 +71,11 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # See TaskMessage.images, .response_format and .think: images go only to models whose holders
+    # may see them, thinking only to models that may think.
+    images: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    think: bool | str | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -113,8 +118,8 @@ async def route_and_submit(
         raise ModelNotServedError(
             f"no live worker serves any model ({describe_fleet(leases)})", model=req.model
         )
-    if req.tools and req.tool_choice != "none":
-        candidates = _calling_tools(req.model, candidates, leases)
+    for capability in needs(req):
+        candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
         model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
@@ -140,23 +145,49 @@ async def route_and_submit(
     )
 
 
-def _calling_tools(model: str, candidates: dict[str, str], leases: dict[str, LeaseInfo]) -> dict[str, str]:
-    """The candidates that may call tools: a model is left out only when every live holder says it
-    cannot (a holder that reports no capabilities may). CapabilityMissingError when none is left."""
-    able = {name: digest for name, digest in candidates.items() if not lacks(digest, "tools", leases)}
+# What each capability a request may need is called in messages: (what the request sends, what
+# to send instead).
+_NEEDS: Final = {
+    "tools": ("tools", "send the request without tools"),
+    "vision": ("images", "send the request without images"),
+    "thinking": ("think", "send the request without think (or with think false)"),
+}
+
+
+def needs(req: TaskRequest) -> list[str]:
+    """The capabilities the request needs of its model (`_NEEDS`)."""
+    out = []
+    if req.tools and req.tool_choice != "none":
+        out.append("tools")
+    if req.images or any(m.images for m in req.messages):
+        out.append("vision")
+    if req.think is True or (isinstance(req.think, str) and req.think.lower() not in ("", "none", "false")):
+        out.append("thinking")
+    return out
+
+
+def _able(
+    model: str, capability: str, candidates: dict[str, str], leases: dict[str, LeaseInfo]
+) -> dict[str, str]:
+    """The candidates that have `capability`: a model is left out only when every live holder says
+    it lacks it (a holder that reports no capabilities may have it). CapabilityMissingError when
+    none is left."""
+    able = {name: digest for name, digest in candidates.items() if not lacks(digest, capability, leases)}
     if able:
         return able
+    sent, instead = _NEEDS[capability]
     if model == "auto":
         raise CapabilityMissingError(
-            "no model the live fleet serves supports tools",
-            hint="send the request without tools, or serve a model whose capabilities include tools",
+            f"no model the live fleet serves supports {sent} (capability {capability!r})",
+            hint=f"{instead}, or serve a model whose capabilities include {capability}",
+            param=sent,
         )
     digest = candidates[model]
     raise CapabilityMissingError(
-        f"model {model!r} does not support tools (its holders report capabilities: "
+        f"model {model!r} does not support {sent} (its holders report capabilities: "
         f"{', '.join(capabilities(digest, leases))})",
-        hint="choose a model whose capabilities include tools (/api/show lists them), "
-        "or send the request without tools",
+        hint=f"choose a model whose capabilities include {capability} (/api/show lists them), or {instead}",
+        param=sent,
     )
 
 
@@ -216,6 +247,9 @@ async def submit_task(
         tools=req.tools,
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
+        images=req.images,
+        response_format=req.response_format,
+        think=req.think,
     )
     keys = queues.keys
     queue = keys.band_queue(digest, task.priority, req.share_round)

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 import pytest
 
-from dispatch.payload import Message, TaskMessage, ToolCall
+from dispatch.payload import Message, TaskMessage, Thought, ToolCall
 from events.event import TaskCompleted, Timings
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
@@ -19,6 +19,7 @@ from workers.backend import (
     OllamaBackend,
     OpenAIBackend,
     _ollama_timings,
+    image_content,
     ollama_messages,
     openai_digest,
     openai_messages,
@@ -183,7 +184,7 @@ async def _items(
             final = item
         elif isinstance(item, list):
             calls += item
-        else:
+        elif isinstance(item, str):
             text += item
     assert final is not None
     return text, calls, final
@@ -305,3 +306,58 @@ async def test_parallel_tool_calls_false_gets_one_call_from_either_backend(kind:
         finally:
             await backend.aclose()
     assert [c.name for c in calls] == ["get_weather"]
+
+
+# -- images, structured output, thinking ------------------------------------------------------------
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4//8/AAX+Av6n1qTBAAAAAElFTkSuQmCC"
+JPEG = "/9j/4AAQSkZJRgABAQAAAQABAAD"
+
+
+def test_images_reach_an_openai_backend_as_data_url_parts_of_their_media_type() -> None:
+    assert image_content("look", None) == "look"
+    assert image_content("look", [PNG, JPEG]) == [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{JPEG}"}},
+    ]
+
+
+async def test_the_openai_adapter_asks_in_openai_terms_and_reads_thinking_under_either_name() -> None:
+    sent: list[dict[str, Any]] = []
+    deltas = [
+        {"reasoning": "weigh "},
+        {"reasoning_content": "it"},
+        {"content": "{}"},
+    ]
+    lines = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    lines.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    body = "".join(f"data: {json.dumps(line)}\n\n" for line in lines) + "data: [DONE]\n\n"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    backend = OpenAIBackend("http://backend")
+    await backend.client.aclose()
+    backend.client = httpx.AsyncClient(base_url="http://backend", transport=httpx.MockTransport(answer))
+    task = TaskMessage(
+        task_id="t",
+        model="m",
+        digest="d",
+        kind="generate",
+        prompt="look",
+        images=[PNG],
+        format={"type": "object"},
+        think=True,
+    )
+    items = [item async for item in backend.generate(task, "m")]
+    await backend.aclose()
+    assert [i for i in items if not isinstance(i, Generated)] == [Thought("weigh "), Thought("it"), "{}"]
+    assert sent[0]["messages"][0]["content"][1]["image_url"]["url"] == f"data:image/png;base64,{PNG}"
+    # Ollama's format and think, spelled OpenAI's way.
+    assert sent[0]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "response", "schema": {"type": "object"}},
+    }
+    assert sent[0]["reasoning_effort"] == "medium"

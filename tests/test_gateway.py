@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import TaskFailedError
 from dispatch.gateway import Gateway
-from dispatch.payload import Chunk, Message, Result, ToolCall, encode_chunk, encode_result
+from dispatch.payload import Chunk, Message, Result, Thought, ToolCall, encode_chunk, encode_result
 from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS
 from dispatch.submit import TaskRequest
 from events.connection import redis_client as make_client
@@ -110,3 +110,17 @@ async def test_a_relay_yields_tool_calls_as_they_come_and_any_the_chunks_missed_
     await _out(redis_client, keys, "t3", Chunk(attempt=1, done=True, run="a"), done)
     items = [item async for item in Gateway(redis_client, keys).relay("t3", timeout_s=5)]
     assert items == ["Let me look. ", [weather], [clock], done]
+
+
+async def test_a_relay_yields_thinking_before_the_text_and_any_thinking_the_chunks_missed(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await _out(redis_client, keys, "t4", Chunk(attempt=1, run="a", thinking="Hmm, "))
+    await _out(redis_client, keys, "t4", Chunk(attempt=1, run="a", thinking="blue. ", text="Blue"))
+    # The last flush of thinking was refused (Redis out of memory): only the result carries it.
+    done = Result(
+        task_id="t4", status="completed", attempt=1, text="Blue", run="a", thinking="Hmm, blue. Rayleigh."
+    )
+    await _out(redis_client, keys, "t4", Chunk(attempt=1, done=True, run="a"), done)
+    items = [item async for item in Gateway(redis_client, keys).relay("t4", timeout_s=5)]
+    assert items == [Thought("Hmm, "), Thought("blue. "), "Blue", Thought("Rayleigh."), done]

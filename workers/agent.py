@@ -35,7 +35,7 @@ from dispatch.benchmark import (
 )
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
-from dispatch.payload import Chunk, Result, ToolCall, encode_chunk
+from dispatch.payload import Chunk, Result, Thought, ToolCall, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from events.codec import encode_fields
 from events.errors import RouteledgerError
@@ -667,6 +667,9 @@ class WorkerAgent:
         # Tool calls the model made, and those not written to the output yet.
         calls: list[ToolCall] = []
         unsent_calls: list[ToolCall] = []
+        # The model's thinking, and what of it is not written to the output yet.
+        thoughts: list[str] = []
+        unsent_thoughts: list[str] = []
         t0 = time.perf_counter()
         # Decided before the run, from what the backend last listed as loaded (workers.warmth).
         cold = self.warmth.before(task.digest, self.inventory)
@@ -679,12 +682,13 @@ class WorkerAgent:
 
         async def flush(final: Chunk | None = None) -> None:
             pipe = self.redis.pipeline(transaction=False)
-            if buffer or unsent_calls:
+            if buffer or unsent_calls or unsent_thoughts:
                 piece = Chunk(
                     attempt=entry.attempt,
                     text="".join(buffer),
                     run=run.run_id,
                     tool_calls=list(unsent_calls) or None,
+                    thinking="".join(unsent_thoughts),
                 )
                 pipe.xadd(out_key, {b"c": encode_chunk(piece)})
             if final is not None:
@@ -702,6 +706,7 @@ class WorkerAgent:
                 return
             buffer.clear()
             unsent_calls.clear()
+            unsent_thoughts.clear()
 
         stream = self.backend.generate(task, local)
         try:
@@ -721,9 +726,15 @@ class WorkerAgent:
                         await flush()
                         last_flush = now
                     continue
-                pieces.append(item)
-                buffer.append(item)
-                if task.stream and (len(pieces) == 1 or (now - last_flush) * 1000 >= self.config.flush_ms):
+                if isinstance(item, Thought):
+                    thoughts.append(item.text)
+                    unsent_thoughts.append(item.text)
+                    opening = len(thoughts) == 1
+                else:
+                    pieces.append(item)
+                    buffer.append(item)
+                    opening = len(pieces) == 1
+                if task.stream and (opening or (now - last_flush) * 1000 >= self.config.flush_ms):
                     await flush()
                     last_flush = now
                     crash_here("stream", run.ordinal)
@@ -735,6 +746,10 @@ class WorkerAgent:
             await stream.aclose()  # type: ignore[attr-defined]
         if generated is None:
             raise BackendError("disconnect", "the backend stream ended early", retryable=True)
+        if unsent_thoughts and task.stream:
+            # Thinking goes out before the closing text (a refused write reaches the client from
+            # the result: Gateway.relay).
+            await flush()
         wall_ms = (time.perf_counter() - t0) * 1000
         cold, timings = self.warmth.after(
             task.digest,
@@ -758,6 +773,7 @@ class WorkerAgent:
             done_reason=generated.done_reason,
             run=run.run_id,
             tool_calls=calls or None,
+            thinking="".join(thoughts),
         )
         done = Chunk(attempt=entry.attempt, done=True, run=run.run_id)
         # The last text piece and the result in one round trip. A run that lost its entry (the

@@ -1,7 +1,11 @@
 """Backend adapters: Ollama's HTTP API, and OpenAI-compatible servers.
 
-A generation is an async iterator of text pieces and tool calls (a list of ToolCall, each whole,
-as the backend completed them) that ends with one `Generated` carrying the backend's own timings.
+A generation is an async iterator of text pieces, thinking (Thought: Ollama's `thinking`, an
+OpenAI-compatible server's `reasoning_content` or `reasoning`) and tool calls (a list of ToolCall,
+each whole, as the backend completed them) that ends with one `Generated` carrying the backend's
+own timings. Images, structured output and thinking are asked for in each backend's own terms
+(Ollama: `images`, `format`, `think`; OpenAI: `image_url` parts with data URLs, `response_format`,
+`reasoning_effort`).
 Each adapter speaks its backend's tool dialect both ways: the offered tools, earlier calls and tool
 results in the request; the calls in its stream (Ollama: `message.tool_calls`, arguments as an
 object and no id, so the adapter draws one; OpenAI: `tool_calls` deltas joined by index). Ollama's
@@ -22,6 +26,8 @@ Every failure becomes a BackendError with a kind:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import json
 import secrets
@@ -32,7 +38,7 @@ from typing import Any, Protocol
 import httpx
 import msgspec
 
-from dispatch.payload import Message, TaskMessage, ToolCall
+from dispatch.payload import Message, TaskMessage, Thought, ToolCall
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
 
@@ -65,7 +71,7 @@ class Backend(Protocol):
 
     def generate(
         self, task: TaskMessage, local_name: str
-    ) -> AsyncIterator[str | list[ToolCall] | Generated]: ...
+    ) -> AsyncIterator[str | Thought | list[ToolCall] | Generated]: ...
 
     async def aclose(self) -> None: ...
 
@@ -150,9 +156,7 @@ def openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
     unanswered: list[tuple[str, str]] = []  # (id, function name), in order
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        body: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.images:
-            body["images"] = m.images
+        body: dict[str, Any] = {"role": m.role, "content": image_content(m.content, m.images)}
         if m.tool_calls:
             calls = []
             for k, c in enumerate(m.tool_calls):
@@ -174,6 +178,54 @@ def openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
                 unanswered = [u for u in unanswered if u[0] != answers]
         out.append(body)
     return out
+
+
+def mime_type(image: str) -> str:
+    """The media type of base64 image bytes, from their first bytes (PNG when none is recognised),
+    for the data URL an OpenAI-compatible server reads."""
+    head = image[:16]
+    try:
+        raw = base64.b64decode(head + "=" * (-len(head) % 4))
+    except (binascii.Error, ValueError):
+        return "image/png"
+    if raw.startswith(b"\xff\xd8"):
+        return "image/jpeg"
+    if raw.startswith(b"GIF8"):
+        return "image/gif"
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "image/webp"
+    return "image/png"
+
+
+def image_content(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A message's content as an OpenAI-compatible server reads it: the text alone, or with images
+    its text part and one `image_url` part (a data URL) per image."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    parts += [{"type": "image_url", "image_url": {"url": f"data:{mime_type(i)};base64,{i}"}} for i in images]
+    return parts
+
+
+def _openai_format(task: TaskMessage) -> dict[str, Any] | None:
+    """The `response_format` for an OpenAI-compatible server: the client's own, when it came in
+    OpenAI's terms; else Ollama's `format` spelled OpenAI's way."""
+    if task.response_format is not None:
+        return task.response_format
+    if task.format == "json":
+        return {"type": "json_object"}
+    if isinstance(task.format, dict):
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": task.format}}
+    return None
+
+
+def _effort(think: bool | str | None) -> str | None:
+    """Ollama's `think` as OpenAI's `reasoning_effort`: a level as it is, true as "medium"."""
+    if think is None:
+        return None
+    if isinstance(think, str):
+        return think
+    return "medium" if think else "none"
 
 
 def _ollama_calls(raw: Any) -> list[ToolCall]:
@@ -322,15 +374,19 @@ class OllamaBackend:
 
     async def generate(
         self, task: TaskMessage, local_name: str
-    ) -> AsyncIterator[str | list[ToolCall] | Generated]:
+    ) -> AsyncIterator[str | Thought | list[ToolCall] | Generated]:
         body: dict[str, Any] = {"model": local_name, "stream": True, "options": _options(task)}
         if task.format is not None:
             body["format"] = task.format
+        if task.think is not None:
+            body["think"] = task.think
         if task.kind == "generate":
             path, key = "/api/generate", "response"
             body["prompt"] = task.prompt or ""
             if task.system:
                 body["system"] = task.system
+            if task.images:
+                body["images"] = task.images
         else:
             path, key = "/api/chat", "message"
             body["messages"] = ollama_messages(task.messages)
@@ -352,6 +408,11 @@ class OllamaBackend:
                             raise BackendError("http_5xx", str(data["error"]), retryable=True)
                         piece = data.get(key)
                         text = piece.get("content", "") if isinstance(piece, dict) else (piece or "")
+                        # Chat thinks in `message.thinking`, generate in a top-level `thinking`.
+                        thought = piece.get("thinking") if isinstance(piece, dict) else data.get("thinking")
+                        if isinstance(thought, str) and thought:
+                            started = True
+                            yield Thought(thought)
                         if text:
                             started = True
                             yield text
@@ -457,10 +518,12 @@ class OpenAIBackend:
 
     async def generate(
         self, task: TaskMessage, local_name: str
-    ) -> AsyncIterator[str | list[ToolCall] | Generated]:
+    ) -> AsyncIterator[str | Thought | list[ToolCall] | Generated]:
         if task.kind == "generate":
-            messages = [{"role": "system", "content": task.system}] if task.system else []
-            messages.append({"role": "user", "content": task.prompt or ""})
+            messages: list[dict[str, Any]] = (
+                [{"role": "system", "content": task.system}] if task.system else []
+            )
+            messages.append({"role": "user", "content": image_content(task.prompt or "", task.images)})
         else:
             messages = openai_messages(task.messages)
         body: dict[str, Any] = {
@@ -475,6 +538,12 @@ class OpenAIBackend:
                 body["tool_choice"] = task.tool_choice
             if task.parallel_tool_calls is not None:
                 body["parallel_tool_calls"] = task.parallel_tool_calls
+        response_format = _openai_format(task)
+        if response_format is not None:
+            body["response_format"] = response_format
+        effort = _effort(task.think)
+        if effort is not None:
+            body["reasoning_effort"] = effort
         if task.max_tokens is not None:
             body["max_tokens"] = task.max_tokens
         for key in ("temperature", "top_p", "seed", "stop"):
@@ -506,14 +575,20 @@ class OpenAIBackend:
                         for choice in data.get("choices") or []:
                             delta = choice.get("delta") or {}
                             text = delta.get("content") or ""
+                            # Not OpenAI's own: vLLM says `reasoning_content`, others `reasoning`.
+                            thought = delta.get("reasoning_content") or delta.get("reasoning") or ""
                             reason = choice.get("finish_reason") or reason
                             calling = streamed_calls.add(delta.get("tool_calls"))
-                            if text or calling:
+                            if not isinstance(thought, str):
+                                thought = ""
+                            if text or calling or thought:
                                 now = time.perf_counter_ns()
                                 first = first or now
                                 last = now
                                 started = True
                                 pieces += 1
+                            if thought:
+                                yield Thought(thought)
                             if text:
                                 yield text
                     # The body was read to its end, so the connection goes back to the pool.
