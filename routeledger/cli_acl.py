@@ -63,6 +63,8 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "sismember",
     "zrange",
     "hset",
+    # The result's "logged" mark is taken back when Redis refused an event the mark stands for.
+    "hdel",
     "hget",
     "hgetall",
     "hmget",
