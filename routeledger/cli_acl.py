@@ -7,7 +7,7 @@ holds before moving it into the ledger (projections/ingest.py).
 | keys | access | why |
 |---|---|---|
 | `rl:events:w:NAME` | XADD only | its inbox (`--inbox`), the only stream it appends events to |
-| `rl:inboxes` | read, write | it lists its inbox there, so that the ingest finds it without SCAN |
+| `rl:inboxes` | SADD only | it lists its inbox there (the ingest finds it without SCAN), no other off |
 | `rl:q:{12 hex}` | read, write | shared queues of models: taken, finished, re-queued (functions) |
 | `rl:q:{rl:q:{12 hex}}:*` | read, write | the same models' priority band queues |
 | `rl:qb:{rl:q:{12 hex}}` | read, write | which band queues a model has (the backlog function reads it) |
@@ -109,13 +109,14 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         # The registries: its own entry in the live workers, and the queues it makes.
         f"~{k.workers}",
         f"~{k.queues}",
-        f"~{k.inboxes}",
         f"%R~{k.live('*')}",
         f"%R~{k.prefix}p:*",
         f"%R~{k.cancel('*')}",
         f"%R~{k.events}",
     ]
     rules += [f"+{c}" for c in WORKER_COMMANDS]
+    # It lists its inbox, and may take no other worker's off the list (the ingest reads only it).
+    rules.append(f"(~{k.inboxes} +sadd)")
     # Append-only: XADD (directly or from the batch-append function), and nothing else, on its inbox
     # and the dead letters.
     rules.append(f"(~{k.inbox(name)} ~{k.dead} +xadd +fcall)")

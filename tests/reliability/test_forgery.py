@@ -98,7 +98,8 @@ async def test_a_worker_credential_forges_nothing_the_ledger_believes_and_the_wo
         (done,) = await _completions(ledger, first)
         digest = done.digest
 
-        # Refused by Redis: the ledger, another worker's inbox, any Lua of its own, a keyspace SCAN.
+        # Refused by Redis: the ledger, another worker's inbox, any Lua of its own, a keyspace SCAN,
+        # the list of inboxes.
         for command in (
             ("XADD", keys.events, "*", "type", "TaskCompleted"),
             ("XADD", keys.inbox("rtx3070ti"), "*", "type", "TaskCompleted"),
@@ -113,6 +114,8 @@ async def test_a_worker_credential_forges_nothing_the_ledger_believes_and_the_wo
             ("FUNCTION", "FLUSH"),
             ("SCAN", "0"),
             ("KEYS", "*"),
+            # Another worker's inbox off the list the ingest reads: its events would stop moving.
+            ("SREM", keys.inboxes, "rtx3070ti"),
         ):
             with pytest.raises(NoPermissionError):
                 await mallory.execute_command(*command)
