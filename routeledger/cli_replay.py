@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,7 +20,7 @@ from projections.projector import Projector
 from projections.snapshot import Stamped, Stat
 from projections.tables import Tables
 from routeledger.errors import ConfigError
-from routeledger.runtime import Instance, command, console, err_console, print_json, setup_logging
+from routeledger.runtime import Instance, command, console, err_console, on_signals, print_json, setup_logging
 
 if TYPE_CHECKING:
     import polars as pl
@@ -36,6 +35,10 @@ UntilOpt = Annotated[
 ]
 
 
+# Seconds a stopping projector may take to release its lease before the process ends anyway.
+STOP_GRACE_S = 10.0
+
+
 @command()
 def projector_cmd(inst: Instance) -> None:
     """Fold the ledger into the projection tables, live (one active instance; others wait)."""
@@ -44,9 +47,8 @@ def projector_cmd(inst: Instance) -> None:
 
     async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        # A stop releases the lease at once; one that hangs on a Redis read ends the process anyway.
+        on_signals(stop.set, exit_after_s=STOP_GRACE_S)
         projector = Projector(
             client,
             inst.keys,

@@ -208,6 +208,36 @@ def _exit_now() -> None:
     os._exit(130)
 
 
+def on_signals(callback: Callable[[], None], *, exit_after_s: float | None = None) -> None:
+    """Call `callback` on SIGINT or SIGTERM, from the running loop; `exit_after_s`: end the process
+    that long after the first signal whatever the callback's work is doing (a shutdown that hangs
+    on a Redis read must not keep a process alive that was told to stop).
+
+    The loop learns of a signal through its wake-up socket, and uvloop has been seen to miss one
+    that way (a projector that took no notice of SIGTERM for minutes). The interpreter's own
+    handler, run at the next bytecode in the main thread (a heartbeat away at most), tells it too;
+    the callback runs once."""
+    loop = asyncio.get_running_loop()
+    signalled = False
+
+    def once() -> None:
+        nonlocal signalled
+        if signalled:
+            return
+        signalled = True
+        if exit_after_s is not None:
+            loop.call_later(exit_after_s, _exit_now)
+        callback()
+
+    def interpreter_handler(signum: int, frame: object) -> None:
+        loop.call_soon_threadsafe(once)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, once)
+            signal.signal(sig, interpreter_handler)
+
+
 def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
     """Run a command's coroutine. Ctrl-C or SIGTERM cancels it and surfaces as KeyboardInterrupt
     once the loop has closed.
@@ -223,29 +253,13 @@ def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
         task = asyncio.ensure_future(coro)
         loop = asyncio.get_running_loop()
 
-        signalled = False
-
         def on_signal() -> None:
-            nonlocal signalled
-            if signalled:
-                return
-            signalled = True
             task.cancel()
             # A cancelled Redis read has been seen, rarely, to leave the task waiting for ever;
             # a user who pressed Ctrl-C is not made to wait for that.
             loop.call_later(CANCEL_GRACE_S, _exit_now)
 
-        def interpreter_handler(signum: int, frame: object) -> None:
-            loop.call_soon_threadsafe(on_signal)
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, on_signal)
-                # The loop learns of a signal through its wake-up socket, and uvloop has been seen
-                # to miss one that way (a projector that took no notice of SIGTERM for minutes).
-                # The interpreter's own handler, run at the next bytecode in the main thread (a
-                # heartbeat away at most), tells it too; `signalled` keeps it to one cancel.
-                signal.signal(sig, interpreter_handler)
+        on_signals(on_signal)
         try:
             return await task
         except asyncio.CancelledError:
