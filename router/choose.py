@@ -500,7 +500,7 @@ def _score_models(
         queue = view.backlog.get(digest, [])
         floor = None
         if prune:
-            found = service_floor(est, holders, digest, prompt, out, queue, default_prompt)
+            found = service_floor(est, holders, digest, prompt, out, queue, default_prompt, view)
             floor = None if found is None else (found[1], holders[found[0]].name)
         rows.append((quality, out, queue, floor))
     pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import operator
 from collections import defaultdict
@@ -389,6 +390,9 @@ def _running_state(
                 left = expected - elapsed
             free = [0.0] * (slots - 1)
             free.append(max(left, p.overdue_fraction * expected, 0.0))
+            # `_slowdown`'s first test, inline: most tasks are within the tolerance.
+            if expected <= 0.0 or elapsed / expected <= p.overdue_tolerance:
+                return free, 1.0
             return free, _slowdown(worker, est, now_ms, p, (expected,))
     expecteds = [_expected_s(worker, t, est, p) for t in running]
     return _free_times(worker, est, now_ms, p, expecteds), _slowdown(worker, est, now_ms, p, expecteds)
@@ -530,6 +534,47 @@ def _fastest(est: Estimator, holders: Sequence[WorkerView], digest: str) -> _Fas
     return out
 
 
+class _Template:
+    """What a `PlanState` of one model's holders starts from that depends only on the holders and
+    the estimator: their names and speeds, idle holders' slots (free now) and every holder's load
+    (None-free slots and a 0 head stand for the busy ones, filled in per decision), and which
+    holders are busy or a one-model machine with the model loaded (whose load depends on the
+    queues)."""
+
+    __slots__ = ("busy", "free", "head", "load_left", "names", "one_model", "sp")
+
+    def __init__(self, holders: Sequence[WorkerView], est: Estimator, digest: str) -> None:
+        self.names = tuple(map(_name, holders))
+        self.sp = _speeds(est, holders, digest)
+        self.busy = [(i, w) for i, w in enumerate(holders) if w.running]
+        idle: list[float] = []
+        self.free: list[list[float]] = [idle if w.running else [0.0] * max(1, w.slots) for w in holders]
+        self.head = [0.0] * len(holders)
+        self.one_model = [
+            (i, w)
+            for i, w in enumerate(holders)
+            if w.loaded_known and w.max_loaded == 1 and digest in w.loaded
+        ]
+        self.load_left = [
+            # Loaded where eviction is no question (room for more than one model): nothing to pay.
+            0.0 if w.loaded_known and digest in w.loaded else load_to_pay(w, digest, est, s)
+            for w, s in zip(holders, self.sp.load_s, strict=True)
+        ]
+
+
+def _template(holders: Sequence[WorkerView], est: Estimator, digest: str) -> _Template:
+    """The `_Template` of `holders`: kept in the holder index when they are its holders of
+    `digest` (every view read since the list of workers was), built afresh otherwise."""
+    ix = _INDEX[0] if _INDEX else None
+    if ix is None or ix.by_digest.get(digest) is not holders:
+        return _Template(holders, est, digest)
+    memo = _index_memo(ix, est)
+    hit = memo.templates.get(digest)
+    if hit is None:
+        hit = memo.templates[digest] = _Template(holders, est, digest)
+    return hit
+
+
 _name = operator.attrgetter("name")
 _slots = operator.attrgetter("slots")
 _first = operator.itemgetter(0)
@@ -576,51 +621,50 @@ class PlanState:
         both filled as met, are one decision's caches across the queues it lays out. `backlog`
         (every model's queue) tells whether a one-model machine runs another model first
         (`runs_another_first`)."""
-        self.names = list(map(_name, holders))
-        # Slot lists are shared with `free` until a task is assigned there (most holders get none).
+        # Slot lists are shared with `free` (or the holders' template) until a task is assigned
+        # there (most holders get none).
         self._own: set[int] = set()
         known: dict[str, list[float]] = {} if free is None else free
         seen = {} if slowdowns is None else slowdowns
-        # One pass over the holders, and over each busy one's running tasks at most once per
-        # decision for both its free times and its slowdown: this runs for every queue laid out.
-        free_lists: list[list[float]] = []
+        tpl = _template(holders, est, digest)
+        self.names = list(tpl.names)
+        # Idle holders' slots and loads come from the template; each busy holder's running tasks
+        # are looked at once per decision for both its free times and its slowdown.
+        free_lists = list(tpl.free)
         self.free = free_lists
+        head = list(tpl.head)
         slow: list[float] | None = None
-        for i, w in enumerate(holders):
+        for i, w in tpl.busy:
             name = w.name
             slots = known.get(name)
-            if w.running:
-                k = seen.get(name)
-                if slots is None or k is None:
-                    both = _running_state(w, est, now_ms, params)
-                    if slots is None:
-                        slots = known[name] = both[0]
-                    if k is None:
-                        k = seen[name] = both[1]
-                if k > 1.0:
-                    if slow is None:
-                        slow = [1.0] * len(holders)
-                    slow[i] = k
-            elif slots is None:
-                slots = known[name] = [0.0] * max(1, w.slots)
-            free_lists.append(slots)
-        self.head = list(map(_first, free_lists))
-        self.sp = _speeds(est, holders, digest)
+            k = seen.get(name)
+            if slots is None or k is None:
+                both = _running_state(w, est, now_ms, params)
+                if slots is None:
+                    slots = known[name] = both[0]
+                if k is None:
+                    k = seen[name] = both[1]
+            if k > 1.0:
+                if slow is None:
+                    slow = [1.0] * len(holders)
+                slow[i] = k
+            free_lists[i] = slots
+            head[i] = slots[0]
+        self.head = head
+        self.sp = tpl.sp
         if slow is not None:
             self.sp = _slowed(self.sp, slow)
         self.fac = self.sp.fac
         self.shared = self.sp.shared
         # Load seconds a task would pay there: none once the model is loaded (or planned there).
-        # The next task of this model is its queue's head, or a new one (enqueued now).
-        own = None if backlog is None else backlog.get(digest)
-        head_ms = own[0].enqueued_at_ms if own else now_ms
-        self.load_left = [
-            # Loaded where eviction is no question (room for more than one model): nothing to pay.
-            0.0
-            if w.loaded_known and w.max_loaded != 1 and digest in w.loaded
-            else load_to_pay(w, digest, est, s, backlog, head_ms)
-            for w, s in zip(holders, self.sp.load_s, strict=True)
-        ]
+        # Only a one-model machine's depends on the queues (`runs_another_first`): the next task
+        # of this model is its queue's head, or a new one (enqueued now).
+        self.load_left = list(tpl.load_left)
+        if tpl.one_model:
+            own = None if backlog is None else backlog.get(digest)
+            head_ms = own[0].enqueued_at_ms if own else now_ms
+            for i, w in tpl.one_model:
+                self.load_left[i] = load_to_pay(w, digest, est, self.sp.load_s[i], backlog, head_ms)
         self.loaded = [ld == 0.0 for ld in self.load_left]
         self.outs: dict[str, float] = {}
         self.default_prompt = params.default_prompt_tokens
@@ -940,6 +984,7 @@ def service_floor(
     out: float,
     entries: Sequence[BacklogEntry],
     default_prompt: int,
+    view: FleetView | None = None,
 ) -> tuple[int, float] | None:
     """(holder, seconds) of a floor on the finish a new task could have on any of `holders` after
     `entries` are laid out, when every slot is free at 0 or later (`slot_free_times` gives no
@@ -948,9 +993,10 @@ def service_floor(
     floor holds: on machines whose tasks slow each other down (a task sharing one can run faster
     than the speeds say), for a task of negative size, and where `floors_hold` says so. It reads
     only figures cached per snapshot, so it costs no pass over the holders beyond finding them in
-    that cache; `PlanState.finish_floor` is higher, and counts the holders' waits and loads.
+    that cache (`view`: the view `holders` come from, whose index keeps the figures per list of
+    workers); `PlanState.finish_floor` is higher, and counts the holders' waits and loads.
     """
-    fast = _fastest(est, holders, digest)
+    fast = _fastest(est, holders, digest) if view is None else fastest_holders(view, est, digest)
     if fast.sharing or prompt_tokens < 0 or out < 0 or not floors_hold(entries, default_prompt):
         return None
     # `finishes`' arithmetic with wait and load at their least (0) and every divisor at its
@@ -958,13 +1004,76 @@ def service_floor(
     return fast.holder, prompt_tokens / fast.prompt_tps + out / fast.decode_tps
 
 
+class _HolderIndex:
+    """Every digest's holders among one list of workers, and the figures that depend only on
+    those holders and one estimator (`_fastest`), kept while the list is the one a view reads."""
+
+    __slots__ = ("by_digest", "count", "token", "workers")
+
+    def __init__(self, workers: list[WorkerView]) -> None:
+        out: defaultdict[str, list[WorkerView]] = defaultdict(list)
+        for w in workers:
+            for d in w.holds:
+                out[d].append(w)
+        self.by_digest: dict[str, list[WorkerView]] = dict(out)
+        self.workers = workers
+        self.count = len(workers)
+        self.token = next(_TOKENS)
+
+
+class _IndexMemo:
+    """The figures of one holder index that also depend on an estimator, kept in its memo (so
+    that they go with the estimates, as `Estimator.clear_cache` says)."""
+
+    __slots__ = ("fastest", "templates", "token")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.fastest: dict[str, _Fastest] = {}
+        self.templates: dict[str, _Template] = {}
+
+
+def _index_memo(ix: _HolderIndex, est: Estimator) -> _IndexMemo:
+    """`ix`'s figures on `est`: only the latest index's are kept."""
+    hit = est.memo.get("#index")
+    if not isinstance(hit, _IndexMemo) or hit.token != ix.token:
+        hit = est.memo["#index"] = _IndexMemo(ix.token)
+    return hit
+
+
+# The index of the last list of workers asked about. A production view's workers are one list per
+# read of the leases (`LiveView`), shared by every decision until the next read; whoever changes
+# which workers are live assigns a new list (a view is never changed in place).
+_INDEX: list[_HolderIndex] = []
+# Tells indexes apart in an estimator's memo (an id() could be reused once one is gone).
+_TOKENS = itertools.count()
+
+
+def _holder_index(view: FleetView) -> _HolderIndex:
+    workers = view.workers
+    if _INDEX:
+        ix = _INDEX[0]
+        if ix.workers is workers and ix.count == len(workers):
+            return ix
+    ix = _HolderIndex(workers)
+    _INDEX[:] = [ix]
+    return ix
+
+
 def holders_by_digest(view: FleetView) -> dict[str, list[WorkerView]]:
-    """Every digest's live holders in registration order: one pass over the fleet for all models."""
-    out: defaultdict[str, list[WorkerView]] = defaultdict(list)
-    for w in view.workers:
-        for d in w.holds:
-            out[d].append(w)
-    return dict(out)
+    """Every digest's live holders in registration order: one pass over the fleet for all models,
+    once per list of workers. The answer is shared: read it, never change it."""
+    return _holder_index(view).by_digest
+
+
+def fastest_holders(view: FleetView, est: Estimator, digest: str) -> _Fastest:
+    """`_fastest` of `digest`'s holders in `view`, looked up once per list of workers and estimator."""
+    ix = _holder_index(view)
+    memo = _index_memo(ix, est)
+    hit = memo.fastest.get(digest)
+    if hit is None:
+        hit = memo.fastest[digest] = _fastest(est, ix.by_digest.get(digest, []), digest)
+    return hit
 
 
 def plan_queue(
