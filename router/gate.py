@@ -17,7 +17,15 @@ import msgspec
 
 from projections.snapshot import Snapshot
 from router.estimate import Estimator
-from router.plan import BacklogEntry, FleetView, PlanParams, PlanState, WorkerView, arrival_rates
+from router.plan import (
+    BacklogEntry,
+    FleetView,
+    PlanParams,
+    PlanState,
+    WorkerView,
+    arrival_rates,
+    holders_by_digest,
+)
 
 # The gate looks this far down each queue: the agent reads no more of a queue than this from
 # Redis, and the simulator shows the gate no more either.
@@ -128,7 +136,7 @@ def should_take(
     if head is None:
         return GateDecision(take=False, worker=worker, reason="nothing queued for the models I serve")
     digest, queue = head
-    holders = view.holders(digest)
+    holders = holders_by_digest(view)[digest]
     state = PlanState(holders, est, digest, now_ms, p.plan, backlog=view.backlog)
     mine = state.names.index(worker)
     my_first = state.best_on(mine, queue[0])
@@ -203,7 +211,8 @@ def decide_take(
     workers, the first BACKLOG_DEPTH entries of each queue and each queue's arrival rate from the
     snapshot's demand table. `est` is the estimator fitted to `snapshot`."""
     view = FleetView(
-        workers=list(workers),
+        # The caller's list itself when it is one: the router keeps figures per list of workers.
+        workers=workers if isinstance(workers, list) else list(workers),
         backlog={d: list(q[:BACKLOG_DEPTH]) for d, q in backlog.items()},
         arrival_rate=arrival_rates(snapshot, backlog, now_ms),
     )

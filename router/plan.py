@@ -36,6 +36,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, cast
 
 import msgspec
 
@@ -565,8 +566,8 @@ class _Template:
 def _template(holders: Sequence[WorkerView], est: Estimator, digest: str) -> _Template:
     """The `_Template` of `holders`: kept in the holder index when they are its holders of
     `digest` (every view read since the list of workers was), built afresh otherwise."""
-    ix = _INDEX[0] if _INDEX else None
-    if ix is None or ix.by_digest.get(digest) is not holders:
+    ix = next((x for x in _INDEX if x.by_digest.get(digest) is holders), None)
+    if ix is None:
         return _Template(holders, est, digest)
     memo = _index_memo(ix, est)
     hit = memo.templates.get(digest)
@@ -1034,29 +1035,40 @@ class _IndexMemo:
 
 
 def _index_memo(ix: _HolderIndex, est: Estimator) -> _IndexMemo:
-    """`ix`'s figures on `est`: only the latest index's are kept."""
-    hit = est.memo.get("#index")
-    if not isinstance(hit, _IndexMemo) or hit.token != ix.token:
-        hit = est.memo["#index"] = _IndexMemo(ix.token)
+    """`ix`'s figures on `est` (kept for the indexes kept)."""
+    memos = est.memo.get("#index")
+    if not isinstance(memos, list):
+        memos = est.memo["#index"] = []
+    for hit in memos:
+        if hit.token == ix.token:
+            return cast(_IndexMemo, hit)
+    # Only the kept indexes' figures stay: an estimator can outlive many reads of the leases.
+    hit = _IndexMemo(ix.token)
+    memos[:] = [hit, *(m for m in memos if any(x.token == m.token for x in _INDEX))]
     return hit
 
 
-# The index of the last list of workers asked about. A production view's workers are one list per
-# read of the leases (`LiveView`), shared by every decision until the next read; whoever changes
-# which workers are live assigns a new list (a view is never changed in place).
+# The indexes of the last lists of workers asked about, newest first. A production view's workers
+# are one list per read of the leases (`LiveView`), shared by every decision until the next read.
+# The router never changes a view, and whoever changes a worker's view (what it runs or has
+# loaded) passes a new list to the next decision: the figures kept per list would be stale.
 _INDEX: list[_HolderIndex] = []
 # Tells indexes apart in an estimator's memo (an id() could be reused once one is gone).
 _TOKENS = itertools.count()
 
 
+_INDEXES_KEPT: Final = 2
+
+
 def _holder_index(view: FleetView) -> _HolderIndex:
     workers = view.workers
-    if _INDEX:
-        ix = _INDEX[0]
+    for ix in _INDEX:
         if ix.workers is workers and ix.count == len(workers):
             return ix
     ix = _HolderIndex(workers)
-    _INDEX[:] = [ix]
+    # Two: a process that both routes (the API's list) and checks a gate (a worker's own list)
+    # keeps both.
+    _INDEX[:] = [ix, *_INDEX[: _INDEXES_KEPT - 1]]
     return ix
 
 

@@ -21,7 +21,7 @@ from dispatch.view import LiveView, with_own, worker_views
 from events.event import now_ms
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, decide_take
-from router.plan import BacklogEntry
+from router.plan import BacklogEntry, WorkerView
 
 if TYPE_CHECKING:
     from workers.agent import WorkerAgent
@@ -87,6 +87,10 @@ class RouterGate:
         )
         self.keys = keys
         self.last: GateDecision | None = None
+        # The live workers with this one as it is: one list while neither the leases read nor what
+        # this worker runs changes, so that the router's per-list figures (its holder index and
+        # each model's starting slot state) serve every check until then.
+        self._views: tuple[object, list[WorkerView], list[WorkerView]] | None = None
 
     async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
         digests = _digests(agent, self.keys, queues)
@@ -125,9 +129,13 @@ class RouterGate:
         # The cached leases, with this worker's own as it is now (it knows what it runs).
         leases = await self.view.leases()
         mine = agent.lease_info()
-        views = with_own(self.view.worker_views(leases), mine)
-        if views is None:
-            views = worker_views({**leases, agent.name: mine})
+        me = worker_views({agent.name: mine})
+        if self._views is not None and self._views[0] is leases and self._views[1] == me:
+            views = self._views[2]
+        else:
+            placed = with_own(self.view.worker_views(leases), mine)
+            views = worker_views({**leases, agent.name: mine}) if placed is None else placed
+            self._views = (leases, me, views)
         now = now_ms()
         decision = decide_take(agent.name, views, backlog, snap, est, now, self.params)
         self.last = decision

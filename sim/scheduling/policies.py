@@ -347,7 +347,10 @@ class Routeledger(_Base):
     def take(self, sim: Simulation, worker: SimWorker) -> bool:
         snap, est = self._evidence(sim)
         view = sim.view
-        return decide_take(worker.name, view.workers, view.backlog, snap, est, sim.now_ms, self.gate).take
+        # A copy: the simulation changes its workers' views in place (what runs, what is loaded),
+        # and the router keeps figures per list of workers, which a new list renews.
+        workers = list(view.workers)
+        return decide_take(worker.name, workers, view.backlog, snap, est, sim.now_ms, self.gate).take
 
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         if self.oracle:
