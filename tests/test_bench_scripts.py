@@ -32,6 +32,8 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
             "4",
             "--decisions",
             "5,3",
+            "--rounds",
+            "3",
             "--idle",
             "2",
             "--idle-seconds",
@@ -49,8 +51,13 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
     figures = json.loads(lines[-1])
     sizes = ("6x10", "12x30")
     decision_keys = [f"decision_{q}_us_{s}" for q in ("p99", "p50") for s in sizes]
+    round_keys = [f"decision_{q}_us_{s}_rounds" for s in sizes for q in ("p99", "p50")]
     idle_keys = ["idle_worker_redis_cmds_per_s_2", "idle_worker_scripts_per_s_2"]
-    assert list(figures) == ["bench", "idle_worker_redis_cmds_per_s", *decision_keys, *idle_keys]
+    assert list(figures) == ["bench", "idle_worker_redis_cmds_per_s", *decision_keys, *round_keys, *idle_keys]
+    # Each figure is the median of its three rounds' figures.
+    for key in decision_keys:
+        assert len(figures[f"{key}_rounds"]) == 3
+        assert figures[key] == sorted(figures[f"{key}_rounds"])[1]
     assert figures["bench"] == "scale"
     # Two idle workers renew their leases and look at their queues: a few commands a second each.
     assert 0 < figures["idle_worker_scripts_per_s_2"] <= figures["idle_worker_redis_cmds_per_s_2"]
