@@ -173,8 +173,11 @@ def main() -> None:
 
         watched = {
             "workers": [psutil.Process(p.pid) for p in procs[1:]],
-            "redis": [psutil.Process(server.process.pid)],
-        }  # type: ignore[union-attr]
+            "redis": [psutil.Process(server.process.pid)],  # type: ignore[union-attr]
+            # The backend stand-in and this submitter share the machine's cores with the rest.
+            "sim": [psutil.Process(sim.pid)],
+            "submitter": [psutil.Process()],
+        }
 
         def cpu_s() -> dict[str, float]:
             return {k: sum(sum(p.cpu_times()[:2]) for p in ps) for k, ps in watched.items()}
@@ -221,7 +224,8 @@ def main() -> None:
         print(f"submit -> first chunk: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} tasks (goal p50 5)")
         print(
             f"CPU per task during the throughput run: workers {cpu['workers']:.2f} ms (all of them),"
-            f" Redis {cpu['redis']:.2f} ms"
+            f" Redis {cpu['redis']:.2f} ms, sim hosts {cpu['sim']:.2f} ms, submitter"
+            f" {cpu['submitter']:.2f} ms; {os.cpu_count()} cores"
         )
         if args.profile and prof.exists():
             print("\nworker w0 profile, top functions by own time:")
@@ -239,6 +243,8 @@ def main() -> None:
         "first_chunk_p99_ms": round(p99, 2),
         "worker_cpu_ms_per_task": round(cpu["workers"], 2),
         "redis_cpu_ms_per_task": round(cpu["redis"], 2),
+        "sim_cpu_ms_per_task": round(cpu["sim"], 2),
+        "submitter_cpu_ms_per_task": round(cpu["submitter"], 2),
     }
     print(json.dumps(line))
 
