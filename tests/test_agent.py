@@ -7,10 +7,11 @@ import signal
 import time
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, result_decoder
+from dispatch.payload import Message, chunk_decoder, result_decoder
 from dispatch.queues import TaskQueues, parse_entry
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
@@ -322,3 +323,39 @@ async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entr
     warned = [r.getMessage() for r in caplog.records if "no longer ours" in r.getMessage()]
     assert (closing.lost, lost.lost) == (False, True)
     assert len(warned) == 1 and lost_entry.entry_id in warned[0]
+
+
+async def test_a_task_cancelled_before_its_claim_returns_stops_at_its_first_token_with_nothing_written(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
+) -> None:
+    # The claim's round trip (with its cancel check) is on its way while the backend is asked:
+    # a cancel already there when the worker takes the task must still keep every word of it out.
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys, ledger)
+    task_id = "cancelled-before-its-claim"
+    await redis_client.set(keys.cancel(task_id), b"1")
+    # Streamed: its first token would be written at once, were the claim not settled first.
+    request = TaskRequest(
+        model="m", messages=[Message(role="user", content="a long answer")], max_tokens=400, task_id=task_id
+    )
+    await submit_task(queues, request, digest=make_test_fleet().model["m"].digest)
+    # At a hundredth of its speed the machine would take 200 s over the answer, and 0.2 s over
+    # its first token: the cancel is seen well before the wait below gives up.
+    async with httpx.AsyncClient() as http:
+        await http.post(hosts.url("a") + "/sim/speed", json={"factor": 0.01})
+    async with running_agent(redis_client, hosts.url("a"), fast_config("a")):
+
+        async def failed() -> bool:
+            return any(e.task_id == task_id for e in await events_of(ledger, TaskFailed))
+
+        await wait_until(failed, timeout=20)
+    [failure] = [e for e in await events_of(ledger, TaskFailed) if e.task_id == task_id]
+    assert failure.kind == "cancelled"
+    assert task_id in {e.task_id for e in await events_of(ledger, TaskClaimed)}
+    assert task_id not in {e.task_id for e in await events_of(ledger, TaskCompleted)}
+    raw = await redis_client.hget(keys.result(task_id), "result")
+    assert raw is not None and result_decoder.decode(raw).status == "cancelled"
+    # The output holds its closing chunk only: no text of the run reached it.
+    chunks = [chunk_decoder.decode(f[b"c"]) for _, f in await redis_client.xrange(keys.out(task_id))]
+    assert chunks and chunks[-1].done
+    assert "".join(c.text for c in chunks) == ""

@@ -76,6 +76,37 @@ _PINNED_LOOK_S = 30.0
 _ROOM_WAIT_MAX_S = 2.0
 
 
+class _Claim:
+    """A run's claim round trip (its lease, TaskClaimed, the cancel check), sent while the backend
+    is asked: it must be done before anything of the run is written, and says whether the task
+    was cancelled before it started."""
+
+    def __init__(self, agent: WorkerAgent, sent: asyncio.Future[list[Any]], at: float, task_id: str) -> None:
+        self._agent = agent
+        self._sent = sent
+        self._at = at
+        self._task_id = task_id
+        self._done = False
+
+    async def settle(self) -> None:
+        """Wait for the claim (once); raise TaskCancelledError when the task was cancelled first."""
+        if self._done:
+            return
+        self._done = True
+        replies = await self._sent
+        if self._agent.eager_lease:
+            self._agent._lease_renewed(self._agent.leases.taken(replies[0]), self._at)
+        if replies[-1]:
+            raise TaskCancelledError(self._task_id)
+
+    def discard(self) -> None:
+        """The run ended without waiting for its claim (it failed first): its failure, if any, is
+        taken here and not reported as never retrieved."""
+        if not self._done:
+            self._done = True
+            self._sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 class Running(msgspec.Struct, kw_only=True):
     """A task this worker is running."""
 
@@ -90,6 +121,13 @@ class Running(msgspec.Struct, kw_only=True):
     ordinal: int = 0
     # This run's nonce: its output chunks and result carry it, so no relay mixes two runs.
     run_id: str = msgspec.field(default_factory=lambda: secrets.token_hex(4))
+    # Its claim, on its way while the backend is asked (None: not sent yet).
+    claim: _Claim | None = None
+
+    async def settle_claim(self) -> None:
+        """`_Claim.settle` of this run's claim, where one was sent."""
+        if self.claim is not None:
+            await self.claim.settle()
 
 
 class Wait(msgspec.Struct, kw_only=True):
@@ -604,7 +642,8 @@ class WorkerAgent:
                 return
             crash_here("claim", run.ordinal)
             # One round trip: the lease that now lists this task, the claim, and the cancel check.
-            # The lease goes first: a worker woken by the TaskClaimed reads it up to date.
+            # The lease goes first: a worker woken by the TaskClaimed reads it up to date. It is on
+            # its way while the backend is asked, and done before anything of the run is written.
             pipe = self.redis.pipeline(transaction=False)
             sent = time.monotonic()
             if self.eager_lease:
@@ -624,19 +663,23 @@ class WorkerAgent:
                 ),
             )
             pipe.exists(self.keys.cancel(task.task_id))
-            replies: list[Any] = await pipe.execute()
-            if self.eager_lease:
-                self._lease_renewed(self.leases.taken(replies[0]), sent)
-            if replies[-1]:
-                raise TaskCancelledError(task.task_id)
+            claim = _Claim(self, asyncio.ensure_future(pipe.execute()), sent, task.task_id)
+            run.claim = claim
             await self._generate(run, local)
             self._failures = 0
         except TaskCancelledError:
             await self._cancelled(run)
         except BackendError as exc:
-            await self._fail(run, exc)
+            try:
+                await run.settle_claim()
+            except TaskCancelledError:
+                await self._cancelled(run)
+            else:
+                await self._fail(run, exc)
         except asyncio.CancelledError:
             # Shut down mid-run: hand the task back for another worker.
+            with contextlib.suppress(RedisError, OSError, TaskCancelledError):
+                await run.settle_claim()
             with contextlib.suppress(RedisError, OSError):
                 moved = await self.queues.requeue(
                     entry.queue,
@@ -651,6 +694,8 @@ class WorkerAgent:
             # The entry stays pending for us; if we die, the reaper reclaims it.
             log.error("task %s: Redis failed mid-run (%s); leaving the entry pending", task.task_id, exc)
         finally:
+            if run.claim is not None:
+                run.claim.discard()
             self.running.pop(entry.entry_id, None)
             self._slot_freed.set()
             if self.eager_lease and not self.stopping.is_set():
@@ -681,6 +726,7 @@ class WorkerAgent:
         held: list[bool] = []  # output flushes Redis refused for lack of memory (logged once)
 
         async def flush(final: Chunk | None = None) -> None:
+            await run.settle_claim()
             pipe = self.redis.pipeline(transaction=False)
             if buffer or unsent_calls or unsent_thoughts:
                 piece = Chunk(
@@ -717,6 +763,8 @@ class WorkerAgent:
                 now = time.perf_counter()
                 if ttft_ms is None:
                     ttft_ms = (now - t0) * 1000
+                    # A task cancelled before its claim stops at its first token, streamed or not.
+                    await run.settle_claim()
                 if isinstance(item, list):
                     # Whole calls, which the client acts on: written at once. Calls a refused
                     # write held back still reach the client, from the result (Gateway.relay).
@@ -779,6 +827,7 @@ class WorkerAgent:
         # The last text piece and the result in one round trip. A run that lost its entry (the
         # reaper took it back) stores its result only over a dead letter: then it is the task's
         # completion; otherwise the task's new run answers.
+        await run.settle_claim()
         rest = "".join(buffer)
         buffer.clear()
         lost = run.lost
