@@ -371,9 +371,14 @@ def _free_times(
 
 
 def _running_state(
-    worker: WorkerView, est: Estimator, now_ms: int, p: PlanParams
+    worker: WorkerView,
+    est: Estimator,
+    now_ms: int,
+    p: PlanParams,
+    expecteds: Sequence[float] | None = None,
 ) -> tuple[list[float], float]:
-    """(`slot_free_times`, `overdue_slowdown`) of a busy worker, in one pass over its running tasks.
+    """(`slot_free_times`, `overdue_slowdown`) of a busy worker, in one pass over its running tasks
+    (`expecteds`: their `_expected_s`, where the caller has them).
 
     Most busy workers run one task on slots that do not slow each other down: that case is worked
     out inline, with the same arithmetic as `_free_times` (this runs for every busy holder of every
@@ -383,7 +388,7 @@ def _running_state(
         t = running[0]
         slots = max(1, worker.slots)
         if slots == 1 or _factors(est, worker.name, t.digest, slots) is None:
-            expected = _expected_s(worker, t, est, p)
+            expected = _expected_s(worker, t, est, p) if expecteds is None else expecteds[0]
             elapsed = max(0.0, (now_ms - t.started_at_ms) / 1000.0)
             if expected > 0.0 and elapsed > expected:
                 left = expected * est.output_left(t.digest, t.domain, elapsed / expected)
@@ -395,7 +400,8 @@ def _running_state(
             if expected <= 0.0 or elapsed / expected <= p.overdue_tolerance:
                 return free, 1.0
             return free, _slowdown(worker, est, now_ms, p, (expected,))
-    expecteds = [_expected_s(worker, t, est, p) for t in running]
+    if expecteds is None:
+        expecteds = [_expected_s(worker, t, est, p) for t in running]
     return _free_times(worker, est, now_ms, p, expecteds), _slowdown(worker, est, now_ms, p, expecteds)
 
 
@@ -542,9 +548,12 @@ class _Template:
     holders are busy or a one-model machine with the model loaded (whose load depends on the
     queues)."""
 
-    __slots__ = ("busy", "free", "head", "load_left", "names", "one_model", "sp")
+    __slots__ = ("_est", "_expecteds", "busy", "free", "head", "load_left", "names", "one_model", "sp")
 
     def __init__(self, holders: Sequence[WorkerView], est: Estimator, digest: str) -> None:
+        self._est = est
+        # Per default prompt size: each busy holder's running tasks' `_expected_s`.
+        self._expecteds: dict[int, list[tuple[float, ...]]] = {}
         self.names = tuple(map(_name, holders))
         self.sp = _speeds(est, holders, digest)
         self.busy = [(i, w) for i, w in enumerate(holders) if w.running]
@@ -561,6 +570,17 @@ class _Template:
             0.0 if w.loaded_known and digest in w.loaded else load_to_pay(w, digest, est, s)
             for w, s in zip(holders, self.sp.load_s, strict=True)
         ]
+
+    def expecteds(self, p: PlanParams) -> list[tuple[float, ...]]:
+        """`_expected_s` of each busy holder's running tasks (in `busy` order): they depend on the
+        estimates and the default prompt size, not on the time."""
+        hit = self._expecteds.get(p.default_prompt_tokens)
+        if hit is None:
+            est = self._est
+            hit = self._expecteds[p.default_prompt_tokens] = [
+                tuple(_expected_s(w, t, est, p) for t in w.running) for _, w in self.busy
+            ]
+        return hit
 
 
 def _template(holders: Sequence[WorkerView], est: Estimator, digest: str) -> _Template:
@@ -635,12 +655,13 @@ class PlanState:
         self.free = free_lists
         head = list(tpl.head)
         slow: list[float] | None = None
-        for i, w in tpl.busy:
+        expecteds = tpl.expecteds(params) if tpl.busy else []
+        for (i, w), exp in zip(tpl.busy, expecteds, strict=True):
             name = w.name
             slots = known.get(name)
             k = seen.get(name)
             if slots is None or k is None:
-                both = _running_state(w, est, now_ms, params)
+                both = _running_state(w, est, now_ms, params, exp)
                 if slots is None:
                     slots = known[name] = both[0]
                 if k is None:
