@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import router.plan as plan_module
 from projections.snapshot import LengthRow
-from router.choose import rank_workers
+from router.choose import RouteQuery, decide, rank_workers
 from router.estimate import Estimator
 from router.gate import should_take
 from router.plan import (
@@ -369,3 +369,51 @@ def test_a_worker_that_cannot_say_what_is_loaded_pays_no_default_load() -> None:
     assert _load_paid(fresh) == 0.0
     told = WorkerView(name="llamacpp", slots=1, holds={QWEN})
     assert _load_paid(told) > 0.0  # "nothing loaded" from a backend that can say it is a fact
+
+
+def _moved(fleet: FleetView) -> FleetView:
+    """`fleet` a moment later, as a new read of the leases gives it: a new list of new worker
+    views, with each worker now running what the one before it ran (and loaded what it had)."""
+    ws = fleet.workers
+    moved = [
+        msgspec.structs.replace(w, running=list(ws[i - 1].running), loaded=set(ws[i - 1].loaded) & w.holds)
+        for i, w in enumerate(ws)
+    ]
+    return FleetView(workers=moved, backlog=fleet.backlog, arrival_rate=fleet.arrival_rate)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16))
+def test_what_the_plan_keeps_per_list_of_workers_never_outlives_that_list(
+    shape: FleetShape, seed: int
+) -> None:
+    # Holders, fastest speeds and each model's starting slot state are kept per list of workers
+    # and estimator; a decision on the next list (what runs where has changed) must be the one a
+    # process that never saw the first list makes.
+    snap, fleet, digests = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    query = RouteQuery(model="auto", prompt_tokens=300)
+    decide(query, digests, fleet, est, NOW_MS)
+    later = _moved(fleet)
+    decide(query, digests, later, est, NOW_MS)
+    # The second decision on the new list reads what the first one kept.
+    warm = decide(query, digests, later, est, NOW_MS).to_dict()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_module, "_INDEX", [])
+        cold = decide(query, digests, _moved(fleet), estimator(snap, NOW_MS), NOW_MS).to_dict()
+    assert warm == cold
+    # The same holds for a worker's gate on the new list.
+    for w in later.workers[:5]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plan_module, "_INDEX", [])
+            fresh = should_take(w.name, _moved(fleet), estimator(snap, NOW_MS), NOW_MS)
+        assert should_take(w.name, later, est, NOW_MS) == fresh
+
+
+def test_a_cold_estimator_forgets_what_the_plan_kept_for_it() -> None:
+    snap, fleet, digests = random_fleet(FleetShape(workers=30, models=4, backlog=20))
+    est = estimator(snap, NOW_MS)
+    decide(RouteQuery(model="auto"), digests, fleet, est, NOW_MS)
+    assert "#index" in est.memo
+    est.clear_cache()
+    assert "#index" not in est.memo
