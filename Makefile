@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/longrun.py
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/task_events.py
+	$(BIN)/python bench/backend_client.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -361,3 +361,36 @@ async def test_the_openai_adapter_asks_in_openai_terms_and_reads_thinking_under_
         "json_schema": {"name": "response", "schema": {"type": "object"}},
     }
     assert sent[0]["reasoning_effort"] == "medium"
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [("error_rate", "http_5xx"), ("disconnect_rate", "disconnect"), ("model", "model_missing")],
+)
+async def test_a_run_request_that_fails_says_how_in_the_kind_the_worker_acts_on(
+    fault: str, kind: str
+) -> None:
+    # A run's request goes over the worker's own connection pool (LineStreams): an error answer,
+    # a stream cut mid-way and an unknown model each come back as the failure the worker handles.
+    async with SimHosts(make_test_fleet(), time_scale=0.0) as sim:
+        backend = OllamaBackend(sim.url("a"))
+        try:
+            name = "m:latest"
+            if fault == "model":
+                name = "nothing:latest"
+            else:
+                async with httpx.AsyncClient() as http:
+                    await http.post(sim.url("a") + "/sim/faults", json={fault: 1.0})
+            with pytest.raises(BackendError) as info:
+                await _run(backend, name)
+            # The pool serves the next run once the fault is gone.
+            async with httpx.AsyncClient() as http:
+                await http.post(
+                    sim.url("a") + "/sim/faults", json={"error_rate": 0.0, "disconnect_rate": 0.0}
+                )
+            text, _ = await _run(backend, "m:latest")
+        finally:
+            await backend.aclose()
+    assert info.value.kind == kind
+    assert info.value.retryable
+    assert text
