@@ -115,7 +115,8 @@ async def stats(request: Request) -> JSON:
                     "worker": r.worker,
                     "digest": r.digest,
                     **{
-                        f: _stat(getattr(r, f), now) for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s")
+                        f: _stat(getattr(r, f), now)
+                        for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "embed_tps")
                     },
                     "decode_counted_from_stream": r.counted_n,
                 }

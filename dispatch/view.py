@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import F_ID, F_TASK
-from dispatch.serving import resolve_models, served, served_models
+from dispatch.serving import embedding_only, resolve_models, served, served_models
 from events.codec import as_str
 from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
@@ -250,7 +250,11 @@ class LiveView:
             # Route on priors rather than refuse: the projection is evidence, not a precondition.
             log.warning("projection unreadable, routing on priors: %s", exc)
             snap, error = Snapshot(taken_at=now), str(exc)
-        return Evidence(snapshot=snap, estimator=build_estimator(snap, now), error=error)
+        # Which models embed is read from the leases with the evidence: a digest's capabilities
+        # never change, so only a model new to the fleet waits (one snapshot period) to be costed
+        # as an embedding model.
+        embedding = embedding_only(await self.leases())
+        return Evidence(snapshot=snap, estimator=build_estimator(snap, now, embedding=embedding), error=error)
 
     async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:
         """Live workers' leases (cached for `leases_every_s`)."""

@@ -118,6 +118,7 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "duplicate": (_BOOL, "duplicate"),
             "bench_id": (_STR, "bench_id"),
             "wall_ms": (_F64, "wall_ms"),
+            "kind": (_STR, "kind"),
             **_TIMINGS,
         },
     ),
