@@ -774,6 +774,7 @@ class WorkerAgent:
             run=run.run_id,
             tool_calls=calls or None,
             thinking="".join(thoughts),
+            embeddings=generated.embeddings,
         )
         done = Chunk(attempt=entry.attempt, done=True, run=run.run_id)
         # The last text piece and the result in one round trip. A run that lost its entry (the
