@@ -356,6 +356,8 @@ class BenchmarkResult(Event, frozen=True, kw_only=True):
     prompt_id: str = ""
     # As TaskCompleted.cold: whether this run had to load the model first.
     cold: bool | None = None
+    # As TaskCompleted.kind: an embedding model is benchmarked with embeddings.
+    kind: str = "chat"
 
 
 class QualityScored(Event, frozen=True, kw_only=True):

@@ -525,7 +525,7 @@ class Folder:
             return
         self.tables.benched[key] = self._entry_ms
         self.new_benched.add(key)
-        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold)
+        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold, e.kind)
 
     def _quality(self, e: QualityScored) -> None:
         if not counts_as_grade(e.score, e.truncated):

@@ -200,9 +200,7 @@ _SPEED_FIELDS: Final = ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flig
 
 
 def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
-    # A benchmark is a generation: no kind of its own (the live fold's default, chat).
-    benched = bench.lazy().with_columns(pl.lit(None, dtype=pl.String).alias("kind"))
-    raw = pl.concat([counted.select(_SPEED_COLS), benched.select(_SPEED_COLS)])
+    raw = pl.concat([counted.select(_SPEED_COLS), bench.lazy().select(_SPEED_COLS)])
     # An embedding's prompt rate is its embedding rate, and it has no decode, prompt or TTFT
     # sample (Folder._speed_sample).
     embed = pl.col("kind").fill_null("") == EMBED

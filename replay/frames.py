@@ -169,6 +169,7 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "task_id": (_STR, "task_id"),
             "worker": (_STR, "worker"),
             "digest": (_STR, "digest"),
+            "kind": (_STR, "kind"),
             **_TIMINGS,
         },
     ),

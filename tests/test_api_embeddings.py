@@ -1,7 +1,8 @@
 """Embeddings end to end: real clients (`openai`, `ollama`) ask the API for vectors of a simulated
 embedding model, whichever API the worker speaks to its backend; the vectors are the backend's
 own; the task is ledgered like any other and its embedding rate reaches the speed table; a model
-that cannot embed is refused in each surface's error shape.
+that cannot embed is refused in each surface's error shape; a large batch is split across holders;
+a worker benchmarks an embedding model with embeddings.
 
 The simulated model `embedder` has the `embedding` capability (deterministic unit vectors:
 sim.backends.embedding); `plain` has not. The hosts run at time scale 0 unless a test needs time.
@@ -20,13 +21,22 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.payload import estimate_tokens, unpack_vector
-from events.event import TaskCompleted, TaskRouted, TaskSubmitted
+from events.event import (
+    BenchmarkRequested,
+    BenchmarkResult,
+    QualityScored,
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskSubmitted,
+)
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import snapshot
+from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
-from tests.helpers import events_of
+from tests.helpers import events_of, fast_config, running_agent, wait_until
 from tests.test_api_support import fleet_and_api, stored_results
 
 EMBED_FLEET = """
@@ -268,3 +278,30 @@ async def test_a_large_batch_runs_as_parts_on_both_holders_recorded_as_a_split_a
     assert [d.index for d in answer.data] == list(range(16))
     assert all(close(list(d.embedding), w) for d, w in zip(answer.data, want, strict=True))
     assert answer.usage.prompt_tokens > 0
+
+
+async def test_a_worker_benchmarks_an_embedding_model_with_embeddings_and_grades_nothing(
+    redis_client: aioredis.Redis,
+) -> None:
+    ledger = Ledger(redis_client, Keys())
+    async with SimHosts(embed_fleet(), time_scale=1.0, seed=5) as sim:
+        config = fast_config("b", auto_bench=True, bench_min_samples=2, bench_check_s=0.2)
+        async with running_agent(redis_client, sim.url("b"), config):
+
+            async def benched() -> bool:
+                return len(await events_of(ledger, BenchmarkResult)) >= 2
+
+            await wait_until(benched, timeout=30)
+    results = await events_of(ledger, BenchmarkResult)
+    assert {r.kind for r in results} == {"embed"}
+    assert all(r.timings.prompt_eval_count and r.timings.prompt_eval_duration for r in results)
+    # An embedding model answers no text: no grade, and no failed chat against it.
+    assert await events_of(ledger, QualityScored) == []
+    assert await events_of(ledger, TaskFailed) == []
+    requested = await events_of(ledger, BenchmarkRequested)
+    assert [r.reason for r in requested] == ["joined"]
+    projector = Projector(redis_client, Keys())
+    await projector.start()
+    await projector.catch_up()
+    row = (await snapshot(redis_client, Keys())).speed[("b", results[0].digest)]
+    assert row.embed_tps.n == len(results) and row.decode_tps.n == 0

@@ -168,6 +168,7 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         timings=TIMINGS,
         ttft_ms=TTFT,
         cold=COLD,
+        kind=st.sampled_from(["chat", "embed"]),
     ),
     st.builds(
         QualityScored,

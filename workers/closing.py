@@ -53,6 +53,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                     in_flight=self.in_flight,
                     prompt_id=task.bench_prompt or "",
                     cold=self.cold,
+                    kind=task.kind,
                 )
             )
             graded = self.graded()
