@@ -106,6 +106,24 @@ return {names, cursors, found}
 _BACKLOG_DEF: Final = ScriptDef("backlog", _BACKLOG, allow_oom=True)
 
 
+def embedding_models(leases: dict[str, LeaseInfo], snap: Snapshot) -> frozenset[str]:
+    """The digests the estimates cost as embedding models: those whose holders say they embed
+    and do not complete (dispatch.serving.embedding_only), and those no holder says anything about
+    (an OpenAI-compatible server reports no capabilities) that have only ever embedded: some
+    worker measured their embedding rate and none a decode speed."""
+    said = {
+        entry.digest for info in leases.values() for entry in served(info) if entry.capabilities is not None
+    }
+    embedded: set[str] = set()
+    decoded: set[str] = set()
+    for row in snap.speed.values():
+        if row.embed_tps.n:
+            embedded.add(row.digest)
+        if row.decode_tps.n:
+            decoded.add(row.digest)
+    return embedding_only(leases) | frozenset(embedded - decoded - said)
+
+
 def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
     """Live, non-draining workers in the order they came online."""
     return [
@@ -253,7 +271,7 @@ class LiveView:
         # Which models embed is read from the leases with the evidence: a digest's capabilities
         # never change, so only a model new to the fleet waits (one snapshot period) to be costed
         # as an embedding model.
-        embedding = embedding_only(await self.leases())
+        embedding = embedding_models(await self.leases(), snap)
         return Evidence(snapshot=snap, estimator=build_estimator(snap, now, embedding=embedding), error=error)
 
     async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:

@@ -20,10 +20,13 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.lease import LeaseInfo
 from dispatch.payload import estimate_tokens, unpack_vector
+from dispatch.view import embedding_models
 from events.event import (
     BenchmarkRequested,
     BenchmarkResult,
+    ModelEntry,
     QualityScored,
     TaskCompleted,
     TaskFailed,
@@ -34,6 +37,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import snapshot
+from projections.snapshot import Snapshot, SpeedRow, Stat, fold
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
 from tests.helpers import events_of, fast_config, running_agent, wait_until
@@ -305,3 +309,35 @@ async def test_a_worker_benchmarks_an_embedding_model_with_embeddings_and_grades
     await projector.catch_up()
     row = (await snapshot(redis_client, Keys())).speed[("b", results[0].digest)]
     assert row.embed_tps.n == len(results) and row.decode_tps.n == 0
+
+
+def test_a_model_is_costed_as_an_embedding_model_when_its_holders_say_so_or_it_has_only_ever_embedded() -> (
+    None
+):
+    said, silent, chats, mixed = "s" * 64, "q" * 64, "c" * 64, "m" * 64
+    leases = {
+        "ollama": LeaseInfo(
+            worker="ollama",
+            token="t",
+            slots=1,
+            inventory=[
+                ModelEntry(name="said", digest=said, capabilities=["embedding"]),
+                ModelEntry(name="mixed", digest=mixed, capabilities=["completion", "embedding"]),
+            ],
+        ),
+        "openai": LeaseInfo(
+            worker="openai",
+            token="t",
+            slots=1,
+            inventory=[ModelEntry(name="silent", digest=silent), ModelEntry(name="chats", digest=chats)],
+        ),
+    }
+    snap = Snapshot()
+    sample = fold(Stat(), 1000.0, 1, 3600.0)
+    snap.speed[("openai", silent)] = SpeedRow(worker="openai", digest=silent, embed_tps=sample)
+    snap.speed[("openai", chats)] = SpeedRow(
+        worker="openai", digest=chats, embed_tps=sample, decode_tps=sample
+    )
+    snap.speed[("ollama", mixed)] = SpeedRow(worker="ollama", digest=mixed, embed_tps=sample)
+    # `mixed` says it completes: its embeddings are no evidence that it only embeds.
+    assert embedding_models(leases, snap) == {said, silent}
