@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from api import dashboard, fleet, native, ollama, openai, pipelines
+from api import dashboard, embeddings, fleet, native, ollama, openai, pipelines
 from api.auth import Guard
 from api.common import JSON, RequestLimits
 from api.errors import (
@@ -135,6 +135,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(ollama.router)
+    app.include_router(embeddings.router)
     app.include_router(fleet.router)
     app.include_router(pipelines.router)
     app.include_router(dashboard.router)

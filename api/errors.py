@@ -269,6 +269,6 @@ def surface_of(path: str) -> str:
     """Which client family a path belongs to, for the shape of its errors."""
     if path.startswith("/api/"):
         return OLLAMA
-    if path.startswith(("/v1/chat/", "/v1/completions", "/v1/models")):
+    if path.startswith(("/v1/chat/", "/v1/completions", "/v1/models", "/v1/embeddings")):
         return OPENAI
     return NATIVE

@@ -13,7 +13,7 @@ from api.schemas import BenchCreate
 from dispatch.benchmark import BenchPrompt, domains, on_demand, request_benchmark
 from dispatch.errors import DispatchError, ModelNotServedError
 from dispatch.lease import resources_of
-from dispatch.serving import catalog, holdings, served
+from dispatch.serving import catalog, embedding_only, holdings, served
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
 from events.event import now_ms
@@ -115,7 +115,8 @@ async def stats(request: Request) -> JSON:
                     "worker": r.worker,
                     "digest": r.digest,
                     **{
-                        f: _stat(getattr(r, f), now) for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s")
+                        f: _stat(getattr(r, f), now)
+                        for f in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "embed_tps")
                     },
                     "decode_counted_from_stream": r.counted_n,
                 }
@@ -181,6 +182,8 @@ async def bench(request: Request, body: BenchCreate) -> JSON:
         raise model_not_found(body.model or "any model", leases)
     count = body.count or 3
     evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
+    # An embedding model is benchmarked with embeddings (a sample of its embedding rate).
+    embedders = embedding_only(leases)
     sent = []
     for worker, local, digest in targets:
         # Prompts the model has not been graded on first: each answer is then a new grade too.
@@ -189,7 +192,9 @@ async def bench(request: Request, body: BenchCreate) -> JSON:
         async def send(
             w: str = worker, n: str = local, d: str = digest, ps: list[BenchPrompt] = prompts
         ) -> str:
-            return await request_benchmark(gw.queues, worker=w, model=n, digest=d, domain=domain, prompts=ps)
+            return await request_benchmark(
+                gw.queues, worker=w, model=n, digest=d, domain=domain, prompts=ps, embed=d in embedders
+            )
 
         bench_id = await gw.retrying(send)
         sent.append(

@@ -193,3 +193,34 @@ class BenchCreate(_Body):
     worker: str | None = None
     domain: str | None = None
     count: int | None = Field(default=None, ge=1, le=50)
+
+
+class EmbeddingsCreate(_Body):
+    """POST /v1/embeddings (OpenAI): `input` is a string or a list of strings (token arrays are
+    refused: api.embeddings)."""
+
+    model: str
+    input: Any = None
+    encoding_format: str | None = None
+    dimensions: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    user: str | None = None
+
+
+class OllamaEmbed(_Body):
+    """POST /api/embed (Ollama): `input` is a string or a list of strings; none only loads the model."""
+
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool | None = None
+    dimensions: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+
+
+class OllamaEmbeddings(_Body):
+    """POST /api/embeddings (Ollama's older endpoint): one `prompt`, one vector."""
+
+    model: str
+    prompt: str | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None

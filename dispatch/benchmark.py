@@ -27,7 +27,7 @@ from typing import Final
 import msgspec
 
 from dispatch.errors import BenchSetError
-from dispatch.payload import Message, TaskMessage
+from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens
 from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
 from projections.shift import CONFIRM, detect
@@ -51,6 +51,9 @@ PROBE_PROMPTS: Final = CONFIRM
 GRADE_MAX_TOKENS: Final = 1024
 # Prompts one scheduled grading request sends (then the next batch once these are folded).
 GRADE_BATCH: Final = 3
+# Prompts one embedding benchmark embeds at once: a batch long enough that reading it, not the
+# request's own overhead, is what its time measures.
+EMBED_BENCH_INPUTS: Final = 16
 # The grader whose grades the schedule counts (a judge's are extra).
 REFERENCE: Final = "reference"
 _THINKING = re.compile(r"<think>.*?(</think>|\Z)", re.DOTALL)
@@ -134,14 +137,32 @@ async def request_benchmark(
     reason: str = "manual",
     start: int = 0,
     prompts: Sequence[BenchPrompt] | None = None,
+    embed: bool = False,
 ) -> str:
     """Queue `count` benchmark prompts (or exactly `prompts`) on `worker`'s pinned stream; returns
-    the bench id."""
+    the bench id. `embed`: the model is an embedding model, so each of the `count` tasks embeds a
+    batch of `EMBED_BENCH_INPUTS` prompts (a sample of its embedding rate; nothing to grade)."""
     bench_id = uuid.uuid4().hex[:16]
     queue = queues.keys.pinned(worker)
     chosen = list(prompts) if prompts is not None else pick(domain, count, start)
     count = len(chosen)
     for i, prompt in enumerate(chosen):
+        if embed:
+            batch = [p.prompt for p in pick(domain, EMBED_BENCH_INPUTS, start + i)]
+            await queues.enqueue(
+                queue,
+                TaskMessage(
+                    task_id=f"bench-{bench_id}-{i}",
+                    model=model,
+                    digest=digest,
+                    kind=EMBED,
+                    inputs=batch,
+                    domain=prompt.domain,
+                    prompt_tokens=sum(estimate_tokens(text) for text in batch),
+                    bench_id=bench_id,
+                ),
+            )
+            continue
         task = TaskMessage(
             task_id=f"bench-{bench_id}-{i}",
             model=model,
@@ -177,10 +198,21 @@ def needs_benchmark(
     min_samples: int,
     stale_after_s: float,
     probe_after_s: float | None = None,
+    embed: bool = False,
 ) -> tuple[int, str] | None:
     """How many samples (worker, digest) lacks and why, or None when its speed row is enough.
-    With `probe_after_s`: also a probe of a machine that looks slow and got nothing that long."""
+    With `probe_after_s`: also a probe of a machine that looks slow and got nothing that long.
+    `embed`: the model is an embedding model, whose samples are embedding rates."""
     row = snapshot.speed.get((worker, digest))
+    if embed:
+        # An embedding model is measured by its embedding rate (no decode, no probe of one).
+        n = row.embed_tps.n if row is not None else 0
+        if n < min_samples:
+            return min_samples - n, f"{n} of {min_samples} embedding samples"
+        age = row.embed_tps.age_s(now_ms) if row is not None else None
+        if age is not None and age > stale_after_s:
+            return min_samples, f"newest embedding sample {age / 3600:.1f} h old"
+        return None
     n = row.decode_tps.n if row is not None else 0
     if n < min_samples:
         return min_samples - n, f"{n} of {min_samples} samples"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Sequence
 from typing import Any, Final, TypeAlias
 
@@ -21,6 +22,9 @@ from projections.status import Outcome
 F_TASK: Final = b"task"
 F_ATTEMPT: Final = b"attempt"
 F_ID: Final = b"id"
+
+# The kind of a task that asks for embeddings rather than a generation (others: chat, generate).
+EMBED: Final = "embed"
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -64,7 +68,7 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     task_id: str
     model: str
     digest: str
-    kind: str = "chat"  # chat | generate
+    kind: str = "chat"  # chat | generate | embed
     messages: list[Message] = msgspec.field(default_factory=list)
     prompt: str | None = None
     system: str | None = None
@@ -97,17 +101,46 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     response_format: dict[str, Any] | None = None
     # Ollama's `think`: true/false or a level ("low", "medium", "high"); None: the model's default.
     think: bool | str | None = None
+    # An `embed` task's texts, one vector each, in order (the backend's embedding endpoint: Ollama's
+    # /api/embed, or /v1/embeddings); `truncate` (Ollama's: cut an input longer than the context
+    # instead of failing; None: the backend's default, true), `dimensions` (a shorter vector, where
+    # the model supports it) and Ollama's `keep_alive` go with them.
+    inputs: list[str] | None = None
+    truncate: bool | None = None
+    dimensions: int | None = None
+    keep_alive: str | float | None = None
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""
-        return prompt_text(self.kind, self.messages, self.prompt, self.system)
+        return prompt_text(self.kind, self.messages, self.prompt, self.system, self.inputs)
 
 
-def prompt_text(kind: str, messages: Sequence[Message], prompt: str | None, system: str | None) -> str:
-    """The text a model reads for a task: a completion's system and prompt, a chat's messages."""
+def prompt_text(
+    kind: str,
+    messages: Sequence[Message],
+    prompt: str | None,
+    system: str | None,
+    inputs: Sequence[str] | None = None,
+) -> str:
+    """The text a model reads for a task: a completion's system and prompt, a chat's messages, an
+    embedding's inputs."""
     if kind == "generate":
         return (system or "") + (prompt or "")
+    if kind == EMBED:
+        return "".join(inputs or ())
     return "".join(m.content for m in messages)
+
+
+def pack_vector(vector: Sequence[float]) -> bytes:
+    """An embedding as little-endian float32s: 4 bytes a dimension (JSON text takes about 10),
+    the precision embedding models compute in, and exactly what OpenAI's `encoding_format:
+    "base64"` encodes."""
+    return struct.pack(f"<{len(vector)}f", *vector)
+
+
+def unpack_vector(packed: bytes) -> list[float]:
+    """The floats of a `pack_vector` value."""
+    return list(struct.unpack(f"<{len(packed) // 4}f", packed))
 
 
 _task_encoder: Final = msgspec.msgpack.Encoder()
@@ -179,6 +212,8 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     # All the model's thinking, when it thought (also streamed in the output's chunks).
     thinking: str = ""
+    # An `embed` task's vectors, one per input in order, each packed by `pack_vector`.
+    embeddings: list[bytes] | None = None
 
 
 # What a relay yields of a task's output, in order: thinking, text pieces and tool calls as they

@@ -146,3 +146,15 @@ def resolve_models(model: str, leases: dict[str, LeaseInfo]) -> dict[str, str] |
         return served_models(leases) or None
     digest, holders = find_holders(model, leases)
     return {model: digest} if digest is not None and holders else None
+
+
+def embedding_only(leases: dict[str, LeaseInfo]) -> frozenset[str]:
+    """The digests whose live holders report `embedding` and not `completion`: an embedding
+    model, whose every task is an embedding (the estimates cost its tasks by its embedding rate)."""
+    return frozenset(entry.digest for info in leases.values() for entry in served(info) if embeds_only(entry))
+
+
+def embeds_only(entry: ModelEntry) -> bool:
+    """Whether the backend says the model embeds and does not complete (an embedding model)."""
+    caps = entry.capabilities
+    return caps is not None and "embedding" in caps and "completion" not in caps

@@ -16,15 +16,16 @@ import msgspec
 
 from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFullError
 from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
+from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.queues import TaskQueues
-from dispatch.serving import capabilities, describe_fleet, lacks, require_model, served_models
+from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
 from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.preview import preview
+from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 
 log = logging.getLogger("routeledger.dispatch")
 
@@ -39,7 +40,7 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     passed down the submission path."""
 
     model: str
-    kind: str = "chat"  # chat | generate
+    kind: str = "chat"  # chat | generate | embed
     messages: list[Message] = msgspec.field(default_factory=list)
     prompt: str | None = None
     system: str | None = None
@@ -76,10 +77,27 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     images: list[str] | None = None
     response_format: dict[str, Any] | None = None
     think: bool | str | None = None
+    # An embedding's inputs and its options (see TaskMessage.inputs): only models whose holders
+    # may embed are routed to.
+    inputs: list[str] | None = None
+    truncate: bool | None = None
+    dimensions: int | None = None
+    keep_alive: str | float | None = None
+    # One part of a split request (see TaskSubmitted.split_of): recorded on TaskSubmitted.
+    split_of: str | None = None
+    part: int = 0
+    parts: int = 1
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
-        return prompt_text(self.kind, self.messages, self.prompt, self.system)
+        return prompt_text(self.kind, self.messages, self.prompt, self.system, self.inputs)
+
+    def prompt_tokens(self) -> int:
+        """The prompt's size before the backend counts it: an embedding's inputs one by one (each
+        is a sequence of its own), anything else as one text."""
+        if self.kind == EMBED and self.inputs:
+            return sum(estimate_tokens(text) for text in self.inputs)
+        return estimate_tokens(self.text())
 
 
 class Submitted(msgspec.Struct, kw_only=True):
@@ -122,7 +140,7 @@ async def route_and_submit(
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
-        model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
+        model=req.model, domain=domain, prompt_tokens=req.prompt_tokens(), max_tokens=req.max_tokens
     )
     decision: Decision | None
     try:
@@ -151,11 +169,14 @@ _NEEDS: Final = {
     "tools": ("tools", "send the request without tools"),
     "vision": ("images", "send the request without images"),
     "thinking": ("think", "send the request without think (or with think false)"),
+    "embedding": ("input", "send it to a model that embeds"),
 }
 
 
 def needs(req: TaskRequest) -> list[str]:
     """The capabilities the request needs of its model (`_NEEDS`)."""
+    if req.kind == EMBED:
+        return ["embedding"]
     out = []
     if req.tools and req.tool_choice != "none":
         out.append("tools")
@@ -176,6 +197,8 @@ def _able(
     if able:
         return able
     sent, instead = _NEEDS[capability]
+    if capability == "embedding":
+        raise _cannot_embed(model, candidates, leases)
     if model == "auto":
         raise CapabilityMissingError(
             f"no model the live fleet serves supports {sent} (capability {capability!r})",
@@ -188,6 +211,82 @@ def _able(
         f"{', '.join(capabilities(digest, leases))})",
         hint=f"choose a model whose capabilities include {capability} (/api/show lists them), or {instead}",
         param=sent,
+    )
+
+
+async def embedding_parts(view: LiveView, req: TaskRequest) -> list[TaskRequest]:
+    """The requests an embedding request runs as: itself, or (a large batch the plan finishes
+    sooner on several holders: router.split) its parts, in input order, each for the model the
+    whole batch was routed to (the parts of an `auto` request must share one model's vectors),
+    each recorded as a part of the request's id.
+
+    Never raises for a model it cannot route: the request then goes whole to `route_and_submit`,
+    which says what is wrong.
+    """
+    inputs = req.inputs or []
+    if req.kind != EMBED or len(inputs) < SPLIT_MIN_INPUTS:
+        return [req]
+    leases = await view.leases()
+    candidates = view.resolve(req.model, leases)
+    if candidates is None:
+        return [req]
+    try:
+        candidates = _able(req.model, "embedding", candidates, leases)
+    except CapabilityMissingError:
+        return [req]
+    fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
+    domain = req.domain or classify_domain(req.text())
+    tokens = [estimate_tokens(text) for text in inputs]
+    query = RouteQuery(model=req.model, domain=domain, prompt_tokens=sum(tokens))
+    try:
+        decision = decide(query, candidates, fleet, est, now)
+    except RouterError:
+        return [req]
+    readers = [
+        Reader(
+            worker=c.worker,
+            start_s=c.terms["wait_s"] + c.terms["load_s"],
+            rate_tps=sum(tokens) / c.terms["prompt_s"] if c.terms["prompt_s"] > 0 else 0.0,
+        )
+        for c in decision.ranking.candidates
+    ]
+    sizes = split_sizes(readers, tokens)
+    if len(sizes) < 2:
+        return [req]
+    split_of = req.task_id or uuid.uuid4().hex
+    parts, start = [], 0
+    for i, (_, n) in enumerate(sizes):
+        parts.append(
+            msgspec.structs.replace(
+                req,
+                model=decision.model,
+                domain=domain,
+                inputs=inputs[start : start + n],
+                task_id=None,
+                split_of=split_of,
+                part=i,
+                parts=len(sizes),
+            )
+        )
+        start += n
+    return parts
+
+
+def _cannot_embed(
+    model: str, candidates: dict[str, str], leases: dict[str, LeaseInfo]
+) -> CapabilityMissingError:
+    """The refusal of an embedding request for a model that cannot embed, naming those that can."""
+    able = [m.name for m in catalog(leases) if "embedding" in capabilities(m.entry.digest, leases)]
+    can = f"models that can: {', '.join(able)}" if able else "no model the live fleet serves can"
+    if model == "auto":
+        message = f"no model the live fleet serves reports the embedding capability ({can})"
+    else:
+        reported = ", ".join(capabilities(candidates[model], leases))
+        message = f"model {model!r} cannot embed (its holders report capabilities: {reported}); {can}"
+    return CapabilityMissingError(
+        message,
+        hint="send the request to a model whose capabilities include embedding (/api/show lists them)",
+        param="model",
     )
 
 
@@ -242,7 +341,7 @@ async def submit_task(
         priority=req.priority,
         pipeline_id=req.pipeline_id,
         stream=req.stream,
-        prompt_tokens=estimate_tokens(text),
+        prompt_tokens=req.prompt_tokens(),
         deadline_ms=req.deadline_ms,
         tools=req.tools,
         tool_choice=req.tool_choice,
@@ -250,6 +349,10 @@ async def submit_task(
         images=req.images,
         response_format=req.response_format,
         think=req.think,
+        inputs=req.inputs,
+        truncate=req.truncate,
+        dimensions=req.dimensions,
+        keep_alive=req.keep_alive,
     )
     keys = queues.keys
     queue = keys.band_queue(digest, task.priority, req.share_round)
@@ -271,6 +374,9 @@ async def submit_task(
             runtime_options=req.runtime_options,
             key=req.key,
             share_round=req.share_round,
+            split_of=req.split_of,
+            part=req.part,
+            parts=req.parts,
         )
     ]
     breakdown = b""

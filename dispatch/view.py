@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import F_ID, F_TASK
-from dispatch.serving import resolve_models, served, served_models
+from dispatch.serving import embedding_only, resolve_models, served, served_models
 from events.codec import as_str
 from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
@@ -104,6 +104,24 @@ end
 return {names, cursors, found}
 """
 _BACKLOG_DEF: Final = ScriptDef("backlog", _BACKLOG, allow_oom=True)
+
+
+def embedding_models(leases: dict[str, LeaseInfo], snap: Snapshot) -> frozenset[str]:
+    """The digests the estimates cost as embedding models: those whose holders say they embed
+    and do not complete (dispatch.serving.embedding_only), and those no holder says anything about
+    (an OpenAI-compatible server reports no capabilities) that have only ever embedded: some
+    worker measured their embedding rate and none a decode speed."""
+    said = {
+        entry.digest for info in leases.values() for entry in served(info) if entry.capabilities is not None
+    }
+    embedded: set[str] = set()
+    decoded: set[str] = set()
+    for row in snap.speed.values():
+        if row.embed_tps.n:
+            embedded.add(row.digest)
+        if row.decode_tps.n:
+            decoded.add(row.digest)
+    return embedding_only(leases) | frozenset(embedded - decoded - said)
 
 
 def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
@@ -250,7 +268,11 @@ class LiveView:
             # Route on priors rather than refuse: the projection is evidence, not a precondition.
             log.warning("projection unreadable, routing on priors: %s", exc)
             snap, error = Snapshot(taken_at=now), str(exc)
-        return Evidence(snapshot=snap, estimator=build_estimator(snap, now), error=error)
+        # Which models embed is read from the leases with the evidence: a digest's capabilities
+        # never change, so only a model new to the fleet waits (one snapshot period) to be costed
+        # as an embedding model.
+        embedding = embedding_models(await self.leases(), snap)
+        return Evidence(snapshot=snap, estimator=build_estimator(snap, now, embedding=embedding), error=error)
 
     async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:
         """Live workers' leases (cached for `leases_every_s`)."""

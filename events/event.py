@@ -153,6 +153,11 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     key: str | None = None
     # Its fair-share round within its priority band (dispatch.quota.round_of).
     share_round: Small = 0
+    # One part of a request split across holders (router.split): the id the parts share, this
+    # part's place (0-based) and how many there are; None, 0 and 1 for a task that is whole.
+    split_of: str | None = None
+    part: Small = 0
+    parts: Small = 1
 
 
 class TaskRouted(Event, frozen=True, kw_only=True):
@@ -202,6 +207,9 @@ class TaskCompleted(Event, frozen=True, kw_only=True):
     # (any `load_duration` is a warm call's few milliseconds, not a load); None, unknown (events
     # written before this field, a backend that cannot say and showed no load).
     cold: bool | None = None
+    # The task's kind (TaskSubmitted.kind): an `embed` run's prompt tokens over its prompt duration
+    # is an embedding-rate sample, not a prompt-speed one, and it has no decode or output length.
+    kind: str = "chat"
 
 
 class TaskFailed(Event, frozen=True, kw_only=True):
@@ -348,6 +356,8 @@ class BenchmarkResult(Event, frozen=True, kw_only=True):
     prompt_id: str = ""
     # As TaskCompleted.cold: whether this run had to load the model first.
     cold: bool | None = None
+    # As TaskCompleted.kind: an embedding model is benchmarked with embeddings.
+    kind: str = "chat"
 
 
 class QualityScored(Event, frozen=True, kw_only=True):

@@ -78,6 +78,8 @@ TASK_EVENTS: Final = (
 )
 
 NS_PER_S: Final = 1e9
+# A TaskCompleted's kind whose prompt rate is an embedding rate (dispatch.payload.EMBED).
+EMBED: Final = "embed"
 # Above this a decode rate is a broken timing, not a fast machine.
 MAX_DECODE_TPS: Final = 10_000.0
 # Prompt processing is batched and far faster than decoding; only nonsense is above this.
@@ -308,13 +310,20 @@ class Folder:
         in_flight: int,
         at: int,
         cold: bool | None = None,
+        kind: str = "chat",
     ) -> None:
         decode, prompt, load, ttft = decode_tps(t), prompt_tps(t), cold_load_s(t, cold), ttft_s(ttft_ms)
-        if decode is None and prompt is None and load is None and ttft is None:
+        embed = None
+        if kind == EMBED:
+            # Reading the input is all an embedding does: its rate is a field of its own.
+            embed, decode, prompt, ttft = prompt, None, None, None
+        if decode is None and prompt is None and load is None and ttft is None and embed is None:
             return
         h = self.tables.half_life_s
         at = self._ledger_ms(at)
         row = self._speed(worker, digest)
+        if embed is not None:
+            row.embed_tps = fold(row.embed_tps, embed, at, h)
         if decode is not None:
             self._shifting_sample(row, "decode_tps", decode, at)
             row.sampled_at = at if row.sampled_at is None else max(row.sampled_at, at)
@@ -432,7 +441,7 @@ class Folder:
             # so they say nothing of output length either.
             return
         if not row.runtime_options:
-            self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold)
+            self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold, e.kind)
         if t.eval_count is not None and 0 <= t.eval_count <= MAX_OUTPUT_TOKENS:
             key = (e.digest, e.domain)
             length = self.tables.length.get(key)
@@ -516,7 +525,7 @@ class Folder:
             return
         self.tables.benched[key] = self._entry_ms
         self.new_benched.add(key)
-        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold)
+        self._speed_sample(e.worker, e.digest, e.timings, e.ttft_ms, e.in_flight, e.at, e.cold, e.kind)
 
     def _quality(self, e: QualityScored) -> None:
         if not counts_as_grade(e.score, e.truncated):

@@ -131,6 +131,8 @@ class SpeedRow(msgspec.Struct, kw_only=True, gc=False):
     decode_held_since: int | None = None
     prompt_held: int = 0
     prompt_held_since: int | None = None
+    # Prompt tokens per second of embedding tasks (kind `embed`): what an embedding costs here.
+    embed_tps: Stat = msgspec.field(default_factory=Stat)
 
 
 def push_recent(window: list[float], x: float) -> list[float]:

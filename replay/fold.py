@@ -20,6 +20,7 @@ import polars as pl
 
 from events.event import WorkerHeartbeat, WorkerOnline
 from projections.folder import (
+    EMBED,
     MAX_DECODE_TPS,
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TPS,
@@ -60,6 +61,7 @@ _SPEED_COLS: Final = [
     "in_flight",
     "cold",
     "counted",
+    "kind",
 ]
 _STAT_COLS: Final = ["n", "sum", "sumsq", "dn", "dsum", "dsumsq", "updated_at"]
 # The task frame's columns: TaskRow's fields, in its order, so that a row encoded from its columns
@@ -194,13 +196,17 @@ def fold_tables(
     return tables, task_frame(frames, counted, cutoff_ms)
 
 
-_SPEED_FIELDS: Final = ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight")
+_SPEED_FIELDS: Final = ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight", "embed_tps")
 
 
 def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     raw = pl.concat([counted.select(_SPEED_COLS), bench.lazy().select(_SPEED_COLS)])
-    decode = decode_tps_expr()
-    ttft = pl.col("ttft_ms")
+    # An embedding's prompt rate is its embedding rate, and it has no decode, prompt or TTFT
+    # sample (Folder._speed_sample).
+    embed = pl.col("kind").fill_null("") == EMBED
+    decode = pl.when(~embed).then(decode_tps_expr())
+    prompt = _rate("prompt_eval_count", "prompt_eval_duration", MAX_PROMPT_TPS)
+    ttft = pl.when(~embed).then(pl.col("ttft_ms"))
     ld = pl.col("load_duration")
     cold = pl.col("cold")
     # Only a cold run is a load sample; one that does not say, from MIN_UNKNOWN_LOAD_S (cold_load_s).
@@ -211,7 +217,8 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
         "worker",
         "digest",
         decode.alias("decode_tps"),
-        _rate("prompt_eval_count", "prompt_eval_duration", MAX_PROMPT_TPS).alias("prompt_tps"),
+        pl.when(~embed).then(prompt).alias("prompt_tps"),
+        pl.when(embed).then(prompt).alias("embed_tps"),
         pl.when((ld > 0) & real_load).then(ld / NS_PER_S).alias("load_s"),
         pl.when(ttft.is_finite() & (ttft > 0)).then(ttft / 1000.0).alias("ttft_s"),
         pl.when(decode.is_not_null() & (pl.col("in_flight") >= 0))

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from dispatch.benchmark import domains, on_demand, request_benchmark
 from dispatch.lease import live_workers
-from dispatch.payload import Message, result_decoder
+from dispatch.payload import EMBED, Message, result_decoder
 from dispatch.queues import TaskQueues
-from dispatch.serving import holdings
+from dispatch.serving import embedding_only, holdings
 from dispatch.submit import TaskRequest, submit_task
 from events.event import BenchmarkResult, QualityScored
 from events.ledger import Ledger
@@ -61,6 +61,7 @@ def bench_run(
         start = await ledger.last_id() or "0-0"
         snap = await snapshot(client, keys)
         sent = {}
+        embedders = embedding_only(leases)
         for name, local, digest in targets:
             # Prompts the model has not been graded on first: each answer is then a new grade too.
             bench_id = await request_benchmark(
@@ -70,6 +71,7 @@ def bench_run(
                 digest=digest,
                 domain=domain,
                 prompts=on_demand(snap, digest, domain, count),
+                embed=digest in embedders,
             )
             sent[bench_id] = (name, local)
             console.print(f"sent {count} {domain} prompts to {name} for {local} (bench {bench_id})")
@@ -80,7 +82,13 @@ def bench_run(
     rows = inst.run(go)
     if rows:
         table = Table(title=f"benchmark: {domain}")
-        for col in ("worker", "model", "runs", "decode tok/s (median)", "reference pass rate"):
+        for col in (
+            "worker",
+            "model",
+            "runs",
+            "decode tok/s (median; embedding models: embed)",
+            "reference pass rate",
+        ):
             table.add_column(col)
         for r in rows:
             table.add_row(r["worker"], r["model"], str(r["runs"]), f"{r['tps']:.1f}", r["quality"])
@@ -102,6 +110,9 @@ async def _collect(
                 t = event.timings
                 if t.eval_count and t.eval_duration:
                     speeds[event.bench_id].append(t.eval_count / (t.eval_duration / 1e9))
+                elif event.kind == EMBED and t.prompt_eval_count and t.prompt_eval_duration:
+                    # An embedding model's benchmark: its embedding rate.
+                    speeds[event.bench_id].append(t.prompt_eval_count / (t.prompt_eval_duration / 1e9))
             elif isinstance(event, QualityScored) and event.bench_id in grades:
                 grades[event.bench_id].append(event.score)
         await asyncio.sleep(0.2)

@@ -230,7 +230,7 @@ def stats_rows(tables: Tables, worker: str | None, model: str | None) -> list[di
 
     for (w, d), srow in sorted(tables.speed.items()):
         if (worker is None or w == worker) and digest_ok(d):
-            for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight"):
+            for field in ("decode_tps", "prompt_tps", "load_s", "ttft_s", "in_flight", "embed_tps"):
                 st: Stat = getattr(srow, field)
                 if st.n:
                     add(

@@ -271,6 +271,10 @@ def _ranking(
             "output_tokens": out_field,
             "quality": quality,
         }
+        if est.embeds(digest):
+            # An embedding: its prompt tokens at the embedding rate, and nothing decoded.
+            fields["embed_tps"] = sp.embed_tps
+            del fields["decode_tps"], fields["prompt_tps"]
         if state.fac[i] is not None:
             # Its other slots' tasks share the machine with this one: the time that costs, and why.
             terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)

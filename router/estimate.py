@@ -37,7 +37,7 @@ import msgspec
 from projections.shift import Shift, row_shifts
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat
 
-SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s")
+SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s", "embed_tps")
 
 
 class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -49,6 +49,7 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     default_decode_tps: float = 20.0
     default_prompt_tps: float = 200.0
     default_load_s: float = 5.0
+    # No default embedding rate: where none was measured, the prompt speed stands in for it.
     default_output_tokens: float = 256.0
     default_quality: float = 0.5
     # Output lengths' spread (coefficient of variation) where too few were measured to say: about
@@ -105,6 +106,8 @@ class SpeedEstimate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     decode_tps: Field
     prompt_tps: Field
     load_s: Field
+    # Prompt tokens per second of an embedding (what an embedding model's tasks cost).
+    embed_tps: Field
 
 
 class Concurrency(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -340,10 +343,13 @@ class Estimator:
         now_ms: int,
         half_life_s: float,
         params: EstimateParams | None = None,
+        embedding: frozenset[str] = frozenset(),
     ) -> None:
         self.now_ms = now_ms
         self.half_life_s = half_life_s
         self.params = params or EstimateParams()
+        # Embedding models (dispatch.serving.embedding_only): their tasks read and write nothing.
+        self.embedding = embedding
         self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
         speed = list(speed)
         # Decode samples whose output tokens the worker counted from the stream: the source says so.
@@ -423,7 +429,8 @@ class Estimator:
     def _age(self, at: int | None) -> float | None:
         return None if at is None else max(0.0, (self.now_ms - at) / 1000.0)
 
-    def _speed_prior(self, field: str, worker: str, digest: str) -> _Prior:
+    def _speed_prior(self, field: str, worker: str, digest: str, last: _Prior | None = None) -> _Prior:
+        """The two-way prior, else the model's pooled value, else `last` (the default when None)."""
         fitted = self._fits[field].prior(worker, digest)
         if fitted is not None:
             value, n_worker, n_model = fitted
@@ -443,7 +450,7 @@ class Estimator:
             mean, _, n, newest = pooled
             age = self._age(newest)
             return _Prior(value=mean, source=f"model-pooled n={n}, age {format_age(age)}", age_s=age)
-        return _Prior(value=self.params.default(field), source="default", age_s=None)
+        return last or _Prior(value=self.params.default(field), source="default", age_s=None)
 
     def speed(self, worker: str, digest: str) -> SpeedEstimate:
         """Decode tok/s, prompt tok/s and load seconds of `digest` on `worker`, each shrunk to its prior."""
@@ -452,16 +459,16 @@ class Estimator:
         if hit is not None:
             return hit
         p = self.params
-        fields = {
-            f: _shrink(
-                self._speed_cells[f].get(key),
-                self._speed_prior(f, worker, digest),
-                p.k_speed,
-                self.now_ms,
-                "worker",
-            )
-            for f in SPEED_FIELDS
-        }
+        fields: dict[str, Field] = {}
+        for f in SPEED_FIELDS:
+            last = None
+            if f == "embed_tps":
+                # Nothing measured of embeddings on this worker and other models or of this model
+                # elsewhere: its prompt speed here (reading the input is what an embedding does).
+                read = fields["prompt_tps"]
+                last = _Prior(value=read.value, source=f"prompt-speed ({read.source})", age_s=read.age_s)
+            prior = self._speed_prior(f, worker, digest, last)
+            fields[f] = _shrink(self._speed_cells[f].get(key), prior, p.k_speed, self.now_ms, "worker")
         counted = self._counted.get(key)
         if counted:
             d = fields["decode_tps"]
@@ -478,9 +485,18 @@ class Estimator:
                 weight=float(shift.samples),
                 prior=own.prior,
             )
+        if digest in self.embedding:
+            # An embedding model's every task only reads its input: the plan charges its prompt
+            # tokens at the embedding rate (and `output_tokens` is 0).
+            e = fields["embed_tps"]
+            fields["prompt_tps"] = msgspec.structs.replace(e, source=f"embedding rate: {e.source}")
         est = SpeedEstimate(**fields)
         self._speed_cache[key] = est
         return est
+
+    def embeds(self, digest: str) -> bool:
+        """Whether `digest` is an embedding model (its tasks are embeddings)."""
+        return digest in self.embedding
 
     def unknown_load(self, worker: str, digest: str) -> Field:
         """Expected load seconds of a task on a worker whose backend cannot say what is loaded.
@@ -571,6 +587,9 @@ class Estimator:
         """Expected output tokens of the model for the domain (a property of the digest, not the worker)."""
         key = (digest, domain)
         hit = self._length_cache.get(key)
+        if hit is None and digest in self.embedding:
+            hit = Field(value=0.0, n=0, source="embedding model: no output", age_s=None, prior=0.0)
+            self._length_cache[key] = hit
         if hit is None:
             p = self.params
             hit = self._by_domain(
@@ -686,8 +705,14 @@ def _concurrency_moments(
     return cv2, k_mean, k_var, k.weight_at(now_ms, half_life_s)
 
 
-def build_estimator(snapshot: Snapshot, now_ms: int, params: EstimateParams | None = None) -> Estimator:
-    """The estimates of `snapshot` as seen at `now_ms` (the caller's clock; nothing here reads one)."""
+def build_estimator(
+    snapshot: Snapshot,
+    now_ms: int,
+    params: EstimateParams | None = None,
+    embedding: frozenset[str] = frozenset(),
+) -> Estimator:
+    """The estimates of `snapshot` as seen at `now_ms` (the caller's clock; nothing here reads one);
+    `embedding`: the digests of embedding models."""
     return Estimator(
         snapshot.speed.values(),
         snapshot.length.values(),
@@ -695,4 +720,5 @@ def build_estimator(snapshot: Snapshot, now_ms: int, params: EstimateParams | No
         now_ms,
         snapshot.half_life_s,
         params,
+        embedding,
     )

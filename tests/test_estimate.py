@@ -22,6 +22,7 @@ from tests.router_helpers import (
     graded,
     snapshot,
     speed_row,
+    stat,
     view,
     worker,
 )
@@ -214,3 +215,47 @@ def test_quality_is_a_beta_posterior_around_the_models_other_domains_when_a_doma
     assert other.source.startswith("prior model-pooled n=10 other domains")
     a, b = k * 0.8, k * 0.2
     assert other.sd == pytest.approx(math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1))))
+
+
+EMBEDDER = "e" * 64
+
+
+def test_an_unmeasured_embedding_rate_falls_back_to_the_workers_prompt_speed_and_says_so() -> None:
+    rows = [speed_row("gpu", EMBEDDER, 50.0, 4, prompt=3000.0)]
+    est = build_estimator(snapshot(rows), NOW, embedding=frozenset({EMBEDDER}))
+    embed = est.speed("gpu", EMBEDDER).embed_tps
+    assert embed.n == 0
+    assert embed.source.startswith("prompt-speed (worker n=4")
+    assert embed.value == pytest.approx(est.speed("gpu", EMBEDDER).embed_tps.prior or 0.0)
+    assert 1000.0 < embed.value <= 3000.0
+
+
+def test_an_embedding_model_is_costed_by_its_measured_embedding_rate_and_writes_nothing() -> None:
+    row = speed_row("gpu", EMBEDDER, 50.0, 0)
+    row.embed_tps = stat([4000.0] * 10)
+    other = speed_row("laptop", EMBEDDER, 50.0, 0)
+    other.embed_tps = stat([400.0] * 10)
+    est = build_estimator(snapshot([row, other]), NOW, embedding=frozenset({EMBEDDER}))
+    fast = est.speed("gpu", EMBEDDER)
+    assert fast.embed_tps.n == 10 and fast.embed_tps.source.startswith("worker n=10")
+    # The plan's prompt rate of an embedding model is its embedding rate, and it has no output.
+    assert fast.prompt_tps.value == fast.embed_tps.value
+    assert fast.prompt_tps.source.startswith("embedding rate: worker n=10")
+    assert est.output_tokens(EMBEDDER, "general").value == 0.0
+    fleet = view([worker("gpu", [EMBEDDER]), worker("laptop", [EMBEDDER])])
+    ranking = rank_workers(fleet, est, EMBEDDER, NOW, RouteQuery(model="e", prompt_tokens=8000))
+    best = ranking.best
+    assert best.worker == "gpu"
+    assert best.terms["decode_s"] == 0.0 and best.terms["output_tokens"] == 0.0
+    assert best.terms["prompt_s"] == pytest.approx(8000 / fast.embed_tps.value)
+    assert set(best.fields) >= {"embed_tps"} and "decode_tps" not in best.fields
+
+
+def test_a_model_that_generates_keeps_its_prompt_and_decode_costs_whatever_its_embedding_rate() -> None:
+    row = speed_row("gpu", QWEN, 50.0, 5, prompt=3000.0)
+    row.embed_tps = stat([9000.0] * 5)
+    est = build_estimator(snapshot([row]), NOW)
+    sp = est.speed("gpu", QWEN)
+    assert sp.prompt_tps.value == pytest.approx(3000.0, rel=0.2)
+    assert sp.embed_tps.value == pytest.approx(9000.0, rel=0.2)
+    assert est.output_tokens(QWEN, "general").value > 0

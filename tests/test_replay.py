@@ -101,6 +101,8 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         in_flight=st.integers(0, 3),
         duplicate=st.booleans(),
         cold=COLD,
+        # An embedding's prompt rate is an embedding-rate sample, with no decode, prompt or TTFT one.
+        kind=st.sampled_from(["chat", "embed"]),
     ),
     st.builds(
         TaskFailed,
@@ -166,6 +168,7 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         timings=TIMINGS,
         ttft_ms=TTFT,
         cold=COLD,
+        kind=st.sampled_from(["chat", "embed"]),
     ),
     st.builds(
         QualityScored,

@@ -37,6 +37,7 @@ from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.payload import Chunk, Result, Thought, ToolCall, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
+from dispatch.serving import embeds_only
 from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
@@ -822,6 +823,7 @@ class WorkerAgent:
             run=run.run_id,
             tool_calls=calls or None,
             thinking="".join(thoughts),
+            embeddings=generated.embeddings,
         )
         done = Chunk(attempt=entry.attempt, done=True, run=run.run_id)
         # The last text piece and the result in one round trip. A run that lost its entry (the
@@ -890,6 +892,7 @@ class WorkerAgent:
                     recent = self._benched.get(model.digest)
                     if recent is not None and time.monotonic() - recent < PROBE_AFTER_S:
                         continue  # asked already; its results may not be folded yet
+                    embed = embeds_only(model)
                     need = needs_benchmark(
                         snap,
                         self.name,
@@ -898,6 +901,7 @@ class WorkerAgent:
                         min_samples=self.config.bench_min_samples,
                         stale_after_s=self.config.bench_stale_after_s,
                         probe_after_s=PROBE_AFTER_S,
+                        embed=embed,
                     )
                     if need is None:
                         continue
@@ -913,11 +917,13 @@ class WorkerAgent:
                         domain=self.config.bench_domain,
                         count=count,
                         reason=reason,
+                        embed=embed,
                     )
                     self._benched[model.digest] = time.monotonic()
-                    # Its answers are graded too: the schedule does not ask for them again meanwhile.
-                    sent = frozenset(p.id for p in pick(self.config.bench_domain, count))
-                    self._grading[(model.digest, self.config.bench_domain)] = (time.monotonic(), sent)
+                    if not embed:
+                        # Its answers are graded too: the schedule does not ask for them again meanwhile.
+                        sent = frozenset(p.id for p in pick(self.config.bench_domain, count))
+                        self._grading[(model.digest, self.config.bench_domain)] = (time.monotonic(), sent)
                     log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
                 await self._grade(snap)
                 first = False
@@ -937,8 +943,8 @@ class WorkerAgent:
         if self.running or time.monotonic() - self._last_shared_take < self.config.grade_quiet_s:
             return
         for model in self.serving():
-            if grader_for(snap, model.digest) != self.name:
-                continue
+            if embeds_only(model) or grader_for(snap, model.digest) != self.name:
+                continue  # an embedding model writes no answer to grade
             for domain in domains():
                 missing = ungraded(snap, model.digest, domain)
                 if not missing:

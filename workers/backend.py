@@ -10,6 +10,11 @@ Each adapter speaks its backend's tool dialect both ways: the offered tools, ear
 results in the request; the calls in its stream (Ollama: `message.tool_calls`, arguments as an
 object and no id, so the adapter draws one; OpenAI: `tool_calls` deltas joined by index). Ollama's
 inventory also says what each model can do (`/api/show` capabilities, asked once per digest).
+An `embed` task goes to the backend's embedding endpoint instead (Ollama's /api/embed, or
+/v1/embeddings) and yields only its Generated, which carries the vectors. Ollama reports no time
+for reading the input apart from the load, so the adapter records `total_duration - load_duration`
+as the prompt's duration; for an OpenAI-compatible server (no durations at all) it is the wall time
+of the request: either way, prompt tokens over it is the embedding rate the estimates learn.
 Every failure becomes a BackendError with a kind:
 
 | kind | retryable | when |
@@ -39,7 +44,7 @@ import httpcore
 import httpx
 import msgspec
 
-from dispatch.payload import Message, TaskMessage, Thought, ToolCall
+from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
 
@@ -49,6 +54,9 @@ class Generated(msgspec.Struct, frozen=True, kw_only=True):
 
     timings: Timings
     done_reason: str | None = None
+    # An embedding task's vectors (dispatch.payload.pack_vector), one per input in order; such a
+    # task yields nothing before its Generated.
+    embeddings: list[bytes] | None = None
 
 
 class Inventory(msgspec.Struct, frozen=True, kw_only=True):
@@ -433,6 +441,9 @@ class OllamaBackend:
     async def generate(
         self, task: TaskMessage, local_name: str
     ) -> AsyncIterator[str | Thought | list[ToolCall] | Generated]:
+        if task.kind == EMBED:
+            yield await self._embed(task, local_name)
+            return
         body: dict[str, Any] = {"model": local_name, "stream": True, "options": _options(task)}
         if task.format is not None:
             body["format"] = task.format
@@ -497,9 +508,59 @@ class OllamaBackend:
         except Exception as exc:
             raise _classify(exc, started) from None
 
+    async def _embed(self, task: TaskMessage, local_name: str) -> Generated:
+        """Ollama's /api/embed: every input in one request; the vectors and Ollama's counts."""
+        body: dict[str, Any] = {"model": local_name, "input": list(task.inputs or [])}
+        if task.options:
+            body["options"] = dict(task.options)
+        if task.truncate is not None:
+            body["truncate"] = task.truncate
+        if task.dimensions is not None:
+            body["dimensions"] = task.dimensions
+        if task.keep_alive is not None:
+            body["keep_alive"] = task.keep_alive
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self.client.post("/api/embed", json=body)
+                await _raise_for_status(resp, local_name)
+                data = _line_decoder.decode(resp.content)
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise _classify(exc, started=False) from None
+        vectors = _vectors(data.get("embeddings"), len(body["input"]))
+        total = _ns_or_none(data.get("total_duration"))
+        load = _ns_or_none(data.get("load_duration"))
+        reading = None if total is None else total - (load or 0)
+        return Generated(
+            timings=Timings(
+                prompt_eval_count=_int_or_none(data.get("prompt_eval_count")),
+                prompt_eval_duration=reading if reading is not None and reading > 0 else None,
+                load_duration=load,
+                total_duration=total,
+            ),
+            done_reason="stop",
+            embeddings=vectors,
+        )
+
     async def aclose(self) -> None:
         await self.client.aclose()
         await self.streams.aclose()
+
+
+def _vectors(raw: Any, inputs: int) -> list[bytes]:
+    """A backend's vectors, packed; BackendError unless there is one list of numbers per input."""
+    if not isinstance(raw, list) or len(raw) != inputs:
+        got = len(raw) if isinstance(raw, list) else type(raw).__name__
+        raise BackendError("protocol", f"expected {inputs} embeddings, got {got}", retryable=True)
+    out = []
+    for vector in raw:
+        if not isinstance(vector, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in vector
+        ):
+            raise BackendError("protocol", "an embedding is not a list of numbers", retryable=True)
+        out.append(pack_vector(vector))
+    return out
 
 
 def _ollama_tools(task: TaskMessage) -> list[dict[str, Any]] | None:
@@ -578,6 +639,9 @@ class OpenAIBackend:
     async def generate(
         self, task: TaskMessage, local_name: str
     ) -> AsyncIterator[str | Thought | list[ToolCall] | Generated]:
+        if task.kind == EMBED:
+            yield await self._embed(task, local_name)
+            return
         if task.kind == "generate":
             messages: list[dict[str, Any]] = (
                 [{"role": "system", "content": task.system}] if task.system else []
@@ -679,6 +743,45 @@ class OpenAIBackend:
             raise
         except Exception as exc:
             raise _classify(exc, started) from None
+
+    async def _embed(self, task: TaskMessage, local_name: str) -> Generated:
+        """/v1/embeddings: every input in one request, as floats; `truncate` and `keep_alive` are
+        Ollama's and not sent. The duration is the request's wall time (the server reports none)."""
+        body: dict[str, Any] = {
+            "model": local_name,
+            "input": list(task.inputs or []),
+            "encoding_format": "float",
+        }
+        if task.dimensions is not None:
+            body["dimensions"] = task.dimensions
+        t0 = time.perf_counter_ns()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self.client.post("/v1/embeddings", json=body)
+                await _raise_for_status(resp, local_name)
+                data = _line_decoder.decode(resp.content)
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise _classify(exc, started=False) from None
+        wall = time.perf_counter_ns() - t0
+        items = data.get("data")
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise BackendError("protocol", "the answer has no list of embeddings in `data`", retryable=True)
+        ordered = sorted(items, key=lambda i: i.get("index") if isinstance(i.get("index"), int) else 0)
+        vectors = _vectors([i.get("embedding") for i in ordered], len(body["input"]))
+        usage: Any = data.get("usage")
+        if not isinstance(usage, dict):
+            usage = {}
+        return Generated(
+            timings=Timings(
+                prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
+                prompt_eval_duration=_ns_or_none(wall),
+                total_duration=_ns_or_none(wall),
+            ),
+            done_reason="stop",
+            embeddings=vectors,
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()

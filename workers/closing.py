@@ -7,10 +7,12 @@ with a TaskCompleted, marked a duplicate when another run's completion already c
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from dispatch.benchmark import REFERENCE, grade, prompt_by_id
-from dispatch.payload import TaskMessage, sha256_hex
+from dispatch.payload import TaskMessage
 from events.event import BenchmarkResult, Event, QualityScored, TaskCompleted
 from workers.backend import Generated
 
@@ -33,6 +35,9 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
     def closing_events(self, counts: bool) -> list[Event]:
         """The events to append, in order; `counts` says this run's completion is the one that counts."""
         task = self.task
+        # The output's size and digest: the text, or an embedding's packed vectors.
+        embeddings = self.generated.embeddings
+        output = b"".join(embeddings) if embeddings is not None else self.text.encode()
         out: list[Event] = []
         if task.bench_id and counts:
             out.append(
@@ -48,6 +53,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                     in_flight=self.in_flight,
                     prompt_id=task.bench_prompt or "",
                     cold=self.cold,
+                    kind=task.kind,
                 )
             )
             graded = self.graded()
@@ -64,12 +70,13 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                 ttft_ms=self.ttft_ms,
                 wall_ms=self.wall_ms,
                 in_flight=self.in_flight,
-                output_bytes=len(self.text.encode()),
-                output_sha256=sha256_hex(self.text),
+                output_bytes=len(output),
+                output_sha256=hashlib.sha256(output).hexdigest(),
                 done_reason=self.generated.done_reason,
                 duplicate=not counts,
                 bench_id=task.bench_id,
                 cold=self.cold,
+                kind=task.kind,
             )
         )
         return out

@@ -1,0 +1,251 @@
+"""Embeddings on both surfaces: OpenAI's /v1/embeddings, Ollama's /api/embed and its older
+/api/embeddings.
+
+An embedding request is a task like any other (kind `embed`): submitted through the one
+submission path, so it is ledgered, routed by the plan and measured, and only models whose live
+holders may embed take it (a model whose holders all report capabilities without `embedding` is
+a 400 in the surface's error shape that names the models that can). A large batch may run as
+several tasks on several holders when the plan finishes it sooner that way (router.split); the
+answer puts the parts' vectors back in input order. The worker stores the vectors as float32s
+(dispatch.payload.pack_vector): OpenAI's `encoding_format: "base64"` is those bytes as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from typing import Any, Final
+
+from fastapi import APIRouter, Request
+
+from api.common import JSON, gateway, submit, task_headers
+from api.errors import BadRequestError, ClientGoneError, GenerationError, PayloadTooLargeError
+from api.schemas import EmbeddingsCreate, OllamaEmbed, OllamaEmbeddings
+from dispatch.errors import TaskTimeoutError
+from dispatch.gateway import Gateway
+from dispatch.payload import EMBED, Result, unpack_vector
+from dispatch.submit import Submitted, TaskRequest, embedding_parts
+
+router = APIRouter(tags=["embeddings"])
+
+# Most inputs one request may carry (OpenAI's own limit).
+MAX_INPUTS: Final = 2048
+_INPUT_HINT: Final = "send a string or a list of strings (token arrays are not accepted: send text)"
+
+
+class Embedded:
+    """The outcome of one embedding request, however many tasks it ran as."""
+
+    def __init__(self, subs: list[Submitted], results: list[Result]) -> None:
+        self.subs = subs
+        self.results = results
+
+    @property
+    def vectors(self) -> list[bytes]:
+        return [v for r in self.results for v in r.embeddings or []]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The backend's counts, summed over the parts; a part whose backend counted nothing
+        counts as the estimate it was routed with (OpenAI clients read an integer here)."""
+        return sum(
+            r.timings.prompt_eval_count
+            if r.timings.prompt_eval_count is not None
+            else s.task.prompt_tokens or 0
+            for s, r in zip(self.subs, self.results, strict=True)
+        )
+
+    def headers(self) -> dict[str, str]:
+        headers = task_headers(self.subs[0], self.results[0])
+        if len(self.subs) > 1:
+            headers["X-Routeledger-Task"] = ",".join(s.task_id for s in self.subs)
+            workers = [r.worker for r in self.results if r.worker]
+            headers["X-Routeledger-Worker"] = ",".join(dict.fromkeys(workers))
+        return headers
+
+
+def _texts(value: Any, param: str) -> list[str]:
+    """A request's input as a list of strings: a string, or a list of strings, none of them empty."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise BadRequestError(f"{param} must be a string or a list of strings", param=param, hint=_INPUT_HINT)
+    if len(texts) > MAX_INPUTS:
+        raise PayloadTooLargeError(
+            f"{len(texts)} inputs is over the limit of {MAX_INPUTS}", param=param, hint="send fewer at a time"
+        )
+    return texts
+
+
+def _none_empty(texts: list[str]) -> None:
+    """One vector answers each input, so an empty one is refused rather than dropped."""
+    empty = [i for i, t in enumerate(texts) if not t]
+    if empty:
+        raise BadRequestError(
+            f"input {empty[0]} is an empty string ({len(empty)} of {len(texts)} are)",
+            param="input",
+            hint="leave out the empty strings: each input gets one vector, in order",
+        )
+
+
+async def _embed(request: Request, req: TaskRequest) -> Embedded:
+    """Submit the request (whole, or as the parts the plan splits it into) and wait for every
+    part: a client that leaves, or a wait that times out, cancels every part still open."""
+    gw = gateway(request)
+    parts = await gw.retrying(lambda: embedding_parts(gw.fleet, req))
+    subs: list[Submitted] = []
+    try:
+        for part in parts:
+            subs.append(await submit(request, part))
+    except BaseException:
+        # A part was refused (a full queue, a quota): the parts queued already would run for nobody.
+        await asyncio.gather(*(gw.cancel_quietly(s.task_id) for s in subs))
+        raise
+    results = await _waited(request, gw, subs)
+    for r in results:
+        if r.status != "completed":
+            raise GenerationError(f"task {r.task_id} {r.status}: {r.error or 'no answer'}")
+        if r.embeddings is None:
+            raise GenerationError(f"task {r.task_id} completed without embeddings")
+    return Embedded(subs, results)
+
+
+async def _waited(request: Request, gw: Gateway, subs: list[Submitted]) -> list[Result]:
+    """Every part's result, waited for while the client waits (as api.common.waited does for one)."""
+
+    async def every() -> list[Result]:
+        return list(await asyncio.gather(*(gw.wait(s.task_id, None) for s in subs)))
+
+    waiting = asyncio.ensure_future(every())
+    watching: asyncio.Future[None] = asyncio.ensure_future(_disconnected(request))
+    try:
+        both: list[asyncio.Future[Any]] = [waiting, watching]
+        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not waiting.done():
+            waiting.cancel()
+    if not waiting.cancelled() and waiting.done():
+        try:
+            return waiting.result()
+        except TaskTimeoutError:
+            await asyncio.gather(*(gw.cancel_quietly(s.task_id) for s in subs))
+            raise
+    await asyncio.gather(*(gw.cancel_quietly(s.task_id) for s in subs))
+    raise ClientGoneError(f"the client of task {subs[0].task_id} disconnected before it finished")
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _duration_ns(done: Embedded, started_ns: int) -> tuple[int, int]:
+    """(total, load) in ns as Ollama answers them: the request's own wall time (its parts ran side
+    by side), and the longest load any part reported."""
+    loads = [r.timings.load_duration for r in done.results if r.timings.load_duration is not None]
+    return time.perf_counter_ns() - started_ns, max(loads, default=0)
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(body: EmbeddingsCreate, request: Request) -> JSON:
+    """OpenAI's embeddings: one vector per input, as floats or (`encoding_format: "base64"`, what
+    the `openai` client asks for by default) base64 of little-endian float32s."""
+    texts = _texts(body.input, "input")
+    if not texts:
+        raise BadRequestError("input must not be empty", param="input", hint=_INPUT_HINT)
+    _none_empty(texts)
+    encoding = body.encoding_format or "float"
+    if encoding not in ("float", "base64"):
+        raise BadRequestError(
+            f"encoding_format must be float or base64, got {encoding!r}", param="encoding_format"
+        )
+    req = TaskRequest(
+        model=body.model,
+        kind=EMBED,
+        inputs=texts,
+        dimensions=body.dimensions,
+        client=request.headers.get("user-agent"),
+        stream=False,
+    )
+    done = await _embed(request, req)
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(v).decode() if encoding == "base64" else unpack_vector(v),
+        }
+        for i, v in enumerate(done.vectors)
+    ]
+    tokens = done.prompt_tokens
+    return JSON(
+        {
+            "object": "list",
+            "data": data,
+            "model": done.subs[0].task.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        },
+        headers=done.headers(),
+    )
+
+
+@router.post("/api/embed")
+async def embed(body: OllamaEmbed, request: Request) -> JSON:
+    """Ollama's embeddings: `embeddings` (one per input), `total_duration`, `load_duration` and
+    `prompt_eval_count`. No input only loads the model, as Ollama does (here: checks it is served)."""
+    texts = _texts(body.input, "input") if body.input not in (None, "") else []
+    if not texts:
+        return await _loaded(request, body.model)
+    _none_empty(texts)
+    started = time.perf_counter_ns()
+    req = TaskRequest(
+        model=body.model,
+        kind=EMBED,
+        inputs=texts,
+        options=body.options or {},
+        truncate=body.truncate,
+        dimensions=body.dimensions,
+        keep_alive=body.keep_alive,
+        client=request.headers.get("user-agent"),
+        stream=False,
+    )
+    done = await _embed(request, req)
+    total, load = _duration_ns(done, started)
+    return JSON(
+        {
+            "model": done.subs[0].task.model,
+            "embeddings": [unpack_vector(v) for v in done.vectors],
+            "total_duration": total,
+            "load_duration": load,
+            "prompt_eval_count": done.prompt_tokens,
+        },
+        headers=done.headers(),
+    )
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: OllamaEmbeddings, request: Request) -> JSON:
+    """Ollama's older endpoint: one `prompt`, one `embedding` (empty for no prompt)."""
+    if not body.prompt:
+        await _loaded(request, body.model)
+        return JSON({"embedding": []})
+    req = TaskRequest(
+        model=body.model,
+        kind=EMBED,
+        inputs=[body.prompt],
+        options=body.options or {},
+        keep_alive=body.keep_alive,
+        client=request.headers.get("user-agent"),
+        stream=False,
+    )
+    done = await _embed(request, req)
+    return JSON({"embedding": unpack_vector(done.vectors[0])}, headers=done.headers())
+
+
+async def _loaded(request: Request, model: str) -> JSON:
+    """What Ollama answers for no input: the model is there (404 if nobody serves it)."""
+    gw = gateway(request)
+    await gw.retrying(lambda: gw.resolve(model))
+    return JSON({"model": model, "embeddings": []})

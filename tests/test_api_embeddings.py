@@ -1,0 +1,343 @@
+"""Embeddings end to end: real clients (`openai`, `ollama`) ask the API for vectors of a simulated
+embedding model, whichever API the worker speaks to its backend; the vectors are the backend's
+own; the task is ledgered like any other and its embedding rate reaches the speed table; a model
+that cannot embed is refused in each surface's error shape; a large batch is split across holders;
+a worker benchmarks an embedding model with embeddings.
+
+The simulated model `embedder` has the `embedding` capability (deterministic unit vectors:
+sim.backends.embedding); `plain` has not. The hosts run at time scale 0 unless a test needs time.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import httpx
+import ollama
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from dispatch.lease import LeaseInfo
+from dispatch.payload import estimate_tokens, unpack_vector
+from dispatch.view import embedding_models
+from events.event import (
+    BenchmarkRequested,
+    BenchmarkResult,
+    ModelEntry,
+    QualityScored,
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskSubmitted,
+)
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.projector import Projector
+from projections.reader import snapshot
+from projections.snapshot import Snapshot, SpeedRow, Stat, fold
+from sim.backends.hosts import SimHosts
+from sim.fleetspec import Fleet, parse_fleet
+from tests.helpers import events_of, fast_config, running_agent, wait_until
+from tests.test_api_support import fleet_and_api, stored_results
+
+EMBED_FLEET = """
+name = "embed"
+[model."embedder"]
+capabilities = ["embedding"]
+embedding_dim = 64
+[model."plain"]
+output = { dist = "fixed", mean = 10 }
+
+[[worker]]
+name = "a"
+slots = 2
+[worker.models."embedder"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+embed_tps = 2000.0
+load_s = 0.0
+[worker.models."plain"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+
+[[worker]]
+name = "b"
+slots = 2
+[worker.models."embedder"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+embed_tps = 2000.0
+load_s = 0.0
+"""
+
+TEXTS = ["the cat sat", "on the mat", "the cat sat"]
+BACKENDS = pytest.mark.parametrize("kind", ["ollama", "openai"])
+
+
+def embed_fleet() -> Fleet:
+    return parse_fleet(EMBED_FLEET, "embed.toml")
+
+
+async def own_vectors(url: str, texts: list[str], dimensions: int | None = None) -> list[list[float]]:
+    """The vectors the simulated machine itself answers for `texts` (the reference)."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        body: dict[str, Any] = {"model": "embedder", "input": texts}
+        if dimensions is not None:
+            body["dimensions"] = dimensions
+        answer = (await http.post("/api/embed", json=body)).json()
+    vectors: list[list[float]] = answer["embeddings"]
+    return vectors
+
+
+def close(got: list[float], want: list[float]) -> bool:
+    """Equal as float32s (the precision the vectors travel in)."""
+    return len(got) == len(want) and got == pytest.approx(want, abs=1e-6)
+
+
+# -- the openai client ------------------------------------------------------------------------------
+
+
+@BACKENDS
+async def test_the_openai_client_gets_one_vector_per_input_as_floats_and_as_base64(
+    redis_client: aioredis.Redis, redis_url: str, kind: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=embed_fleet(), kind=kind) as (
+        base,
+        hosts,
+    ):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        # The client asks for base64 unless told otherwise, and decodes it itself.
+        raw = await client.embeddings.with_raw_response.create(model="embedder", input=TEXTS)
+        default = raw.parse()
+        floats = await client.embeddings.create(model="embedder", input=TEXTS, encoding_format="float")
+        one = await client.embeddings.create(model="embedder", input="on the mat", dimensions=16)
+        async with httpx.AsyncClient(base_url=base) as http:
+            b64 = (
+                await http.post(
+                    "/v1/embeddings", json={"model": "embedder", "input": TEXTS, "encoding_format": "base64"}
+                )
+            ).json()
+        await client.close()
+        want = await own_vectors(hosts.url("a"), TEXTS)
+        want16 = await own_vectors(hosts.url("a"), ["on the mat"], dimensions=16)
+    assert [d.index for d in default.data] == [0, 1, 2]
+    assert all(close(list(d.embedding), w) for d, w in zip(default.data, want, strict=True))
+    assert all(close(list(d.embedding), w) for d, w in zip(floats.data, want, strict=True))
+    assert default.data[0].embedding == default.data[2].embedding
+    assert default.model == "embedder" and default.object == "list"
+    assert default.usage.prompt_tokens > 0 and default.usage.total_tokens == default.usage.prompt_tokens
+    assert raw.headers["x-routeledger-worker"] in ("a", "b")
+    # base64 is little-endian float32s, as OpenAI sends it.
+    packed = base64.b64decode(b64["data"][1]["embedding"])
+    assert close(list(struct.unpack(f"<{len(packed) // 4}f", packed)), want[1])
+    assert len(one.data) == 1 and close(list(one.data[0].embedding), want16[0])
+
+
+# -- the ollama client ------------------------------------------------------------------------------
+
+
+@BACKENDS
+async def test_the_ollama_client_embeds_a_list_and_the_legacy_endpoint_embeds_a_prompt(
+    redis_client: aioredis.Redis, redis_url: str, kind: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=embed_fleet(), kind=kind) as (
+        base,
+        hosts,
+    ):
+        client = ollama.AsyncClient(host=base)
+        many = await client.embed(model="embedder", input=TEXTS, truncate=True, keep_alive="5m")
+        single = await client.embed(model="embedder", input="on the mat")
+        legacy = await client.embeddings(model="embedder", prompt="on the mat")
+        loaded = await client.embed(model="embedder", input=[])
+        want = await own_vectors(hosts.url("a"), TEXTS)
+    assert len(many.embeddings) == 3
+    assert all(close(list(v), w) for v, w in zip(many.embeddings, want, strict=True))
+    assert many.model == "embedder"
+    assert many.prompt_eval_count is not None and many.prompt_eval_count > 0
+    assert many.total_duration is not None and many.total_duration > 0
+    assert many.load_duration is not None
+    assert close(list(single.embeddings[0]), want[1])
+    assert close(list(legacy.embedding), want[1])
+    assert list(loaded.embeddings) == []
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+async def test_a_model_that_cannot_embed_is_refused_in_each_surfaces_shape_naming_those_that_can(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=embed_fleet()) as (base, _):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.embeddings.create(model="plain", input=["hello"])
+        await client.close()
+        ollama_client = ollama.AsyncClient(host=base)
+        with pytest.raises(ollama.ResponseError) as refused_embed:
+            await ollama_client.embed(model="plain", input=["hello"])
+        with pytest.raises(ollama.ResponseError) as refused_legacy:
+            await ollama_client.embeddings(model="plain", prompt="hello")
+        async with httpx.AsyncClient(base_url=base) as http:
+            tokens = await http.post("/v1/embeddings", json={"model": "embedder", "input": [[1, 2, 3]]})
+            empty = await http.post("/v1/embeddings", json={"model": "embedder", "input": ""})
+            encoding = await http.post(
+                "/v1/embeddings", json={"model": "embedder", "input": "x", "encoding_format": "int8"}
+            )
+            holed = await http.post("/api/embed", json={"model": "embedder", "input": ["x", ""]})
+        queued = await stored_results(redis_client)
+    assert refused.value.status_code == 400
+    assert refused.value.param == "model"
+    assert "model 'plain' cannot embed" in refused.value.message
+    assert "models that can: embedder" in refused.value.message
+    for err in (refused_embed.value, refused_legacy.value):
+        assert err.status_code == 400
+        assert "model 'plain' cannot embed" in err.error and "embedder" in err.error
+    assert tokens.status_code == 400 and "token arrays" in tokens.json()["error"]["message"]
+    assert tokens.json()["error"]["param"] == "input"
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+    assert encoding.status_code == 400 and encoding.json()["error"]["param"] == "encoding_format"
+    # One vector per input: an empty one is refused, not silently dropped.
+    assert holed.status_code == 400 and "input 1 is an empty string" in holed.json()["error"]
+    # Nothing refused ran.
+    assert queued == []
+
+
+# -- the ledger and the speed table -----------------------------------------------------------------
+
+
+async def test_an_embedding_task_is_ledgered_and_its_embedding_rate_reaches_the_speed_table(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # Time scale 1: the machines take prompt tokens / embed_tps to answer, as a backend does.
+    async with fleet_and_api(redis_client, redis_url, time_scale=1.0, fleet=embed_fleet()) as (base, _):
+        client = ollama.AsyncClient(host=base)
+        texts = [f"document {i}: " + "words " * 400 for i in range(2)]
+        for _ in range(2):
+            await client.embed(model="embedder", input=texts)
+        async with httpx.AsyncClient(base_url=base) as http:
+            projector = Projector(redis_client, Keys())
+            await projector.start()
+            await projector.catch_up()
+            speed_rows = (await http.get("/v1/stats")).json()["speed"]
+    ledger = Ledger(redis_client, Keys())
+    submitted = await events_of(ledger, TaskSubmitted)
+    completed = await events_of(ledger, TaskCompleted)
+    routed = await events_of(ledger, TaskRouted)
+    assert [e.kind for e in submitted] == ["embed", "embed"]
+    assert [e.kind for e in completed] == ["embed", "embed"]
+    assert len(routed) == 2
+    # The route was costed by the embedding rate: an embedding model decodes nothing.
+    best = routed[0].breakdown
+    assert "embed_tps" in str(best) and "decode_tps" not in str(best)
+    for e in completed:
+        t = e.timings
+        assert t.prompt_eval_count is not None and t.prompt_eval_count > 0
+        assert t.prompt_eval_duration is not None and t.eval_count is None
+    snap = await snapshot(redis_client, Keys())
+    rows = [r for r in snap.speed.values() if r.embed_tps.n]
+    assert sum(r.embed_tps.n for r in rows) == 2
+    # No prompt or decode sample: reading the input of an embedding is its own rate.
+    assert all(r.decode_tps.n == 0 and r.prompt_tps.n == 0 for r in rows)
+    for r in rows:
+        assert r.embed_tps.mean is not None
+        # The machine's embed_tps (2000/s), as the backend's own timings show it.
+        assert 1000 < r.embed_tps.mean < 2100
+    shown = [r for r in speed_rows if r["embed_tps"]["n"]]
+    assert sum(r["embed_tps"]["n"] for r in shown) == 2
+
+
+def test_packed_vectors_read_back_as_the_same_float32s() -> None:
+    vector = [0.5, -0.25, 1.0 / 3.0]
+    packed = struct.pack("<3f", *vector)
+    assert unpack_vector(packed) == list(struct.unpack("<3f", packed))
+    assert len(packed) == 12
+
+
+async def test_a_large_batch_runs_as_parts_on_both_holders_recorded_as_a_split_and_answered_in_order(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # Long enough that reading them, not loading the model, is most of the time.
+    texts = [f"passage {i}: " + "words " * 300 for i in range(16)]
+    async with fleet_and_api(
+        redis_client, redis_url, workers=("a", "b"), time_scale=0, fleet=embed_fleet()
+    ) as (base, hosts):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        raw = await client.embeddings.with_raw_response.create(model="embedder", input=texts)
+        await client.close()
+        want = await own_vectors(hosts.url("b"), texts)
+    answer = raw.parse()
+    submitted = await events_of(Ledger(redis_client, Keys()), TaskSubmitted)
+    # Two holders that read as fast as each other: half the batch each.
+    assert [(e.part, e.parts) for e in submitted] == [(0, 2), (1, 2)]
+    assert len({e.split_of for e in submitted}) == 1 and submitted[0].split_of is not None
+    assert [e.prompt_tokens for e in submitted] == [
+        sum(estimate_tokens(t) for t in texts[:8]),
+        sum(estimate_tokens(t) for t in texts[8:]),
+    ]
+    assert raw.headers["x-routeledger-task"] == ",".join(e.task_id for e in submitted)
+    assert [d.index for d in answer.data] == list(range(16))
+    assert all(close(list(d.embedding), w) for d, w in zip(answer.data, want, strict=True))
+    assert answer.usage.prompt_tokens > 0
+
+
+async def test_a_worker_benchmarks_an_embedding_model_with_embeddings_and_grades_nothing(
+    redis_client: aioredis.Redis,
+) -> None:
+    ledger = Ledger(redis_client, Keys())
+    async with SimHosts(embed_fleet(), time_scale=1.0, seed=5) as sim:
+        config = fast_config("b", auto_bench=True, bench_min_samples=2, bench_check_s=0.2)
+        async with running_agent(redis_client, sim.url("b"), config):
+
+            async def benched() -> bool:
+                return len(await events_of(ledger, BenchmarkResult)) >= 2
+
+            await wait_until(benched, timeout=30)
+    results = await events_of(ledger, BenchmarkResult)
+    assert {r.kind for r in results} == {"embed"}
+    assert all(r.timings.prompt_eval_count and r.timings.prompt_eval_duration for r in results)
+    # An embedding model answers no text: no grade, and no failed chat against it.
+    assert await events_of(ledger, QualityScored) == []
+    assert await events_of(ledger, TaskFailed) == []
+    requested = await events_of(ledger, BenchmarkRequested)
+    assert [r.reason for r in requested] == ["joined"]
+    projector = Projector(redis_client, Keys())
+    await projector.start()
+    await projector.catch_up()
+    row = (await snapshot(redis_client, Keys())).speed[("b", results[0].digest)]
+    assert row.embed_tps.n == len(results) and row.decode_tps.n == 0
+
+
+def test_a_model_is_costed_as_an_embedding_model_when_its_holders_say_so_or_it_has_only_ever_embedded() -> (
+    None
+):
+    said, silent, chats, mixed = "s" * 64, "q" * 64, "c" * 64, "m" * 64
+    leases = {
+        "ollama": LeaseInfo(
+            worker="ollama",
+            token="t",
+            slots=1,
+            inventory=[
+                ModelEntry(name="said", digest=said, capabilities=["embedding"]),
+                ModelEntry(name="mixed", digest=mixed, capabilities=["completion", "embedding"]),
+            ],
+        ),
+        "openai": LeaseInfo(
+            worker="openai",
+            token="t",
+            slots=1,
+            inventory=[ModelEntry(name="silent", digest=silent), ModelEntry(name="chats", digest=chats)],
+        ),
+    }
+    snap = Snapshot()
+    sample = fold(Stat(), 1000.0, 1, 3600.0)
+    snap.speed[("openai", silent)] = SpeedRow(worker="openai", digest=silent, embed_tps=sample)
+    snap.speed[("openai", chats)] = SpeedRow(
+        worker="openai", digest=chats, embed_tps=sample, decode_tps=sample
+    )
+    snap.speed[("ollama", mixed)] = SpeedRow(worker="ollama", digest=mixed, embed_tps=sample)
+    # `mixed` says it completes: its embeddings are no evidence that it only embeds.
+    assert embedding_models(leases, snap) == {said, silent}
