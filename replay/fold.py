@@ -184,10 +184,16 @@ def fold_tables(
     # TaskCompleted only keeps the task's history. Benchmark answers are short by design, so they
     # say nothing of output length either.
     ordinary = counted.filter(pl.col("bench_id").is_null())
-    # A task submitted with runtime options (its first submission says) is no speed sample.
+    # A task submitted with runtime options (its first submission says) is no speed sample: from
+    # that submission on, as the live fold knows it (a completion the ledger holds before it counts).
     first_sub = frames.frame("submitted").lazy().filter(pl.col("task_id").is_first_distinct())
-    marked = first_sub.filter(pl.col("runtime_options")).select("task_id")
-    _speed(tables, ordinary.join(marked, on="task_id", how="anti", maintain_order="left"), bench)
+    marked = first_sub.filter(pl.col("runtime_options")).select("task_id", pl.col("seq").alias("marked_at"))
+    sampled = (
+        ordinary.join(marked, on="task_id", how="left", maintain_order="left")
+        .filter(pl.col("marked_at").is_null() | (pl.col("marked_at") > pl.col("seq")))
+        .drop("marked_at")
+    )
+    _speed(tables, sampled, bench)
     _length(tables, ordinary)
     _quality(tables, frames.frame("quality"))
     _demand(tables, frames.frame("submitted"))

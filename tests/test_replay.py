@@ -224,6 +224,22 @@ def test_the_live_projector_and_the_polars_rebuild_give_the_same_tables(
     asyncio.run(_live_against_rebuild(redis_url, events, actions))
 
 
+def test_a_completion_the_ledger_holds_before_its_runtime_options_submission_counts_in_both_folds(
+    redis_url: str,
+) -> None:
+    # The live fold cannot know what a later submission will say: the rebuild must not either.
+    timings = Timings(
+        eval_count=100, eval_duration=2 * 10**9, prompt_eval_count=50, prompt_eval_duration=10**8
+    )
+    completed = TaskCompleted(
+        at=T0, task_id="t0", worker="w1", digest=D1, domain="general", attempt=1, timings=timings
+    )
+    submitted = TaskSubmitted(
+        at=T0 + 1, task_id="t0", model="m", digest=D1, domain="general", queue="q", runtime_options=True
+    )
+    asyncio.run(_live_against_rebuild(redis_url, [completed, submitted], [(2, "go")]))
+
+
 # Events with where in the last 30 days each lands (ledger order is by that time), so that a
 # task's entries fall on both sides of the retention cutoff.
 DATED = st.lists(st.tuples(st.integers(0, 30 * DAY), EVENTS), min_size=5, max_size=40)
