@@ -24,6 +24,7 @@ from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
+from router.estimate import DEFAULT_IMAGE_TOKENS
 from router.preview import preview
 
 log = logging.getLogger("routeledger.dispatch")
@@ -81,6 +82,16 @@ class TaskRequest(msgspec.Struct, kw_only=True):
         """All the text the model reads (its size and its domain are read from it)."""
         return prompt_text(self.kind, self.messages, self.prompt, self.system)
 
+    def image_count(self) -> int:
+        """How many images the model reads (the prompt's and its messages')."""
+        return len(self.images or []) + sum(len(m.images or []) for m in self.messages)
+
+    def prompt_tokens(self) -> int:
+        """Its prompt tokens as planned before the backend counts them: the text's estimate and
+        each image at the router's per-image figure (router.estimate.DEFAULT_IMAGE_TOKENS), which
+        the backend's prompt_eval_count includes too."""
+        return estimate_tokens(self.text()) + self.image_count() * DEFAULT_IMAGE_TOKENS
+
 
 class Submitted(msgspec.Struct, kw_only=True):
     """A task accepted and queued, with the routing decision it was queued under (if any)."""
@@ -122,7 +133,11 @@ async def route_and_submit(
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
-        model=req.model, domain=domain, prompt_tokens=estimate_tokens(text), max_tokens=req.max_tokens
+        model=req.model,
+        domain=domain,
+        prompt_tokens=estimate_tokens(text),
+        max_tokens=req.max_tokens,
+        images=req.image_count(),
     )
     decision: Decision | None
     try:
@@ -159,7 +174,7 @@ def needs(req: TaskRequest) -> list[str]:
     out = []
     if req.tools and req.tool_choice != "none":
         out.append("tools")
-    if req.images or any(m.images for m in req.messages):
+    if req.image_count():
         out.append("vision")
     if req.think is True or (isinstance(req.think, str) and req.think.lower() not in ("", "none", "false")):
         out.append("thinking")
@@ -242,7 +257,7 @@ async def submit_task(
         priority=req.priority,
         pipeline_id=req.pipeline_id,
         stream=req.stream,
-        prompt_tokens=estimate_tokens(text),
+        prompt_tokens=req.prompt_tokens(),
         deadline_ms=req.deadline_ms,
         tools=req.tools,
         tool_choice=req.tool_choice,

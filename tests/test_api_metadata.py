@@ -1,6 +1,6 @@
 """Truthful metadata and what images and thinking count for: the real `ollama` client reads, through
 the API, what the holders' own backends report (/api/show, /api/tags, /api/ps) and nothing made up;
-thinking counts in the completion's output tokens.
+an image counts in the routing estimate's prompt, thinking in the completion's output tokens.
 
 The simulated machines (sim/backends/host.py) report a fact only where the fleet gives it: `talker`
 has every fact, `plain` none (no family, parameter size or size). The hosts run at time scale 0.
@@ -23,14 +23,19 @@ from redis.exceptions import ResponseError
 
 from dispatch.modelcard import MAX_CARD_BYTES, ModelCard, encode_card, publish_cards, read_card
 from events.codec import decode_entry
-from events.event import Event, TaskCompleted
+from events.event import Event, TaskCompleted, TaskRouted, TaskSubmitted
 from events.keys import Keys
 from projections.folder import Folder
 from projections.tables import Tables
 from routeledger.cli_acl import worker_acl_rules
 from routeledger.embedded import find_redis_server, redis_version
+from router.choose import RouteQuery, rank_workers
+from router.estimate import DEFAULT_IMAGE_TOKENS
+from sim.backends.ask import IMAGE_TOKENS
 from sim.backends.hosts import SimHosts
+from sim.backends.text import count_tokens
 from sim.fleetspec import Fleet, parse_fleet
+from tests.router_helpers import NOW, QWEN, estimator, snapshot, speed_row, view, worker
 from tests.test_api_support import fleet_and_api
 from workers.backend import OllamaBackend, OpenAIBackend
 
@@ -274,7 +279,43 @@ async def test_a_worker_under_its_acl_writes_its_own_cards_and_no_others(
     assert not await redis_client.exists(keys.card("b"))
 
 
-# -- what thinking counts for -------------------------------------------------------------
+# -- what images and thinking count for -------------------------------------------------------------
+
+
+def test_each_image_adds_its_tokens_to_the_prompt_term_and_the_breakdown_names_the_figure() -> None:
+    est = estimator(snapshot([speed_row("gpu", QWEN, 80.0, 10, prompt=576.0)]))
+    fv = view([worker("gpu", {QWEN})])
+    text = rank_workers(fv, est, QWEN, NOW, RouteQuery(prompt_tokens=100)).best
+    seen = rank_workers(fv, est, QWEN, NOW, RouteQuery(prompt_tokens=100, images=2)).best
+    assert seen.terms["prompt_s"] - text.terms["prompt_s"] == pytest.approx(2 * DEFAULT_IMAGE_TOKENS / 576.0)
+    assert seen.terms["image_tokens"] == 2 * DEFAULT_IMAGE_TOKENS and "image_tokens" not in text.terms
+    figure = seen.fields["image_tokens"]
+    assert (figure.value, figure.n) == (DEFAULT_IMAGE_TOKENS, 0)
+    assert figure.source.startswith("default")
+
+
+async def test_an_image_counts_in_the_submitted_prompt_tokens_as_the_backend_counts_it(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    look = "What is in this picture?"
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=metadata_fleet()) as (base, _):
+        answer = await ollama.AsyncClient(host=base).chat(
+            model="talker", messages=[{"role": "user", "content": look, "images": [PIXEL, PIXEL]}]
+        )
+        events = await ledger(redis_client)
+    submitted = next(e for e in events if isinstance(e, TaskSubmitted))
+    routed = next(e for e in events if isinstance(e, TaskRouted))
+    completed = next(e for e in events if isinstance(e, TaskCompleted))
+    # The estimate's per-image figure is the one the backend charges here.
+    assert DEFAULT_IMAGE_TOKENS == IMAGE_TOKENS
+    counted = count_tokens(look) + 2 * IMAGE_TOKENS
+    assert answer.prompt_eval_count == completed.timings.prompt_eval_count == counted
+    assert submitted.prompt_tokens is not None
+    assert submitted.prompt_tokens - 2 * DEFAULT_IMAGE_TOKENS == max(1, (len(look.encode()) + 3) // 4)
+    shared: Any = routed.breakdown["shared"]
+    assert shared["terms"]["image_tokens"] == 2 * DEFAULT_IMAGE_TOKENS
+    value, n, source, _ = shared["fields"]["image_tokens"]
+    assert (value, n) == (DEFAULT_IMAGE_TOKENS, 0) and source.startswith("default")
 
 
 @pytest.mark.parametrize("kind", ["ollama", "openai"])
