@@ -85,6 +85,8 @@ async def ps(request: Request) -> JSON:
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
     models: list[dict[str, Any]] = []
+    # Each digest's facts once per answer (every worker may have the same model loaded).
+    known: dict[str, ModelEntry | None] = {}
     for info in sorted(leases.values(), key=lambda i: i.worker):
         names = {e.digest: e.name for e in info.inventory}
         reported = {lm.digest: lm for lm in info.loaded_models}
@@ -94,7 +96,9 @@ async def ps(request: Request) -> JSON:
             if lm.size is not None:
                 entry["size"] = lm.size
             entry["digest"] = digest
-            f = facts(digest, leases) or next((e for e in info.inventory if e.digest == digest), None)
+            if digest not in known:
+                known[digest] = facts(digest, leases)
+            f = known[digest] or next((e for e in info.inventory if e.digest == digest), None)
             entry["details"] = details(f) if f is not None else {}
             if lm.expires_at is not None:
                 entry["expires_at"] = lm.expires_at
