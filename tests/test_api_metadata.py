@@ -19,12 +19,14 @@ import msgspec
 import ollama
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError
 
+from api.app import AppConfig
 from dispatch.modelcard import MAX_CARD_BYTES, ModelCard, encode_card, publish_cards, read_card
 from events.codec import decode_entry
 from events.event import Event, TaskCompleted, TaskRouted, TaskSubmitted
 from events.keys import Keys
+from events.scripts import load_library
 from projections.folder import Folder
 from projections.tables import Tables
 from routeledger.cli_acl import worker_acl_rules
@@ -35,8 +37,9 @@ from sim.backends.ask import IMAGE_TOKENS
 from sim.backends.hosts import SimHosts
 from sim.backends.text import count_tokens
 from sim.fleetspec import Fleet, parse_fleet
+from tests.helpers import fast_config, running_agent
 from tests.router_helpers import NOW, QWEN, estimator, snapshot, speed_row, view, worker
-from tests.test_api_support import fleet_and_api
+from tests.test_api_support import fleet_and_api, serving
 from workers.backend import OllamaBackend, OpenAIBackend
 
 TALKER_SIZE = 5225376047
@@ -270,13 +273,44 @@ async def test_a_worker_under_its_acl_writes_its_own_cards_and_no_others(
     card = ModelCard(template=TEMPLATE, parameters=PARAMETERS)
     try:
         await publish_cards(worker, keys, "a", {"d" * 64: card})
-        with pytest.raises(ResponseError):
+        # The refusal names itself as the worker's agent looks for it (it says so once, not every beat).
+        with pytest.raises(NoPermissionError):
             await publish_cards(worker, keys, "b", {"d" * 64: ModelCard(template="forged")})
     finally:
         await worker.aclose()
         await redis_client.execute_command("ACL", "DELUSER", "a")  # type: ignore[no-untyped-call]
     assert await read_card(redis_client, keys, "d" * 64, ["b", "a"]) == card
     assert not await redis_client.exists(keys.card("b"))
+
+
+async def test_a_worker_whose_acl_predates_its_cards_says_so_once_and_serves_on(
+    redis_client: aioredis.Redis, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    version = redis_version(find_redis_server())
+    if version is None or version < (7,):
+        pytest.skip(f"worker ACLs need Redis 7 (selectors, %R~); this redis-server is {version}")
+    keys = Keys()
+    older = [r for r in worker_acl_rules("a", "pw", keys) if r != f"~{keys.card('a')}"]
+    await redis_client.execute_command("ACL", "SETUSER", "a", *older)  # type: ignore[no-untyped-call]
+    await load_library(redis_client)
+    parts = urlsplit(redis_url)
+    limited = aioredis.Redis.from_url(f"redis://a:pw@{parts.hostname}:{parts.port}/0")
+    try:
+        async with (
+            SimHosts(metadata_fleet(), time_scale=0) as hosts,
+            running_agent(limited, hosts.url("a"), fast_config("a", inbox=True)),
+            serving(AppConfig(redis_url=redis_url)) as base,
+        ):
+            answer = await ollama.AsyncClient(host=base).chat(model="talker", messages=HI)
+            shown = await ollama.AsyncClient(host=base).show("talker")
+            await asyncio.sleep(1.0)  # three heartbeats more
+    finally:
+        await limited.aclose()
+        await redis_client.execute_command("ACL", "DELUSER", "a")  # type: ignore[no-untyped-call]
+    said = [r for r in caplog.records if "may not write" in r.getMessage()]
+    assert answer.message.content and len(said) == 1
+    # The lease's facts still reach /api/show; only the card's template is missing.
+    assert shown.capabilities == ["completion", "tools", "vision", "thinking"] and shown.template is None
 
 
 # -- what images and thinking count for -------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from dispatch.benchmark import (
     PROBE_AFTER_S,
@@ -251,9 +251,19 @@ class WorkerAgent:
         try:
             await publish_cards(self.redis, self.keys, self.name, cards)
         except RedisError as exc:
-            # /api/show lacks the template until the next heartbeat writes it: nothing else waits.
-            log.warning("worker %s: could not write its model cards (%s); will retry", self.name, exc)
-            return
+            if not isinstance(exc, NoPermissionError):
+                # /api/show lacks the template until a later heartbeat writes it: nothing else waits.
+                log.warning("worker %s: could not write its model cards (%s); will retry", self.name, exc)
+                return
+            # An ACL made before this key existed: said once, not every beat.
+            log.warning(
+                "worker %s: its Redis user may not write %s (%s); /api/show will lack its templates "
+                "until `routeledger acl worker %s` is applied again",
+                self.name,
+                self.keys.card(self.name),
+                exc,
+                self.name,
+            )
         self._cards_published = cards
 
     async def _take_lease(self) -> None:
