@@ -9,7 +9,6 @@ A failure mid-stream is one `{"error": "..."}` line.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -21,11 +20,13 @@ from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, rende
 from api.pipelines import pipeline_answer, refuse_unsupported
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from api.tools import check_tools, ollama_calls
-from dispatch.lease import LeaseInfo
+from dispatch.lease import LeaseInfo, LoadedModel
+from dispatch.modelcard import details, facts, read_card
 from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
 from dispatch.payload import Result, Thought
 from dispatch.serving import ModelInfo, catalog
 from dispatch.submit import TaskRequest
+from events.event import ModelEntry
 from pipelines.coordinator import PIPELINE_MODEL
 
 router = APIRouter(tags=["ollama"])
@@ -33,20 +34,9 @@ router = APIRouter(tags=["ollama"])
 NDJSON: Final = "application/x-ndjson"
 
 
-def _details(m: ModelInfo) -> dict[str, Any]:
-    e = m.entry
-    return {
-        "parent_model": "",
-        "format": "gguf",
-        "family": e.family or "",
-        "families": [e.family] if e.family else None,
-        "parameter_size": e.parameter_size or "",
-        "quantization_level": e.quantization or "",
-    }
-
-
-def _since(leases: dict[str, LeaseInfo], m: ModelInfo) -> float:
-    return min((leases[w].since for w in m.holders if w in leases), default=0) / 1000
+def _facts(m: ModelInfo, leases: dict[str, LeaseInfo]) -> ModelEntry:
+    """What the holders of `m` report of it, each fact from the first holder that reports it."""
+    return facts(m.entry.digest, leases) or m.entry
 
 
 @router.get("/", include_in_schema=False)
@@ -63,82 +53,95 @@ async def version() -> JSON:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> JSON:
-    """Every model the live fleet serves, as Ollama lists what it holds."""
+    """Every model the live fleet serves, as Ollama lists what it holds: the facts its holders'
+    backends report (and `capabilities`, which Ollama's own list leaves to /api/show), none made up."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models = [
-        {
-            "name": m.name,
-            "model": m.name,
-            "modified_at": rfc3339(_since(leases, m)),
-            "size": m.entry.size or 0,
-            "digest": m.entry.digest,
-            "details": _details(m),
-        }
-        for m in catalog(leases)
-    ]
+    models = []
+    for m in catalog(leases):
+        f = _facts(m, leases)
+        entry: dict[str, Any] = {"name": m.name, "model": m.name}
+        if f.modified_at:
+            entry["modified_at"] = f.modified_at
+        if f.size is not None:
+            entry["size"] = f.size
+        entry["digest"] = f.digest
+        entry["details"] = details(f)
+        if f.capabilities is not None:
+            entry["capabilities"] = f.capabilities
+        models.append(entry)
     if models:
         # Open WebUI's Ollama connection lists models from here, so the pipeline must be among them.
         models.append(
-            {
-                "name": PIPELINE_MODEL,
-                "model": PIPELINE_MODEL,
-                "modified_at": rfc3339(),
-                "size": 0,
-                "digest": "",
-                "details": {"parent_model": "", "format": "", "family": "routeledger-pipeline"},
-            }
+            {"name": PIPELINE_MODEL, "model": PIPELINE_MODEL, "details": {"family": "routeledger-pipeline"}}
         )
     return JSON({"models": models})
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> JSON:
-    """Models loaded on at least one live worker."""
+    """Each live worker's loaded models, as its backend's /api/ps reports them (sizes, expiry), one
+    entry per worker and model, with the worker's name (`worker`, an extension of Ollama's shape)."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models = [
-        {
-            "name": m.name,
-            "model": m.name,
-            "size": m.entry.size or 0,
-            "digest": m.entry.digest,
-            "details": _details(m),
-            "expires_at": rfc3339(time.time() + 300),
-            "size_vram": 0,
-            "workers": m.loaded_on,
-        }
-        for m in catalog(leases)
-        if m.loaded_on
-    ]
+    models: list[dict[str, Any]] = []
+    # Each digest's facts once per answer (every worker may have the same model loaded).
+    known: dict[str, ModelEntry | None] = {}
+    for info in sorted(leases.values(), key=lambda i: i.worker):
+        names = {e.digest: e.name for e in info.inventory}
+        reported = {lm.digest: lm for lm in info.loaded_models}
+        for digest in info.loaded:
+            lm = reported.get(digest) or LoadedModel(name=names.get(digest, digest[:12]), digest=digest)
+            entry: dict[str, Any] = {"name": lm.name, "model": lm.name}
+            if lm.size is not None:
+                entry["size"] = lm.size
+            entry["digest"] = digest
+            if digest not in known:
+                known[digest] = facts(digest, leases)
+            f = known[digest] or next((e for e in info.inventory if e.digest == digest), None)
+            entry["details"] = details(f) if f is not None else {}
+            if lm.expires_at is not None:
+                entry["expires_at"] = lm.expires_at
+            if lm.size_vram is not None:
+                entry["size_vram"] = lm.size_vram
+            if lm.context_length is not None:
+                entry["context_length"] = lm.context_length
+            entry["worker"] = info.worker
+            models.append(entry)
     return JSON({"models": models})
 
 
 @router.post("/api/show")
 async def show(body: OllamaShow, request: Request) -> JSON:
+    """What the holders' backends say of the model (their own /api/show, cached per digest by each
+    worker): capabilities, template, parameters, details and model_info; what none says is absent."""
     name = body.model or body.name
     if not name:
         raise BadRequestError("model is required", param="model")
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    for m in catalog(leases):
-        if name in (m.name, m.name.removesuffix(":latest")):
-            return JSON(
-                {
-                    "modelfile": f"# served by routeledger from {', '.join(m.holders)}\nFROM {m.name}\n",
-                    "parameters": "",
-                    "template": "{{ .Prompt }}",
-                    "details": _details(m),
-                    "model_info": {
-                        "general.architecture": m.entry.family or "",
-                        "routeledger.holders": m.holders,
-                    },
-                    # What the holders' backends report (what a UI offers tools or images by).
-                    "capabilities": m.entry.capabilities or ["completion"],
-                    "modified_at": rfc3339(_since(leases, m)),
-                }
-            )
-    raise model_not_found(name, leases)
+    m = next((m for m in catalog(leases) if name in (m.name, m.name.removesuffix(":latest"))), None)
+    if m is None:
+        raise model_not_found(name, leases)
+    digest, holders = m.entry.digest, m.holders
+    f = _facts(m, leases)
+    card = await gw.retrying(lambda: read_card(gw.redis, gw.keys, digest, holders))
+    shown: dict[str, Any] = {
+        "modelfile": f"# served by routeledger from {', '.join(holders)}\nFROM {m.name}\n",
+    }
+    if card.parameters is not None:
+        shown["parameters"] = card.parameters
+    if card.template is not None:
+        shown["template"] = card.template
+    shown["details"] = details(f)
+    # The ollama client requires `model_info` (empty will do): the holders' own, and who they are.
+    shown["model_info"] = {**(card.model_info or {}), "routeledger.holders": holders}
+    if f.capabilities is not None:
+        # What a UI offers tools or images by.
+        shown["capabilities"] = f.capabilities
+    if f.modified_at:
+        shown["modified_at"] = f.modified_at
+    return JSON(shown)
 
 
 def _max_tokens(options: dict[str, Any] | None) -> int | None:

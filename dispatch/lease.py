@@ -30,6 +30,20 @@ class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     max_tokens: int | None = None
 
 
+class LoadedModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A model loaded in a worker's backend, as the backend reports it (Ollama's /api/ps); None:
+    it does not say."""
+
+    name: str
+    digest: str
+    # Bytes it takes in memory, and how many of them are in GPU memory.
+    size: int | None = None
+    size_vram: int | None = None
+    # When the backend will unload it if it stays idle (RFC 3339, as the backend wrote it).
+    expires_at: str | None = None
+    context_length: int | None = None
+
+
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The value of a worker's lease key (which of its models it serves: dispatch.serving.served)."""
 
@@ -52,6 +66,8 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # How many of the models it serves fit in its memory at once (1: loading one evicts another);
     # None: unknown (sizes or memory not reported).
     max_loaded: int | None = None
+    # `loaded` as its backend reports each one (sizes, expiry), for the Ollama surface's /api/ps.
+    loaded_models: list[LoadedModel] = msgspec.field(default_factory=list)
 
 
 _encoder: Final = msgspec.msgpack.Encoder()

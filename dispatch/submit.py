@@ -24,6 +24,7 @@ from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
+from router.estimate import DEFAULT_IMAGE_TOKENS
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 
@@ -92,12 +93,22 @@ class TaskRequest(msgspec.Struct, kw_only=True):
         """All the text the model reads (its size and its domain are read from it)."""
         return prompt_text(self.kind, self.messages, self.prompt, self.system, self.inputs)
 
-    def prompt_tokens(self) -> int:
-        """The prompt's size before the backend counts it: an embedding's inputs one by one (each
-        is a sequence of its own), anything else as one text."""
+    def text_tokens(self) -> int:
+        """The prompt's text size before the backend counts it: an embedding's inputs one by one
+        (each is a sequence of its own), anything else as one text."""
         if self.kind == EMBED and self.inputs:
             return sum(estimate_tokens(text) for text in self.inputs)
         return estimate_tokens(self.text())
+
+    def image_count(self) -> int:
+        """How many images the model reads (the prompt's and its messages')."""
+        return len(self.images or []) + sum(len(m.images or []) for m in self.messages)
+
+    def prompt_tokens(self) -> int:
+        """Its prompt tokens as planned before the backend counts them: the text's estimate and
+        each image at the router's per-image figure (router.estimate.DEFAULT_IMAGE_TOKENS), which
+        the backend's prompt_eval_count includes too."""
+        return self.text_tokens() + self.image_count() * DEFAULT_IMAGE_TOKENS
 
 
 class Submitted(msgspec.Struct, kw_only=True):
@@ -140,7 +151,11 @@ async def route_and_submit(
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
     query = RouteQuery(
-        model=req.model, domain=domain, prompt_tokens=req.prompt_tokens(), max_tokens=req.max_tokens
+        model=req.model,
+        domain=domain,
+        prompt_tokens=req.text_tokens(),
+        max_tokens=req.max_tokens,
+        images=req.image_count(),
     )
     decision: Decision | None
     try:
@@ -180,7 +195,7 @@ def needs(req: TaskRequest) -> list[str]:
     out = []
     if req.tools and req.tool_choice != "none":
         out.append("tools")
-    if req.images or any(m.images for m in req.messages):
+    if req.image_count():
         out.append("vision")
     if req.think is True or (isinstance(req.think, str) and req.think.lower() not in ("", "none", "false")):
         out.append("thinking")

@@ -125,6 +125,14 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     # What the model can do, as its backend reports it (Ollama's /api/show `capabilities`:
     # completion, tools, vision, embedding, thinking…); None: the backend cannot say.
     capabilities: list[str] | None = None
+    # More of what the backend reports (Ollama's /api/show and /api/tags `details`, and the
+    # `*.context_length` of its `model_info`); None: it does not say. Small, unlike the template
+    # and parameters (dispatch.modelcard keeps those out of leases and the ledger).
+    families: list[str] | None = None
+    format: str | None = None
+    context_length: Count | None = None
+    # When the backend last changed its copy (Ollama's /api/tags `modified_at`, RFC 3339).
+    modified_at: str | None = None
 
 
 # -- tasks -------------------------------------------------------------------------------------

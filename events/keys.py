@@ -142,6 +142,11 @@ class Keys:
         # A worker's lease: present while its heartbeats arrive (string with TTL).
         return f"{self.prefix}live:{worker}"
 
+    def card(self, worker: str) -> str:
+        # Hash digest -> what the worker's backend says of that model too large for its lease
+        # (template, parameters, model_info: dispatch.modelcard); written by that worker only.
+        return f"{self.prefix}card:{worker}"
+
     @property
     def workers(self) -> str:
         # Set of workers holding a lease: a worker joins when it takes one; the reaper drops it

@@ -14,6 +14,7 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
 | `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
 | `rl:live:NAME` | read, write | its own lease |
+| `rl:card:NAME` | read, write | what its backend says of its models beyond the lease (template, parameters) |
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
 | `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
 | `rl:events` | read | ledger news wakes a worker the gate held back |
@@ -70,6 +71,9 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "hmget",
     "hexists",
     "hsetnx",
+    # Its model cards are written whole, in one MULTI (dispatch.modelcard.publish_cards).
+    "multi",
+    "exec",
     "xadd",
     # Sent by the library's functions (which run under this user's ACL), and by nothing else.
     "xack",
@@ -105,6 +109,7 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         f"~{k.out('*')}",
         f"~{k.result('*')}",
         f"~{k.live(name)}",
+        f"~{k.card(name)}",
         f"~{k.forgotten}",
         # The registries: its own entry in the live workers, and the queues it makes.
         f"~{k.workers}",

@@ -154,7 +154,7 @@ def forget(
         if name in live and not force:
             fail(f"worker {name!r} is live right now; stop it first, or pass --force")
         await client.sadd(keys.forgotten, name)
-        await client.delete(keys.live(name))
+        await client.delete(keys.live(name), keys.card(name))
         await client.srem(keys.workers, name)
         await Ledger(client, keys).append(WorkerOffline(worker=name, reason="forgotten"))
 

@@ -82,6 +82,17 @@ class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     # Counted (or estimated) before the backend counts them; None: the plan's default.
     prompt_tokens: int | None = None
     max_tokens: int | None = None
+    # Images it carries: each adds Estimator.image_tokens() to the prompt (the backend counts
+    # them in its prompt_eval_count), shown as the `image_tokens` term and field.
+    images: int = 0
+
+
+def prompt_estimate(query: RouteQuery, default_prompt: int, est: Estimator) -> int:
+    """The prompt tokens a decision counts for `query`: its text, and its images."""
+    prompt = default_prompt if query.prompt_tokens is None else query.prompt_tokens
+    if query.images > 0:
+        prompt += round(query.images * est.image_tokens().value)
+    return prompt
 
 
 class ChooseParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -245,7 +256,7 @@ def _ranking(
 ) -> Ranking:
     """The holders ranked for a new task behind the backlog `state` has laid out as `plan`."""
     domain = query.domain
-    prompt = params.default_prompt_tokens if query.prompt_tokens is None else query.prompt_tokens
+    prompt = prompt_estimate(query, params.default_prompt_tokens, est)
     out_field = est.output_tokens(digest, domain)
     quality = est.quality(digest, domain)
     max_tokens = query.max_tokens
@@ -275,6 +286,10 @@ def _ranking(
             # An embedding: its prompt tokens at the embedding rate, and nothing decoded.
             fields["embed_tps"] = sp.embed_tps
             del fields["decode_tps"], fields["prompt_tps"]
+        if query.images > 0:
+            image = est.image_tokens()
+            terms["image_tokens"] = query.images * image.value
+            fields["image_tokens"] = image
         if state.fac[i] is not None:
             # Its other slots' tasks share the machine with this one: the time that costs, and why.
             terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)
@@ -492,7 +507,7 @@ def _score_models(
     """
     domain = query.domain
     default_prompt = plan_params.default_prompt_tokens
-    prompt = default_prompt if query.prompt_tokens is None else query.prompt_tokens
+    prompt = prompt_estimate(query, default_prompt, est)
     prune = not plan_params.full_walk and params.latency_weight >= 0.0 and params.latency_scale_s > 0.0
     # Per model: quality, output tokens, queue, and the floor under the new task's finish as
     # (seconds, holder) (None where no floor holds, or when nothing is pruned).
@@ -662,7 +677,8 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         """The compact breakdown TaskRouted keeps in the ledger (`to_dict()` stays the whole one):
 
             {"model", "domain", "backlog",
-             "shared": {"terms": {"output_tokens", "quality"}, "fields": {name: [value, n, source, age_s]}},
+             "shared": {"terms": {"output_tokens", "quality", "image_tokens" (with images)},
+                        "fields": {name: [value, n, source, age_s]}},
              "candidates": [{"worker", "rank", "expected_finish_s", "terms": {...},
                              "fields": {name: [value, n, source, age_s]}}, ...],
              "others": {"count", "best_finish_s"}, "auto": {...}}
@@ -676,7 +692,7 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         ranking = self.ranking
         candidates = ranking.top(top)
         rest_best = ranking.best_finish_after(top)
-        shared_terms = ("output_tokens", "quality")
+        shared_terms = ("output_tokens", "quality", "image_tokens")
         first = candidates[0]
         out: dict[str, object] = {
             "model": self.model,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Final
 
 import msgspec
 
@@ -38,6 +39,14 @@ from projections.shift import Shift, row_shifts
 from projections.snapshot import LengthRow, QualityRow, Snapshot, SpeedRow, Stat
 
 SPEED_FIELDS: tuple[str, ...] = ("decode_tps", "prompt_tps", "load_s", "embed_tps")
+
+
+# Prompt tokens one image is counted as before the backend counts it: one 336-pixel tile of a CLIP
+# ViT-L/14 encoder, 24 x 24 patches, what LLaVA-style vision models spend on an image (and what the
+# simulator charges, sim.backends.ask.IMAGE_TOKENS). Models differ (Gemma 3 spends 256, tiling
+# encoders more on large images); not learned yet: the backend's prompt_eval_count includes the
+# images, so the prompt speed it measures is in these same units.
+DEFAULT_IMAGE_TOKENS: Final = 576
 
 
 class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -52,6 +61,7 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     # No default embedding rate: where none was measured, the prompt speed stands in for it.
     default_output_tokens: float = 256.0
     default_quality: float = 0.5
+    default_image_tokens: float = float(DEFAULT_IMAGE_TOKENS)
     # Output lengths' spread (coefficient of variation) where too few were measured to say: about
     # an exponential's, wider than most models' measured spread, so an unknown spread errs long.
     default_length_cv: float = 1.0
@@ -582,6 +592,12 @@ class Estimator:
         else:
             prior = _Prior(value=default, source="default", age_s=None)
         return _shrink(cells.get((digest, domain)), prior, k, self.now_ms, "model")
+
+    def image_tokens(self) -> Field:
+        """Prompt tokens one image adds to a request, before the backend counts them: a default
+        for every model (DEFAULT_IMAGE_TOKENS), named as such in the breakdown."""
+        value = self.params.default_image_tokens
+        return Field(value=value, n=0, source=f"default: {value:g} per image (one CLIP tile)", age_s=None)
 
     def output_tokens(self, digest: str, domain: str) -> Field:
         """Expected output tokens of the model for the domain (a property of the digest, not the worker)."""

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from dispatch.benchmark import (
     PROBE_AFTER_S,
@@ -35,6 +35,7 @@ from dispatch.benchmark import (
 )
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
+from dispatch.modelcard import ModelCard, publish_cards
 from dispatch.payload import Chunk, Result, Thought, ToolCall, encode_chunk
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from dispatch.serving import embeds_only
@@ -181,6 +182,8 @@ class WorkerAgent:
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
+        # The model cards last written to Redis (None: none yet in this life).
+        self._cards_published: dict[str, ModelCard] | None = None
         self.backend_ok = False
         self.running: dict[str, Running] = {}
         self.started_at = now_ms()
@@ -275,6 +278,32 @@ class WorkerAgent:
         await self._append(online)
         self.liveness.online(online)
         await self._report_changes()
+        self._cards_published = None  # a new life: written again (Redis may have lost them)
+        await self._publish_cards()
+
+    async def _publish_cards(self) -> None:
+        """Write what the backend says of its models beyond the lease (dispatch.modelcard) to this
+        worker's own hash, when it differs from what was written last."""
+        cards = self.inventory.cards
+        if cards == self._cards_published:
+            return
+        try:
+            await publish_cards(self.redis, self.keys, self.name, cards)
+        except RedisError as exc:
+            if not isinstance(exc, NoPermissionError):
+                # /api/show lacks the template until a later heartbeat writes it: nothing else waits.
+                log.warning("worker %s: could not write its model cards (%s); will retry", self.name, exc)
+                return
+            # An ACL made before this key existed: said once, not every beat.
+            log.warning(
+                "worker %s: its Redis user may not write %s (%s); /api/show will lack its templates "
+                "until `routeledger acl worker %s` is applied again",
+                self.name,
+                self.keys.card(self.name),
+                exc,
+                self.name,
+            )
+        self._cards_published = cards
 
     async def _take_lease(self) -> None:
         """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin. The lease
@@ -305,6 +334,7 @@ class WorkerAgent:
             loaded=list(self.inventory.loaded),
             loaded_known=self.inventory.loaded_known,
             max_loaded=max_loaded(self.inventory, self.resources),
+            loaded_models=list(self.inventory.loaded_models),
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
             running=[
@@ -548,10 +578,11 @@ class WorkerAgent:
                 return
             beat += 1
             try:
-                before = (self.backend_ok, self.inventory)
+                before = (self.backend_ok, self.inventory.routing())
                 await self._refresh_inventory()
                 self.resources = read_resources()
-                if (self.backend_ok, self.inventory) != before:
+                await self._publish_cards()
+                if (self.backend_ok, self.inventory.routing()) != before:
                     # What it holds, has loaded or serves changed: the lease says so now, not at
                     # the lease loop's next turn (routing and `ps` read it).
                     await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)

@@ -9,7 +9,10 @@ own timings. Images, structured output and thinking are asked for in each backen
 Each adapter speaks its backend's tool dialect both ways: the offered tools, earlier calls and tool
 results in the request; the calls in its stream (Ollama: `message.tool_calls`, arguments as an
 object and no id, so the adapter draws one; OpenAI: `tool_calls` deltas joined by index). Ollama's
-inventory also says what each model can do (`/api/show` capabilities, asked once per digest).
+inventory also says what each model is and can do (`/api/show`, asked once per digest: capabilities,
+details and context length for the lease, template, parameters and model_info for the worker's
+cards, dispatch.modelcard) and what is loaded with its sizes and expiry (`/api/ps`). An
+OpenAI-compatible server says none of it (`/v1/models` lists ids), so none of it is reported.
 An `embed` task goes to the backend's embedding endpoint instead (Ollama's /api/embed, or
 /v1/embeddings) and yields only its Generated, which carries the vectors. Ollama reports no time
 for reading the input apart from the load, so the adapter records `total_duration - load_duration`
@@ -44,6 +47,8 @@ import httpcore
 import httpx
 import msgspec
 
+from dispatch.lease import LoadedModel
+from dispatch.modelcard import ModelCard
 from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
@@ -68,6 +73,15 @@ class Inventory(msgspec.Struct, frozen=True, kw_only=True):
     loaded_known: bool = True
     # Bytes each loaded digest takes in memory, as the backend reports it (/api/ps `size`).
     loaded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    # Each loaded model as the backend reports it (/api/ps: name, sizes, expiry), for the lease.
+    loaded_models: list[LoadedModel] = msgspec.field(default_factory=list)
+    # digest -> what /api/show says of it beyond the entry's facts (template, parameters…).
+    cards: dict[str, ModelCard] = msgspec.field(default_factory=dict)
+
+    def routing(self) -> tuple[object, ...]:
+        """What routing reads of it: a change here is news at once; the expiry of a loaded model
+        (which moves with every request) rides the next renewal of the lease."""
+        return (self.models, self.loaded, self.loaded_known, self.loaded_bytes)
 
 
 class Backend(Protocol):
@@ -352,6 +366,77 @@ class _CallsBeingStreamed:
         return out
 
 
+def _text(value: Any) -> str | None:
+    """A reported text fact, or None (unknown) when it is absent, empty or not text."""
+    return value if isinstance(value, str) and value else None
+
+
+def _texts(value: Any) -> list[str] | None:
+    if not isinstance(value, list):
+        return None
+    items = [v for v in value if isinstance(v, str) and v]
+    return items or None
+
+
+def _context_length(info: dict[str, Any]) -> int | None:
+    """The model's context length in Ollama's `model_info`: `{architecture}.context_length`."""
+    arch = info.get("general.architecture")
+    if isinstance(arch, str) and arch:
+        return bounded_count(info.get(f"{arch}.context_length"))
+    found = [bounded_count(v) for k, v in info.items() if k.endswith(".context_length")]
+    return found[0] if len(found) == 1 else None
+
+
+class _Shown(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend's /api/show said of one digest: the small facts for the lease, the card for
+    the worker's hash (dispatch.modelcard). None anywhere: it did not say."""
+
+    capabilities: list[str] | None = None
+    family: str | None = None
+    families: list[str] | None = None
+    parameter_size: str | None = None
+    quantization: str | None = None
+    format: str | None = None
+    context_length: int | None = None
+    card: ModelCard | None = None
+
+    @classmethod
+    def read(cls, body: dict[str, Any]) -> _Shown:
+        caps: Any = body.get("capabilities")
+        ok = isinstance(caps, list) and all(isinstance(c, str) for c in caps)
+        raw_details, raw_info = body.get("details"), body.get("model_info")
+        details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+        info: dict[str, Any] | None = raw_info if isinstance(raw_info, dict) else None
+        card = ModelCard(
+            template=body.get("template") if isinstance(body.get("template"), str) else None,
+            parameters=body.get("parameters") if isinstance(body.get("parameters"), str) else None,
+            model_info=info or None,
+        )
+        return cls(
+            capabilities=list(caps) if ok else None,
+            family=_text(details.get("family")),
+            families=_texts(details.get("families")),
+            parameter_size=_text(details.get("parameter_size")),
+            quantization=_text(details.get("quantization_level")),
+            format=_text(details.get("format")),
+            context_length=_context_length(info or {}),
+            card=None if card.empty() else card,
+        )
+
+    def onto(self, m: ModelEntry) -> ModelEntry:
+        """`m` (from /api/tags) with these facts where /api/show gave them."""
+        return msgspec.structs.replace(
+            m,
+            capabilities=self.capabilities if self.capabilities is not None else m.capabilities,
+            family=self.family or m.family,
+            families=self.families or m.families,
+            parameter_size=self.parameter_size or m.parameter_size,
+            quantization=self.quantization or m.quantization,
+            format=self.format or m.format,
+            context_length=self.context_length if self.context_length is not None else m.context_length,
+        )
+
+
 class OllamaBackend:
     """Ollama's native API: /api/tags, /api/ps, /api/chat and /api/generate (NDJSON)."""
 
@@ -367,8 +452,9 @@ class OllamaBackend:
         )
         # Runs' requests: the hot path, on a pool of its own.
         self.streams = LineStreams(self.url, idle_timeout_s)
-        # digest -> its /api/show capabilities (None: the backend does not say), asked once a digest.
-        self._capabilities: dict[str, list[str] | None] = {}
+        # digest -> what its /api/show says (`_Shown`: None where the backend did not answer with
+        # one), asked once a digest.
+        self._shown: dict[str, _Shown] = {}
 
     async def inventory(self) -> Inventory:
         try:
@@ -386,14 +472,18 @@ class OllamaBackend:
                     name=m.get("name") or m.get("model"),
                     digest=str(m.get("digest", "")).removeprefix("sha256:"),
                     size=bounded_count(m.get("size")),
-                    family=details.get("family") or None,
-                    parameter_size=details.get("parameter_size") or None,
-                    quantization=details.get("quantization_level") or None,
+                    family=_text(details.get("family")),
+                    families=_texts(details.get("families")),
+                    parameter_size=_text(details.get("parameter_size")),
+                    quantization=_text(details.get("quantization_level")),
+                    format=_text(details.get("format")),
+                    modified_at=_text(m.get("modified_at")),
                 )
             )
-        models = await self._with_capabilities(models)
+        models = await self._with_show(models)
         loaded: list[str] = []
         loaded_bytes: dict[str, int] = {}
+        loaded_models: list[LoadedModel] = []
         for m in ps.json().get("models", []):
             digest = str(m.get("digest", "")).removeprefix("sha256:")
             if not digest:
@@ -402,41 +492,57 @@ class OllamaBackend:
             size = bounded_count(m.get("size"))
             if size is not None:
                 loaded_bytes[digest] = size
-        return Inventory(models=models, loaded=loaded, loaded_bytes=loaded_bytes)
+            loaded_models.append(
+                LoadedModel(
+                    name=_text(m.get("name")) or _text(m.get("model")) or digest[:12],
+                    digest=digest,
+                    size=size,
+                    size_vram=bounded_count(m.get("size_vram")),
+                    expires_at=_text(m.get("expires_at")),
+                    context_length=bounded_count(m.get("context_length")),
+                )
+            )
+        cards = {d: shown.card for d, shown in self._shown.items() if shown.card is not None}
+        return Inventory(
+            models=models,
+            loaded=loaded,
+            loaded_bytes=loaded_bytes,
+            loaded_models=loaded_models,
+            cards={m.digest: cards[m.digest] for m in models if m.digest in cards},
+        )
 
-    async def _with_capabilities(self, models: list[ModelEntry]) -> list[ModelEntry]:
-        """`models` with their capabilities, asking /api/show for each digest not asked yet (one
-        request per digest in the worker's life, never per task)."""
+    async def _with_show(self, models: list[ModelEntry]) -> list[ModelEntry]:
+        """`models` with what /api/show says of each, asking it for each digest not asked yet (one
+        request per digest in the worker's life, never per task). Its facts come before those of
+        /api/tags, which says less."""
         first: dict[str, str] = {}
         for m in models:
-            if m.digest and m.digest not in self._capabilities:
+            if m.digest and m.digest not in self._shown:
                 first.setdefault(m.digest, m.name)
         if first:
             await asyncio.gather(*(self._learn(digest, name) for digest, name in first.items()))
-        return [
-            msgspec.structs.replace(m, capabilities=self._capabilities[m.digest])
-            if self._capabilities.get(m.digest) is not None
-            else m
-            for m in models
-        ]
+        out = []
+        for m in models:
+            shown = self._shown.get(m.digest)
+            out.append(m if shown is None else shown.onto(m))
+        return out
 
     async def _learn(self, digest: str, name: str) -> None:
-        """Ask /api/show what `name` can do. A backend that cannot say (an error answer, no
-        `capabilities`) is remembered as not saying; one that did not answer is asked again later."""
+        """Ask /api/show what `name` is and can do. A backend that cannot say (an error answer, not
+        an object) is remembered as not saying; one that did not answer is asked again later."""
         try:
             resp = await self.client.post("/api/show", json={"model": name}, timeout=10.0)
         except httpx.HTTPError:
             return
         if resp.status_code >= 500:
             return
-        caps: Any = None
+        body: Any = None
         if resp.status_code < 400:
             try:
-                caps = resp.json().get("capabilities")
-            except (ValueError, AttributeError):
-                caps = None
-        ok = isinstance(caps, list) and all(isinstance(c, str) for c in caps)
-        self._capabilities[digest] = list(caps) if ok else None
+                body = resp.json()
+            except ValueError:
+                body = None
+        self._shown[digest] = _Shown.read(body if isinstance(body, dict) else {})
 
     async def generate(
         self, task: TaskMessage, local_name: str
