@@ -81,7 +81,8 @@ if ARGV[3] ~= '' and holder ~= ARGV[3] then
 end
 if ARGV[4] ~= '' and idle < tonumber(ARGV[4]) then return {0, '', 0, ''} end
 if #rows == 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry then.
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
   return {-1, '', 0, ''}
 end
 local spent = count
@@ -139,7 +140,8 @@ if #again > 0 then
   redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', attempt, 'JUSTID')
   local rows = redis.call('XRANGE', KEYS[1], id, id)
   if #rows == 0 then
-    redis.call('XACK', KEYS[1], ARGV[1], id)
+    -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry later.
+    redis.pcall('XACK', KEYS[1], ARGV[1], id)
     return {'', -1, {}, ''}
   end
   return {id, attempt, rows[1][2], ''}
@@ -283,6 +285,44 @@ end
 redis.call('XDEL', KEYS[1], ARGV[2])
 return {2, ARGV[2], attempt}
 """
+# Find entries that were delivered and then left the pending list without being deleted, and put
+# each back as a re-queued entry, in its place (XCLAIM FORCE to the REQUEUED consumer). No routeledger
+# process makes one (every acknowledgement deletes its entry in the same script), but a consumer can:
+# XREADGROUP with NOACK, or XCLAIM with LASTID past entries nobody read; without this such a task
+# would wait forever, neither queued nor running. KEYS[1] queue; ARGV group, the REQUEUED consumer's
+# name, start id ('-' = the first), most entries to look at. Returns {revived, next start ('' = done)}
+# where revived holds {entry id, task id, attempt its next run gets} for each.
+_REVIVE: Final = """
+local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+if type(groups) ~= 'table' or groups.err then return {{}, ''} end
+local last = nil
+for _, g in ipairs(groups) do
+  local name, delivered = nil, nil
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+  end
+  if name == ARGV[1] then last = delivered end
+end
+if last == nil or last == '0-0' then return {{}, ''} end
+local limit = tonumber(ARGV[4])
+local rows = redis.call('XRANGE', KEYS[1], ARGV[3], last, 'COUNT', limit)
+local revived = {}
+for _, row in ipairs(rows) do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], row[1], row[1], 1) == 0 then
+    local attempt, id = 1, ''
+    local flat = row[2]
+    for i = 1, #flat, 2 do
+      if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) or 1 end
+      if flat[i] == 'id' then id = flat[i + 1] end
+    end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'FORCE', 'JUSTID')
+    revived[#revived + 1] = {row[1], id, attempt + 1}
+  end
+end
+if #rows < limit then return {revived, ''} end
+return {revived, '(' .. rows[#rows][1]}
+"""
+
 # The scripts above as functions of the routeledger library (events/scripts.py), which a worker
 # calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
 _FINISH_DEF: Final = ScriptDef("finish", _FINISH, allow_oom=True)
@@ -306,6 +346,7 @@ end
 return n
 """
 _DEPTH_DEF: Final = ScriptDef("depth", _DEPTH)
+_REVIVE_DEF: Final = ScriptDef("revive", _REVIVE, allow_oom=True)
 
 CANCEL_REMOVED: Final = 2
 CANCEL_RUNNING: Final = 1
@@ -453,6 +494,7 @@ class TaskQueues:
         self._keep = _KEEP_DEF.bind(redis)
         self._submit = _SUBMIT_DEF.bind(redis)
         self._depth = _DEPTH_DEF.bind(redis)
+        self._revive = _REVIVE_DEF.bind(redis)
         self._groups: set[str] = set()
 
     async def ensure_group(self, queue: str) -> None:
@@ -587,6 +629,39 @@ class TaskQueues:
         status, found, attempt = reply
         return int(status), as_str(found), int(attempt)
 
+    async def revive(self, queue: str, page: int = 500) -> list[tuple[str, str, int]]:
+        """Put back, re-queued in place, every entry of `queue` that was delivered and acknowledged
+        without being deleted (see _REVIVE): (entry id, task id, next attempt) of each."""
+        out: list[tuple[str, str, int]] = []
+        start = "-"
+        while start:
+            reply: Any = await self._revive(
+                keys=[queue], args=[WORKERS_GROUP, REQUEUED_CONSUMER, start, str(page)]
+            )
+            revived, nxt = reply
+            out += [(as_str(e), as_str(t), int(a)) for e, t, a in revived]
+            start = as_str(nxt)
+        return out
+
+    async def closed(self, queue: str, entry_id: str, owner: str, attempt: int) -> bool:
+        """True when `owner` closed its run `attempt` of the entry: the task's stored outcome is that
+        run's and, for a completion, its closing events were appended (the `logged` mark). A worker
+        that writes to an inbox leaves such an entry pending until the ingest moves the closing
+        event into the ledger and finishes the entry."""
+        fields = await self.entry(queue, entry_id)
+        task_id = as_str(fields.get(F_ID, b"")) if fields is not None else ""
+        if not task_id:
+            return False
+        raw: list[Any] = await self.redis.hmget(
+            self.keys.result(task_id), ["status", "worker", "attempt", "logged"]
+        )
+        status, worker, ran, logged = raw
+        if status is None or worker is None or as_str(worker) != owner or ran is None:
+            return False
+        if as_str(ran) != str(attempt):
+            return False
+        return as_str(status) != "completed" or logged is not None
+
     async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
         """The fields of one entry, or None if it is gone."""
         rows: Any = await self.redis.xrange(queue, entry_id, entry_id)
@@ -625,12 +700,21 @@ class TaskQueues:
         await pipe.execute()
 
     async def settle_requeue(
-        self, queue: str, entry_id: str, moved: Requeue, reason: str, delivery_limit: int
+        self,
+        queue: str,
+        entry_id: str,
+        moved: Requeue,
+        reason: str,
+        delivery_limit: int,
+        *,
+        finish: bool = True,
     ) -> bool:
         """After a re-queue: dead-letter a task whose deliveries are spent. True if it was moved or settled.
 
         The copy in `rl:dead` is written before the queue entry is removed, so that a crash in
-        between leaves a duplicate in the dead letters rather than a lost task.
+        between leaves a duplicate in the dead letters rather than a lost task. Without `finish`
+        (a worker that writes to an inbox) the entry is left for the ingest, which finishes it when
+        it moves the TaskDeadLettered.
         """
         if moved.status == REQUEUED:
             return True
@@ -647,7 +731,8 @@ class TaskQueues:
         await self.ledger.append(
             TaskDeadLettered(task_id=moved.task_id, queue=queue, reason=full_reason, attempts=moved.attempt)
         )
-        await self.finish(queue, entry_id)
+        if finish:
+            await self.finish(queue, entry_id)
         return True
 
     async def record_result(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:

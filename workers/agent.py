@@ -121,6 +121,9 @@ class WorkerAgent:
         # A speed-aware gate plans with what every worker runs, so the lease says so at once.
         self.eager_lease = not isinstance(self.gate, PlainPull)
         self.ledger = Ledger(redis, keys, inbox=config.name if config.inbox else None)
+        # A worker that writes to an inbox never acknowledges a queue entry (its ACL has no XACK or
+        # XDEL): the ingest finishes the entry when it moves the event that closes the run.
+        self.finishes = not config.inbox
         self.leases = Leases(redis, keys)
         # Monotonic time until which the lease is known to hold (from the last renewal's sending).
         self._lease_until = 0.0
@@ -358,12 +361,17 @@ class WorkerAgent:
                 await asyncio.wait_for(self._left.wait(), pause)
 
     async def _recover_own_pending(self) -> None:
-        """Entries this name still owns are from a previous life that died: put them back now."""
+        """Entries this name still owns are from a previous life that died: put them back now, but for
+        runs it closed whose entry the ingest has yet to finish."""
         queues = [self.pinned]
         for digest in sorted({m.digest for m in self.serving()}):
             queues += await self.queues.band_queues(digest)
         for queue in queues:
             for pending in await self.ledger.pending(queue, consumer=self.name, count=1000):
+                if not self.finishes and await self.queues.closed(
+                    queue, pending.entry_id, self.name, pending.deliveries
+                ):
+                    continue
                 moved = await self.queues.requeue(
                     queue,
                     pending.entry_id,
@@ -586,7 +594,10 @@ class WorkerAgent:
     ) -> None:
         log.error("entry %s on %s is not a task (%s); dead-lettering it", entry_id, queue, reason)
         await self.queues.dead_letter(queue, entry_id, fields, f"malformed entry: {reason}")
-        await self.queues.finish(queue, entry_id, self.name)
+        if self.finishes:
+            await self.queues.finish(queue, entry_id, self.name)
+        # Else it stays pending, unrun: the reaper takes it back after two leases, and past the
+        # delivery limit dead-letters and finishes it.
 
     async def _run(self, run: Running) -> None:
         entry = run.entry
@@ -814,6 +825,8 @@ class WorkerAgent:
         )
         crash_here("ack", run.ordinal)
         run.closing = True
+        if not self.finishes:
+            return  # the ingest finishes the entry as it moves the TaskCompleted into the ledger
         acked = await self.queues.finish(entry.queue, entry.entry_id, self.name)
         if acked == 0 and first:
             log.warning(
@@ -967,7 +980,8 @@ class WorkerAgent:
         )
         await self.queues.end_output(task_id, entry.attempt, error)
         run.closing = True
-        await self.queues.finish(entry.queue, entry.entry_id, self.name)
+        if self.finishes:
+            await self.queues.finish(entry.queue, entry.entry_id, self.name)
 
     async def _expire(self, run: Running, deadline: int) -> None:
         """A task taken after its `deadline`: nobody waits for it any more, so it never runs."""
@@ -983,6 +997,7 @@ class WorkerAgent:
                 queue=entry.queue,
                 worker=self.name,
                 deadline=deadline,
+                entry_id=entry.entry_id,
                 waited_ms=max(0, now_ms() - task.submitted_at),
             )
         )
@@ -994,7 +1009,9 @@ class WorkerAgent:
         """Dead-letter a task whose deliveries are spent; log anything odd."""
         if queue == self.pinned:
             self._pinned_cursor = None  # a re-queued entry wakes nobody: look at it next time
-        if not await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
+        if not await self.queues.settle_requeue(
+            queue, entry_id, moved, reason, self.config.delivery_limit, finish=self.finishes
+        ):
             log.warning(
                 "could not re-queue %s on %s (status %s): it was no longer ours",
                 entry_id,
