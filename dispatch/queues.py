@@ -30,6 +30,7 @@ from dispatch.payload import (
     encode_chunk,
     encode_result,
     queue_fields,
+    result_decoder,
 )
 from events.codec import as_str, encode_batch, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
@@ -479,9 +480,13 @@ class TaskQueues:
         ledger: Ledger | None = None,
         *,
         dead_max_entries: int = DEAD_MAX_ENTRIES,
+        writer: str | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
+        # A worker that writes under its own ACL: its runs' output and results go to its own keys
+        # (Keys.run_out, Keys.run_result); None: the task's shared keys (trusted processes).
+        self.writer = writer
         self.ledger = ledger or Ledger(redis, keys)
         self.dead_max_entries = dead_max_entries
         self._finish = _FINISH_DEF.bind(redis)
@@ -496,6 +501,14 @@ class TaskQueues:
         self._depth = _DEPTH_DEF.bind(redis)
         self._revive = _REVIVE_DEF.bind(redis)
         self._groups: set[str] = set()
+
+    def out_key(self, task_id: str) -> str:
+        """Where this process writes a task's output chunks (see `writer`)."""
+        return self.keys.run_out(self.writer, task_id) if self.writer else self.keys.out(task_id)
+
+    def result_key(self, task_id: str) -> str:
+        """Where this process writes a task's outcome (see `writer`)."""
+        return self.keys.run_result(self.writer, task_id) if self.writer else self.keys.result(task_id)
 
     async def ensure_group(self, queue: str) -> None:
         """Create the `workers` group on `queue` once per process, and register the queue."""
@@ -644,16 +657,16 @@ class TaskQueues:
         return out
 
     async def closed(self, queue: str, entry_id: str, owner: str, attempt: int) -> bool:
-        """True when `owner` closed its run `attempt` of the entry: the task's stored outcome is that
-        run's and, for a completion, its closing events were appended (the `logged` mark). A worker
-        that writes to an inbox leaves such an entry pending until the ingest moves the closing
-        event into the ledger and finishes the entry."""
+        """True when `owner`, a worker that writes to an inbox, closed its run `attempt` of the
+        entry: its stored outcome (Keys.run_result) is that run's and, for a completion, its
+        closing events were appended (the `logged` mark). Such a worker leaves the entry pending
+        until the ingest moves the closing event into the ledger and finishes the entry."""
         fields = await self.entry(queue, entry_id)
         task_id = as_str(fields.get(F_ID, b"")) if fields is not None else ""
         if not task_id:
             return False
         raw: list[Any] = await self.redis.hmget(
-            self.keys.result(task_id), ["status", "worker", "attempt", "logged"]
+            self.keys.run_result(owner, task_id), ["status", "worker", "attempt", "logged"]
         )
         status, worker, ran, logged = raw
         if status is None or worker is None or as_str(worker) != owner or ran is None:
@@ -693,7 +706,7 @@ class TaskQueues:
 
     async def end_output(self, task_id: str, attempt: int, error: str | None = None, run: str = "") -> None:
         """Close a task's output stream (with the error, if it failed) so relays stop waiting."""
-        out_key = self.keys.out(task_id)
+        out_key = self.out_key(task_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error, run=run))})
         pipe.pexpire(out_key, OUTPUT_TTL_MS)
@@ -738,7 +751,7 @@ class TaskQueues:
     async def record_result(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:
         """Store a task's outcome unless one is stored already; True for the first (the one that counts)."""
         won = await self._result_once(
-            keys=[self.keys.result(result.task_id)],
+            keys=[self.result_key(result.task_id)],
             args=[
                 encode_result(result),
                 result.status,
@@ -757,7 +770,7 @@ class TaskQueues:
         `only_over_dead` the outcome is stored only over a dead letter. The output stream stays
         open: log_run closes it."""
         won = await self._close_run(
-            keys=[self.keys.result(result.task_id), self.keys.out(result.task_id)],
+            keys=[self.result_key(result.task_id), self.out_key(result.task_id)],
             args=[
                 encode_result(result),
                 result.status,
@@ -803,9 +816,9 @@ class TaskQueues:
             # After a refusal the mark waits for a round in which no event is outstanding.
             with_rest = rounds == 0 or not left
             if mark and with_rest:
-                pipe.hset(self.keys.result(task_id), "logged", "1")
+                pipe.hset(self.result_key(task_id), "logged", "1")
             if close and with_rest:
-                out_key = self.keys.out(task_id)
+                out_key = self.out_key(task_id)
                 fields = {b"c": encode_chunk(done)}  # type: ignore[arg-type]
                 if carried is not None:
                     fields[b"r"] = encode_result(carried)
@@ -826,7 +839,7 @@ class TaskQueues:
                 if marked and unsent:
                     # The mark landed though an event did not (memory was freed in between): take it
                     # back, so that a crash now leaves the result for a later run to take over.
-                    await self.redis.hdel(self.keys.result(task_id), "logged")
+                    await self.redis.hdel(self.result_key(task_id), "logged")
                 mark = not (marked and not unsent)
             if with_rest and close:
                 close = not rest[0]
@@ -836,4 +849,48 @@ class TaskQueues:
 
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""
-        return bool(await self._take_over(keys=[self.keys.result(task_id)], args=[str(attempt)]))
+        return bool(await self._take_over(keys=[self.result_key(task_id)], args=[str(attempt)]))
+
+
+async def run_writers(redis: aioredis.Redis, keys: Keys, task_id: str) -> list[str]:
+    """The workers whose own output keys (Keys.run_out, Keys.run_result) may be served for a task:
+    those whose claim of it the ingest accepted (Keys.ran), and the one that holds its queue entry
+    now (before its claim reaches the ledger). A worker that neither holds nor held the task is
+    never among them, whatever it wrote."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.smembers(keys.ran(task_id))
+    pipe.hmget(keys.task(task_id), ["queue", "entry"])
+    ran, (queue, entry) = await pipe.execute()
+    names = {as_str(n) for n in ran}
+    if queue and entry:
+        try:
+            rows: Any = await redis.xpending_range(as_str(queue), WORKERS_GROUP, entry, entry, 1)
+        except ResponseError:
+            rows = []
+        if rows and (holder := as_str(rows[0]["consumer"])) != REQUEUED_CONSUMER:
+            names.add(holder)
+    return sorted(names)
+
+
+async def read_result(
+    redis: aioredis.Redis, keys: Keys, task_id: str, writers: Sequence[str] | None = None
+) -> Result | None:
+    """A task's outcome: the one in its shared key (written by trusted processes, and by workers
+    that run with the server's credentials), unless that is a dead letter or missing; then a
+    completion one of its `writers` (default: run_writers) stored in its own key (the earliest
+    attempt), else the dead letter, else any such writer's outcome."""
+    if writers is None:
+        writers = await run_writers(redis, keys, task_id)
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(keys.result(task_id), "result")
+    for name in writers:
+        pipe.hget(keys.run_result(name, task_id), "result")
+    raw: list[Any] = await pipe.execute()
+    shared = None if raw[0] is None else result_decoder.decode(raw[0])
+    if shared is not None and shared.status != "dead":
+        return shared
+    own = sorted((result_decoder.decode(r) for r in raw[1:] if r is not None), key=lambda r: r.attempt)
+    done = [r for r in own if r.status == "completed"]
+    if done:
+        return done[0]
+    return shared or (own[0] if own else None)

@@ -45,6 +45,7 @@ import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, prompt_by_id
 from dispatch.payload import F_TASK, decode_task
+from dispatch.queues import RESULT_TTL_MS
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
 from events.errors import UndecodableEntryError
 from events.event import (
@@ -87,12 +88,15 @@ CLAIM_TTL_MS: Final = 24 * 3600 * 1000
 # Move one inbox's checked entries: each is deleted from the inbox and, only if this call deleted
 # it (so that no entry is moved twice), appended to the ledger or, refused, to the dead letters; an
 # accepted entry that closes a run then finishes the run's queue entries (acknowledged and deleted)
-# that the worker still holds. Then the claims and grades the batch changed are written.
+# that the worker still holds. Then the claims and grades the batch changed are written, and the
+# worker joins the set of workers that ran each task it claimed (Keys.ran: the API serves output only
+# from those).
 # KEYS[1] ledger, KEYS[2] inbox, KEYS[3] dead letters, KEYS[4] claims, KEYS[5] graded, KEYS[6...]
-# the task queues the batch finishes entries of.
+# the task queues the batch finishes entries of and the `ran` sets of the tasks it claimed.
 # ARGV[1] dead letters' cap, ARGV[2] worker, ARGV[3] consumer group, ARGV[4] n; n times: inbox id,
 # reason ('' = accepted), type, v, data, f, then f pairs (index of a queue in KEYS, entry id);
-# then m and m pairs (task, claims value or '' to delete); then grade members.
+# then m and m pairs (task, claims value or '' to delete); then r, the ttl ms of a `ran` set, and r
+# indexes of `ran` sets in KEYS; then grade members.
 # Returns {entries moved into the ledger, queue entries finished}.
 _MOVE: Final = """
 local n = tonumber(ARGV[4])
@@ -130,6 +134,15 @@ for _ = 1, m do
     redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1])
   end
   i = i + 2
+end
+local r = tonumber(ARGV[i])
+local ttl = ARGV[i + 1]
+i = i + 2
+for _ = 1, r do
+  local ran = KEYS[tonumber(ARGV[i])]
+  redis.call('SADD', ran, ARGV[2])
+  redis.call('PEXPIRE', ran, ttl)
+  i = i + 1
 end
 for j = i, #ARGV do redis.call('SADD', KEYS[5], ARGV[j]) end
 return {moved, finished}
@@ -267,6 +280,7 @@ class Ingest:
         grades = [f"{e.task_id} {e.grader}" for _, e in events if isinstance(e, QualityScored)]
         graded = await self._read_graded(grades)
         touched: set[str] = set()
+        claimed: set[str] = set()
         new_grades: list[str] = []
         # Inbox entry -> the queue entries its event closes (finished as it is moved).
         closes: dict[str, list[tuple[str, str]]] = {}
@@ -280,6 +294,8 @@ class Ingest:
             task_id = getattr(event, "task_id", "")
             if isinstance(event, TaskClaimed | TaskCompleted):
                 touched.add(task_id)
+            if isinstance(event, TaskClaimed):
+                claimed.add(task_id)
             if isinstance(event, QualityScored):
                 mark = f"{event.task_id} {event.grader}"
                 graded.add(mark)
@@ -309,7 +325,11 @@ class Ingest:
             runs = claims.get(task_id, [])
             done = not runs or all(c.completed for c in runs)
             updates += [task_id, "" if done else _claims_encoder.encode(runs)]
-        args += [str(len(updates) // 2), *updates, *new_grades]
+        args += [str(len(updates) // 2), *updates, str(len(claimed)), str(RESULT_TTL_MS)]
+        for task_id in sorted(claimed):
+            keys.append(self.keys.ran(task_id))
+            args.append(str(len(keys)))
+        args += new_grades
         moved, finished = await self._move(keys=keys, args=args)
         self.moved += int(moved)
         self.finished += int(finished)

@@ -12,7 +12,7 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:q:{rl:q:{12 hex}}:*` | the same | the same models' priority band queues |
 | `rl:qb:{rl:q:{12 hex}}` | read | which band queues a model has (the backlog function reads it) |
 | `rl:q:w:NAME` | the same, and XADD | its own pinned queue (not another's): its benchmark requests |
-| `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
+| `rl:out:w:NAME:{*}`, `rl:result:w:NAME:{*}` | read, write | its own output chunks and results |
 | `rl:live:NAME` | read, write | its own lease |
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
 | `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
@@ -31,7 +31,9 @@ cannot make a queued task vanish. The worker never acknowledges an entry: the in
 as it moves the event that closes the run (projections/ingest.py), and the reaper re-queues an
 entry that a consumer read with NOACK or skipped with XCLAIM LASTID (workers/reaper.py). What the
 ledger says cannot be forged (the ingest checks it); what a worker does with the tasks it takes
-(its answers, or holding them unanswered while its lease lives) is trusted.
+(its answers, or holding them unanswered while its lease lives) is trusted. Its answers go to keys
+of its own (`Keys.run_out`, `Keys.run_result`), which the API serves only for a task the worker
+holds or held (dispatch/queues.py `run_writers`): what it writes for another task is never read.
 
 Read-only keys use Redis 7's `%R~` and the last line is a Redis 7 *selector*: Redis 6.2 rejects
 both, and has no functions, so these lines need Redis 7 to mean what they say.
@@ -107,8 +109,10 @@ _HEX12 = "[0-9a-f]" * 12
 
 def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list[str]:
     """The ACL SETUSER rules (after the user name) for worker `name`, Redis 7 syntax."""
-    if not name or any(c.isspace() or c in "*?[]\\" for c in name):
-        raise ValueError(f"a worker name for an ACL must have no spaces or glob characters: {name!r}")
+    if not name or any(c.isspace() or c in "*?[]\\{}:" for c in name):
+        raise ValueError(
+            f"a worker name for an ACL must have no spaces, glob characters, braces or colons: {name!r}"
+        )
     k = keys or Keys()
     queues = [
         f"{k.prefix}q:{_HEX12}",
@@ -121,8 +125,9 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     # this first set of rules); what changes them is in their own selector below.
     rules += [f"%R~{q}" for q in queues]
     rules += [
-        f"~{k.out('*')}",
-        f"~{k.result('*')}",
+        # Its own outputs only: the API serves a task's output only from a worker that ran it.
+        f"~{k.run_out(name, '*')}",
+        f"~{k.run_result(name, '*')}",
         f"~{k.live(name)}",
         f"~{k.forgotten}",
         # The registries: its own entry in the live workers, and the queues it makes.

@@ -334,8 +334,9 @@ async def test_the_reaper_leaves_a_closed_run_to_the_ingest_and_takes_it_back_af
     await redis_client.sadd(keys.inboxes, "a")
     # Worker a completed t1 (its result stored, its events appended: the `logged` mark) and died
     # before the ingest moved them; t2 it never finished. Its lease is gone.
-    await queues.close_run(Result(task_id="t1", status="completed", worker="a", attempt=closed.attempt))
-    await redis_client.hset(keys.result("t1"), "logged", "1")
+    own = TaskQueues(redis_client, keys, ledger, writer="a")
+    await own.close_run(Result(task_id="t1", status="completed", worker="a", attempt=closed.attempt))
+    await redis_client.hset(keys.run_result("a", "t1"), "logged", "1")
     await asyncio.sleep(0.05)
     report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=10, ingest_grace_ms=60_000)).sweep()
     assert (report.reclaimed, report.awaiting_ingest) == (1, 1)
@@ -347,3 +348,26 @@ async def test_the_reaper_leaves_a_closed_run_to_the_ingest_and_takes_it_back_af
     report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=10, ingest_grace_ms=20)).sweep()
     assert (report.reclaimed, report.awaiting_ingest) == (1, 0)
     assert set((await _pending_owners(redis_client, queue)).values()) == {REQUEUED_CONSUMER}
+
+
+async def test_the_reaper_puts_back_an_entry_read_with_noack_on_every_redis(
+    any_redis_url: str, keys: Keys
+) -> None:
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+        queue = keys.queue(DIGEST)
+        task = TaskMessage(task_id="t1", model="m", digest=DIGEST, messages=[])
+        entry = await queues.enqueue(queue, task)
+        await redis_client.execute_command(
+            "XREADGROUP", "GROUP", WORKERS_GROUP, "x", "NOACK", "STREAMS", queue, ">"
+        )
+        assert await _pending_owners(redis_client, queue) == {}
+        report = await Reaper(redis_client, keys, ReaperConfig()).sweep()
+        assert report.revived == 1
+        assert await _pending_owners(redis_client, queue) == {entry: REQUEUED_CONSUMER}
+        taken = await queues.take(queue, "a")
+        assert (taken.entry_id, taken.attempt) == (entry, 2)
+        assert (await Reaper(redis_client, keys, ReaperConfig()).sweep()).revived == 0
+    finally:
+        await redis_client.aclose()

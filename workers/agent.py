@@ -142,7 +142,14 @@ class WorkerAgent:
         # that the lease holds while running tasks finish during a drain.
         self._left = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
-        self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
+        # With an inbox, its output and results go to its own keys, the only ones its ACL lets it write.
+        self.queues = TaskQueues(
+            redis,
+            keys,
+            self.ledger,
+            dead_max_entries=config.dead_max_entries,
+            writer=config.name if config.inbox else None,
+        )
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
         self.backend_ok = False
@@ -671,7 +678,7 @@ class WorkerAgent:
     async def _generate(self, run: Running, local: str) -> None:
         entry = run.entry
         task = entry.task
-        out_key = self.keys.out(task.task_id)
+        out_key = self.queues.out_key(task.task_id)
         cancel_key = self.keys.cancel(task.task_id)
         pieces: list[str] = []
         buffer: list[str] = []

@@ -18,7 +18,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from dispatch.benchmark import REFERENCE, benchset
-from dispatch.payload import Message, TaskMessage
+from dispatch.errors import TaskTimeoutError
+from dispatch.gateway import Gateway
+from dispatch.payload import Chunk, Message, Result, TaskMessage, encode_chunk, encode_result
 from dispatch.queues import _CANCEL_QUEUED_DEF, _FINISH_DEF, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.codec import encode_fields
@@ -154,8 +156,13 @@ async def test_a_worker_credential_forges_nothing_the_ledger_believes_and_the_wo
         await wait_until(lambda: _drained(redis_client, keys.queue(digest)), timeout=30)
         await _queued_tasks_do_not_vanish(redis_client, mallory, keys, ledger)
 
-        # The real worker, on the same credentials, serves the next task end to end.
+        await _answers_only_for_its_own_runs(redis_client, mallory, keys, ledger, first)
+
+        # The real worker, on the same credentials, serves the next task end to end, and the API
+        # serves its answer from the worker's own keys.
         second = await _submit(redis_client, ledger)
+        answer = await Gateway(redis_client, keys).wait(second, timeout_s=30)
+        assert (answer.status, answer.worker) == ("completed", "a") and answer.text
         await wait_until(lambda: _completed(ledger, second), timeout=30)
         await wait_until(lambda: _drained(redis_client, keys.queue(digest)), timeout=30)
         assert proc.poll() is None
@@ -231,6 +238,46 @@ async def _queued_tasks_do_not_vanish(
     assert sorted(e.task_id for e in revived) == ["victim-1", "victim-2"]
     await admin.delete(queue)
     await admin.srem(keys.queues, queue)
+
+
+async def _answers_only_for_its_own_runs(
+    admin: aioredis.Redis, mallory: aioredis.Redis, keys: Keys, ledger: Ledger, ran: str
+) -> None:
+    """It may write no task's shared output or result, nor another worker's; what it writes to its
+    own keys for a task it does not run is never served."""
+    victim = await _queued_elsewhere(admin, keys, ledger)
+    forged = Result(task_id=victim, status="completed", worker="a", attempt=1, text="forged")
+    chunk = {"c": encode_chunk(Chunk(attempt=1, text="forged", done=True)), "r": encode_result(forged)}
+    for command in (
+        ("HSET", keys.result(victim), "result", encode_result(forged), "status", "completed"),
+        ("XADD", keys.out(victim), "*", *[x for kv in chunk.items() for x in kv]),
+        ("HSET", keys.run_result("rtx3070ti", victim), "result", encode_result(forged)),
+        ("XADD", keys.run_out("rtx3070ti", victim), "*", *[x for kv in chunk.items() for x in kv]),
+    ):
+        with pytest.raises(NoPermissionError):
+            await mallory.execute_command(*command)
+    # Its own keys it may write, for any task; the API reads them only for a task it runs or ran.
+    await mallory.hset(
+        keys.run_result("a", victim), mapping={"result": encode_result(forged), "status": "completed"}
+    )
+    await mallory.xadd(keys.run_out("a", victim), chunk)  # type: ignore[arg-type]
+    gateway = Gateway(admin, keys)
+    assert await gateway.result(victim) is None
+    with pytest.raises(TaskTimeoutError):
+        await gateway.wait(victim, timeout_s=1.5)
+    # A task it did run is served from its own keys.
+    served = await gateway.result(ran)
+    assert served is not None and served.worker == "a" and served.text != "forged"
+
+
+async def _queued_elsewhere(admin: aioredis.Redis, keys: Keys, ledger: Ledger) -> str:
+    """A task submitted for a model no live worker serves: it waits in its queue."""
+    queues = TaskQueues(admin, keys, ledger)
+    queue = keys.queue("d" * 64)
+    task = TaskMessage(task_id="victim-answer", model="m", digest="d" * 64, messages=[])
+    entry = await queues.enqueue(queue, task)
+    await admin.hset(keys.task(task.task_id), mapping={"queue": queue, "entry": entry})
+    return task.task_id
 
 
 async def _drained(redis: aioredis.Redis, queue: str) -> bool:
