@@ -66,17 +66,19 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
 # How often a reader of a task's output looks again for the workers that run it (dispatch.queues
-# run_writers): a worker under its own ACL writes to its own stream, read once it holds the task's
-# entry. Often while none is known (the first chunk waits no longer than this for it), less once
-# one is (a task re-run elsewhere after a reclaim is picked up within the longer wait).
-_LOOK_MS: Final = 50
-_RELOOK_MS: Final = 500
+# run_writers) and for the live workers that might (see _Outputs).
+_LOOK_MS: Final = 500
 
 
 class _Outputs:
     """The output streams of one task a reader follows: the task's shared stream (trusted writers,
     and workers that run with the server's credentials) and the own stream of each worker that
-    runs or ran it; never the stream of a worker that did not."""
+    runs or ran it; never what a worker that does not run it wrote.
+
+    So that the first chunk waits for nobody's bookkeeping, the reader blocks on the own streams of
+    every live worker as well; a stream that has something is read only once its worker is found
+    to hold the task's entry (or to have had its claim accepted), and one whose worker does not is
+    dropped from the reader with what it had written (it wrote for a task it does not run)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, task_id: str) -> None:
         self.redis = redis
@@ -84,23 +86,35 @@ class _Outputs:
         self.task_id = task_id
         self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
         self.writers: list[str] = []
+        # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
+        self._names: dict[str, str] = {}
+        self._dropped: dict[str, str] = {}
         self._looked = -float("inf")
+
+    async def _look(self) -> None:
+        self._looked = time.monotonic()
+        self.writers = await run_writers(self.redis, self.keys, self.task_id)
+        raw: Any = await self.redis.smembers(self.keys.workers)
+        for name in {*self.writers, *(as_str(n) for n in raw)}:
+            stream = self.keys.run_out(name, self.task_id)
+            self._names[stream] = name
+            if stream in self._dropped and name in self.writers:
+                # It took the task since: what it writes from now on is its run's.
+                self.cursors[stream] = self._dropped.pop(stream)
+            elif stream not in self._dropped:
+                self.cursors.setdefault(stream, "0-0")
 
     async def read(self, block_ms: int) -> list[tuple[Chunk, Result | None]]:
         """Chunks after the cursors (waiting up to `block_ms`), each with the result a done chunk
         carries (the first outcome's)."""
-        wait_ms = _RELOOK_MS if self.writers else _LOOK_MS
-        if (time.monotonic() - self._looked) * 1000 >= wait_ms:
-            self._looked = time.monotonic()
-            self.writers = await run_writers(self.redis, self.keys, self.task_id)
-            for name in self.writers:
-                self.cursors.setdefault(self.keys.run_out(name, self.task_id), "0-0")
+        if (time.monotonic() - self._looked) * 1000 >= _LOOK_MS:
+            await self._look()
         reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
             _XREAD,
             "COUNT",
             256,
             "BLOCK",
-            max(1, min(block_ms, wait_ms)),
+            max(1, min(block_ms, _LOOK_MS)),
             "STREAMS",
             *self.cursors,
             *self.cursors.values(),
@@ -109,9 +123,17 @@ class _Outputs:
             return []
         pairs = reply.items() if isinstance(reply, dict) else reply
         out: list[tuple[Chunk, Result | None]] = []
-        for stream, rows in pairs:
+        for raw_stream, rows in pairs:
+            stream = as_str(raw_stream)
+            name = self._names.get(stream)
+            if name is not None and name not in self.writers:
+                await self._look()  # it may have just taken the task
+                if name not in self.writers:
+                    del self.cursors[stream]
+                    self._dropped[stream] = as_str(rows[-1][0])
+                    continue
             for entry_id, flat in rows:
-                self.cursors[as_str(stream)] = as_str(entry_id)
+                self.cursors[stream] = as_str(entry_id)
                 fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
                 raw = fields.get(b"c")
                 if raw is not None:

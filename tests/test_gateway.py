@@ -146,7 +146,8 @@ async def test_a_relay_reads_the_own_output_of_the_worker_holding_the_task_and_n
     assert (await queues.take(queue, "a")).entry_id == entry
     done = Result(task_id="t9", status="completed", worker="a", attempt=1, text="The sky", run="r1")
     forged = Result(task_id="t9", status="completed", worker="b", attempt=1, text="forged", run="r2")
-    # b holds nothing of t9: what it writes to its own keys is never read.
+    # b, live too, holds nothing of t9: what it writes to its own keys is never read.
+    await redis_client.sadd(keys.workers, "a", "b")
     await redis_client.xadd(
         keys.run_out("b", "t9"),
         {
