@@ -308,3 +308,32 @@ async def _completed(ledger: Ledger, task_id: str) -> bool:
 
 async def _dead_count(redis: aioredis.Redis, n: int) -> bool:
     return len(await _inbox_dead(redis)) >= n
+
+
+async def test_on_redis_6_2_an_inbox_worker_answers_from_its_own_keys_and_the_ingest_finishes_its_entries(
+    redis_62_server: Any, hosts: SimHosts, tmp_path: Path
+) -> None:
+    """Loopback, no ACLs: the same paths run on the bundled 6.2 (scripts by EVALSHA, no functions)."""
+    url = redis_62_server.url
+    admin = aioredis.Redis.from_url(url)
+    await admin.flushall()
+    keys = Keys()
+    ledger = Ledger(admin, keys)
+    stop = asyncio.Event()
+    projector = asyncio.create_task(Projector(admin, keys, lease_ms=2000).run(stop))
+    proc = spawn_worker(url, hosts.url("a"), "a", tmp_path / "worker.log", inbox=True)
+    try:
+        await wait_until(lambda: _exists(admin, keys.live("a")), timeout=60)
+        task_id = await _submit(admin, ledger)
+        answer = await Gateway(admin, keys).wait(task_id, timeout_s=30)
+        assert (answer.status, answer.worker) == ("completed", "a") and answer.text
+        assert await admin.exists(keys.result(task_id)) == 0
+        await wait_until(lambda: _completed(ledger, task_id), timeout=30)
+        (done,) = await _completions(ledger, task_id)
+        await wait_until(lambda: _drained(admin, keys.queue(done.digest)), timeout=30)
+        assert proc.poll() is None
+    finally:
+        await asyncio.to_thread(stop_all, [proc])
+        stop.set()
+        await projector
+        await admin.aclose()
