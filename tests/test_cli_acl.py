@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from events.keys import Keys
 from routeledger.cli_acl import WORKER_COMMANDS, worker_acl_rules
 
@@ -36,3 +38,14 @@ def test_a_worker_may_take_keep_and_requeue_queue_entries_but_never_remove_one()
     assert f"%R~{keys.prefix}q:{'[0-9a-f]' * 12}" in rules
     assert f"~{keys.prefix}q:{'[0-9a-f]' * 12}" not in rules
     assert f"(~{keys.pinned('a')} +xadd)" in rules
+
+
+def test_a_worker_writes_only_its_own_output_keys_and_its_name_cannot_reach_another_s() -> None:
+    keys = Keys()
+    rules = worker_acl_rules("a", "pw", keys)
+    assert f"~{keys.run_out('a', '*')}" in rules and f"~{keys.run_result('a', '*')}" in rules
+    assert not [r for r in rules if r.startswith(("~rl:out:*", "~rl:result:*", "%R~rl:out", "%R~rl:result"))]
+    # A name with a colon or a brace could match another worker's keys ("a" and "a:{x}").
+    for name in ("a:b", "a{b}", "a*"):
+        with pytest.raises(ValueError, match="no spaces, glob characters, braces or colons"):
+            worker_acl_rules(name, "pw", keys)
