@@ -34,7 +34,14 @@ from dispatch.errors import (
 from dispatch.lease import LeaseInfo
 from dispatch.memory import MemoryWatch, full_error, is_oom
 from dispatch.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
-from dispatch.queues import CANCEL_ABSENT, CANCEL_REMOVED, CANCEL_RUNNING, TaskQueues
+from dispatch.queues import (
+    CANCEL_ABSENT,
+    CANCEL_REMOVED,
+    CANCEL_RUNNING,
+    TaskQueues,
+    read_result,
+    run_writers,
+)
 from dispatch.quota import ApiKey, Quotas
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
@@ -58,6 +65,86 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
+# How often a reader of a task's output looks again for the workers that run it (dispatch.queues
+# run_writers) and for the live workers that might (see _Outputs).
+_LOOK_MS: Final = 500
+
+
+class _Outputs:
+    """The output streams of one task a reader follows: the task's shared stream (trusted writers,
+    and workers that run with the server's credentials) and the own stream of each worker that
+    runs or ran it; never what a worker that does not run it wrote.
+
+    So that the first chunk waits for nobody's bookkeeping, the reader blocks on the own streams of
+    every live worker as well; a stream that has something is read only once its worker is found
+    to hold the task's entry (or to have had its claim accepted), and one whose worker does not is
+    dropped from the reader with what it had written (it wrote for a task it does not run)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, task_id: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.task_id = task_id
+        self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
+        self.writers: list[str] = []
+        # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
+        self._names: dict[str, str] = {}
+        self._dropped: dict[str, str] = {}
+        self._looked = -float("inf")
+
+    async def _look(self) -> None:
+        self._looked = time.monotonic()
+        self.writers = await run_writers(self.redis, self.keys, self.task_id)
+        raw: Any = await self.redis.smembers(self.keys.workers)
+        for name in {*self.writers, *(as_str(n) for n in raw)}:
+            stream = self.keys.run_out(name, self.task_id)
+            self._names[stream] = name
+            if stream in self._dropped and name in self.writers:
+                # It took the task since: what it writes from now on is its run's.
+                self.cursors[stream] = self._dropped.pop(stream)
+            elif stream not in self._dropped:
+                self.cursors.setdefault(stream, "0-0")
+
+    async def read(self, block_ms: int) -> list[tuple[Chunk, Result | None]]:
+        """Chunks after the cursors (waiting up to `block_ms`), each with the result a done chunk
+        carries (the first outcome's)."""
+        if (time.monotonic() - self._looked) * 1000 >= _LOOK_MS:
+            await self._look()
+        reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
+            _XREAD,
+            "COUNT",
+            256,
+            "BLOCK",
+            max(1, min(block_ms, _LOOK_MS)),
+            "STREAMS",
+            *self.cursors,
+            *self.cursors.values(),
+        )
+        if not reply:
+            return []
+        pairs = reply.items() if isinstance(reply, dict) else reply
+        out: list[tuple[Chunk, Result | None]] = []
+        for raw_stream, rows in pairs:
+            stream = as_str(raw_stream)
+            name = self._names.get(stream)
+            if name is not None and name not in self.writers:
+                await self._look()  # it may have just taken the task
+                if name not in self.writers:
+                    del self.cursors[stream]
+                    self._dropped[stream] = as_str(rows[-1][0])
+                    continue
+            for entry_id, flat in rows:
+                self.cursors[stream] = as_str(entry_id)
+                fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
+                raw = fields.get(b"c")
+                if raw is not None:
+                    carried = fields.get(b"r")
+                    out.append(
+                        (
+                            chunk_decoder.decode(raw),
+                            None if carried is None else result_decoder.decode(carried),
+                        )
+                    )
+        return out
 
 
 class Gateway:
@@ -199,38 +286,14 @@ class Gateway:
 
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
-        raw: Any = await self.redis.hget(self.keys.result(task_id), "result")
-        return None if raw is None else result_decoder.decode(raw)
-
-    async def _read_out(
-        self, task_id: str, cursor: str, block_ms: int
-    ) -> list[tuple[str, Chunk, Result | None]]:
-        """Chunks after `cursor`, each with the result a done chunk carries (the first outcome's)."""
-        reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
-            _XREAD, "COUNT", 256, "BLOCK", block_ms, "STREAMS", self.keys.out(task_id), cursor
-        )
-        if not reply:
-            return []
-        rows = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        out: list[tuple[str, Chunk, Result | None]] = []
-        for entry_id, flat in rows:
-            fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
-            raw = fields.get(b"c")
-            if raw is not None:
-                carried = fields.get(b"r")
-                out.append(
-                    (
-                        entry_id.decode(),
-                        chunk_decoder.decode(raw),
-                        None if carried is None else result_decoder.decode(carried),
-                    )
-                )
-        return out
+        """The task's outcome, from its shared key or the own key of a worker that ran it
+        (dispatch.queues.read_result)."""
+        return await read_result(self.redis, self.keys, task_id)
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
         """Block on the task's output stream until it ends, then return its result."""
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        cursor = "0-0"
+        outputs = _Outputs(self.redis, self.keys, task_id)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -238,9 +301,7 @@ class Gateway:
                     f"task {task_id} did not finish within {timeout_s or self.wait_timeout_s:.0f}s",
                     hint=f"it is still queued or running: GET /v1/tasks/{task_id}",
                 )
-            rows = await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms))
-            for entry_id, chunk, carried in rows:
-                cursor = entry_id
+            for chunk, carried in await outputs.read(min(_BLOCK_MS, left_ms)):
                 if chunk.done:
                     result = carried or await self.result(task_id)
                     if result is not None:
@@ -260,7 +321,7 @@ class Gateway:
         letter, an expiry: its chunk has no run nonce) ends the stream whichever run it follows.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        cursor = "0-0"
+        outputs = _Outputs(self.redis, self.keys, task_id)
         followed: tuple[int, str] | None = None
         relayed = False
         calls = 0
@@ -269,8 +330,7 @@ class Gateway:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise TaskTimeoutError(f"task {task_id} did not finish in time")
-            for entry_id, chunk, carried in await self._read_out(task_id, cursor, min(_BLOCK_MS, left_ms)):
-                cursor = entry_id
+            for chunk, carried in await outputs.read(min(_BLOCK_MS, left_ms)):
                 run = (chunk.attempt, chunk.run)
                 settled = chunk.done and not chunk.run
                 if not settled:

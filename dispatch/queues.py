@@ -30,6 +30,7 @@ from dispatch.payload import (
     encode_chunk,
     encode_result,
     queue_fields,
+    result_decoder,
 )
 from events.codec import as_str, encode_batch, encode_fields
 from events.event import Event, TaskDeadLettered, now_ms
@@ -81,7 +82,8 @@ if ARGV[3] ~= '' and holder ~= ARGV[3] then
 end
 if ARGV[4] ~= '' and idle < tonumber(ARGV[4]) then return {0, '', 0, ''} end
 if #rows == 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry then.
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
   return {-1, '', 0, ''}
 end
 local spent = count
@@ -139,7 +141,8 @@ if #again > 0 then
   redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', attempt, 'JUSTID')
   local rows = redis.call('XRANGE', KEYS[1], id, id)
   if #rows == 0 then
-    redis.call('XACK', KEYS[1], ARGV[1], id)
+    -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry later.
+    redis.pcall('XACK', KEYS[1], ARGV[1], id)
     return {'', -1, {}, ''}
   end
   return {id, attempt, rows[1][2], ''}
@@ -283,6 +286,44 @@ end
 redis.call('XDEL', KEYS[1], ARGV[2])
 return {2, ARGV[2], attempt}
 """
+# Find entries that were delivered and then left the pending list without being deleted, and put
+# each back as a re-queued entry, in its place (XCLAIM FORCE to the REQUEUED consumer). No routeledger
+# process makes one (every acknowledgement deletes its entry in the same script), but a consumer can:
+# XREADGROUP with NOACK, or XCLAIM with LASTID past entries nobody read; without this such a task
+# would wait forever, neither queued nor running. KEYS[1] queue; ARGV group, the REQUEUED consumer's
+# name, start id ('-' = the first), most entries to look at. Returns {revived, next start ('' = done)}
+# where revived holds {entry id, task id, attempt its next run gets} for each.
+_REVIVE: Final = """
+local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
+if type(groups) ~= 'table' or groups.err then return {{}, ''} end
+local last = nil
+for _, g in ipairs(groups) do
+  local name, delivered = nil, nil
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+  end
+  if name == ARGV[1] then last = delivered end
+end
+if last == nil or last == '0-0' then return {{}, ''} end
+local limit = tonumber(ARGV[4])
+local rows = redis.call('XRANGE', KEYS[1], ARGV[3], last, 'COUNT', limit)
+local revived = {}
+for _, row in ipairs(rows) do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], row[1], row[1], 1) == 0 then
+    local attempt, id = 1, ''
+    local flat = row[2]
+    for i = 1, #flat, 2 do
+      if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) or 1 end
+      if flat[i] == 'id' then id = flat[i + 1] end
+    end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'FORCE', 'JUSTID')
+    revived[#revived + 1] = {row[1], id, attempt + 1}
+  end
+end
+if #rows < limit then return {revived, ''} end
+return {revived, '(' .. rows[#rows][1]}
+"""
+
 # The scripts above as functions of the routeledger library (events/scripts.py), which a worker
 # calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
 _FINISH_DEF: Final = ScriptDef("finish", _FINISH, allow_oom=True)
@@ -306,6 +347,7 @@ end
 return n
 """
 _DEPTH_DEF: Final = ScriptDef("depth", _DEPTH)
+_REVIVE_DEF: Final = ScriptDef("revive", _REVIVE, allow_oom=True)
 
 CANCEL_REMOVED: Final = 2
 CANCEL_RUNNING: Final = 1
@@ -438,9 +480,13 @@ class TaskQueues:
         ledger: Ledger | None = None,
         *,
         dead_max_entries: int = DEAD_MAX_ENTRIES,
+        writer: str | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
+        # A worker that writes under its own ACL: its runs' output and results go to its own keys
+        # (Keys.run_out, Keys.run_result); None: the task's shared keys (trusted processes).
+        self.writer = writer
         self.ledger = ledger or Ledger(redis, keys)
         self.dead_max_entries = dead_max_entries
         self._finish = _FINISH_DEF.bind(redis)
@@ -453,7 +499,16 @@ class TaskQueues:
         self._keep = _KEEP_DEF.bind(redis)
         self._submit = _SUBMIT_DEF.bind(redis)
         self._depth = _DEPTH_DEF.bind(redis)
+        self._revive = _REVIVE_DEF.bind(redis)
         self._groups: set[str] = set()
+
+    def out_key(self, task_id: str) -> str:
+        """Where this process writes a task's output chunks (see `writer`)."""
+        return self.keys.run_out(self.writer, task_id) if self.writer else self.keys.out(task_id)
+
+    def result_key(self, task_id: str) -> str:
+        """Where this process writes a task's outcome (see `writer`)."""
+        return self.keys.run_result(self.writer, task_id) if self.writer else self.keys.result(task_id)
 
     async def ensure_group(self, queue: str) -> None:
         """Create the `workers` group on `queue` once per process, and register the queue."""
@@ -587,6 +642,39 @@ class TaskQueues:
         status, found, attempt = reply
         return int(status), as_str(found), int(attempt)
 
+    async def revive(self, queue: str, page: int = 500) -> list[tuple[str, str, int]]:
+        """Put back, re-queued in place, every entry of `queue` that was delivered and acknowledged
+        without being deleted (see _REVIVE): (entry id, task id, next attempt) of each."""
+        out: list[tuple[str, str, int]] = []
+        start = "-"
+        while start:
+            reply: Any = await self._revive(
+                keys=[queue], args=[WORKERS_GROUP, REQUEUED_CONSUMER, start, str(page)]
+            )
+            revived, nxt = reply
+            out += [(as_str(e), as_str(t), int(a)) for e, t, a in revived]
+            start = as_str(nxt)
+        return out
+
+    async def closed(self, queue: str, entry_id: str, owner: str, attempt: int) -> bool:
+        """True when `owner`, a worker that writes to an inbox, closed its run `attempt` of the
+        entry: its stored outcome (Keys.run_result) is that run's and, for a completion, its
+        closing events were appended (the `logged` mark). Such a worker leaves the entry pending
+        until the ingest moves the closing event into the ledger and finishes the entry."""
+        fields = await self.entry(queue, entry_id)
+        task_id = as_str(fields.get(F_ID, b"")) if fields is not None else ""
+        if not task_id:
+            return False
+        raw: list[Any] = await self.redis.hmget(
+            self.keys.run_result(owner, task_id), ["status", "worker", "attempt", "logged"]
+        )
+        status, worker, ran, logged = raw
+        if status is None or worker is None or as_str(worker) != owner or ran is None:
+            return False
+        if as_str(ran) != str(attempt):
+            return False
+        return as_str(status) != "completed" or logged is not None
+
     async def entry(self, queue: str, entry_id: str) -> dict[bytes, bytes] | None:
         """The fields of one entry, or None if it is gone."""
         rows: Any = await self.redis.xrange(queue, entry_id, entry_id)
@@ -618,19 +706,28 @@ class TaskQueues:
 
     async def end_output(self, task_id: str, attempt: int, error: str | None = None, run: str = "") -> None:
         """Close a task's output stream (with the error, if it failed) so relays stop waiting."""
-        out_key = self.keys.out(task_id)
+        out_key = self.out_key(task_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error, run=run))})
         pipe.pexpire(out_key, OUTPUT_TTL_MS)
         await pipe.execute()
 
     async def settle_requeue(
-        self, queue: str, entry_id: str, moved: Requeue, reason: str, delivery_limit: int
+        self,
+        queue: str,
+        entry_id: str,
+        moved: Requeue,
+        reason: str,
+        delivery_limit: int,
+        *,
+        finish: bool = True,
     ) -> bool:
         """After a re-queue: dead-letter a task whose deliveries are spent. True if it was moved or settled.
 
         The copy in `rl:dead` is written before the queue entry is removed, so that a crash in
-        between leaves a duplicate in the dead letters rather than a lost task.
+        between leaves a duplicate in the dead letters rather than a lost task. Without `finish`
+        (a worker that writes to an inbox) the entry is left for the ingest, which finishes it when
+        it moves the TaskDeadLettered.
         """
         if moved.status == REQUEUED:
             return True
@@ -647,13 +744,14 @@ class TaskQueues:
         await self.ledger.append(
             TaskDeadLettered(task_id=moved.task_id, queue=queue, reason=full_reason, attempts=moved.attempt)
         )
-        await self.finish(queue, entry_id)
+        if finish:
+            await self.finish(queue, entry_id)
         return True
 
     async def record_result(self, result: Result, ttl_ms: int = RESULT_TTL_MS) -> bool:
         """Store a task's outcome unless one is stored already; True for the first (the one that counts)."""
         won = await self._result_once(
-            keys=[self.keys.result(result.task_id)],
+            keys=[self.result_key(result.task_id)],
             args=[
                 encode_result(result),
                 result.status,
@@ -672,7 +770,7 @@ class TaskQueues:
         `only_over_dead` the outcome is stored only over a dead letter. The output stream stays
         open: log_run closes it."""
         won = await self._close_run(
-            keys=[self.keys.result(result.task_id), self.keys.out(result.task_id)],
+            keys=[self.result_key(result.task_id), self.out_key(result.task_id)],
             args=[
                 encode_result(result),
                 result.status,
@@ -718,9 +816,9 @@ class TaskQueues:
             # After a refusal the mark waits for a round in which no event is outstanding.
             with_rest = rounds == 0 or not left
             if mark and with_rest:
-                pipe.hset(self.keys.result(task_id), "logged", "1")
+                pipe.hset(self.result_key(task_id), "logged", "1")
             if close and with_rest:
-                out_key = self.keys.out(task_id)
+                out_key = self.out_key(task_id)
                 fields = {b"c": encode_chunk(done)}  # type: ignore[arg-type]
                 if carried is not None:
                     fields[b"r"] = encode_result(carried)
@@ -741,7 +839,7 @@ class TaskQueues:
                 if marked and unsent:
                     # The mark landed though an event did not (memory was freed in between): take it
                     # back, so that a crash now leaves the result for a later run to take over.
-                    await self.redis.hdel(self.keys.result(task_id), "logged")
+                    await self.redis.hdel(self.result_key(task_id), "logged")
                 mark = not (marked and not unsent)
             if with_rest and close:
                 close = not rest[0]
@@ -751,4 +849,48 @@ class TaskQueues:
 
     async def take_over_log(self, task_id: str, attempt: int) -> bool:
         """True if this run must append the counting TaskCompleted its result's writer never did."""
-        return bool(await self._take_over(keys=[self.keys.result(task_id)], args=[str(attempt)]))
+        return bool(await self._take_over(keys=[self.result_key(task_id)], args=[str(attempt)]))
+
+
+async def run_writers(redis: aioredis.Redis, keys: Keys, task_id: str) -> list[str]:
+    """The workers whose own output keys (Keys.run_out, Keys.run_result) may be served for a task:
+    those whose claim of it the ingest accepted (Keys.ran), and the one that holds its queue entry
+    now (before its claim reaches the ledger). A worker that neither holds nor held the task is
+    never among them, whatever it wrote."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.smembers(keys.ran(task_id))
+    pipe.hmget(keys.task(task_id), ["queue", "entry"])
+    ran, (queue, entry) = await pipe.execute()
+    names = {as_str(n) for n in ran}
+    if queue and entry:
+        try:
+            rows: Any = await redis.xpending_range(as_str(queue), WORKERS_GROUP, entry, entry, 1)
+        except ResponseError:
+            rows = []
+        if rows and (holder := as_str(rows[0]["consumer"])) != REQUEUED_CONSUMER:
+            names.add(holder)
+    return sorted(names)
+
+
+async def read_result(
+    redis: aioredis.Redis, keys: Keys, task_id: str, writers: Sequence[str] | None = None
+) -> Result | None:
+    """A task's outcome: the one in its shared key (written by trusted processes, and by workers
+    that run with the server's credentials), unless that is a dead letter or missing; then a
+    completion one of its `writers` (default: run_writers) stored in its own key (the earliest
+    attempt), else the dead letter, else any such writer's outcome."""
+    if writers is None:
+        writers = await run_writers(redis, keys, task_id)
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(keys.result(task_id), "result")
+    for name in writers:
+        pipe.hget(keys.run_result(name, task_id), "result")
+    raw: list[Any] = await pipe.execute()
+    shared = None if raw[0] is None else result_decoder.decode(raw[0])
+    if shared is not None and shared.status != "dead":
+        return shared
+    own = sorted((result_decoder.decode(r) for r in raw[1:] if r is not None), key=lambda r: r.attempt)
+    done = [r for r in own if r.status == "completed"]
+    if done:
+        return done[0]
+    return shared or (own[0] if own else None)

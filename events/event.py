@@ -280,6 +280,8 @@ class TaskExpired(Event, frozen=True, kw_only=True):
     # The task's deadline (epoch ms) and how long it had waited since its submission.
     deadline: EpochMs = 0
     waited_ms: Count = 0
+    # The queue entry it was taken from: the ingest finishes it (a worker under its ACL cannot).
+    entry_id: str = ""
 
 
 # -- workers -----------------------------------------------------------------------------------

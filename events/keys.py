@@ -119,6 +119,21 @@ class Keys:
         # Final text and timings of one task; expires.
         return f"{self.prefix}result:{task_id}"
 
+    def run_out(self, worker: str, task_id: str) -> str:
+        # Output chunks of one task as one worker wrote them: a worker's ACL lets it write only its
+        # own, and the API reads only those of the workers that ran the task (`ran`, or the holder
+        # of its queue entry). The hash tag keeps a task's keys in one slot; expires.
+        return f"{self.prefix}out:w:{worker}:{{{task_id}}}"
+
+    def run_result(self, worker: str, task_id: str) -> str:
+        # Final text and timings of one task as one worker wrote them (see run_out); expires.
+        return f"{self.prefix}result:w:{worker}:{{{task_id}}}"
+
+    def ran(self, task_id: str) -> str:
+        # Set of the workers whose claim of the task the ingest accepted: whose run_out and
+        # run_result the API may serve for it; expires.
+        return f"{self.prefix}ran:{{{task_id}}}"
+
     def cancel(self, task_id: str) -> str:
         # Set when a client asks a running task to stop; the worker polls it; expires.
         return f"{self.prefix}cancel:{task_id}"

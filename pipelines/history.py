@@ -6,13 +6,15 @@ follows the one rule of projections.status.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.gateway import task_status
-from dispatch.payload import Result, result_decoder
+from dispatch.payload import Result
+from dispatch.queues import read_result
 from events.event import (
     Event,
     PipelineChildAdded,
@@ -56,11 +58,8 @@ async def pipeline_view(redis: aioredis.Redis, keys: Keys, pipeline_id: str) -> 
     if state is None:
         return None
     ids = state.task_ids()
-    pipe = redis.pipeline(transaction=False)
-    for task_id in ids:
-        pipe.hget(keys.result(task_id), "result")
-    raw: list[Any] = await pipe.execute()
-    results = {t: None if r is None else result_decoder.decode(r) for t, r in zip(ids, raw, strict=True)}
+    found = await asyncio.gather(*(read_result(redis, keys, t) for t in ids))
+    results = dict(zip(ids, found, strict=True))
     try:
         rows: dict[str, TaskRow] = await get_tasks(redis, keys, ids)
     except ProjectionError:

@@ -23,6 +23,15 @@ The checks (`Ingest.check`):
 
 Claims are kept in `rl:claims` (task -> the claimed runs), so that they outlive a restart of the
 projector; a task's field goes once each of its claimed runs has completed, or after CLAIM_TTL_MS.
+
+The ingest also finishes the queue entry of a run its worker closed (acknowledges and deletes it,
+in the same script that moves the closing event): a worker under its ACL may not XACK or XDEL a
+task queue, so that no task it can read vanishes without an event. An accepted completion, a final
+(not retryable) failure or a dead letter of a claimed run, and an expiry of an entry the writer
+holds, each finish the entry their run came from, and only while the writer still holds it (a run
+the reaper took back is left to its new one). The entry is acknowledged as the event enters the
+ledger, never before: until then the reaper leaves a run whose result says it closed alone
+(workers/reaper.py), so that the ingest's lag does not make it run again.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, prompt_by_id
 from dispatch.payload import F_TASK, decode_task
+from dispatch.queues import RESULT_TTL_MS
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
 from events.errors import UndecodableEntryError
 from events.event import (
@@ -76,28 +86,44 @@ WORKER_TYPES: Final[tuple[type[Event], ...]] = (
 CLAIM_TTL_MS: Final = 24 * 3600 * 1000
 
 # Move one inbox's checked entries: each is deleted from the inbox and, only if this call deleted
-# it (so that no entry is moved twice), appended to the ledger or, refused, to the dead letters;
-# then the claims and grades the batch changed are written.
-# KEYS[1] ledger, KEYS[2] inbox, KEYS[3] dead letters, KEYS[4] claims, KEYS[5] graded.
-# ARGV[1] dead letters' cap, ARGV[2] worker, ARGV[3] n; n times: inbox id, reason ('' = accepted),
-# type, v, data; then m and m pairs (task, claims value or '' to delete); then grade members.
-# Returns how many entries were moved into the ledger.
+# it (so that no entry is moved twice), appended to the ledger or, refused, to the dead letters; an
+# accepted entry that closes a run then finishes the run's queue entries (acknowledged and deleted)
+# that the worker still holds. Then the claims and grades the batch changed are written, and the
+# worker joins the set of workers that ran each task it claimed (Keys.ran: the API serves output only
+# from those).
+# KEYS[1] ledger, KEYS[2] inbox, KEYS[3] dead letters, KEYS[4] claims, KEYS[5] graded, KEYS[6...]
+# the task queues the batch finishes entries of and the `ran` sets of the tasks it claimed.
+# ARGV[1] dead letters' cap, ARGV[2] worker, ARGV[3] consumer group, ARGV[4] n; n times: inbox id,
+# reason ('' = accepted), type, v, data, f, then f pairs (index of a queue in KEYS, entry id);
+# then m and m pairs (task, claims value or '' to delete); then r, the ttl ms of a `ran` set, and r
+# indexes of `ran` sets in KEYS; then grade members.
+# Returns {entries moved into the ledger, queue entries finished}.
 _MOVE: Final = """
-local n = tonumber(ARGV[3])
-local i = 4
-local moved = 0
+local n = tonumber(ARGV[4])
+local i = 5
+local moved, finished = 0, 0
 for _ = 1, n do
   local id, reason = ARGV[i], ARGV[i + 1]
+  local f = tonumber(ARGV[i + 5])
   if redis.call('XDEL', KEYS[2], id) == 1 then
     if reason == '' then
       redis.call('XADD', KEYS[1], '*', 'type', ARGV[i + 2], 'v', ARGV[i + 3], 'data', ARGV[i + 4])
       moved = moved + 1
+      for j = 1, f do
+        local q, e = KEYS[tonumber(ARGV[i + 4 + 2 * j])], ARGV[i + 5 + 2 * j]
+        local p = redis.pcall('XPENDING', q, ARGV[3], e, e, 1)
+        if type(p) == 'table' and p.err == nil and #p > 0 and p[1][2] == ARGV[2] then
+          redis.call('XACK', q, ARGV[3], e)
+          redis.call('XDEL', q, e)
+          finished = finished + 1
+        end
+      end
     else
       redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[1], '*', 'source', 'inbox', 'worker', ARGV[2],
         'entry_id', id, 'type', ARGV[i + 2], 'reason', reason)
     end
   end
-  i = i + 5
+  i = i + 6 + 2 * f
 end
 local m = tonumber(ARGV[i])
 i = i + 1
@@ -109,8 +135,17 @@ for _ = 1, m do
   end
   i = i + 2
 end
+local r = tonumber(ARGV[i])
+local ttl = ARGV[i + 1]
+i = i + 2
+for _ = 1, r do
+  local ran = KEYS[tonumber(ARGV[i])]
+  redis.call('SADD', ran, ARGV[2])
+  redis.call('PEXPIRE', ran, ttl)
+  i = i + 1
+end
 for j = i, #ARGV do redis.call('SADD', KEYS[5], ARGV[j]) end
-return moved
+return {moved, finished}
 """
 
 
@@ -123,6 +158,8 @@ class Claim(msgspec.Struct, array_like=True):
     queue: str
     at: int
     completed: bool = False
+    # The queue entry the run came from ('' in claims kept before the ingest finished entries).
+    entry_id: str = ""
 
 
 _claims_encoder: Final = msgspec.msgpack.Encoder()
@@ -164,6 +201,7 @@ class Ingest:
         self._cursors: dict[str, str] = {}
         self.moved = 0
         self.refused = 0
+        self.finished = 0
 
     async def inboxes(self) -> list[str]:
         """The names of the workers that write to an inbox."""
@@ -236,43 +274,65 @@ class Ingest:
 
         events = decode_rows(entries, poison)
         claims = await self._read_claims([e for _, e in events])
-        held = await self._read_held(worker, [e for _, e in events if isinstance(e, TaskClaimed)])
+        held = await self._read_held(
+            worker, [e for _, e in events if isinstance(e, TaskClaimed | TaskExpired)]
+        )
         grades = [f"{e.task_id} {e.grader}" for _, e in events if isinstance(e, QualityScored)]
         graded = await self._read_graded(grades)
         touched: set[str] = set()
+        claimed: set[str] = set()
         new_grades: list[str] = []
+        # Inbox entry -> the queue entries its event closes (finished as it is moved).
+        closes: dict[str, list[tuple[str, str]]] = {}
         for entry_id, event in events:
             reason = self.check(worker, event, claims, held, graded, int(entry_id.partition("-")[0]))
             if reason is not None:
                 reasons[entry_id] = reason
                 continue
+            if ends := _closed_entries(worker, event, claims):
+                closes[entry_id] = ends
             task_id = getattr(event, "task_id", "")
             if isinstance(event, TaskClaimed | TaskCompleted):
                 touched.add(task_id)
+            if isinstance(event, TaskClaimed):
+                claimed.add(task_id)
             if isinstance(event, QualityScored):
                 mark = f"{event.task_id} {event.grader}"
                 graded.add(mark)
                 new_grades.append(mark)
-        args: list[Any] = [str(self.dead_max_entries), worker, str(len(entries))]
+        keys = [self.keys.events, self.keys.inbox(worker), self.keys.dead, self.keys.claims, self.keys.graded]
+        queue_index: dict[str, int] = {}
+        args: list[Any] = [str(self.dead_max_entries), worker, WORKERS_GROUP, str(len(entries))]
         for entry_id, flat in entries:
             fields = flat_to_dict(flat)
             reason = reasons.get(entry_id, "")
+            ends = [] if reason else closes.get(entry_id, [])
             args += [
                 entry_id,
                 reason,
                 fields.get(TYPE, b""),
                 fields.get(VERSION, b"1"),
                 fields.get(DATA, b""),
+                str(len(ends)),
             ]
+            for queue, queue_entry in ends:
+                if queue not in queue_index:
+                    keys.append(queue)
+                    queue_index[queue] = len(keys)
+                args += [str(queue_index[queue]), queue_entry]
         updates: list[Any] = []
         for task_id in sorted(touched):
             runs = claims.get(task_id, [])
             done = not runs or all(c.completed for c in runs)
             updates += [task_id, "" if done else _claims_encoder.encode(runs)]
-        args += [str(len(updates) // 2), *updates, *new_grades]
-        keys = [self.keys.events, self.keys.inbox(worker), self.keys.dead, self.keys.claims, self.keys.graded]
-        moved = int(await self._move(keys=keys, args=args))
-        self.moved += moved
+        args += [str(len(updates) // 2), *updates, str(len(claimed)), str(RESULT_TTL_MS)]
+        for task_id in sorted(claimed):
+            keys.append(self.keys.ran(task_id))
+            args.append(str(len(keys)))
+        args += new_grades
+        moved, finished = await self._move(keys=keys, args=args)
+        self.moved += int(moved)
+        self.finished += int(finished)
         self.refused += len(reasons)
         for entry_id, reason in reasons.items():
             log.warning("refused inbox entry %s of worker %s: %s", entry_id, worker, reason)
@@ -294,8 +354,10 @@ class Ingest:
                 log.warning("claims of task %s are unreadable; starting them again", task_id)
         return out
 
-    async def _read_held(self, worker: str, claims: Sequence[TaskClaimed]) -> dict[tuple[str, str], Held]:
-        """Who holds each queue entry the batch's claims name, and whose task it is."""
+    async def _read_held(
+        self, worker: str, claims: Sequence[TaskClaimed | TaskExpired]
+    ) -> dict[tuple[str, str], Held]:
+        """Who holds each queue entry the batch's claims (and expiries) name, and whose task it is."""
         wanted = sorted({(c.queue, c.entry_id) for c in claims if c.queue and c.entry_id})
         if not wanted:
             return {}
@@ -371,6 +433,8 @@ class Ingest:
             case TaskDeadLettered():
                 if _runs_of(claims, event.task_id, worker) is None:
                     return f"no claim by {worker} of task {event.task_id}"
+            case TaskExpired():
+                return _expired(worker, event, held)
             case BenchmarkResult() | QualityScored():
                 return _graded_run(worker, self.keys.pinned(worker), event, claims, graded)
         return None
@@ -397,9 +461,42 @@ def _claim(
             return f"claims task {e.task_id} for model {e.digest[:12]}, queued for {entry.digest[:12]}"
     runs = [c for c in claims.get(e.task_id, []) if now_ms - c.at < CLAIM_TTL_MS]
     runs = [c for c in runs if not (c.worker == worker and c.attempt == e.attempt)]
-    runs.append(Claim(e.attempt, worker, e.digest, e.queue, now_ms))
+    runs.append(Claim(e.attempt, worker, e.digest, e.queue, now_ms, entry_id=e.entry_id))
     claims[e.task_id] = runs
     return None
+
+
+def _expired(worker: str, e: TaskExpired, held: dict[tuple[str, str], Held]) -> str | None:
+    """An expiry that names its entry (so that the ingest finishes it) names one the writer holds,
+    of the task it names; one that names none (a worker of an older version) finishes nothing."""
+    if not e.entry_id:
+        return None
+    entry = held.get((e.queue, e.entry_id))
+    if entry is None or not entry.exists:
+        return None  # gone already: nothing to finish
+    if entry.consumer != worker:
+        return f"expires entry {e.entry_id} of {e.queue}, which {entry.consumer or 'nobody'} holds"
+    if entry.task_id != e.task_id:
+        return f"expires task {e.task_id} with entry {e.entry_id}, which holds task {entry.task_id}"
+    return None
+
+
+def _closed_entries(worker: str, event: Event, claims: dict[str, list[Claim]]) -> list[tuple[str, str]]:
+    """The queue entries (queue, entry id) that an accepted `event` of `worker` closes: a completion
+    the entry of its run, a final failure or a dead letter those of the worker's runs of the task,
+    an expiry the entry it names. The move finishes each only while the worker holds it."""
+    match event:
+        case TaskCompleted():
+            runs = [c for c in _runs_of(claims, event.task_id, worker, event.attempt) or [] if c.completed]
+        case TaskFailed() if not event.retryable:
+            runs = _runs_of(claims, event.task_id, worker, event.attempt) or []
+        case TaskDeadLettered():
+            runs = [c for c in _runs_of(claims, event.task_id, worker) or [] if c.queue == event.queue]
+        case TaskExpired() if event.entry_id and event.queue:
+            return [(event.queue, event.entry_id)]
+        case _:
+            return []
+    return sorted({(c.queue, c.entry_id) for c in runs if c.queue and c.entry_id})
 
 
 def _runs_of(

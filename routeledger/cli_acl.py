@@ -8,11 +8,11 @@ holds before moving it into the ledger (projections/ingest.py).
 |---|---|---|
 | `rl:events:w:NAME` | XADD only | its inbox (`--inbox`), the only stream it appends events to |
 | `rl:inboxes` | SADD only | it lists its inbox there (the ingest finds it without SCAN), no other off |
-| `rl:q:{12 hex}` | read, write | shared queues of models: taken, finished, re-queued (functions) |
-| `rl:q:{rl:q:{12 hex}}:*` | read, write | the same models' priority band queues |
-| `rl:qb:{rl:q:{12 hex}}` | read, write | which band queues a model has (the backlog function reads it) |
-| `rl:q:w:NAME` | read, write | its own pinned queue (not another worker's) |
-| `rl:out:*`, `rl:result:*` | read, write | output chunks and the result of the tasks it runs |
+| `rl:q:{12 hex}` | read; take, keep, re-queue | shared queues of models (never XACK, XDEL, DEL, XADD) |
+| `rl:q:{rl:q:{12 hex}}:*` | the same | the same models' priority band queues |
+| `rl:qb:{rl:q:{12 hex}}` | read | which band queues a model has (the backlog function reads it) |
+| `rl:q:w:NAME` | the same, and XADD | its own pinned queue (not another's): its benchmark requests |
+| `rl:out:w:NAME:{*}`, `rl:result:w:NAME:{*}` | read, write | its own output chunks and results |
 | `rl:live:NAME` | read, write | its own lease |
 | `rl:card:NAME` | read, write | what its backend says of its models beyond the lease (template, parameters) |
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
@@ -24,10 +24,17 @@ Scripts: FCALL of the `routeledger` function library only (events/scripts.py; th
 with the admin's credentials). No EVAL, EVALSHA or SCRIPT LOAD: a worker runs no Lua of its own. No
 SCAN, KEYS or any admin command.
 
-Redis runs a function with its caller's ACL, so the commands the functions send (XACK, XDEL, XCLAIM
-on the shared queues; HSET on results) are the worker's own too: its user can send them directly,
-on the keys above. What the ledger says cannot be forged (the ingest checks it); what a worker does
-to the queues and results of the models it serves is trusted, as its answers are.
+Redis runs a function with its caller's ACL, so the commands the functions send are the worker's
+own too: its user can send them directly, on the keys above. So the task queues are in a selector
+of their own that allows only what taking, keeping and re-queuing an entry needs (XREADGROUP,
+XCLAIM, XGROUP CREATE, and reads): no XACK, XDEL, XTRIM, DEL, PEXPIRE or XADD, so that a worker
+cannot make a queued task vanish. The worker never acknowledges an entry: the ingest finishes it
+as it moves the event that closes the run (projections/ingest.py), and the reaper re-queues an
+entry that a consumer read with NOACK or skipped with XCLAIM LASTID (workers/reaper.py). What the
+ledger says cannot be forged (the ingest checks it); what a worker does with the tasks it takes
+(its answers, or holding them unanswered while its lease lives) is trusted. Its answers go to keys
+of its own (`Keys.run_out`, `Keys.run_result`), which the API serves only for a task the worker
+holds or held (dispatch/queues.py `run_writers`): what it writes for another task is never read.
 
 Read-only keys use Redis 7's `%R~` and the last line is a Redis 7 *selector*: Redis 6.2 rejects
 both, and has no functions, so these lines need Redis 7 to mean what they say.
@@ -75,20 +82,30 @@ WORKER_COMMANDS: tuple[str, ...] = (
     "multi",
     "exec",
     "xadd",
-    # Sent by the library's functions (which run under this user's ACL), and by nothing else.
-    "xack",
-    "xdel",
-    "xclaim",
     "xpending",
     "xrange",
     "xrevrange",
     "xlen",
     "xread",
-    "xreadgroup",
     "xinfo|groups",
     "xinfo|stream",
-    "xgroup|create",
     "fcall",
+)
+# What a worker may do to a task queue (its own selector): take, keep alive and re-queue entries,
+# through the library's functions, which send these under the worker's ACL; and read.
+QUEUE_COMMANDS: tuple[str, ...] = (
+    "fcall",
+    "xreadgroup",
+    "xclaim",
+    "xgroup|create",
+    "xpending",
+    "xrange",
+    "xrevrange",
+    "xlen",
+    "xread",
+    "xinfo|groups",
+    "xinfo|stream",
+    "zrange",
 )
 
 _HEX12 = "[0-9a-f]" * 12
@@ -96,18 +113,25 @@ _HEX12 = "[0-9a-f]" * 12
 
 def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list[str]:
     """The ACL SETUSER rules (after the user name) for worker `name`, Redis 7 syntax."""
-    if not name or any(c.isspace() or c in "*?[]\\" for c in name):
-        raise ValueError(f"a worker name for an ACL must have no spaces or glob characters: {name!r}")
+    if not name or any(c.isspace() or c in "*?[]\\{}:" for c in name):
+        raise ValueError(
+            f"a worker name for an ACL must have no spaces, glob characters, braces or colons: {name!r}"
+        )
     k = keys or Keys()
+    queues = [
+        f"{k.prefix}q:{_HEX12}",
+        f"{k.prefix}q:{{{k.prefix}q:{_HEX12}}}:*",
+        f"{k.prefix}qb:{{{k.prefix}q:{_HEX12}}}",
+        k.pinned(name),
+    ]
     rules = ["reset", "on", f">{password}", "resetchannels"]
+    # The queues are read-only here (XREAD of them with the ledger in one command is matched by
+    # this first set of rules); what changes them is in their own selector below.
+    rules += [f"%R~{q}" for q in queues]
     rules += [
-        f"~{k.prefix}q:{_HEX12}",
-        f"~{k.prefix}q:{{{k.prefix}q:{_HEX12}}}:*",
-        # Read and write: a key a script is given must be both (Redis cannot tell which it needs).
-        f"~{k.prefix}qb:{{{k.prefix}q:{_HEX12}}}",
-        f"~{k.pinned(name)}",
-        f"~{k.out('*')}",
-        f"~{k.result('*')}",
+        # Its own outputs only: the API serves a task's output only from a worker that ran it.
+        f"~{k.run_out(name, '*')}",
+        f"~{k.run_result(name, '*')}",
         f"~{k.live(name)}",
         f"~{k.card(name)}",
         f"~{k.forgotten}",
@@ -120,6 +144,10 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         f"%R~{k.events}",
     ]
     rules += [f"+{c}" for c in WORKER_COMMANDS]
+    # Read and write: a key a function is given must be both (Redis cannot tell which it needs).
+    rules.append("(" + " ".join([*(f"~{q}" for q in queues), *(f"+{c}" for c in QUEUE_COMMANDS)]) + ")")
+    # Its own pinned queue takes its benchmark requests.
+    rules.append(f"(~{k.pinned(name)} +xadd)")
     # It lists its inbox, and may take no other worker's off the list (the ingest reads only it).
     rules.append(f"(~{k.inboxes} +sadd)")
     # Append-only: XADD (directly or from the batch-append function), and nothing else, on its inbox

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from dispatch.benchmark import domains, on_demand, request_benchmark
 from dispatch.lease import live_workers
-from dispatch.payload import EMBED, Message, result_decoder
-from dispatch.queues import TaskQueues
+from dispatch.payload import EMBED, Message
+from dispatch.queues import TaskQueues, read_result
 from dispatch.serving import embedding_only, holdings
 from dispatch.submit import TaskRequest, submit_task
 from events.event import BenchmarkResult, QualityScored
@@ -152,12 +152,12 @@ def bench_judge(
         async for _, result in _of(ledger, BenchmarkResult):
             if graded + skipped >= limit or result.task_id in judged:
                 continue
-            raw: Any = await client.hget(keys.result(result.task_id), "result")
+            stored = await read_result(client, keys, result.task_id)
             prompt = prompt_by_id(result.prompt_id)
-            if raw is None or prompt is None:
+            if stored is None or prompt is None:
                 skipped += 1
                 continue
-            answer = result_decoder.decode(raw).text
+            answer = stored.text
             text = RUBRIC.format(question=prompt.prompt, answer=answer)
             req = TaskRequest(
                 model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
@@ -197,8 +197,8 @@ async def _result_text(client: Any, keys: Any, task_id: str, wait_s: float = 300
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
-        raw: Any = await client.hget(keys.result(task_id), "result")
-        if raw is not None:
-            return str(result_decoder.decode(raw).text)
+        stored = await read_result(client, keys, task_id)
+        if stored is not None:
+            return stored.text
         await asyncio.sleep(0.2)
     return None

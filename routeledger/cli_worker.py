@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import socket
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 import redis.asyncio as aioredis
@@ -15,8 +15,8 @@ from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
 from dispatch.lease import live_workers
-from dispatch.payload import Message, result_decoder
-from dispatch.queues import TaskQueues
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues, read_result
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.event import WorkerOffline
@@ -246,9 +246,8 @@ async def _wait_result(client: aioredis.Redis, keys: Keys, task_id: str, wait_s:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
-        raw: Any = await client.hget(keys.result(task_id), "result")
-        if raw is not None:
-            result = result_decoder.decode(raw)
+        result = await read_result(client, keys, task_id)
+        if result is not None:
             return msgspec.to_builtins(result)  # type: ignore[no-any-return]
         await asyncio.sleep(0.1)
     fail(f"task {task_id} has no result after {wait_s:.0f}s (it is still queued or running)", 1)

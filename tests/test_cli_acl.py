@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from events.keys import Keys
 from routeledger.cli_acl import WORKER_COMMANDS, worker_acl_rules
 
@@ -20,3 +22,30 @@ def test_a_worker_may_run_no_lua_of_its_own_and_scan_nothing() -> None:
     assert "fcall" in WORKER_COMMANDS
     assert not forbidden & set(WORKER_COMMANDS)
     assert not [r for r in rules if r.startswith("+") and r[1:] in forbidden]
+
+
+def test_a_worker_may_take_keep_and_requeue_queue_entries_but_never_remove_one() -> None:
+    keys = Keys()
+    rules = worker_acl_rules("a", "pw", keys)
+    removers = {"xack", "xdel", "xtrim", "del", "unlink", "pexpire", "expire", "xautoclaim", "xgroup|destroy"}
+    (queues,) = [r for r in rules if r.startswith("(") and f"~{keys.pinned('a')}" in r and "+fcall" in r]
+    granted = {part[1:] for part in queues.strip("()").split() if part.startswith("+")}
+    assert {"fcall", "xreadgroup", "xclaim", "xgroup|create"} <= granted
+    assert not removers & granted
+    assert not {"xack", "xdel", "xtrim", "xautoclaim"} & set(WORKER_COMMANDS)
+    # Outside that selector the queues are read-only (DEL and PEXPIRE there are for its lease and
+    # outputs); only its own pinned queue takes an XADD.
+    assert f"%R~{keys.prefix}q:{'[0-9a-f]' * 12}" in rules
+    assert f"~{keys.prefix}q:{'[0-9a-f]' * 12}" not in rules
+    assert f"(~{keys.pinned('a')} +xadd)" in rules
+
+
+def test_a_worker_writes_only_its_own_output_keys_and_its_name_cannot_reach_another_s() -> None:
+    keys = Keys()
+    rules = worker_acl_rules("a", "pw", keys)
+    assert f"~{keys.run_out('a', '*')}" in rules and f"~{keys.run_result('a', '*')}" in rules
+    assert not [r for r in rules if r.startswith(("~rl:out:*", "~rl:result:*", "%R~rl:out", "%R~rl:result"))]
+    # A name with a colon or a brace could match another worker's keys ("a" and "a:{x}").
+    for name in ("a:b", "a{b}", "a*"):
+        with pytest.raises(ValueError, match="no spaces, glob characters, braces or colons"):
+            worker_acl_rules(name, "pw", keys)

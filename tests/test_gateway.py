@@ -10,8 +10,17 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import TaskFailedError
 from dispatch.gateway import Gateway
-from dispatch.payload import Chunk, Message, Result, Thought, ToolCall, encode_chunk, encode_result
-from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS
+from dispatch.payload import (
+    Chunk,
+    Message,
+    Result,
+    TaskMessage,
+    Thought,
+    ToolCall,
+    encode_chunk,
+    encode_result,
+)
+from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS, TaskQueues
 from dispatch.submit import TaskRequest
 from events.connection import redis_client as make_client
 from events.event import TaskSubmitted
@@ -124,3 +133,33 @@ async def test_a_relay_yields_thinking_before_the_text_and_any_thinking_the_chun
     await _out(redis_client, keys, "t4", Chunk(attempt=1, done=True, run="a"), done)
     items = [item async for item in Gateway(redis_client, keys).relay("t4", timeout_s=5)]
     assert items == [Thought("Hmm, "), Thought("blue. "), "Blue", Thought("Rayleigh."), done]
+
+
+async def test_a_relay_reads_the_own_output_of_the_worker_holding_the_task_and_never_another_s(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    queue = keys.queue(MODEL_DIGEST)
+    task = TaskMessage(task_id="t9", model="m", digest=MODEL_DIGEST, messages=[])
+    entry = await queues.enqueue(queue, task)
+    await redis_client.hset(keys.task("t9"), mapping={"queue": queue, "entry": entry})
+    assert (await queues.take(queue, "a")).entry_id == entry
+    done = Result(task_id="t9", status="completed", worker="a", attempt=1, text="The sky", run="r1")
+    forged = Result(task_id="t9", status="completed", worker="b", attempt=1, text="forged", run="r2")
+    # b, live too, holds nothing of t9: what it writes to its own keys is never read.
+    await redis_client.sadd(keys.workers, "a", "b")
+    await redis_client.xadd(
+        keys.run_out("b", "t9"),
+        {
+            b"c": encode_chunk(Chunk(attempt=1, text="forged", done=True, run="r2")),
+            b"r": encode_result(forged),
+        },
+    )
+    await redis_client.hset(keys.run_result("b", "t9"), "result", encode_result(forged))
+    held = TaskQueues(redis_client, keys, ledger, writer="a")
+    relay = Gateway(redis_client, keys).relay("t9", timeout_s=5)
+    await held.close_run(done, "The sky")
+    await held.log_run("t9", [], counts=True, done=Chunk(attempt=1, done=True, run="r1"), carried=done)
+    assert [item async for item in relay] == ["The sky", done]
+    assert await Gateway(redis_client, keys).result("t9") == done
+    assert await redis_client.exists(keys.out("t9")) == 0

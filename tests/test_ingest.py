@@ -3,12 +3,13 @@ for itself about runs it holds; anything else goes to the dead letters with the 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, benchset
-from dispatch.payload import Message, TaskMessage
+from dispatch.payload import Message, Result, TaskMessage
 from dispatch.queues import TaskQueues
 from events.codec import encode_fields
 from events.connection import redis_client as redis_client_for
@@ -18,13 +19,16 @@ from events.event import (
     QualityScored,
     TaskClaimed,
     TaskCompleted,
+    TaskExpired,
+    TaskFailed,
     TaskSubmitted,
     Timings,
     WorkerOnline,
 )
-from events.keys import Keys
+from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import Ledger
 from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
+from workers.reaper import Reaper, ReaperConfig
 
 DIGEST = "a" * 64
 OTHER = "b" * 64
@@ -231,3 +235,139 @@ async def test_claims_no_completion_closed_are_forgotten_after_a_day_and_others_
     assert await ingest.prune(min(seen) + CLAIM_TTL_MS - 1) == 0
     assert await ingest.prune(max(seen) + CLAIM_TTL_MS) == 2
     assert await redis_client.hlen(keys.claims) == 0
+
+
+async def _pending_owners(redis: aioredis.Redis, queue: str) -> dict[str, str]:
+    rows: Any = await redis.xpending_range(queue, WORKERS_GROUP, "-", "+", 100)
+    return {r["message_id"].decode(): r["consumer"].decode() for r in rows}
+
+
+async def test_the_ingest_finishes_the_entry_of_a_run_its_worker_closed_and_only_while_it_holds_it(
+    any_redis_url: str, keys: Keys
+) -> None:
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        await _finished_by_ingest(redis_client, keys, Ledger(redis_client, keys))
+    finally:
+        await redis_client.aclose()
+
+
+async def _finished_by_ingest(redis_client: aioredis.Redis, keys: Keys, ledger: Ledger) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    queue = keys.queue(DIGEST)
+    done = await _taken(queues, queue, "a", "t1")
+    failed = await _taken(queues, queue, "a", "t2")
+    retried = await _taken(queues, queue, "a", "t3")
+    expired = await _taken(queues, queue, "a", "t4")
+    taken_back = await _taken(queues, queue, "a", "t5")
+
+    def failure(claim: TaskClaimed, retryable: bool) -> TaskFailed:
+        return TaskFailed(
+            task_id=claim.task_id,
+            worker="a",
+            digest=DIGEST,
+            attempt=claim.attempt,
+            kind="backend" if retryable else "bad_request",
+            retryable=retryable,
+        )
+
+    await _inbox(redis_client, keys, "a", done, failed, retried, taken_back)
+    ingest = Ingest(redis_client, keys)
+    await ingest.catch_up()
+    # A claim finishes nothing: all five are still held.
+    assert len(await _pending_owners(redis_client, queue)) == 5
+    # The reaper took t5 back (its worker seemed dead) before its completion arrived.
+    await queues.requeue(queue, taken_back.entry_id, delivery_limit=3, owner="a")
+    gone = TaskExpired(task_id="t4", queue=queue, worker="a", entry_id=expired.entry_id)
+    await _inbox(
+        redis_client,
+        keys,
+        "a",
+        _done(done),
+        failure(failed, retryable=False),
+        failure(retried, retryable=True),
+        gone,
+        _done(taken_back),
+    )
+    await ingest.catch_up()
+    assert ingest.finished == 3
+    assert await _dead_reasons(redis_client, keys) == []
+    # Completed, failed for good and expired: acknowledged and deleted. The retryable failure's
+    # entry waits for its worker's re-queue; the run taken back stays with the re-queued entries.
+    assert await _pending_owners(redis_client, queue) == {
+        retried.entry_id: "a",
+        taken_back.entry_id: REQUEUED_CONSUMER,
+    }
+    assert await redis_client.xlen(queue) == 2
+
+
+async def test_an_expiry_of_an_entry_the_worker_does_not_hold_is_refused_and_finishes_nothing(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    queue = keys.queue(DIGEST)
+    theirs = await _taken(queues, queue, "b", "t1")
+    await queues.enqueue(queue, TaskMessage(task_id="t2", model="m", digest=DIGEST, messages=[]))
+    queued: Any = await redis_client.xrange(queue, count=2)
+    waiting = queued[1][0].decode()
+    forged = [
+        TaskExpired(task_id="t1", queue=queue, worker="a", entry_id=theirs.entry_id),
+        TaskExpired(task_id="t2", queue=queue, worker="a", entry_id=waiting),
+    ]
+    await _inbox(redis_client, keys, "a", *forged)
+    await Ingest(redis_client, keys).catch_up()
+    assert await _ledger_events(ledger) == []
+    assert await _dead_reasons(redis_client, keys) == [
+        f"expires entry {theirs.entry_id} of {queue}, which b holds",
+        f"expires entry {waiting} of {queue}, which nobody holds",
+    ]
+    assert await redis_client.xlen(queue) == 2
+
+
+async def test_the_reaper_leaves_a_closed_run_to_the_ingest_and_takes_it_back_after_the_grace(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    queue = keys.queue(DIGEST)
+    closed = await _taken(queues, queue, "a", "t1")
+    open_run = await _taken(queues, queue, "a", "t2")
+    await redis_client.sadd(keys.inboxes, "a")
+    # Worker a completed t1 (its result stored, its events appended: the `logged` mark) and died
+    # before the ingest moved them; t2 it never finished. Its lease is gone.
+    own = TaskQueues(redis_client, keys, ledger, writer="a")
+    await own.close_run(Result(task_id="t1", status="completed", worker="a", attempt=closed.attempt))
+    await redis_client.hset(keys.run_result("a", "t1"), "logged", "1")
+    await asyncio.sleep(0.05)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=10, ingest_grace_ms=60_000)).sweep()
+    assert (report.reclaimed, report.awaiting_ingest) == (1, 1)
+    assert await _pending_owners(redis_client, queue) == {
+        closed.entry_id: "a",
+        open_run.entry_id: REQUEUED_CONSUMER,
+    }
+    # Past the grace, the owner's word that it closed the run is not trusted any more.
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=10, ingest_grace_ms=20)).sweep()
+    assert (report.reclaimed, report.awaiting_ingest) == (1, 0)
+    assert set((await _pending_owners(redis_client, queue)).values()) == {REQUEUED_CONSUMER}
+
+
+async def test_the_reaper_puts_back_an_entry_read_with_noack_on_every_redis(
+    any_redis_url: str, keys: Keys
+) -> None:
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+        queue = keys.queue(DIGEST)
+        task = TaskMessage(task_id="t1", model="m", digest=DIGEST, messages=[])
+        entry = await queues.enqueue(queue, task)
+        await redis_client.execute_command(
+            "XREADGROUP", "GROUP", WORKERS_GROUP, "x", "NOACK", "STREAMS", queue, ">"
+        )
+        assert await _pending_owners(redis_client, queue) == {}
+        report = await Reaper(redis_client, keys, ReaperConfig()).sweep()
+        assert report.revived == 1
+        assert await _pending_owners(redis_client, queue) == {entry: REQUEUED_CONSUMER}
+        taken = await queues.take(queue, "a")
+        assert (taken.entry_id, taken.attempt) == (entry, 2)
+        assert (await Reaper(redis_client, keys, ReaperConfig()).sweep()).revived == 0
+    finally:
+        await redis_client.aclose()

@@ -161,6 +161,9 @@ class WorkerAgent:
         # A speed-aware gate plans with what every worker runs, so the lease says so at once.
         self.eager_lease = not isinstance(self.gate, PlainPull)
         self.ledger = Ledger(redis, keys, inbox=config.name if config.inbox else None)
+        # A worker that writes to an inbox never acknowledges a queue entry (its ACL has no XACK or
+        # XDEL): the ingest finishes the entry when it moves the event that closes the run.
+        self.finishes = not config.inbox
         self.leases = Leases(redis, keys)
         # Monotonic time until which the lease is known to hold (from the last renewal's sending).
         self._lease_until = 0.0
@@ -179,7 +182,14 @@ class WorkerAgent:
         # that the lease holds while running tasks finish during a drain.
         self._left = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
-        self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
+        # With an inbox, its output and results go to its own keys, the only ones its ACL lets it write.
+        self.queues = TaskQueues(
+            redis,
+            keys,
+            self.ledger,
+            dead_max_entries=config.dead_max_entries,
+            writer=config.name if config.inbox else None,
+        )
         self.token = secrets.token_hex(8)
         self.inventory = Inventory(models=[], loaded=[])
         # The model cards last written to Redis (None: none yet in this life).
@@ -427,12 +437,17 @@ class WorkerAgent:
                 await asyncio.wait_for(self._left.wait(), pause)
 
     async def _recover_own_pending(self) -> None:
-        """Entries this name still owns are from a previous life that died: put them back now."""
+        """Entries this name still owns are from a previous life that died: put them back now, but for
+        runs it closed whose entry the ingest has yet to finish."""
         queues = [self.pinned]
         for digest in sorted({m.digest for m in self.serving()}):
             queues += await self.queues.band_queues(digest)
         for queue in queues:
             for pending in await self.ledger.pending(queue, consumer=self.name, count=1000):
+                if not self.finishes and await self.queues.closed(
+                    queue, pending.entry_id, self.name, pending.deliveries
+                ):
+                    continue
                 moved = await self.queues.requeue(
                     queue,
                     pending.entry_id,
@@ -656,7 +671,10 @@ class WorkerAgent:
     ) -> None:
         log.error("entry %s on %s is not a task (%s); dead-lettering it", entry_id, queue, reason)
         await self.queues.dead_letter(queue, entry_id, fields, f"malformed entry: {reason}")
-        await self.queues.finish(queue, entry_id, self.name)
+        if self.finishes:
+            await self.queues.finish(queue, entry_id, self.name)
+        # Else it stays pending, unrun: the reaper takes it back after two leases, and past the
+        # delivery limit dead-letters and finishes it.
 
     async def _run(self, run: Running) -> None:
         entry = run.entry
@@ -737,7 +755,7 @@ class WorkerAgent:
     async def _generate(self, run: Running, local: str) -> None:
         entry = run.entry
         task = entry.task
-        out_key = self.keys.out(task.task_id)
+        out_key = self.queues.out_key(task.task_id)
         cancel_key = self.keys.cancel(task.task_id)
         pieces: list[str] = []
         buffer: list[str] = []
@@ -896,6 +914,8 @@ class WorkerAgent:
         )
         crash_here("ack", run.ordinal)
         run.closing = True
+        if not self.finishes:
+            return  # the ingest finishes the entry as it moves the TaskCompleted into the ledger
         acked = await self.queues.finish(entry.queue, entry.entry_id, self.name)
         if acked == 0 and first:
             log.warning(
@@ -1053,7 +1073,8 @@ class WorkerAgent:
         )
         await self.queues.end_output(task_id, entry.attempt, error)
         run.closing = True
-        await self.queues.finish(entry.queue, entry.entry_id, self.name)
+        if self.finishes:
+            await self.queues.finish(entry.queue, entry.entry_id, self.name)
 
     async def _expire(self, run: Running, deadline: int) -> None:
         """A task taken after its `deadline`: nobody waits for it any more, so it never runs."""
@@ -1069,6 +1090,7 @@ class WorkerAgent:
                 queue=entry.queue,
                 worker=self.name,
                 deadline=deadline,
+                entry_id=entry.entry_id,
                 waited_ms=max(0, now_ms() - task.submitted_at),
             )
         )
@@ -1080,7 +1102,9 @@ class WorkerAgent:
         """Dead-letter a task whose deliveries are spent; log anything odd."""
         if queue == self.pinned:
             self._pinned_cursor = None  # a re-queued entry wakes nobody: look at it next time
-        if not await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
+        if not await self.queues.settle_requeue(
+            queue, entry_id, moved, reason, self.config.delivery_limit, finish=self.finishes
+        ):
             log.warning(
                 "could not re-queue %s on %s (status %s): it was no longer ours",
                 entry_id,

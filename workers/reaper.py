@@ -3,6 +3,14 @@
 It also ends, in the ledger, the life of a worker whose lease expired without a WorkerOffline (it
 was killed, or lost its machine): the projected fleet would otherwise say "online" forever.
 
+A worker that writes to an inbox does not acknowledge its entries: the ingest finishes an entry as it
+moves the event that closes the run. Until then the entry stays pending for a worker that is no
+longer running it; the reaper leaves such an entry alone while its owner's stored outcome says the
+run closed (`TaskQueues.closed`), for up to `ingest_grace_ms`, so that the ingest's lag never makes
+a finished task run again. It also revives entries that were delivered and then acknowledged
+without being deleted (`TaskQueues.revive`): a consumer's XREADGROUP NOACK or XCLAIM LASTID would
+otherwise leave a task neither queued nor running, with no event.
+
 Design rule 5: nothing unowned is reaped. An entry enters a consumer's pending list only when a
 worker read it; it is reclaimed only when that worker's lease key is gone AND the entry has been
 idle for longer than a lease (a live worker refreshes its running entries). An entry that nobody
@@ -35,6 +43,8 @@ from projections.snapshot import FleetRow
 log = logging.getLogger("routeledger.reaper")
 
 LEASE_EXPIRED = "lease expired"
+# The owner a revived entry's TaskReclaimed names: nobody held it (it had left the pending list).
+UNACKNOWLEDGED = "(unacknowledged)"
 # Projected statuses of a worker that is still taking part: its death must be recorded.
 _ALIVE_STATUSES = frozenset({"online", "draining"})
 
@@ -46,6 +56,9 @@ class ReaperConfig(msgspec.Struct, kw_only=True):
     # How often to sweep; a reclaim happens within lease + interval of a death.
     interval_s: float = 1.0
     dead_max_entries: int = DEAD_MAX_ENTRIES
+    # How long an entry whose owner closed its run may wait for the ingest to finish it before it
+    # is reclaimed like any other (the owner's word that it closed is trusted only this long).
+    ingest_grace_ms: int = 120_000
 
 
 class Sweep(msgspec.Struct, kw_only=True):
@@ -57,6 +70,10 @@ class Sweep(msgspec.Struct, kw_only=True):
     stalled: int = 0
     skipped_live: int = 0
     offline: int = 0
+    # Closed runs of inbox workers left for the ingest to finish.
+    awaiting_ingest: int = 0
+    # Entries found delivered but neither pending nor deleted, and re-queued.
+    revived: int = 0
 
 
 class Reaper:
@@ -70,6 +87,8 @@ class Reaper:
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self._seeded = False
         self.leases = Leases(redis, keys)
+        # Workers that write to an inbox (their entries are finished by the ingest), as of this sweep.
+        self._inboxes: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the reaper lease (one active reaper), sweep until `stop`."""
@@ -87,7 +106,13 @@ class Reaper:
                     await lease.hold()
                 try:
                     report = await self.sweep()
-                    if report.reclaimed or report.dead_lettered or report.stalled or report.offline:
+                    if (
+                        report.reclaimed
+                        or report.dead_lettered
+                        or report.stalled
+                        or report.offline
+                        or report.revived
+                    ):
                         log.info("sweep: %s", msgspec.json.encode(report).decode())
                 except (RedisError, OSError) as exc:
                     log.warning("sweep failed, Redis unavailable (%s); retrying", exc)
@@ -130,8 +155,11 @@ class Reaper:
         at = now_ms()
         live = await self._live()
         await self._end_expired(fleet, live, at, report)
+        raw: Any = await self.redis.smembers(self.keys.inboxes)
+        self._inboxes = {as_str(n) for n in raw}
         for queue in await self._queue_names():
             report.queues += 1
+            await self._revive(queue, report)
             await self._reclaim_dead_owners(queue, live, report)
             await self._report_stalls(queue, report)
         return report
@@ -194,6 +222,27 @@ class Reaper:
                     break
                 start = next_id(batch[-1].entry_id)
 
+    async def _revive(self, queue: str, report: Sweep) -> None:
+        """Re-queue entries that left the pending list without being deleted (see TaskQueues.revive)."""
+        for entry_id, task_id, attempt in await self.queues.revive(queue):
+            report.revived += 1
+            log.warning(
+                "task %s on %s was delivered and acknowledged but never finished; re-queued it (attempt %d)",
+                task_id,
+                queue,
+                attempt,
+            )
+            await self.ledger.append(
+                TaskReclaimed(
+                    task_id=task_id,
+                    queue=queue,
+                    old_entry=entry_id,
+                    new_entry=entry_id,
+                    owner=UNACKNOWLEDGED,
+                    attempt=attempt,
+                )
+            )
+
     async def _reclaim_abandoned(self, queue: str, owner: str, report: Sweep) -> None:
         """Reclaim what a live worker holds but no longer runs.
 
@@ -236,6 +285,14 @@ class Reaper:
         why: str | None = None,
     ) -> None:
         entry_id, idle_ms = pending.entry_id, pending.idle_ms
+        if (
+            owner in self._inboxes
+            and idle_ms < self.config.ingest_grace_ms
+            and await self.queues.closed(queue, entry_id, owner, pending.deliveries)
+        ):
+            # Its owner closed the run; the ingest finishes the entry as it moves the closing event.
+            report.awaiting_ingest += 1
+            return
         moved = await self.queues.requeue(
             queue,
             entry_id,
