@@ -9,6 +9,8 @@ simulated timings), one `routeledger worker` process per simulated machine, and 
 - tasks/s: N tasks submitted as fast as possible; completions counted from the ledger.
 - first chunk: one task at a time, the time from calling submit to the first output chunk in
   rl:out:{task}; the zero-delay backend adds almost nothing, so this is routeledger's own cost.
+- the machine's floor: the median Redis PING round trip back to back and after 10 ms idle (a
+  machine whose idle processes wake slowly pays that at each hop of the first chunk's path).
 - --profile runs the first worker under cProfile and prints its hottest functions.
 
 The last line is JSON:
@@ -129,6 +131,19 @@ async def first_chunk_latency(queues: TaskQueues, samples: int) -> list[float]:
     return out
 
 
+async def ping_ms(redis: aioredis.Redis, gap_s: float, samples: int = 200) -> float:
+    """Median Redis PING round trip (ms), each after `gap_s` idle: with a gap, what waking two
+    idle processes costs on this machine (every hop of the first chunk's path pays it)."""
+    out: list[float] = []
+    for _ in range(samples):
+        if gap_s:
+            await asyncio.sleep(gap_s)
+        t0 = time.perf_counter()
+        await redis.ping()
+        out.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(out)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -183,6 +198,7 @@ def main() -> None:
             return {k: sum(sum(p.cpu_times()[:2]) for p in ps) for k, ps in watched.items()}
 
         cpu: dict[str, float] = {}
+        rtt: dict[str, float] = {}
 
         async def run() -> tuple[float, list[float]]:
             client = aioredis.Redis.from_url(url)
@@ -195,6 +211,9 @@ def main() -> None:
                 # Latency first: right after thousands of tasks Redis rewrites its AOF in the
                 # background, which adds over 10 ms to every task for a while.
                 lat = await first_chunk_latency(queues, args.latency_samples)
+                # The machine's own floor under that latency, measured beside it.
+                rtt["busy"] = await ping_ms(client, 0.0)
+                rtt["idle"] = await ping_ms(client, 0.01)
                 before = cpu_s()
                 tps = await throughput(queues, ledger, args.tasks)
                 after = cpu_s()
@@ -223,6 +242,11 @@ def main() -> None:
         print(f"throughput: {tps:,.0f} tasks/s over {args.tasks} tasks (goal 300)")
         print(f"submit -> first chunk: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} tasks (goal p50 5)")
         print(
+            f"Redis PING round trip on this machine: {rtt['busy']:.3f} ms back to back,"
+            f" {rtt['idle']:.3f} ms after 10 ms idle (the first chunk's path wakes an idle process"
+            " at each of its hops)"
+        )
+        print(
             f"CPU per task during the throughput run: workers {cpu['workers']:.2f} ms (all of them),"
             f" Redis {cpu['redis']:.2f} ms, sim hosts {cpu['sim']:.2f} ms, submitter"
             f" {cpu['submitter']:.2f} ms; {os.cpu_count()} cores"
@@ -245,6 +269,8 @@ def main() -> None:
         "redis_cpu_ms_per_task": round(cpu["redis"], 2),
         "sim_cpu_ms_per_task": round(cpu["sim"], 2),
         "submitter_cpu_ms_per_task": round(cpu["submitter"], 2),
+        "ping_ms_back_to_back": round(rtt["busy"], 3),
+        "ping_ms_after_idle": round(rtt["idle"], 3),
     }
     print(json.dumps(line))
 
