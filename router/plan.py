@@ -435,14 +435,18 @@ def _slowdown(
     return worst
 
 
-def _slowed(sp: _Speeds, slow: Sequence[float]) -> _Speeds:
-    """`sp` with holder i's speeds divided by `slow[i]`."""
+def _slowed(sp: _Speeds, slow: Sequence[tuple[int, float]]) -> _Speeds:
+    """`sp` with each listed holder i's speeds divided by its k (`slow`: (i, k) pairs); the rest
+    are copied as they are (times 1, bit for bit)."""
+    per_prompt, per_out = list(sp.per_prompt), list(sp.per_out)
+    prompt_tps, decode_tps = list(sp.prompt_tps), list(sp.decode_tps)
+    for i, k in slow:
+        per_prompt[i] *= k
+        per_out[i] *= k
+        prompt_tps[i] /= k
+        decode_tps[i] /= k
     return msgspec.structs.replace(
-        sp,
-        per_prompt=[a * k for a, k in zip(sp.per_prompt, slow, strict=True)],
-        per_out=[b * k for b, k in zip(sp.per_out, slow, strict=True)],
-        prompt_tps=[v / k for v, k in zip(sp.prompt_tps, slow, strict=True)],
-        decode_tps=[v / k for v, k in zip(sp.decode_tps, slow, strict=True)],
+        sp, per_prompt=per_prompt, per_out=per_out, prompt_tps=prompt_tps, decode_tps=decode_tps
     )
 
 
@@ -654,7 +658,7 @@ class PlanState:
         free_lists = list(tpl.free)
         self.free = free_lists
         head = list(tpl.head)
-        slow: list[float] | None = None
+        slow: list[tuple[int, float]] | None = None
         expecteds = tpl.expecteds(params) if tpl.busy else []
         for (i, w), exp in zip(tpl.busy, expecteds, strict=True):
             name = w.name
@@ -668,8 +672,8 @@ class PlanState:
                     k = seen[name] = both[1]
             if k > 1.0:
                 if slow is None:
-                    slow = [1.0] * len(holders)
-                slow[i] = k
+                    slow = []
+                slow.append((i, k))
             free_lists[i] = slots
             head[i] = slots[0]
         self.head = head
