@@ -251,9 +251,12 @@ class Gateway:
 
     async def _charge(self, task_id: str, result: Result | None, name: bytes | str | None = None) -> None:
         """Charge a finished task's tokens (prompt and output, as the backend reported them) to the
-        API key it came with, once, and give back its place among the key's open tasks (a task that
-        did not complete is charged nothing). Called wherever the API hands an outcome to a client,
-        and on a cancel; the key's name is read from the task's lookup hash unless given."""
+        API key it came with, once, and give back its place among the key's open tasks. Called
+        wherever the API hands an outcome to a client, and on a cancel (which gives back the place
+        only: what a cancelled run had done is charged by the projector, from its worker's report);
+        the live projector charges every completion too, collected or not (Projector._charge), and
+        whichever comes first charges it. The key's name is read from the task's lookup hash unless
+        given."""
         if not self.keyed:
             return
         if name is None:

@@ -7,11 +7,13 @@ hash tag per key name), so that any number of API processes hold a key to the sa
 
 The rate is a GCRA (one timestamp per key: `rpm` requests may come at once, then one every
 60/rpm s). A key's open tasks are a sorted set of task ids (admitted, not yet settled), so that a
-re-sent admission or settlement counts once. Tokens are charged when a task's result reaches the
-API (Quotas.settle): the API holds the key, and removing the task from the open set is what makes
-the charge happen once. An open task nobody settles (its client left, the API process died) is
-dropped from the set once it is older than the longest a task may wait (max_queue_s) plus the
-longest a client waits for it.
+re-sent admission or settlement counts once. Tokens are charged once per task (Quotas.settle),
+whoever settles it first: the live projector when it folds the task's completion (or a cancelled
+run's partial counts) from the ledger, whether or not anybody collects the result, and the API when
+it hands the outcome to a client. A set of the tasks charged in the last two days makes the charge
+happen once, independent of the open set. An open task nobody settles (the API process died and no
+completion came) is dropped from the open set once it is older than the longest a task may wait
+(max_queue_s) plus the longest a client waits for it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ TOKENS_PER_DAY: Final = "tokens_per_day"
 MAX_QUEUED: Final = "max_queued"
 LIMITS: Final = (RPM, TOKENS_PER_DAY, MAX_QUEUED)
 _DAY_MS: Final = 86_400_000
+# How long a charged task is remembered (so that it is never charged twice): longer than the
+# projector's charge horizon (projections/projector.py CHARGE_HORIZON_MS) and than a task may live.
+CHARGED_TTL_MS: Final = 2 * _DAY_MS
 
 
 class ApiKey(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -87,9 +92,10 @@ def round_of(open_tasks: int) -> int:
 
 # Admit one request for a key, or say which limit refuses it. KEYS[1] the key's usage hash, KEYS[2]
 # its open tasks (zset task id -> admitted at ms); ARGV task id, rpm, tokens per day, max queued
-# (0 = no limit), how long an unsettled task stays open (ms). Returns {0, 0, open tasks before this
-# one, ''} when admitted (a re-sent admission of the same task is admitted again, counted once);
-# {1, retry after ms, 0, limit} when refused.
+# (0 = no limit), how long an unsettled task stays open (ms), 1 for a pipeline's child (held to
+# tokens per day and max queued, not to rpm: the pipeline's own request paid the rate). Returns
+# {0, 0, open tasks before this one, ''} when admitted (a re-sent admission of the same task is
+# admitted again, counted once); {1, retry after ms, 0, limit} when refused.
 _ADMIT: Final = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -110,7 +116,7 @@ if tpd > 0 and tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0') >= tpd the
   return refuse('tokens_per_day', (day + 1) * 86400000 - now)
 end
 if maxq > 0 and open >= maxq then return refuse('max_queued', 1000) end
-if rpm > 0 then
+if rpm > 0 and ARGV[6] ~= '1' then
   local interval = 60000 / rpm
   local tat = math.max(tonumber(redis.call('HGET', KEYS[1], 'tat') or '0'), now)
   local early = tat + interval - 60000 - now
@@ -122,21 +128,28 @@ redis.call('HINCRBY', KEYS[1], 'requests', 1)
 return {0, 0, open, ''}
 """
 
-# Settle a key's task: drop it from the open set and, only when it was there, charge its tokens to
-# today's count (so that a second settlement of one task charges nothing). KEYS as _ADMIT; ARGV
-# task id, tokens. Returns 1 when this call settled it.
+# Settle a key's task: drop it from the open set and charge its tokens to today's count once per
+# task, whoever settles it and whenever (the charged set remembers each task charged for longer
+# than any completion can come late, independent of the open set, whose tasks expire). A settlement
+# with no tokens only gives back the task's open place, so that a later one with its tokens (the
+# projector's, from the ledger) still charges it. KEYS[1] the usage hash, KEYS[2] its open tasks,
+# KEYS[3] its charged tasks (zset task id -> charged at ms); ARGV task id, tokens, how long a
+# charged task is remembered (ms). Returns 1 when this call charged it or gave back its place.
 _SETTLE: Final = """
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+local was_open = redis.call('ZREM', KEYS[2], ARGV[1])
 local tokens = tonumber(ARGV[2])
-if tokens > 0 then
-  local t = redis.call('TIME')
-  local day = math.floor(tonumber(t[1]) / 86400)
-  if tonumber(redis.call('HGET', KEYS[1], 'day') or '-1') ~= day then
-    redis.call('HSET', KEYS[1], 'day', day, 'tokens', 0)
-  end
-  redis.call('HINCRBY', KEYS[1], 'tokens', tokens)
-  redis.call('HINCRBY', KEYS[1], 'tokens_total', tokens)
+if tokens <= 0 then return was_open end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[3]))
+if redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1]) == 0 then return was_open end
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+local day = math.floor(now / 86400000)
+if tonumber(redis.call('HGET', KEYS[1], 'day') or '-1') ~= day then
+  redis.call('HSET', KEYS[1], 'day', day, 'tokens', 0)
 end
+redis.call('HINCRBY', KEYS[1], 'tokens', tokens)
+redis.call('HINCRBY', KEYS[1], 'tokens_total', tokens)
 return 1
 """
 
@@ -174,9 +187,9 @@ class Quotas:
         self._admit = redis.register_script(_ADMIT)
         self._settle = redis.register_script(_SETTLE)
 
-    async def admit(self, key: ApiKey, task_id: str, priority: int) -> Admitted:
+    async def admit(self, key: ApiKey, task_id: str, priority: int, *, child: bool = False) -> Admitted:
         """Count one request of `key` for `task_id`, or raise QuotaExceededError naming the limit
-        and when to retry."""
+        and when to retry. A pipeline's `child` is held to tokens_per_day and max_queued, not rpm."""
         reply: Any = await self._admit(
             keys=[self.keys.quota(key.name), self.keys.quota_open(key.name)],
             args=[
@@ -185,6 +198,7 @@ class Quotas:
                 key.tokens_per_day or 0,
                 key.max_queued or 0,
                 self.open_ttl_ms,
+                1 if child else 0,
             ],
         )
         refused, wait_ms, open_tasks, limit = reply
@@ -201,9 +215,11 @@ class Quotas:
         return Admitted(priority=band_of(priority, key), round=round_of(int(open_tasks)))
 
     async def settle(self, name: str, task_id: str, tokens: int) -> bool:
-        """Close the key's task `task_id`, charging `tokens` to it once; True for the call that did."""
+        """Close the key's task `task_id`, charging `tokens` to it once (a settlement with no tokens
+        only gives back its open place); True when this call charged it or gave back its place."""
         reply: Any = await self._settle(
-            keys=[self.keys.quota(name), self.keys.quota_open(name)], args=[task_id, max(0, tokens)]
+            keys=[self.keys.quota(name), self.keys.quota_open(name), self.keys.quota_charged(name)],
+            args=[task_id, max(0, tokens), CHARGED_TTL_MS],
         )
         return bool(reply)
 

@@ -230,6 +230,10 @@ class TaskFailed(Event, frozen=True, kw_only=True):
     kind: str
     retryable: bool
     message: str = ""
+    # What the run had done when it stopped, where its worker counted it (a run cancelled while
+    # running: the prompt tokens once the backend had evaluated them, the output tokens streamed):
+    # the projector charges them to the task's API key (Projector._charge).
+    timings: Timings = Timings()
 
 
 class TaskReclaimed(Event, frozen=True, kw_only=True):

@@ -187,6 +187,10 @@ class Keys:
         # Zset: one API key's open tasks (admitted, result not yet delivered) -> admitted at ms.
         return f"{self.prefix}quota:{{{name}}}:open"
 
+    def quota_charged(self, name: str) -> str:
+        # Zset: one API key's tasks charged in the last two days -> charged at ms (each charged once).
+        return f"{self.prefix}quota:{{{name}}}:charged"
+
     # -- leases of singleton processes ----------------------------------------------------------
     def singleton(self, role: str) -> str:
         # Lease held by the one active projector or reaper (`role`); others wait for it.

@@ -30,9 +30,10 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from dispatch.quota import Quotas
 from events.codec import DATA, TYPE, decode_rows
 from events.errors import UndecodableEntryError
-from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskSubmitted, now_ms
+from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskCompleted, TaskFailed, TaskSubmitted, now_ms
 from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
 from events.scripts import load_library
@@ -54,6 +55,10 @@ ROLE: Final = "projector"
 SAFETY_SHARE: Final = 0.25
 # How often the ingest forgets claims no completion closed (projections.ingest.CLAIM_TTL_MS).
 PRUNE_CLAIMS_EVERY_S: Final = 3600.0
+# A completion is charged to its task's API key when the live projector folds it no later than this
+# after it was written; an older one (a fold of old history into a new namespace) charges nothing,
+# since its day's count is gone. Shorter than dispatch.quota.CHARGED_TTL_MS, so never twice.
+CHARGE_HORIZON_MS: Final = 86_400_000
 
 
 class Projector:
@@ -100,6 +105,8 @@ class Projector:
         self._renewer: asyncio.Task[None] | None = None
         # Workers' inboxes, moved into the ledger while this instance holds the lease.
         self.ingest = Ingest(redis, self.keys, dead_max_entries=dead_max_entries)
+        # API keys' quotas: a completion folded live is charged to its task's key (`_charge`).
+        self.quotas = Quotas(redis, self.keys, open_ttl_s=0)
         # Entries folded by this instance (for the benchmark and the log).
         self.folded = 0
         self.dead_lettered = 0
@@ -269,6 +276,9 @@ class Projector:
             self._check_lease()
             if poison:
                 await self._dead_letter(poison)
+            # Charged before the checkpoint moves: a crash in between folds the batch again, and
+            # the charge is once per task (dispatch.quota._SETTLE), so it is never lost nor doubled.
+            await self._charge(batch)
             result = await writer.apply(tables.checkpoint, checkpoint, folded, changes, drop)
         except BaseException:
             # The memory may now hold a batch Redis does not: read it all again before going on.
@@ -354,6 +364,36 @@ class Projector:
                 tables.pipelines[name] = store.decode_pipeline(raw)
             else:
                 tables.benched[split_pair(name)] = int(raw) if raw else 0
+
+    async def _charge(self, batch: Sequence[tuple[str, Event]]) -> None:
+        """Charge each task the batch completes to the API key it was submitted with (the task's
+        lookup hash names it), whether or not a client ever collects its result: prompt and output
+        tokens as the backend reported them; for a run cancelled while running, what its worker
+        reported it had done (TaskFailed.timings). A completion older than CHARGE_HORIZON_MS is not
+        charged. A rebuild (replay/) never comes here: only the live fold charges."""
+        oldest = now_ms() - CHARGE_HORIZON_MS
+        tokens: dict[str, int] = {}
+        for entry_id, event in batch:
+            if _entry_ms(entry_id) < oldest:
+                continue
+            completed = isinstance(event, TaskCompleted) and not event.duplicate
+            cancelled = isinstance(event, TaskFailed) and event.kind == "cancelled"
+            if not (completed or cancelled):
+                continue
+            assert isinstance(event, TaskCompleted | TaskFailed)
+            t = event.timings
+            n = (t.prompt_eval_count or 0) + (t.eval_count or 0)
+            if n > 0 and event.task_id not in tokens:
+                tokens[event.task_id] = n
+        if not tokens:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in tokens:
+            pipe.hget(self.keys.task(task_id), "key")
+        names: list[Any] = await pipe.execute()
+        for (task_id, n), name in zip(tokens.items(), names, strict=True):
+            if name:
+                await self.quotas.settle(name.decode() if isinstance(name, bytes) else str(name), task_id, n)
 
     async def _dead_letter(self, poison: list[UndecodableEntryError]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -48,6 +48,7 @@ from events.event import (
     TaskClaimed,
     TaskExpired,
     TaskFailed,
+    Timings,
     WorkerOffline,
     WorkerOnline,
     now_ms,
@@ -125,6 +126,11 @@ class Running(msgspec.Struct, kw_only=True):
     run_id: str = msgspec.field(default_factory=lambda: secrets.token_hex(4))
     # Its claim, on its way while the backend is asked (None: not sent yet).
     claim: _Claim | None = None
+    # What the backend has produced so far: whether the first token came (the prompt was
+    # evaluated), and the text and thinking pieces it streamed (one a token, as backends stream).
+    # A cancelled run reports them, and its API key is charged for them (Projector._charge).
+    prompt_done: bool = False
+    pieces: int = 0
 
     async def settle_claim(self) -> None:
         """`_Claim.settle` of this run's claim, where one was sent."""
@@ -813,6 +819,7 @@ class WorkerAgent:
                 now = time.perf_counter()
                 if ttft_ms is None:
                     ttft_ms = (now - t0) * 1000
+                    run.prompt_done = True
                     # A task cancelled before its claim stops at its first token, streamed or not.
                     await run.settle_claim()
                 if isinstance(item, list):
@@ -824,6 +831,7 @@ class WorkerAgent:
                         await flush()
                         last_flush = now
                     continue
+                run.pieces += 0 if isinstance(item, list) else 1
                 if isinstance(item, Thought):
                     thoughts.append(item.text)
                     unsent_thoughts.append(item.text)
@@ -1047,10 +1055,21 @@ class WorkerAgent:
 
     async def _cancelled(self, run: Running) -> None:
         log.info("task %s cancelled by its client", run.entry.task.task_id)
-        await self._record_failure(run, "cancelled", False, "cancelled by the client")
+        task = run.entry.task
+        # Charged to the task's key (Projector._charge): the prompt (as estimated at submission:
+        # the backend reports its count only at the end) once the first token showed the backend
+        # had evaluated it, and every piece of output generated.
+        done = Timings(
+            prompt_eval_count=task.prompt_tokens if run.prompt_done else None,
+            eval_count=run.pieces or None,
+            counted="stream" if run.pieces else None,
+        )
+        await self._record_failure(run, "cancelled", False, "cancelled by the client", done)
         await self._settle(run, "cancelled", "cancelled")
 
-    async def _record_failure(self, run: Running, kind: str, retryable: bool, message: str) -> None:
+    async def _record_failure(
+        self, run: Running, kind: str, retryable: bool, message: str, timings: Timings | None = None
+    ) -> None:
         entry = run.entry
         await self._append(
             TaskFailed(
@@ -1061,6 +1080,7 @@ class WorkerAgent:
                 kind=kind,
                 retryable=retryable,
                 message=message[:500],
+                timings=timings or Timings(),
             )
         )
 
