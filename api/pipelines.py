@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
+from api.auth import API_KEY
 from api.common import JSON, Answer, gateway, options_policy
 from api.errors import BadRequestError, NotFoundError, answer
 from api.schemas import MAX_TOKENS
@@ -119,6 +120,7 @@ def coordinator(request: Request, body: PipelineCreate) -> Coordinator:
         max_children=body.max_children,
         timeout_s=body.timeout_s,
         client=request.headers.get("user-agent"),
+        key=request.scope.get(API_KEY),
     )
     return Coordinator(gateway(request), req)
 
@@ -209,6 +211,7 @@ def pipeline_answer(request: Request, messages: Sequence[Message], max_tokens: i
         prompt=prompt,
         integration_max_tokens=max_tokens,
         client=request.headers.get("user-agent"),
+        key=request.scope.get(API_KEY),
     )
     coord = Coordinator(gateway(request), req)
 

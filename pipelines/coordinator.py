@@ -19,6 +19,7 @@ until it expires. There is deliberately no daemon that adopts orphaned pipelines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from dispatch.errors import DispatchError, ModelNotServedError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, Relayed, Result, TaskMessage, estimate_tokens
+from dispatch.quota import ApiKey
 from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView, worker_views
@@ -73,6 +75,11 @@ class PipelineRequest(msgspec.Struct, kw_only=True):
     max_children: int = 8
     timeout_s: float | None = None
     client: str | None = None
+    # The API key the pipeline was asked with: its children (decomposer and integration included)
+    # carry its name and are held to its limits and charged to it. The first task a pipeline
+    # queues is held to the key's rpm like any request; later ones are not (one request is one
+    # pipeline), but every one counts against tokens_per_day and max_queued.
+    key: ApiKey | None = None
 
 
 class Coordinator:
@@ -96,6 +103,8 @@ class Coordinator:
         )
         self.results: dict[int, Result] = {}
         self.done = False
+        # Whether a task of this pipeline was held to its key's rpm already (`_submit`).
+        self._rated = False
 
     @property
     def pipeline_id(self) -> str:
@@ -133,10 +142,23 @@ class Coordinator:
             format=fmt,
             client=self.req.client,
             pipeline_id=self.pipeline_id,
+            task_id=uuid.uuid4().hex,
         )
+        key = self.req.key
+        if key is not None:
+            task_id, child = req.task_id or "", self._rated
+            admitted = await self.gw.retrying(lambda: self.gw.quotas.admit(key, task_id, 0, child=child))
+            self._rated = True
+            req = msgspec.structs.replace(req, key=key.name, share_round=admitted.round)
         try:
             return (await self.gw.retrying(lambda: route_and_submit(self.gw.queues, self.view, req))).task
-        except ModelNotServedError as exc:
+        except DispatchError as exc:
+            if key is not None:
+                # Nothing was queued: the key's place is given back.
+                with contextlib.suppress(RedisError, *TRANSIENT):
+                    await self.gw.quotas.settle(key.name, req.task_id or "", 0)
+            if not isinstance(exc, ModelNotServedError):
+                raise
             leases = await live_workers(self.gw.redis, self.gw.keys)
             raise ModelNotServedError(str(exc), model=model, fleet=leases) from None
 
