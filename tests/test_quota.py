@@ -3,6 +3,8 @@ a model's band queues are served in (priority first, then the fair-share round).
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import redis.asyncio as aioredis
@@ -14,9 +16,28 @@ from dispatch.queues import TaskQueues
 from dispatch.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import LiveView
+from events.event import TaskCompleted, TaskFailed, TaskSubmitted
 from events.keys import Keys
-from tests.helpers import MODEL_DIGEST
-from tests.test_api_support import ghost_worker, serving
+from events.ledger import Ledger
+from projections import store
+from projections.projector import Projector
+from tests.helpers import MODEL_DIGEST, events_of, wait_until
+from tests.test_api_native import has_output
+from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result
+
+
+async def fold(redis: aioredis.Redis) -> None:
+    """A live projector takes over and folds what the ledger holds (the inboxes moved first)."""
+    projector = Projector(redis, Keys())
+    await projector.start()
+    await projector.catch_up()
+
+
+async def current_ns(redis: aioredis.Redis) -> str:
+    ns = await store.current(redis, Keys())
+    assert ns is not None
+    return ns
+
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -220,3 +241,119 @@ async def test_a_model_queue_at_its_depth_cap_refuses_with_a_503_naming_the_cap(
     assert full.status_code == 503 and full.headers["Retry-After"] == "5"
     body = full.json()["error"]
     assert body["type"] == "queue_full" and body["cap"] == 2 and "max_queue_depth=2" in body["message"]
+
+
+async def test_a_completion_is_charged_once_even_after_its_open_place_expired(
+    redis_client: aioredis.Redis,
+) -> None:
+    q = Quotas(redis_client, Keys(), open_ttl_s=0.001)
+    key = ApiKey(name="gina", key="k", tokens_per_day=1000)
+    await q.admit(key, "t1", 0)
+    await asyncio.sleep(0.01)
+    await q.admit(key, "t2", 0)  # drops t1 from the open set: it is older than open_ttl_s
+    assert await q.settle("gina", "t1", 70)
+    assert not await q.settle("gina", "t1", 70)
+    assert (await q.usage([key]))[0].tokens_today == 70
+
+
+async def test_a_settlement_with_no_tokens_gives_back_the_place_and_a_later_charge_still_counts(
+    redis_client: aioredis.Redis,
+) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="hank", key="k", max_queued=1)
+    await q.admit(key, "t1", 0)
+    assert await q.settle("hank", "t1", 0)  # a cancel: its place is given back
+    assert await q.settle("hank", "t1", 30)  # what the cancelled run had done, from the ledger
+    assert not await q.settle("hank", "t1", 30)
+    usage = (await q.usage([key]))[0]
+    assert usage.tokens_today == 30 and usage.queued == 0
+
+
+async def test_a_pipelines_child_is_held_to_max_queued_but_not_to_rpm(redis_client: aioredis.Redis) -> None:
+    q = quotas(redis_client)
+    key = ApiKey(name="iris", key="k", rpm=1, max_queued=3)
+    await q.admit(key, "first", 0)
+    await q.admit(key, "child-1", 0, child=True)
+    await q.admit(key, "child-2", 0, child=True)
+    assert (await refusal(q, key, "other")).limit == "max_queued"
+    await q.settle("iris", "first", 0)
+    assert (await refusal(q, key, "other")).limit == "rpm"
+
+
+async def until_result(redis: aioredis.Redis, task_id: str, status: str = "completed") -> None:
+    async def done() -> bool:
+        result = await stored_result(redis, task_id)
+        return result is not None and result.status == status
+
+    await wait_until(done, timeout=20)
+
+
+async def test_a_result_nobody_collects_is_charged_to_its_key_when_the_projector_folds_it(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    key = ApiKey(name="jack", key="jack-key", tokens_per_day=100_000)
+    auth = {"Authorization": "Bearer jack-key"}
+    async with (
+        fleet_and_api(redis_client, redis_url, keys=[key]) as (base, _),
+        httpx.AsyncClient(base_url=base, headers=auth) as http,
+    ):
+        task_id = (await http.post("/v1/tasks", json=CHAT)).json()["task_id"]
+        await until_result(redis_client, task_id)
+        await fold(redis_client)
+        # A projector that takes over folds the same completion again: charged once all the same.
+        await redis_client.delete(Keys().checkpoint(await current_ns(redis_client)))
+        await fold(redis_client)
+        usage = (await http.get("/v1/stats")).json()["keys"][0]
+    (completed,) = await events_of(Ledger(redis_client, Keys()), TaskCompleted)
+    t = completed.timings
+    assert usage["name"] == "jack" and usage["queued"] == 0
+    assert usage["tokens_today"] == (t.prompt_eval_count or 0) + (t.eval_count or 0) > 0
+
+
+async def test_a_task_cancelled_while_running_is_charged_for_the_prompt_and_the_output_it_made(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    key = ApiKey(name="kate", key="kate-key")
+    auth = {"Authorization": "Bearer kate-key"}
+    # time_scale 20: a 4 s generation, so the cancel lands mid-run.
+    async with (
+        fleet_and_api(redis_client, redis_url, time_scale=20.0, keys=[key]) as (base, _),
+        httpx.AsyncClient(base_url=base, headers=auth) as http,
+    ):
+        task_id = (await http.post("/v1/tasks", json=CHAT)).json()["task_id"]
+        await wait_until(lambda: has_output(redis_client, task_id), timeout=10)
+        await asyncio.sleep(1.0)
+        assert (await http.delete(f"/v1/tasks/{task_id}")).status_code == 202
+        await until_result(redis_client, task_id, "cancelled")
+        await fold(redis_client)
+        usage = (await http.get("/v1/stats")).json()["keys"][0]
+    (failed,) = await events_of(Ledger(redis_client, Keys()), TaskFailed)
+    (submitted,) = await events_of(Ledger(redis_client, Keys()), TaskSubmitted)
+    assert failed.kind == "cancelled" and failed.timings.prompt_eval_count == submitted.prompt_tokens
+    made = failed.timings.eval_count or 0
+    # Some of the 40 output tokens, not all: it stopped mid-run.
+    assert 0 < made < 40
+    assert usage["tokens_today"] == (submitted.prompt_tokens or 0) + made
+    assert usage["queued"] == 0
+
+
+async def test_a_pipelines_children_carry_its_key_and_are_charged_to_it(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    key = ApiKey(name="liam", key="liam-key", rpm=1)
+    auth = {"Authorization": "Bearer liam-key"}
+    body = {"children": [{"prompt": f"part {i}"} for i in (1, 2)], "model": "m", "integration_max_tokens": 5}
+    async with (
+        fleet_and_api(redis_client, redis_url, keys=[key]) as (base, _),
+        httpx.AsyncClient(base_url=base, headers=auth, timeout=60) as http,
+    ):
+        reply = await http.post("/v1/pipelines", json=body)
+        await fold(redis_client)
+        usage = (await http.get("/v1/stats")).json()["keys"][0]
+    assert reply.status_code == 200, reply.text
+    submitted = await events_of(Ledger(redis_client, Keys()), TaskSubmitted)
+    # Two children and the integration, all on the key, none refused by its rpm of 1.
+    assert len(submitted) == 3 and {e.key for e in submitted} == {"liam"}
+    completed = await events_of(Ledger(redis_client, Keys()), TaskCompleted)
+    spent = sum((e.timings.prompt_eval_count or 0) + (e.timings.eval_count or 0) for e in completed)
+    assert usage["tokens_today"] == spent > 0 and usage["queued"] == 0 and usage["refused"] == 0
