@@ -223,6 +223,19 @@ class Quotas:
         )
         return bool(reply)
 
+    async def settle_all(self, charges: Sequence[tuple[str, str, int]]) -> None:
+        """`settle` each (key name, task id, tokens), in one round trip."""
+        if not charges:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for name, task_id, tokens in charges:
+            await self._settle(
+                keys=[self.keys.quota(name), self.keys.quota_open(name), self.keys.quota_charged(name)],
+                args=[task_id, max(0, tokens), CHARGED_TTL_MS],
+                client=pipe,
+            )
+        await pipe.execute()
+
     async def usage(self, configured: Sequence[ApiKey]) -> list[Usage]:
         """Each configured key's use (one pipeline for all of them)."""
         pipe = self.redis.pipeline(transaction=False)

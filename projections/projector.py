@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from dispatch.quota import Quotas
-from events.codec import DATA, TYPE, decode_rows
+from events.codec import DATA, TYPE, as_str, decode_rows
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskCompleted, TaskFailed, TaskSubmitted, now_ms
 from events.keys import DEAD_MAX_ENTRIES, Keys
@@ -391,9 +391,8 @@ class Projector:
         for task_id in tokens:
             pipe.hget(self.keys.task(task_id), "key")
         names: list[Any] = await pipe.execute()
-        for (task_id, n), name in zip(tokens.items(), names, strict=True):
-            if name:
-                await self.quotas.settle(name.decode() if isinstance(name, bytes) else str(name), task_id, n)
+        named = zip(tokens.items(), names, strict=True)
+        await self.quotas.settle_all([(as_str(name), task_id, n) for (task_id, n), name in named if name])
 
     async def _dead_letter(self, poison: list[UndecodableEntryError]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -41,6 +41,7 @@ def test_event_fields_shows_every_field_with_defaults_though_the_wire_form_omits
         "kind": "timeout",
         "retryable": True,
         "message": "",
+        "timings": {},
     }
 
 
