@@ -188,6 +188,21 @@ class LineStreams:
         await self._pool.aclose()
 
 
+async def _post_json(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], model: str, timeout_s: float
+) -> dict[str, Any]:
+    """POST `body` and decode the JSON answer, every failure a BackendError of its kind."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await client.post(path, json=body)
+            await _raise_for_status(resp, model)
+            return _line_decoder.decode(resp.content)
+    except BackendError:
+        raise
+    except Exception as exc:
+        raise _classify(exc, started=False) from None
+
+
 def _options(task: TaskMessage) -> dict[str, Any]:
     options = dict(task.options)
     if task.max_tokens is not None:
@@ -625,15 +640,7 @@ class OllamaBackend:
             body["dimensions"] = task.dimensions
         if task.keep_alive is not None:
             body["keep_alive"] = task.keep_alive
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                resp = await self.client.post("/api/embed", json=body)
-                await _raise_for_status(resp, local_name)
-                data = _line_decoder.decode(resp.content)
-        except BackendError:
-            raise
-        except Exception as exc:
-            raise _classify(exc, started=False) from None
+        data = await _post_json(self.client, "/api/embed", body, local_name, self.timeout_s)
         vectors = _vectors(data.get("embeddings"), len(body["input"]))
         total = _ns_or_none(data.get("total_duration"))
         load = _ns_or_none(data.get("load_duration"))
@@ -861,15 +868,7 @@ class OpenAIBackend:
         if task.dimensions is not None:
             body["dimensions"] = task.dimensions
         t0 = time.perf_counter_ns()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                resp = await self.client.post("/v1/embeddings", json=body)
-                await _raise_for_status(resp, local_name)
-                data = _line_decoder.decode(resp.content)
-        except BackendError:
-            raise
-        except Exception as exc:
-            raise _classify(exc, started=False) from None
+        data = await _post_json(self.client, "/v1/embeddings", body, local_name, self.timeout_s)
         wall = time.perf_counter_ns() - t0
         items = data.get("data")
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
