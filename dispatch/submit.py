@@ -257,13 +257,15 @@ async def embedding_parts(view: LiveView, req: TaskRequest) -> list[TaskRequest]
         decision = decide(query, candidates, fleet, est, now)
     except RouterError:
         return [req]
+    # A holder with no reading time has no rate to split by: it is left out.
     readers = [
         Reader(
             worker=c.worker,
             start_s=c.terms["wait_s"] + c.terms["load_s"],
-            rate_tps=sum(tokens) / c.terms["prompt_s"] if c.terms["prompt_s"] > 0 else 0.0,
+            rate_tps=sum(tokens) / c.terms["prompt_s"],
         )
         for c in decision.ranking.candidates
+        if c.terms["prompt_s"] > 0
     ]
     sizes = split_sizes(readers, tokens)
     if len(sizes) < 2:

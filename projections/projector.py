@@ -376,12 +376,11 @@ class Projector:
         for entry_id, event in batch:
             if _entry_ms(entry_id) < oldest:
                 continue
-            completed = isinstance(event, TaskCompleted) and not event.duplicate
-            cancelled = isinstance(event, TaskFailed) and event.kind == "cancelled"
-            if not (completed or cancelled):
-                continue
-            assert isinstance(event, TaskCompleted | TaskFailed)
-            t = event.timings
+            match event:
+                case TaskCompleted(duplicate=False) | TaskFailed(kind="cancelled"):
+                    t = event.timings
+                case _:
+                    continue
             n = (t.prompt_eval_count or 0) + (t.eval_count or 0)
             if n > 0 and event.task_id not in tokens:
                 tokens[event.task_id] = n

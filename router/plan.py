@@ -569,10 +569,9 @@ class _Template:
             for i, w in enumerate(holders)
             if w.loaded_known and w.max_loaded == 1 and digest in w.loaded
         ]
+        # Without the queues: a one-model machine's load is worked out per decision (`one_model`).
         self.load_left = [
-            # Loaded where eviction is no question (room for more than one model): nothing to pay.
-            0.0 if w.loaded_known and digest in w.loaded else load_to_pay(w, digest, est, s)
-            for w, s in zip(holders, self.sp.load_s, strict=True)
+            load_to_pay(w, digest, est, s) for w, s in zip(holders, self.sp.load_s, strict=True)
         ]
 
     def expecteds(self, p: PlanParams) -> list[tuple[float, ...]]:
