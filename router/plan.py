@@ -42,6 +42,7 @@ import msgspec
 
 from projections.snapshot import Snapshot
 from router.estimate import Estimator, SpeedEstimate
+from router.prefix import PromptChain, SlotCache
 
 
 class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -86,6 +87,8 @@ class WorkerView(msgspec.Struct, kw_only=True, gc=False):
     loaded_known: bool = True
     # How many of its models fit in its memory at once; 1: running one evicts any other. None: unknown.
     max_loaded: int | None = None
+    # What its backend's slots hold of earlier prompts (router.prefix); empty: nothing known.
+    cache: list[SlotCache] = msgspec.field(default_factory=list)
 
 
 def load_to_pay(
@@ -156,6 +159,9 @@ class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
     # model's backlog lists its band queues in serving order: higher priority first, then the
     # earlier fair-share round, each queue head first.
     queue: str = ""
+    # Its prompt's chain (router.prefix): a worker whose idle slot holds a prefix of it evaluates
+    # only the rest. None: not known (a task without messages, or from before chains).
+    prefix: PromptChain | None = None
 
 
 class FleetView(msgspec.Struct, kw_only=True, gc=False):
