@@ -44,6 +44,7 @@ from router.plan import (
     plan_state,
     service_floor,
 )
+from router.prefix import BLOCK_CHARS, PromptChain, tokens_of_blocks
 
 DomainClassifier = Callable[[str], str]
 
@@ -85,6 +86,18 @@ class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     # Images it carries: each adds Estimator.image_tokens() to the prompt (the backend counts
     # them in its prompt_eval_count), shown as the `image_tokens` term and field.
     images: int = 0
+    # Its prompt's chain (router.prefix): a holder whose idle slot holds a prefix of it evaluates
+    # only the rest, shown as the `cached_prompt_tokens` term and field. None: not known.
+    prefix: PromptChain | None = None
+
+
+def most_cached(query: RouteQuery, prompt_tokens: int) -> int:
+    """The most prompt tokens of `query` any slot could hold (its whole chain): what a floor on
+    its finish takes off before the holders' slots are looked at."""
+    chain = query.prefix
+    if chain is None or not chain.hashes:
+        return 0
+    return tokens_of_blocks(len(chain.hashes), chain.chars, prompt_tokens)
 
 
 def prompt_estimate(query: RouteQuery, default_prompt: int, est: Estimator) -> int:
@@ -261,11 +274,12 @@ def _ranking(
     quality = est.quality(digest, domain)
     max_tokens = query.max_tokens
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
-    finishes = state.finishes(prompt, out)
+    cached = state.cached(query.prefix, prompt)
+    finishes = state.finishes(prompt, out, cached)
 
     def build(i: int, rank: int) -> WorkerCandidate:
         w, sp = holders[i], state.sp.estimates[i]
-        wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
+        wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out, cached.get(i, 0))
         terms = {
             "wait_s": wait,
             "load_s": load,
@@ -290,6 +304,10 @@ def _ranking(
             image = est.image_tokens()
             terms["image_tokens"] = query.images * image.value
             fields["image_tokens"] = image
+        if query.prefix is not None and query.prefix.hashes:
+            tokens = cached.get(i, 0)
+            terms["cached_prompt_tokens"] = float(tokens)
+            fields["cached_prompt_tokens"] = _cached_field(tokens, prompt, query.prefix, w)
         if state.fac[i] is not None:
             # Its other slots' tasks share the machine with this one: the time that costs, and why.
             terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)
@@ -297,6 +315,22 @@ def _ranking(
         return WorkerCandidate(worker=w.name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
 
     return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build)
+
+
+def _cached_field(tokens: int, prompt: int, chain: PromptChain, worker: WorkerView) -> Field:
+    """Why `tokens` of a prompt of `prompt` tokens count as held on `worker`."""
+    if tokens:
+        source = (
+            f"prefix: an idle slot of {worker.name} holds {tokens} of {prompt} prompt tokens"
+            f" ({len(chain.hashes)} blocks of {BLOCK_CHARS} characters; worker's lease)"
+        )
+    elif any(not s.busy for s in worker.cache):
+        source = "prefix: no idle slot holds its start, or work planned before it takes that slot"
+    elif worker.cache:
+        source = "prefix: every slot is busy"
+    else:
+        source = "prefix: the worker reports no slot contents"
+    return Field(value=float(tokens), n=0, source=source, age_s=None)
 
 
 class ModelCandidate(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -508,6 +542,8 @@ def _score_models(
     domain = query.domain
     default_prompt = plan_params.default_prompt_tokens
     prompt = prompt_estimate(query, default_prompt, est)
+    # A slot may hold every full block of the prompt: a floor counts only the rest.
+    floor_prompt = prompt - most_cached(query, prompt)
     prune = not plan_params.full_walk and params.latency_weight >= 0.0 and params.latency_scale_s > 0.0
     # Per model: quality, output tokens, queue, and the floor under the new task's finish as
     # (seconds, holder) (None where no floor holds, or when nothing is pruned).
@@ -519,7 +555,7 @@ def _score_models(
         queue = view.backlog.get(digest, [])
         floor = None
         if prune:
-            found = service_floor(est, holders, digest, prompt, out, queue, default_prompt, view)
+            found = service_floor(est, holders, digest, floor_prompt, out, queue, default_prompt, view)
             floor = None if found is None else (found[1], holders[found[0]].name)
         rows.append((quality, out, queue, floor))
     pool = [k for k in range(len(rows)) if rows[k][0].n > 0] or list(range(len(rows)))
@@ -546,7 +582,7 @@ def _score_models(
         (then only laying its queue out tells)."""
         state = state_of(k)
         _, out, queue, _ = rows[k]
-        found = state.finish_floor(prompt, out, queue)
+        found = state.finish_floor(prompt, out, queue, state.cached(query.prefix, prompt))
         if found is None:
             return False
         quality, out, queue, _ = rows[k]
@@ -560,7 +596,7 @@ def _score_models(
         _, out, queue, _ = rows[k]
         steps = state.walk(queue)
         laid[digest] = (state, steps)
-        finishes = state.finishes(prompt, out)
+        finishes = state.finishes(prompt, out, state.cached(query.prefix, prompt))
         i = _first_best(finishes)
         finished[k] = (finishes[i], state.names[i])
         return finishes[i]

@@ -42,7 +42,7 @@ import msgspec
 
 from projections.snapshot import Snapshot
 from router.estimate import Estimator, SpeedEstimate
-from router.prefix import PromptChain, SlotCache
+from router.prefix import PromptChain, SlotCache, tokens_of_blocks
 
 
 class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -558,10 +558,24 @@ class _Template:
     holders are busy or a one-model machine with the model loaded (whose load depends on the
     queues)."""
 
-    __slots__ = ("_est", "_expecteds", "busy", "free", "head", "load_left", "names", "one_model", "sp")
+    __slots__ = (
+        "_est",
+        "_expecteds",
+        "_holders",
+        "_prefixes",
+        "busy",
+        "free",
+        "head",
+        "load_left",
+        "names",
+        "one_model",
+        "sp",
+    )
 
     def __init__(self, holders: Sequence[WorkerView], est: Estimator, digest: str) -> None:
         self._est = est
+        self._holders = holders
+        self._prefixes: _Prefixes | bool | None = False
         # Per default prompt size: each busy holder's running tasks' `_expected_s`.
         self._expecteds: dict[int, list[tuple[float, ...]]] = {}
         self.names = tuple(map(_name, holders))
@@ -590,6 +604,60 @@ class _Template:
                 tuple(_expected_s(w, t, est, p) for t in w.running) for _, w in self.busy
             ]
         return hit
+
+    def prefixes(self) -> _Prefixes | None:
+        """What the holders' idle slots hold of earlier prompts; None when none holds anything."""
+        if self._prefixes is False:
+            self._prefixes = _Prefixes.of(self._holders)
+        assert not isinstance(self._prefixes, bool)
+        return self._prefixes
+
+
+class _Prefixes:
+    """The holders' idle slots' checkpoints (router.prefix.SlotCache.marks), by (blocks, hash):
+    a task's longest match on every holder costs one lookup per distinct checkpoint position,
+    whatever the number of holders."""
+
+    __slots__ = ("by_mark", "idle", "positions")
+
+    def __init__(self, by_mark: dict[tuple[int, int], list[int]], idle: list[int]) -> None:
+        self.by_mark = by_mark
+        # Longest first: a holder's first match is its longest.
+        self.positions = sorted({b for b, _ in by_mark}, reverse=True)
+        self.idle = idle
+
+    @classmethod
+    def of(cls, holders: Sequence[WorkerView]) -> _Prefixes | None:
+        by_mark: dict[tuple[int, int], list[int]] = {}
+        for i, w in enumerate(holders):
+            for slot in w.cache:
+                if slot.busy:
+                    continue
+                for mark in slot.marks:
+                    found = by_mark.setdefault(mark, [])
+                    if not found or found[-1] != i:
+                        found.append(i)
+        if not by_mark:
+            return None
+        idle = [max(0, w.slots - len(w.running)) for w in holders]
+        return cls(by_mark, idle)
+
+    def blocks(self, chain: PromptChain, given: Sequence[int]) -> dict[int, int]:
+        """Holder index -> blocks of `chain` its idle slot holds, for the holders where the slot
+        would still hold them when the task starts: the `given[i]` tasks laid out there before it
+        fit in its other idle slots (the backend gives each the least recently used idle slot, or
+        the one sharing its prefix; a conversation's own slot is its most recently used)."""
+        hashes = chain.hashes
+        n = len(hashes)
+        found: dict[int, int] = {}
+        by_mark, idle = self.by_mark, self.idle
+        for pos in self.positions:
+            if pos > n:
+                continue
+            for i in by_mark.get((pos, hashes[pos - 1]), ()):
+                if i not in found and given[i] < idle[i]:
+                    found[i] = pos
+        return found
 
 
 def _template(holders: Sequence[WorkerView], est: Estimator, digest: str) -> _Template:
@@ -622,11 +690,13 @@ class PlanState:
     __slots__ = (
         "_est",
         "_own",
+        "_pfx",
         "default_prompt",
         "digest",
         "fac",
         "free",
         "full_walk",
+        "given",
         "head",
         "load_left",
         "loaded",
@@ -702,6 +772,23 @@ class PlanState:
         self.full_walk = params.full_walk
         self._est = est
         self.digest = digest
+        # Where an idle slot holds part of an earlier prompt: the tasks laid out on each holder
+        # (a hit holds only while they fit in its other idle slots: `_Prefixes.blocks`).
+        self._pfx = tpl.prefixes()
+        self.given: list[int] | None = None if self._pfx is None else [0] * len(self.names)
+
+    def cached(self, chain: PromptChain | None, prompt_tokens: int) -> dict[int, int]:
+        """Holder index -> prompt tokens of a task with `chain` (of `prompt_tokens` tokens) that
+        an idle slot of that holder holds, where it still would when the task starts there now."""
+        px, given = self._pfx, self.given
+        if px is None or given is None or chain is None or not chain.hashes:
+            return {}
+        out: dict[int, int] = {}
+        for i, blocks in px.blocks(chain, given).items():
+            tokens = tokens_of_blocks(blocks, chain.chars, prompt_tokens)
+            if tokens > 0:
+                out[i] = tokens
+        return out
 
     def _out(self, entry: BacklogEntry) -> float:
         out = self.outs.get(entry.domain)
@@ -736,6 +823,10 @@ class PlanState:
             h + prompt * a + out * b + ld
             for h, a, b, ld in zip(self.head, sp.per_prompt, sp.per_out, self.load_left, strict=True)
         ]
+        hits = self.cached(entry.prefix, prompt) if self._pfx is not None else None
+        if hits:
+            for i, tokens in hits.items():
+                finishes[i] -= tokens * sp.per_prompt[i]
         if not self.shared:
             finish = min(finishes)
             # The first of equals wins: holders are in registration order.
@@ -746,7 +837,8 @@ class PlanState:
         costs = list(finishes)
         for i, fac in enumerate(self.fac):
             if fac is not None:
-                work = prompt * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
+                uncached = prompt - hits.get(i, 0) if hits else prompt
+                work = uncached * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
                 finishes[i], delay = self._shared(i, self.head[i], work)
                 costs[i] = finishes[i] + delay
         i = costs.index(min(costs))
@@ -754,6 +846,8 @@ class PlanState:
 
     def _work(self, i: int, entry: BacklogEntry) -> float:
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+        if self._pfx is not None:
+            prompt -= self.cached(entry.prefix, prompt).get(i, 0)
         return prompt * self.sp.per_prompt[i] + self._out(entry) * self.sp.per_out[i] + self.load_left[i]
 
     def best_on(self, i: int, entry: BacklogEntry) -> float:
@@ -781,6 +875,8 @@ class PlanState:
         self.head[i] = slots[0]
         self.loaded[i] = True
         self.load_left[i] = 0.0
+        if self.given is not None:
+            self.given[i] += 1
 
     def walk(self, entries: Sequence[BacklogEntry]) -> list[Step]:
         """Assign `entries` in order, each to the holder finishing it earliest: (holder index,
@@ -815,8 +911,10 @@ class PlanState:
     def _walk(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         """Assign `entries` in order until one goes to holder `until`: (the steps before it, its
         position, its finish), or (all steps, -1, 0.0)."""
-        if self.shared:
-            return self._walk_shared(entries, until)
+        if self.shared or self._pfx is not None:
+            # Task by task through `best` and `assign`: a machine whose tasks share it, or holders
+            # whose slots hold prompts (a task's cost there depends on what was laid out before it).
+            return self._walk_each(entries, until)
         default_prompt, out_of = self.default_prompt, self._out
         work = [(default_prompt if e.prompt_tokens is None else e.prompt_tokens, out_of(e)) for e in entries]
         if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
@@ -827,7 +925,7 @@ class PlanState:
             return self._walk_all(work, until)
         return self._walk_pruned(work, until)
 
-    def _walk_shared(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
+    def _walk_each(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         steps: list[Step] = []
         for pos, e in enumerate(entries):
             i, start, finish = self.best(e)
@@ -945,32 +1043,47 @@ class PlanState:
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
-    def new_task(self, i: int, prompt_tokens: int, out: float) -> tuple[float, float, float, float, float]:
-        """(wait, load, prompt, decode, finish) seconds of a new task given to holder `i` after the plan."""
+    def new_task(
+        self, i: int, prompt_tokens: int, out: float, cached: int = 0
+    ) -> tuple[float, float, float, float, float]:
+        """(wait, load, prompt, decode, finish) seconds of a new task given to holder `i` after the
+        plan, `cached` of its prompt tokens held by a slot there (`cached`)."""
         wait = self.head[i]
         load = self.load_left[i]
-        prompt_s = prompt_tokens / self.sp.prompt_tps[i]
+        prompt_s = (prompt_tokens - cached) / self.sp.prompt_tps[i]
         decode_s = out / self.sp.decode_tps[i]
         if self.fac[i] is None:
             return wait, load, prompt_s, decode_s, wait + load + prompt_s + decode_s
         return wait, load, prompt_s, decode_s, self._shared_finish(i, wait, load + prompt_s + decode_s)
 
-    def finishes(self, prompt_tokens: int, out: float) -> list[float]:
-        """`new_task`'s finish on every holder (the same arithmetic, without the terms)."""
+    def finishes(
+        self, prompt_tokens: int, out: float, cached: Mapping[int, int] | None = None
+    ) -> list[float]:
+        """`new_task`'s finish on every holder (the same arithmetic, without the terms); `cached`:
+        holder index -> its prompt tokens held there (`cached`)."""
         sp = self.sp
         res = [
             h + ld + prompt_tokens / p + out / d
             for h, ld, p, d in zip(self.head, self.load_left, sp.prompt_tps, sp.decode_tps, strict=True)
         ]
+        if cached:
+            for i, tokens in cached.items():
+                res[i] = self.head[i] + self.load_left[i] + (prompt_tokens - tokens) / sp.prompt_tps[i]
+                res[i] += out / sp.decode_tps[i]
         if self.shared:
             for i, fac in enumerate(self.fac):
                 if fac is not None:
-                    work = self.load_left[i] + prompt_tokens / sp.prompt_tps[i] + out / sp.decode_tps[i]
+                    uncached = prompt_tokens - (cached or {}).get(i, 0)
+                    work = self.load_left[i] + uncached / sp.prompt_tps[i] + out / sp.decode_tps[i]
                     res[i] = self._shared_finish(i, self.head[i], work)
         return res
 
     def finish_floor(
-        self, prompt_tokens: int, out: float, entries: Sequence[BacklogEntry]
+        self,
+        prompt_tokens: int,
+        out: float,
+        entries: Sequence[BacklogEntry],
+        cached: Mapping[int, int] | None = None,
     ) -> tuple[int, float] | None:
         """(holder, finish) of the least finish a new task could have after `entries` are laid out
         from here, without laying them out; None where `floors_hold` says no floor holds.
@@ -978,7 +1091,8 @@ class PlanState:
         Laying out a task only moves a slot's free time later. On a one-slot holder a task that
         loads the model ends after that load, so `finishes` now is a floor. On a holder with more
         slots another slot may load the model for it, so its load is left out. The arithmetic is
-        `finishes`', so the floor is never above the finish it bounds.
+        `finishes`', so the floor is never above the finish it bounds. `cached` (`cached` now) only
+        shrinks as tasks are laid out, so what it takes off holds as a floor too.
         """
         if self.shared or not floors_hold(entries, self.default_prompt):
             return None
@@ -989,6 +1103,12 @@ class PlanState:
                 self.head, self.load_left, self.free, sp.prompt_tps, sp.decode_tps, strict=True
             )
         ]
+        if cached:
+            for i, tokens in cached.items():
+                ld = self.load_left[i] if len(self.free[i]) == 1 else 0.0
+                floors[i] = (
+                    self.head[i] + ld + (prompt_tokens - tokens) / sp.prompt_tps[i] + out / sp.decode_tps[i]
+                )
         floor = min(floors)
         return floors.index(floor), floor
 
