@@ -17,6 +17,7 @@ from redis.asyncio.client import Pipeline
 from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
 from events.scripts import ScriptDef
+from router.prefix import SlotCache
 
 
 class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -68,6 +69,8 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     max_loaded: int | None = None
     # `loaded` as its backend reports each one (sizes, expiry), for the Ollama surface's /api/ps.
     loaded_models: list[LoadedModel] = msgspec.field(default_factory=list)
+    # What its backend's slots hold of earlier prompts, as far as it can tell (workers.slots).
+    cache: list[SlotCache] = msgspec.field(default_factory=list)
 
 
 _encoder: Final = msgspec.msgpack.Encoder()

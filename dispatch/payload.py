@@ -16,6 +16,7 @@ import msgspec
 
 from events.event import Timings, now_ms
 from projections.status import Outcome
+from router.prefix import PromptChain
 
 # Fields of a queue entry. `attempt` sits outside the payload so that the reclaim script can raise
 # it without decoding the task.
@@ -109,6 +110,9 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     truncate: bool | None = None
     dimensions: int | None = None
     keep_alive: str | float | None = None
+    # Its prompt's chain (router.prefix, dispatch.prefix), computed once at submission: the plan
+    # prices a holder whose idle slot holds part of it. None: under a block, or not a prompt.
+    prefix: PromptChain | None = None
 
     def prompt_text(self) -> str:
         """All the text the model reads, for sizes and digests (never for the ledger itself)."""

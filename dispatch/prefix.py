@@ -43,6 +43,16 @@ def render(task: TaskMessage, reply: str | None = None) -> str | None:
     return render_messages(task.messages, reply)
 
 
+def held_after(task: TaskMessage, reply: str) -> PromptChain | None:
+    """What the slot that ran `task` holds once it answered `reply`: the prompt and the answer
+    (the chain a chat's next turn extends)."""
+    text = render(task, reply)
+    if text is None:
+        return None
+    chain = chain_of(text)
+    return chain if chain.hashes else None
+
+
 def render_messages(messages: Sequence[Message], reply: str | None = None) -> str:
     """The canonical text of a chat's messages (and the assistant's `reply`, where given)."""
     text = "".join(map(_render_message, messages))
@@ -53,8 +63,18 @@ def render_messages(messages: Sequence[Message], reply: str | None = None) -> st
 
 def task_chain(task: TaskMessage) -> PromptChain | None:
     """`task`'s prompt chain; None where the cache does not apply or the prompt is under a block."""
-    text = render(task)
-    if text is None:
+    return request_chain(task.kind, task.messages, task.prompt, task.system)
+
+
+def request_chain(
+    kind: str, messages: Sequence[Message], prompt: str | None, system: str | None
+) -> PromptChain | None:
+    """The prompt chain of a request of `kind` (`task_chain` before there is a task)."""
+    if kind == EMBED:
         return None
+    if kind == "generate":
+        text = f"system{_ROLE}{system or ''}{_END}user{_ROLE}{prompt or ''}{_END}"
+    else:
+        text = render_messages(messages)
     chain = chain_of(text)
     return chain if chain.hashes else None

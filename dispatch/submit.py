@@ -17,6 +17,7 @@ import msgspec
 from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFullError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
+from dispatch.prefix import request_chain
 from dispatch.queues import TaskQueues
 from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
@@ -25,6 +26,7 @@ from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.estimate import DEFAULT_IMAGE_TOKENS
+from router.prefix import PromptChain
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 
@@ -88,6 +90,9 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     split_of: str | None = None
     part: int = 0
     parts: int = 1
+    # Its prompt's chain (dispatch.prefix), where routing computed it already; else computed at
+    # submission.
+    prefix: PromptChain | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -150,12 +155,14 @@ async def route_and_submit(
     for capability in needs(req):
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
+    chain = request_chain(req.kind, req.messages, req.prompt, req.system)
     query = RouteQuery(
         model=req.model,
         domain=domain,
         prompt_tokens=req.text_tokens(),
         max_tokens=req.max_tokens,
         images=req.image_count(),
+        prefix=chain,
     )
     decision: Decision | None
     try:
@@ -171,6 +178,7 @@ async def route_and_submit(
         req,
         model=decision.model if decision is not None else req.model,
         domain=domain,
+        prefix=chain,
     )
     digest = decision.digest if decision is not None else candidates[req.model]
     return await submit_task(
@@ -370,6 +378,7 @@ async def submit_task(
         truncate=req.truncate,
         dimensions=req.dimensions,
         keep_alive=req.keep_alive,
+        prefix=req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system),
     )
     keys = queues.keys
     queue = keys.band_queue(digest, task.priority, req.share_round)

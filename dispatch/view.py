@@ -30,6 +30,7 @@ from projections.snapshot import Snapshot
 from router.estimate import Estimator, build_estimator
 from router.gate import BACKLOG_DEPTH, SNAPSHOT_EVERY_S
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rates
+from router.prefix import PromptChain
 
 log = logging.getLogger("routeledger.view")
 T = TypeVar("T")
@@ -134,6 +135,7 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
             loaded=set(info.loaded),
             loaded_known=info.loaded_known,
             max_loaded=info.max_loaded,
+            cache=info.cache,
             running=[
                 RunningTask(
                     task_id=r.task_id,
@@ -347,6 +349,7 @@ class _TaskSize(msgspec.Struct, kw_only=True):
     domain: str = "general"
     prompt_tokens: int | None = None
     max_tokens: int | None = None
+    prefix: PromptChain | None = None
 
 
 # The plan reads up to BACKLOG_DEPTH tasks per decision: decoding only these fields skips building
@@ -382,6 +385,7 @@ def _entries(digest: str, rows: list[Any], queue: str) -> list[BacklogEntry]:
                 prompt_tokens=task.prompt_tokens,
                 max_tokens=task.max_tokens,
                 queue=queue,
+                prefix=task.prefix,
             )
         )
     return out

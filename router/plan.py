@@ -559,6 +559,7 @@ class _Template:
     queues)."""
 
     __slots__ = (
+        "_digest",
         "_est",
         "_expecteds",
         "_holders",
@@ -575,6 +576,7 @@ class _Template:
     def __init__(self, holders: Sequence[WorkerView], est: Estimator, digest: str) -> None:
         self._est = est
         self._holders = holders
+        self._digest = digest
         self._prefixes: _Prefixes | bool | None = False
         # Per default prompt size: each busy holder's running tasks' `_expected_s`.
         self._expecteds: dict[int, list[tuple[float, ...]]] = {}
@@ -608,7 +610,7 @@ class _Template:
     def prefixes(self) -> _Prefixes | None:
         """What the holders' idle slots hold of earlier prompts; None when none holds anything."""
         if self._prefixes is False:
-            self._prefixes = _Prefixes.of(self._holders)
+            self._prefixes = _Prefixes.of(self._holders, self._digest)
         assert not isinstance(self._prefixes, bool)
         return self._prefixes
 
@@ -627,11 +629,11 @@ class _Prefixes:
         self.idle = idle
 
     @classmethod
-    def of(cls, holders: Sequence[WorkerView]) -> _Prefixes | None:
+    def of(cls, holders: Sequence[WorkerView], digest: str) -> _Prefixes | None:
         by_mark: dict[tuple[int, int], list[int]] = {}
         for i, w in enumerate(holders):
             for slot in w.cache:
-                if slot.busy:
+                if slot.busy or (slot.digest and slot.digest != digest):
                     continue
                 for mark in slot.marks:
                     found = by_mark.setdefault(mark, [])

@@ -58,6 +58,8 @@ class SlotCache(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=F
     busy: bool = False
     # Epoch ms it was last given work (the backend reuses the least recently used slot first).
     used_ms: int = 0
+    # The model whose KV cache it is (each model's runner has its own slots); '' : unknown.
+    digest: str = ""
 
     @property
     def blocks(self) -> int:

@@ -36,7 +36,8 @@ from dispatch.benchmark import (
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.modelcard import ModelCard, publish_cards
-from dispatch.payload import Chunk, Result, Thought, ToolCall, encode_chunk
+from dispatch.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
+from dispatch.prefix import held_after, task_chain
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from dispatch.serving import embeds_only
 from events.codec import encode_fields
@@ -65,6 +66,7 @@ from workers.crash import crash_here
 from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
 from workers.liveness import Liveness
 from workers.resources import max_loaded, read_resources
+from workers.slots import Slots
 from workers.warmth import Warmth
 
 log = logging.getLogger("routeledger.worker")
@@ -131,6 +133,10 @@ class Running(msgspec.Struct, kw_only=True):
     # A cancelled run reports them, and its API key is charged for them (Projector._charge).
     prompt_done: bool = False
     pieces: int = 0
+    # The backend slot it runs in, as this worker models them (workers.slots; -1: none, or done).
+    slot: int = -1
+    # The backend has answered: its slot is free, though the run still writes what it made.
+    answered: bool = False
 
     async def settle_claim(self) -> None:
         """`_Claim.settle` of this run's claim, where one was sent."""
@@ -222,6 +228,8 @@ class WorkerAgent:
         self.resources = Resources()
         # Which models are in memory, run by run: whether a run was cold (a load sample) or warm.
         self.warmth = Warmth()
+        # What each backend slot holds of earlier prompts (for the plan's prefix pricing).
+        self.slots = Slots(config.slots)
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -351,6 +359,7 @@ class WorkerAgent:
             loaded_known=self.inventory.loaded_known,
             max_loaded=max_loaded(self.inventory, self.resources),
             loaded_models=list(self.inventory.loaded_models),
+            cache=self.slots.report(),
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
             running=[
@@ -363,6 +372,7 @@ class WorkerAgent:
                     max_tokens=r.entry.task.max_tokens,
                 )
                 for r in self.running.values()
+                if not r.answered
             ],
             since=self.started_at,
             resources=self.resources,
@@ -637,6 +647,9 @@ class WorkerAgent:
         self.backend_ok = True
         self.inventory = inventory
         self.warmth.listed()
+        if inventory.loaded_known:
+            # A model the backend unloaded took its slots' caches with it.
+            self.slots.forget(d for d in self.slots.digests() if d not in inventory.loaded)
 
     async def _keep_entries_alive(self) -> None:
         """Reset the idle time of every running entry still ours (TaskQueues.keep). A run
@@ -721,6 +734,8 @@ class WorkerAgent:
             pipe.exists(self.keys.cancel(task.task_id))
             claim = _Claim(self, asyncio.ensure_future(pipe.execute()), sent, task.task_id)
             run.claim = claim
+            if task.kind != EMBED:
+                run.slot = self.slots.start(task.digest, task.prefix or task_chain(task))
             await self._generate(run, local)
             self._failures = 0
         except TaskCancelledError:
@@ -752,6 +767,9 @@ class WorkerAgent:
         finally:
             if run.claim is not None:
                 run.claim.discard()
+            if run.slot >= 0:
+                # Ended without an answer: what the slot holds now is not known.
+                self.slots.finish(task.digest, run.slot, None)
             self.running.pop(entry.entry_id, None)
             self._slot_freed.set()
             if self.eager_lease and not self.stopping.is_set():
@@ -867,6 +885,15 @@ class WorkerAgent:
         if timings is not generated.timings:
             generated = msgspec.structs.replace(generated, timings=timings)
         text = "".join(pieces)
+        if run.slot >= 0:
+            holds = held_after(task, text)
+            self.slots.finish(task.digest, run.slot, holds)
+            run.slot, run.answered = -1, True
+            if holds is not None and self.eager_lease:
+                # The lease says what the slot holds before the answer reaches the client: a
+                # chat's next turn, sent at once, is planned with it.
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
         result = Result(
             task_id=task.task_id,
             status="completed",
