@@ -26,6 +26,7 @@ from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.estimate import DEFAULT_IMAGE_TOKENS
+from router.handoff import handoff_worker
 from router.prefix import PromptChain
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
@@ -181,8 +182,13 @@ async def route_and_submit(
         prefix=chain,
     )
     digest = decision.digest if decision is not None else candidates[req.model]
+    # Straight to one worker when the plan's lead is wide (router.handoff); only for the model's
+    # plain queue: a priority band or a fair-share round keeps its place among the bands.
+    pin = None
+    if decision is not None and req.priority == 0 and req.share_round == 0 and req.kind != EMBED:
+        pin = handoff_worker(decision)
     return await submit_task(
-        queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth
+        queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth, pin=pin
     )
 
 
@@ -323,6 +329,7 @@ async def submit_task(
     digest: str | None = None,
     decision: Decision | None = None,
     max_depth: int | None = None,
+    pin: str | None = None,
 ) -> Submitted:
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
@@ -335,7 +342,9 @@ async def submit_task(
 
     The task joins its model's band queue for its priority and fair-share round
     (events.keys.Keys.band_queue): workers serve a model's bands highest priority first, and within
-    a priority the earlier round first.
+    a priority the earlier round first. With `pin` (router.handoff) it goes to that worker's
+    pinned stream instead, and its lookup hash names the queue it would have joined (`fallback`),
+    where the reaper moves it if that worker does not take it (TaskQueues.hand_back).
     """
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
@@ -381,7 +390,8 @@ async def submit_task(
         prefix=req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system),
     )
     keys = queues.keys
-    queue = keys.band_queue(digest, task.priority, req.share_round)
+    shared = keys.band_queue(digest, task.priority, req.share_round)
+    queue = keys.pinned(pin) if pin is not None else shared
     events: list[Event] = [
         TaskSubmitted(
             task_id=task.task_id,
@@ -420,13 +430,15 @@ async def submit_task(
     }
     if req.key is not None:
         info["key"] = req.key
+    if pin is not None:
+        info["fallback"] = shared
     await queues.submit(
         queue,
         task,
         events,
         info,
         # The plain queue is always read, listed or not: only the other bands join the zset.
-        bands=keys.bands(digest) if queue != keys.queue(digest) else "",
+        bands=keys.bands(digest) if queue == shared and queue != keys.queue(digest) else "",
         order=band_order(task.priority, req.share_round),
     )
     return Submitted(task=task, queue=queue, decision=decision, key=req.key)
