@@ -33,6 +33,9 @@ from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 
 log = logging.getLogger("routeledger.dispatch")
 
+# The oldest leases a request whose prompt has a chain is routed on (seconds; see route_and_submit).
+PREFIX_LEASES_MAX_AGE_S: Final = 0.05
+
 POLICY: Final = "routeledger"
 POLICY_VERSION: Final = 1
 # Seconds a client refused for a full queue is told to wait.
@@ -132,9 +135,16 @@ class Submitted(msgspec.Struct, kw_only=True):
 
 
 async def route_and_submit(
-    queues: TaskQueues, view: LiveView, req: TaskRequest, *, max_depth: int | None = None
+    queues: TaskQueues,
+    view: LiveView,
+    req: TaskRequest,
+    *,
+    max_depth: int | None = None,
+    prefixes: bool = True,
 ) -> Submitted:
-    """Route and queue one request; `req.model` may be `auto`.
+    """Route and queue one request; `req.model` may be `auto`. `prefixes`: its prompt's chain is
+    computed and priced (router.prefix), and it may be handed off (router.handoff); False: it is
+    planned as uncached everywhere.
 
     Raises ModelNotServedError at once when no live worker serves the model, and QueueFullError
     when the chosen model's queue holds `max_depth` tasks already. A named model the router cannot
@@ -142,7 +152,10 @@ async def route_and_submit(
     """
     text = req.text()
     domain = req.domain or classify_domain(text)
-    leases = await view.leases()
+    chain = request_chain(req.kind, req.messages, req.prompt, req.system) if prefixes else None
+    # What the workers' slots hold changes as each run ends, and a chat's next turn can follow its
+    # answer within a moment: a prompt with a chain is planned on leases no older than that.
+    leases = await view.leases(max_age_s=PREFIX_LEASES_MAX_AGE_S if chain is not None else None)
     candidates = view.resolve(req.model, leases)
     if candidates is None:
         # A worker that came online since the cached read is found at once.
@@ -156,7 +169,6 @@ async def route_and_submit(
     for capability in needs(req):
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
-    chain = request_chain(req.kind, req.messages, req.prompt, req.system)
     query = RouteQuery(
         model=req.model,
         domain=domain,
@@ -188,7 +200,14 @@ async def route_and_submit(
     if decision is not None and req.priority == 0 and req.share_round == 0 and req.kind != EMBED:
         pin = handoff_worker(decision)
     return await submit_task(
-        queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth, pin=pin
+        queues,
+        routed,
+        leases=leases,
+        digest=digest,
+        decision=decision,
+        max_depth=max_depth,
+        pin=pin,
+        prefixes=prefixes,
     )
 
 
@@ -330,6 +349,7 @@ async def submit_task(
     decision: Decision | None = None,
     max_depth: int | None = None,
     pin: str | None = None,
+    prefixes: bool = True,
 ) -> Submitted:
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
@@ -387,7 +407,9 @@ async def submit_task(
         truncate=req.truncate,
         dimensions=req.dimensions,
         keep_alive=req.keep_alive,
-        prefix=req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system),
+        prefix=(req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system))
+        if prefixes
+        else None,
     )
     keys = queues.keys
     shared = keys.band_queue(digest, task.priority, req.share_round)
