@@ -187,3 +187,13 @@ def test_caches_that_hold_nothing_of_the_queue_leave_the_plan_as_it_was() -> Non
     after = plan_queue(view(cached, {QWEN: queue}), est, QWEN, NOW)
     assert before.assignments == after.assignments
     assert before.free_s == after.free_s
+
+
+def test_a_cache_hit_is_a_prompt_speed_sample_of_the_tokens_evaluated_not_of_the_whole_prompt() -> None:
+    from events.event import Timings
+    from projections.folder import prompt_tps
+
+    hit = Timings(prompt_eval_count=4000, prompt_eval_cached_count=3900, prompt_eval_duration=1_000_000_000)
+    assert prompt_tps(hit) == pytest.approx(100.0)
+    cold = Timings(prompt_eval_count=4000, prompt_eval_duration=1_000_000_000)
+    assert prompt_tps(cold) == pytest.approx(4000.0)
