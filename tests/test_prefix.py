@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from dispatch.payload import Message, TaskMessage
 from dispatch.prefix import render, render_messages, task_chain
+from events.event import Timings
+from projections.folder import prompt_tps
 from router.choose import RouteQuery, rank_workers
 from router.plan import BacklogEntry, PlanParams, PlanState, WorkerView, plan_queue
 from router.prefix import (
@@ -190,9 +192,6 @@ def test_caches_that_hold_nothing_of_the_queue_leave_the_plan_as_it_was() -> Non
 
 
 def test_a_cache_hit_is_a_prompt_speed_sample_of_the_tokens_evaluated_not_of_the_whole_prompt() -> None:
-    from events.event import Timings
-    from projections.folder import prompt_tps
-
     hit = Timings(prompt_eval_count=4000, prompt_eval_cached_count=3900, prompt_eval_duration=1_000_000_000)
     assert prompt_tps(hit) == pytest.approx(100.0)
     cold = Timings(prompt_eval_count=4000, prompt_eval_duration=1_000_000_000)
