@@ -913,9 +913,11 @@ class PlanState:
     def _walk(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         """Assign `entries` in order until one goes to holder `until`: (the steps before it, its
         position, its finish), or (all steps, -1, 0.0)."""
-        if self.shared or self._pfx is not None:
-            # Task by task through `best` and `assign`: a machine whose tasks share it, or holders
-            # whose slots hold prompts (a task's cost there depends on what was laid out before it).
+        if self.shared or (self._pfx is not None and self._hits_any(entries)):
+            # Task by task through `best` and `assign`: a machine whose tasks share it, or a task
+            # that a holder's slot holds part of (its cost there depends on what was laid out
+            # before it). Where slots hold nothing of these tasks, the walks below lay them out
+            # as if nothing were cached, which is what it comes to.
             return self._walk_each(entries, until)
         default_prompt, out_of = self.default_prompt, self._out
         work = [(default_prompt if e.prompt_tokens is None else e.prompt_tokens, out_of(e)) for e in entries]
@@ -926,6 +928,17 @@ class PlanState:
         if min(p for p, _ in work) < 0 or min(o for _, o in work) < 0 or min(self.head) < 0:
             return self._walk_all(work, until)
         return self._walk_pruned(work, until)
+
+    def _hits_any(self, entries: Sequence[BacklogEntry]) -> bool:
+        """Whether some holder's idle slot holds part of one of `entries` now (laying tasks out
+        only takes hits away: `_Prefixes.blocks`)."""
+        px, given = self._pfx, self.given
+        assert px is not None and given is not None
+        # A loop, not any(...): it runs over every queued task of the model on each decision.
+        for e in entries:  # noqa: SIM110
+            if e.prefix is not None and e.prefix.hashes and px.blocks(e.prefix, given):
+                return True
+        return False
 
     def _walk_each(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         steps: list[Step] = []
@@ -941,6 +954,7 @@ class PlanState:
         """Every task's finish on every holder (`best` and `assign` inlined)."""
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
         replace = heapq.heapreplace
         for pos, (prompt, o) in enumerate(work):
@@ -961,6 +975,8 @@ class PlanState:
             head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
+            if given is not None:
+                given[i] += 1
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
@@ -986,6 +1002,7 @@ class PlanState:
         """
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
         a_min, b_min = min(per_prompt), min(per_out)
         outs = sorted({o for _, o in work})
@@ -1038,6 +1055,8 @@ class PlanState:
             h = head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
+            if given is not None:
+                given[i] += 1
             v = version[i] = version[i] + 1
             b = per_out[i]
             for o_k, heap_k in classes:
