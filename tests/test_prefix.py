@@ -234,3 +234,38 @@ def test_slots_that_hold_none_of_the_queue_leave_every_plan_of_a_random_fleet_as
         after = plan_queue(with_caches, est, digest, NOW_MS)
         assert before.assignments == after.assignments
         assert before.free_s == after.free_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(max_workers=40), seed=st.integers(0, 2**16))
+def test_with_slots_holding_queued_conversations_the_pruned_walk_still_equals_the_full_walk(
+    shape: FleetShape, seed: int
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    rng = random.Random(seed)
+    chains = [
+        PromptChain(hashes=tuple(rng.getrandbits(48) for _ in range(12)), chars=12 * 256) for _ in range(6)
+    ]
+    # Each worker's slots hold some of six conversations, matched in part or whole; queued tasks
+    # continue them (or are strangers).
+    workers = [
+        msgspec.structs.replace(
+            w,
+            cache=[
+                SlotCache(marks=marks_of(rng.choice(chains).hashes[: rng.randint(1, 12)]))
+                for _ in range(rng.randint(0, w.slots))
+            ],
+        )
+        for w in fleet.workers
+    ]
+    backlog = {
+        d: [msgspec.structs.replace(e, prefix=rng.choice([*chains, None])) for e in q]
+        for d, q in fleet.backlog.items()
+    }
+    view_ = FleetView(workers=workers, backlog=backlog, arrival_rate=fleet.arrival_rate)
+    for digest in {d for w in workers for d in w.holds}:
+        pruned = plan_queue(view_, est, digest, NOW_MS)
+        full = plan_queue(view_, est, digest, NOW_MS, params=PlanParams(full_walk=True))
+        assert pruned.assignments == full.assignments
+        assert pruned.free_s == full.free_s
