@@ -2,7 +2,8 @@
 500 x 1,000, and the Redis commands an idle worker costs at 10 and 200 workers.
 
     python bench/scale.py [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300]
-                          [--rounds 3] [--idle 10,200] [--idle-seconds 20] [--result-keys 27000] [--json]
+                          [--rounds 3] [--idle 10,200] [--idle-seconds 20] [--result-keys 27000] [--chat]
+                          [--json]
 
 A decision is what bench/router.py times: a request with model=auto (every model's holders ranked
 on the plan of its queue, each model's utility scored) plus one worker's gate check, on a random
@@ -46,6 +47,7 @@ from typing import Any
 # checkout times that checkout's router.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import msgspec
 import redis.asyncio as aioredis
 
 from events.connection import redis_client
@@ -55,6 +57,7 @@ from router.choose import RouteQuery, decide
 from router.estimate import Estimator, build_estimator
 from router.gate import should_take
 from router.plan import FleetView
+from router.prefix import PromptChain, SlotCache, marks_of
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
@@ -98,19 +101,48 @@ def decision_times(
     return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
 
 
+def with_conversations(fleet: FleetView, seed: int = 3, conversations: int = 200) -> FleetView:
+    """`fleet` as a chat fleet: every worker's slots hold one of `conversations` conversations each
+    (the whole of it or its start), and half the queued tasks continue one of them."""
+    rng = random.Random(seed)
+    chains = [
+        PromptChain(hashes=tuple(rng.getrandbits(48) for _ in range(24)), chars=24 * 256)
+        for _ in range(conversations)
+    ]
+    workers = [
+        msgspec.structs.replace(
+            w,
+            cache=[
+                SlotCache(marks=marks_of(rng.choice(chains).hashes[: rng.randint(4, 24)]))
+                for _ in range(w.slots)
+            ],
+        )
+        for w in fleet.workers
+    ]
+    backlog = {
+        d: [msgspec.structs.replace(e, prefix=rng.choice(chains)) if k % 2 else e for k, e in enumerate(q)]
+        for d, q in fleet.backlog.items()
+    }
+    return FleetView(workers=workers, backlog=backlog, arrival_rate=fleet.arrival_rate)
+
+
 def measure_decisions(
-    sizes: list[tuple[int, int]], models: int, decisions: list[int], rounds: int = 1
+    sizes: list[tuple[int, int]], models: int, decisions: list[int], rounds: int = 1, chat: bool = False
 ) -> dict[str, Any]:
     """Decision p50 and p99 (us) at each (workers, backlog) size, as `decision_p50_us_{w}x{b}` and
     `decision_p99_us_{w}x{b}`: the median over `rounds` rounds (the same decisions each round, on
     the same fleet) of each round's figure, with every round's in `..._rounds`. A shared machine
     stalls a process now and then; one stall among 300 decisions is the p99 of a round, and the
-    median of rounds leaves it out unless it comes back round after round."""
+    median of rounds leaves it out unless it comes back round after round. `chat`: on the same
+    fleets with every slot holding a conversation and half the queue continuing one
+    (`with_conversations`), as `..._chat`."""
     p99: dict[str, float] = {}
     p50: dict[str, float] = {}
     each: dict[str, list[float]] = {}
     for (workers, backlog), count in zip(sizes, decisions, strict=True):
         snap, fleet, digests = random_fleet(FleetShape(workers=workers, models=models, backlog=backlog))
+        if chat:
+            fleet = with_conversations(fleet)
         est = build_estimator(snap, NOW_MS)
         p50s: list[float] = []
         p99s: list[float] = []
@@ -120,7 +152,7 @@ def measure_decisions(
             mid, tail = decision_times(fleet, digests, est, count, rng=rng)
             p50s.append(round(mid, 1))
             p99s.append(round(tail, 1))
-        size = f"{workers}x{backlog}"
+        size = f"{workers}x{backlog}" + ("_chat" if chat else "")
         p99[f"decision_p99_us_{size}"] = statistics.median(p99s)
         p50[f"decision_p50_us_{size}"] = statistics.median(p50s)
         each[f"decision_p99_us_{size}_rounds"] = p99s
@@ -231,21 +263,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of decisions timed; medians are quoted")
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--result-keys", type=int, default=27_000)
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="also time decisions with every slot holding a conversation and half the queue continuing one",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if len(args.decisions) != len(args.sizes):
         ap.error("--decisions needs one count per size")
     decisions = measure_decisions(args.sizes, args.models, args.decisions, args.rounds)
+    if args.chat:
+        decisions.update(measure_decisions(args.sizes, args.models, args.decisions, args.rounds, chat=True))
     if not args.json:
-        for (workers, backlog), count in zip(args.sizes, args.decisions, strict=True):
-            p50 = decisions[f"decision_p50_us_{workers}x{backlog}"]
-            p99 = decisions[f"decision_p99_us_{workers}x{backlog}"]
-            each = ", ".join(f"{v:,.0f}" for v in decisions[f"decision_p99_us_{workers}x{backlog}_rounds"])
-            print(
-                f"{workers} workers x {args.models} models, backlog {backlog}:"
-                f" decision p50 {p50:,.0f} us, p99 {p99:,.0f} us (medians of {args.rounds} rounds of"
-                f" {count} decisions; p99 of each round: {each})"
-            )
+        for chat in (False, True) if args.chat else (False,):
+            for (workers, backlog), count in zip(args.sizes, args.decisions, strict=True):
+                size = f"{workers}x{backlog}" + ("_chat" if chat else "")
+                p50 = decisions[f"decision_p50_us_{size}"]
+                p99 = decisions[f"decision_p99_us_{size}"]
+                each = ", ".join(f"{v:,.0f}" for v in decisions[f"decision_p99_us_{size}_rounds"])
+                print(
+                    f"{workers} workers x {args.models} models, backlog {backlog}"
+                    f"{', slots holding conversations' if chat else ''}:"
+                    f" decision p50 {p50:,.0f} us, p99 {p99:,.0f} us (medians of {args.rounds} rounds of"
+                    f" {count} decisions; p99 of each round: {each})"
+                )
     idle = measure_idle(args.idle, args.idle_seconds, args.result_keys)
     if not args.json:
         for n in args.idle:

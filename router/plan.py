@@ -620,13 +620,17 @@ class _Prefixes:
     a task's longest match on every holder costs one lookup per distinct checkpoint position,
     whatever the number of holders."""
 
-    __slots__ = ("by_mark", "idle", "positions")
+    __slots__ = ("_matches", "by_mark", "idle", "positions")
 
     def __init__(self, by_mark: dict[tuple[int, int], list[int]], idle: list[int]) -> None:
         self.by_mark = by_mark
         # Longest first: a holder's first match is its longest.
         self.positions = sorted({b for b, _ in by_mark}, reverse=True)
         self.idle = idle
+        # Per queued task's chain (by identity; the chain is kept so that its id is not reused):
+        # every holder's longest match. A queue is laid out again on every decision while these
+        # holders last, and its tasks' chains with it.
+        self._matches: dict[int, tuple[PromptChain, list[tuple[int, int]]]] = {}
 
     @classmethod
     def of(cls, holders: Sequence[WorkerView], digest: str) -> _Prefixes | None:
@@ -644,22 +648,38 @@ class _Prefixes:
         idle = [max(0, w.slots - len(w.running)) for w in holders]
         return cls(by_mark, idle)
 
+    def _longest(self, chain: PromptChain) -> list[tuple[int, int]]:
+        """(holder index, blocks) of every holder whose idle slot holds a prefix of `chain`."""
+        hit = self._matches.get(id(chain))
+        if hit is not None and hit[0] is chain:
+            return hit[1]
+        hashes = chain.hashes
+        n = len(hashes)
+        found: dict[int, int] = {}
+        by_mark = self.by_mark
+        for pos in self.positions:
+            if pos > n:
+                continue
+            for i in by_mark.get((pos, hashes[pos - 1]), ()):
+                if i not in found:
+                    found[i] = pos
+        out = list(found.items())
+        if len(self._matches) >= _MATCHES_MAX:
+            self._matches.clear()
+        self._matches[id(chain)] = (chain, out)
+        return out
+
     def blocks(self, chain: PromptChain, given: Sequence[int]) -> dict[int, int]:
         """Holder index -> blocks of `chain` its idle slot holds, for the holders where the slot
         would still hold them when the task starts: the `given[i]` tasks laid out there before it
         fit in its other idle slots (the backend gives each the least recently used idle slot, or
         the one sharing its prefix; a conversation's own slot is its most recently used)."""
-        hashes = chain.hashes
-        n = len(hashes)
-        found: dict[int, int] = {}
-        by_mark, idle = self.by_mark, self.idle
-        for pos in self.positions:
-            if pos > n:
-                continue
-            for i in by_mark.get((pos, hashes[pos - 1]), ()):
-                if i not in found and given[i] < idle[i]:
-                    found[i] = pos
-        return found
+        idle = self.idle
+        return {i: b for i, b in self._longest(chain) if given[i] < idle[i]}
+
+
+# `_Prefixes` keeps at most this many chains' matches (a queue's worth, several times over).
+_MATCHES_MAX = 8192
 
 
 def _template(holders: Sequence[WorkerView], est: Estimator, digest: str) -> _Template:
