@@ -64,9 +64,9 @@ class SleepRecord(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
             return self.measured_wake_s, "measured"
         return self.wake_s, "configured"
 
-    def bound_s(self) -> float:
+    def bound_s(self, min_s: float = MIN_BOUND_S) -> float:
         """Seconds after the packet by which its worker must be online, or the wake failed."""
-        return max(MIN_BOUND_S, BOUND_FACTOR * self.wake_time()[0])
+        return max(min_s, BOUND_FACTOR * self.wake_time()[0])
 
 
 _encoder: Final = msgspec.json.Encoder()

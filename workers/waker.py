@@ -45,6 +45,8 @@ class WakerConfig(msgspec.Struct, kw_only=True, frozen=True):
     interval_s: float = 2.0
     # At most one packet per machine per window.
     window_s: float = DEFAULT_WINDOW_S
+    # The shortest bound a woken machine is given before WakeFailed (dispatch.wake.SleepRecord.bound_s).
+    min_bound_s: float = MIN_BOUND_S
     params: WakeParams = WakeParams()
 
 
@@ -128,9 +130,10 @@ class Waker:
                     )
                 await self.redis.hdel(self.keys.waking, name)
                 continue
-            bound = rec.bound_s() if rec is not None else MIN_BOUND_S
+            floor = self.config.min_bound_s
+            bound = rec.bound_s(floor) if rec is not None else floor
             waited = (now - at) / 1000.0
             if waited > bound:
                 await self.ledger.append(WakeFailed(at=now, worker=name, waited_s=min(waited, MAX_SECONDS)))
                 await self.redis.hdel(self.keys.waking, name)
-                log.warning("%s did not come online within %.0fs of its magic packet", name, bound)
+                log.warning("%s did not come online within %.1fs of its magic packet", name, bound)
