@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
@@ -26,6 +27,10 @@ from dispatch.serving import served
 from events.event import MAX_SECONDS, WakeRequested, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
+from router.choose import RouteQuery
+from router.estimate import Estimator
+from router.plan import FleetView
+from router.wake import Sleeper, sleeping_candidate
 
 # The magic packet's standard port (discard); 7 is the other one in use.
 DEFAULT_PORT: Final = 9
@@ -207,4 +212,36 @@ async def pending_wakes(redis: aioredis.Redis, keys: Keys) -> dict[str, int]:
             out[name] = int(v)
         except ValueError:
             continue
+    return out
+
+
+async def sleeping_candidates(
+    redis: aioredis.Redis,
+    keys: Keys,
+    view: FleetView,
+    est: Estimator,
+    digest: str,
+    now_ms: int,
+    leases: Mapping[str, LeaseInfo],
+    query: RouteQuery | None = None,
+) -> list[dict[str, object]]:
+    """The sleeping machines that serve `digest` (a record, no lease, not forgotten) as candidates
+    for a new task (router.wake.sleeping_candidate), soonest finish first."""
+    records = await read_records(redis, keys)
+    if not records:
+        return []
+    raw: Any = await redis.smembers(keys.forgotten)
+    forgotten = {n.decode() if isinstance(n, bytes) else str(n) for n in raw}
+    out: list[dict[str, object]] = []
+    for name, rec in records.items():
+        if name in leases or name in forgotten or digest not in rec.holds:
+            continue
+        wake_s, source = rec.wake_time()
+        sleeper = Sleeper(
+            name=name, slots=rec.slots, holds=frozenset(rec.holds), wake_s=wake_s, wake_source=source
+        )
+        row = sleeping_candidate(view, est, digest, sleeper, now_ms, query)
+        if row is not None:
+            out.append(row)
+    out.sort(key=lambda r: float(r["expected_finish_s"]))  # type: ignore[arg-type]
     return out

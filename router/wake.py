@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from router.estimate import Estimator
+from router.choose import RouteQuery, prompt_estimate
+from router.estimate import Estimator, Field
 from router.plan import BacklogEntry, FleetView, PlanParams, PlanState, WorkerView
 
 
@@ -75,6 +76,13 @@ class WakeDecision(msgspec.Struct, kw_only=True, frozen=True):
         return out
 
 
+def _not_before(state: PlanState, i: int, wake_s: float) -> None:
+    """Holder `i`'s slots in `state` free no sooner than `wake_s` from now: it is asleep until then."""
+    # A fresh list: the state's slot lists may be shared with its holders' template.
+    state.free[i] = [max(wake_s, f) for f in state.free[i]]
+    state.head[i] = state.free[i][0]
+
+
 def _makespan(
     holders: Sequence[WorkerView],
     est: Estimator,
@@ -91,10 +99,7 @@ def _makespan(
         return float("inf"), 0
     state = PlanState(holders, est, digest, now_ms, params, backlog=view.backlog)
     if asleep is not None:
-        i, wake_s = asleep
-        # A fresh list: the state's slot lists may be shared with its holders' template.
-        state.free[i] = [max(wake_s, f) for f in state.free[i]]
-        state.head[i] = state.free[i][0]
+        _not_before(state, *asleep)
     steps = state.walk(entries)
     given = 0 if asleep is None else sum(1 for i, _, _ in steps if i == asleep[0])
     return max((finish for _, _, finish in steps), default=0.0), given
@@ -163,3 +168,61 @@ def decide_wake(
             given,
         )
     return decision(True, f"waking finishes the queued work {gain:.1f}s sooner", without, with_, given)
+
+
+def sleeping_candidate(
+    view: FleetView,
+    est: Estimator,
+    digest: str,
+    sleeper: Sleeper,
+    now_ms: int,
+    query: RouteQuery | None = None,
+    *,
+    params: WakeParams | None = None,
+    plan_params: PlanParams | None = None,
+) -> dict[str, object] | None:
+    """A sleeping machine as a candidate for a new task of `digest` (as `query` describes it): when
+    it would finish the task behind the queued work if it were woken now, with every term (its
+    `wake_s` among them, with its source) and the wake decision for the queued work. None when it
+    does not serve `digest`. The shape of a preview's candidate, plus `asleep` and `wake`."""
+    if digest not in sleeper.holds:
+        return None
+    pp = plan_params or PlanParams()
+    q = query or RouteQuery()
+    entries = view.backlog.get(digest, [])
+    awake = [w for w in view.holders(digest) if w.name != sleeper.name]
+    ghost = WorkerView(name=sleeper.name, slots=max(1, sleeper.slots), holds=set(sleeper.holds))
+    holders = [*awake, ghost]
+    i = len(awake)
+    state = PlanState(holders, est, digest, now_ms, pp, backlog=view.backlog)
+    _not_before(state, i, sleeper.wake_s)
+    state.walk(entries)
+    prompt = prompt_estimate(q, pp.default_prompt_tokens, est)
+    out_field = est.output_tokens(digest, q.domain)
+    out = out_field.value if q.max_tokens is None else min(out_field.value, float(q.max_tokens))
+    wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
+    sp = state.sp.estimates[i]
+    wake_field = Field(value=sleeper.wake_s, n=0, source=sleeper.wake_source, age_s=None)
+    decision = decide_wake(view, est, digest, sleeper, now_ms, params=params, plan_params=pp)
+    return {
+        "worker": sleeper.name,
+        "asleep": True,
+        "expected_finish_s": finish,
+        "terms": {
+            "wake_s": sleeper.wake_s,
+            # The wait counts the wake: its slots are free no sooner than wake_s from now.
+            "wait_s": wait,
+            "load_s": load,
+            "prompt_s": prompt_s,
+            "decode_s": decode_s,
+            "output_tokens": out,
+        },
+        "fields": {
+            "wake_s": wake_field.to_dict(),
+            "decode_tps": sp.decode_tps.to_dict(),
+            "prompt_tps": sp.prompt_tps.to_dict(),
+            "load_s": sp.load_s.to_dict(),
+            "output_tokens": out_field.to_dict(),
+        },
+        "wake": decision.to_dict(),
+    }

@@ -16,13 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues, read_result
-from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.submit import TaskRequest, preview_request, route_and_submit
 from dispatch.view import LiveView
 from dispatch.wake import SleepRecord, read_record, wake, write_record
 from events.event import Event, TaskCompleted, Timings, WakeFailed, WakeRequested
@@ -30,6 +31,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import snapshot
+from router.choose import RouteQuery
 from router.plan import BacklogEntry
 from router.wake import Sleeper, decide_wake
 from sim.backends.hosts import SimHosts
@@ -242,6 +244,14 @@ async def test_a_short_task_the_awake_laptop_finishes_sooner_wakes_nothing(
             sleeper = Sleeper(name="rtx3070ti", slots=1, holds=frozenset({QWEN}), wake_s=WAKE_S)
             d = decide_wake(fleet, est, QWEN, sleeper, now, backlog=queued)
             assert not d.wake and d.given == 0, d
+            # The preview lists the sleeping machine beside the live one, its wake time in its terms.
+            shown: dict[str, Any] = await preview_request(view, RouteQuery(model="qwen3:8b", max_tokens=8))
+            assert [c["worker"] for c in shown["candidates"]] == ["macbookair"]
+            (asleep,) = shown["sleeping"]
+            assert asleep["worker"] == "rtx3070ti" and asleep["asleep"] is True
+            assert asleep["terms"]["wake_s"] == WAKE_S and asleep["terms"]["wait_s"] >= WAKE_S
+            assert asleep["fields"]["wake_s"]["source"] == "configured"
+            assert asleep["wake"]["wake"] is False
             async with _reaper(redis):
                 task_id = await _submit(redis, view, "a quick one", max_tokens=8)
                 await wait_until(lambda: _result(redis, task_id), timeout=60, every=0.1)
@@ -305,6 +315,45 @@ async def test_a_worker_started_with_a_wake_mac_keeps_its_record_from_its_lease(
     assert (rec.holds == [QWEN] and rec.models == ["qwen3:8b:latest"]) or rec.models == ["qwen3:8b"]
     assert rec.wake_time() == (WAKE_S, "configured")
     assert await redis.sismember(keys.sleepers, "rtx3070ti")
+
+
+def _rl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "routeledger", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+async def test_routeledger_wake_sends_by_hand_once_per_window_and_a_bad_name_exits_2(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    redis, keys = redis_client, Keys()
+    async with SimHosts(_fleet(), time_scale=SCALE) as sim:
+        port = str(sim.wake_port("rtx3070ti"))
+        unknown = await asyncio.to_thread(_rl, "wake", "nosuch", "--redis-url", redis_url)
+        assert unknown.returncode == 2
+        assert "no sleeping machine named 'nosuch'" in unknown.stderr
+        bad = await asyncio.to_thread(_rl, "wake", "no/such", "--redis-url", redis_url)
+        assert bad.returncode == 2 and "not a worker name" in bad.stderr
+        badmac = await asyncio.to_thread(_rl, "wake", "rtx3070ti", "--mac", "zz", "--redis-url", redis_url)
+        assert badmac.returncode == 2 and "not a MAC address" in badmac.stderr
+        args = ["--mac", MAC.lower(), "--broadcast", "127.0.0.1", "--port", port, "--wake-s", "1"]
+        sent = await asyncio.to_thread(_rl, "wake", "rtx3070ti", *args, "--json", "--redis-url", redis_url)
+        assert sent.returncode == 0, sent.stderr
+        assert msgspec.json.decode(sent.stdout)["status"] == "sent"
+        again = await asyncio.to_thread(_rl, "wake", "rtx3070ti", "--json", "--redis-url", redis_url)
+        assert again.returncode == 0 and msgspec.json.decode(again.stdout)["status"] == "rate-limited"
+        await wait_until(lambda: _delivered(sim), timeout=5)
+        await asyncio.wait_for(sim.woken["rtx3070ti"].wait(), 30)
+        assert sim.packets("rtx3070ti") == [_expected_packet()]
+        assert sim.is_online("rtx3070ti")
+    (req,) = await events_of(Ledger(redis, keys), WakeRequested)
+    assert req.why == "manual" and req.worker == "rtx3070ti" and req.gain_s is None
+    rec = await read_record(redis, keys, "rtx3070ti")
+    assert rec is not None and rec.mac == MAC and rec.wake_s == 1.0
 
 
 async def _exists(redis: aioredis.Redis, key: str) -> bool:

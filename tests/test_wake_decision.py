@@ -9,9 +9,10 @@ import pytest
 
 from dispatch.errors import WakeError
 from dispatch.wake import SleepRecord, magic_packet, normalize_mac, send_magic_packet
+from router.choose import RouteQuery
 from router.estimate import Estimator, build_estimator
 from router.plan import BacklogEntry, FleetView, WorkerView
-from router.wake import Sleeper, WakeParams, decide_wake
+from router.wake import Sleeper, WakeParams, decide_wake, sleeping_candidate
 from tests.router_helpers import NOW, QWEN, snapshot, speed_row
 
 MAC = "AA:BB:CC:DD:EE:FF"
@@ -138,3 +139,27 @@ def test_the_record_uses_a_measured_wake_time_once_there_is_one() -> None:
     assert measured.wake_time() == (5.0, "measured")
     # Never a bound shorter than the minimum: a fast wake may still be slow once.
     assert measured.bound_s() == 30.0
+
+
+def test_a_sleeping_machine_is_a_candidate_with_its_wake_time_and_its_source() -> None:
+    view = _view(3)
+    measured = Sleeper(
+        name="rtx3070ti", slots=1, holds=frozenset({QWEN}), wake_s=75.0, wake_source="measured"
+    )
+    row = sleeping_candidate(view, _seed_estimator(), QWEN, measured, NOW, RouteQuery(max_tokens=200))
+    assert row is not None
+    terms, fields = row["terms"], row["fields"]
+    assert isinstance(terms, dict) and isinstance(fields, dict)
+    assert row["asleep"] is True
+    assert terms["wake_s"] == 75.0 and fields["wake_s"]["source"] == "measured"
+    # It waits for its wake and for the queued task the plan gives it (which pays the load).
+    assert terms["wait_s"] > 75.0 and terms["load_s"] == 0
+    assert row["expected_finish_s"] == pytest.approx(
+        terms["wait_s"] + terms["load_s"] + terms["prompt_s"] + terms["decode_s"]
+    )
+    assert isinstance(row["wake"], dict) and row["wake"]["wake"] is True
+    assert sleeping_candidate(view, _seed_estimator(), "f" * 64, measured, NOW) is None
+    # Nothing queued: it waits for its wake alone, and a machine that just booted loads the model.
+    idle = sleeping_candidate(_view(0), _seed_estimator(), QWEN, measured, NOW)
+    assert idle is not None and isinstance(idle["terms"], dict)
+    assert idle["terms"]["wait_s"] == 75.0 and idle["terms"]["load_s"] > 0
