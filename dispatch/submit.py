@@ -465,8 +465,10 @@ async def preview_request(view: LiveView, query: RouteQuery) -> dict[str, object
     fleet, est, now, _ = await view.fleet(set(models.values()), leases)
     out = preview(query, models, fleet, est, now)
     # Machines asleep that serve the model: what each would do if woken now (dispatch.wake).
+    snap, _ = await view.estimates()
+    digest = str(out["digest"])
     sleeping = await sleeping_candidates(
-        view.redis, view.keys, fleet, est, str(out["digest"]), now, leases, query
+        view.redis, view.keys, fleet, est, digest, now, leases, snap.fleet, query
     )
     if sleeping:
         out["sleeping"] = sleeping

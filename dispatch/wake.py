@@ -27,6 +27,7 @@ from dispatch.serving import served
 from events.event import MAX_SECONDS, WakeRequested, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.snapshot import FleetRow
 from router.choose import RouteQuery
 from router.estimate import Estimator
 from router.plan import FleetView
@@ -46,6 +47,20 @@ DEFAULT_WINDOW_S: Final = 60.0
 _MAC: Final = re.compile(r"[0-9A-Fa-f]{2}([:-]?)[0-9A-Fa-f]{2}(\1[0-9A-Fa-f]{2}){4}")
 
 
+# Where a wake time comes from.
+MEASURED: Final = "measured: wake request to WorkerOnline, from the ledger"
+CONFIGURED: Final = "configured (--wake-s)"
+
+
+class WakeTime(msgspec.Struct, kw_only=True, frozen=True):
+    """Seconds from a magic packet to the machine's worker online, where the figure comes from, and
+    the age of the measure (None: configured)."""
+
+    seconds: float
+    source: str
+    age_s: float | None = None
+
+
 class SleepRecord(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """How to wake a machine and what it serves once awake (the value of `Keys.sleeper`)."""
 
@@ -58,20 +73,20 @@ class SleepRecord(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
     # Digests and names of the models its worker serves, as its lease last said.
     holds: list[str] = msgspec.field(default_factory=list)
     models: list[str] = msgspec.field(default_factory=list)
-    # The last wake measured: seconds from the packet to its worker's lease, and when.
-    measured_wake_s: float | None = None
-    measured_at: int | None = None
     updated_at: int = msgspec.field(default_factory=now_ms)
 
-    def wake_time(self) -> tuple[float, str]:
-        """(seconds a wake takes, its source): the last one measured, else the configured one."""
-        if self.measured_wake_s is not None:
-            return self.measured_wake_s, "measured"
-        return self.wake_s, "configured"
+    def wake_time(self, row: FleetRow | None = None, now_ms: int | None = None) -> WakeTime:
+        """How long a wake takes: the last one the ledger measured (`row`, the machine's projected
+        fleet row: WakeRequested to the WorkerOnline that followed), else the configured one."""
+        if row is not None and isinstance(row.wake_s.value, int | float) and row.wake_s.at is not None:
+            age = None if now_ms is None else max(0.0, (now_ms - row.wake_s.at) / 1000.0)
+            return WakeTime(seconds=float(row.wake_s.value), source=MEASURED, age_s=age)
+        return WakeTime(seconds=self.wake_s, source=CONFIGURED)
 
-    def bound_s(self, min_s: float = MIN_BOUND_S) -> float:
-        """Seconds after the packet by which its worker must be online, or the wake failed."""
-        return max(min_s, BOUND_FACTOR * self.wake_time()[0])
+    def bound_s(self, wake_s: float | None = None, min_s: float = MIN_BOUND_S) -> float:
+        """Seconds after the packet by which its worker must be online (for a wake of `wake_s`,
+        default the configured one), or the wake failed."""
+        return max(min_s, BOUND_FACTOR * (self.wake_s if wake_s is None else wake_s))
 
 
 _encoder: Final = msgspec.json.Encoder()
@@ -107,10 +122,8 @@ def send_magic_packet(mac: str, broadcast: str = DEFAULT_BROADCAST, port: int = 
         ) from None
 
 
-def record_from_lease(
-    info: LeaseInfo, mac: str, *, broadcast: str, port: int, wake_s: float, old: SleepRecord | None = None
-) -> SleepRecord:
-    """A worker's record as its lease shows it now (a measured wake time in `old` is kept)."""
+def record_from_lease(info: LeaseInfo, mac: str, *, broadcast: str, port: int, wake_s: float) -> SleepRecord:
+    """A worker's record as its lease shows it now."""
     models = served(info)
     return SleepRecord(
         worker=info.worker,
@@ -121,8 +134,6 @@ def record_from_lease(
         slots=info.slots,
         holds=sorted({m.digest for m in models}),
         models=sorted({m.name for m in models}),
-        measured_wake_s=None if old is None else old.measured_wake_s,
-        measured_at=None if old is None else old.measured_at,
     )
 
 
@@ -174,6 +185,7 @@ async def wake(
     gain_s: float | None = None,
     digest: str = "",
     window_s: float = DEFAULT_WINDOW_S,
+    wake_time: WakeTime | None = None,
 ) -> WakeRequested | None:
     """Send `record`'s machine one magic packet and record WakeRequested; None (nothing sent) when a
     packet went to it within the last `window_s`. WakeError if the packet cannot be sent (the window
@@ -188,15 +200,15 @@ async def wake(
         await redis.delete(keys.woken(record.worker))
         raise
     await redis.hset(keys.waking, record.worker, str(at))
-    wake_s, source = record.wake_time()
+    counted = wake_time or record.wake_time()
     event = WakeRequested(
         at=at,
         worker=record.worker,
         why=why,
         gain_s=None if gain_s is None else min(max(0.0, gain_s), MAX_SECONDS),
         digest=digest,
-        wake_s=min(wake_s, MAX_SECONDS),
-        wake_source=source,
+        wake_s=min(counted.seconds, MAX_SECONDS),
+        wake_source=counted.source,
     )
     await Ledger(redis, keys).append(event)
     return event
@@ -223,6 +235,7 @@ async def sleeping_candidates(
     digest: str,
     now_ms: int,
     leases: Mapping[str, LeaseInfo],
+    fleet: Mapping[str, FleetRow],
     query: RouteQuery | None = None,
 ) -> list[dict[str, object]]:
     """The sleeping machines that serve `digest` (a record, no lease, not forgotten) as candidates
@@ -236,12 +249,21 @@ async def sleeping_candidates(
     for name, rec in records.items():
         if name in leases or name in forgotten or digest not in rec.holds:
             continue
-        wake_s, source = rec.wake_time()
-        sleeper = Sleeper(
-            name=name, slots=rec.slots, holds=frozenset(rec.holds), wake_s=wake_s, wake_source=source
-        )
-        row = sleeping_candidate(view, est, digest, sleeper, now_ms, query)
+        row = sleeping_candidate(view, est, digest, sleeper_of(rec, fleet.get(name), now_ms), now_ms, query)
         if row is not None:
             out.append(row)
     out.sort(key=lambda r: float(r["expected_finish_s"]))  # type: ignore[arg-type]
     return out
+
+
+def sleeper_of(record: SleepRecord, row: FleetRow | None, now_ms: int) -> Sleeper:
+    """The router's view of a sleeping machine: its record, and its wake time (`record.wake_time`)."""
+    t = record.wake_time(row, now_ms)
+    return Sleeper(
+        name=record.worker,
+        slots=record.slots,
+        holds=frozenset(record.holds),
+        wake_s=t.seconds,
+        wake_source=t.source,
+        wake_age_s=t.age_s,
+    )

@@ -14,6 +14,7 @@ import typer
 
 from dispatch.errors import WakeError
 from dispatch.lease import live_workers
+from dispatch.view import LiveView
 from dispatch.wake import (
     DEFAULT_BROADCAST,
     DEFAULT_PORT,
@@ -27,6 +28,7 @@ from dispatch.wake import (
     wake,
     write_record,
 )
+from events.event import now_ms
 from routeledger.runtime import Instance, command, console, fail, print_json
 from workers.config import WORKER_NAME
 
@@ -66,7 +68,7 @@ def wake_cmd(
         if mac is not None:
             lease = leases.get(name)
             if lease is not None:
-                rec = record_from_lease(lease, mac, broadcast=broadcast, port=port, wake_s=wake_s, old=rec)
+                rec = record_from_lease(lease, mac, broadcast=broadcast, port=port, wake_s=wake_s)
             else:
                 # Asleep now: what it serves is what its record said (nothing, for a new one: the
                 # waker plans for it once its worker has run and said what it holds).
@@ -79,8 +81,6 @@ def wake_cmd(
                     slots=1 if rec is None else rec.slots,
                     holds=[] if rec is None else rec.holds,
                     models=[] if rec is None else rec.models,
-                    measured_wake_s=None if rec is None else rec.measured_wake_s,
-                    measured_at=None if rec is None else rec.measured_at,
                 )
             await write_record(client, keys, rec)
         if rec is None:
@@ -96,15 +96,17 @@ def wake_cmd(
         if name in leases:
             out["status"] = "online"
             return out
+        snap, _ = await LiveView(client, keys).estimates()
+        counted = rec.wake_time(snap.fleet.get(name), now_ms())
         try:
-            event = await wake(client, keys, rec, why="manual", window_s=DEFAULT_WINDOW_S)
+            event = await wake(client, keys, rec, why="manual", window_s=DEFAULT_WINDOW_S, wake_time=counted)
         except WakeError as exc:
             fail(exc.message, 1)
         if event is None:
             out["status"] = "rate-limited"
             return out
         out.update(sent=True, status="sent", wake_s=event.wake_s, wake_source=event.wake_source)
-        out["bound_s"] = rec.bound_s()
+        out["bound_s"] = rec.bound_s(counted.seconds)
         return out
 
     out = inst.run(go)

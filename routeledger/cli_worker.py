@@ -192,9 +192,7 @@ async def _keep_record(
             raw: Any = await client.get(keys.live(name))
             if isinstance(raw, bytes):
                 old = await read_record(client, keys, name)
-                rec = record_from_lease(
-                    decode_lease(raw), mac, broadcast=broadcast, port=port, wake_s=wake_s, old=old
-                )
+                rec = record_from_lease(decode_lease(raw), mac, broadcast=broadcast, port=port, wake_s=wake_s)
                 if last is None or _differs(rec, last) or old is None:
                     await write_record(client, keys, rec)
                     last = rec

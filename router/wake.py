@@ -42,6 +42,8 @@ class Sleeper(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # ("configured", or "measured" from the ledger).
     wake_s: float
     wake_source: str = "configured"
+    # Age of the measured wake time (None: configured).
+    wake_age_s: float | None = None
 
 
 class WakeParams(msgspec.Struct, kw_only=True, frozen=True):
@@ -202,7 +204,10 @@ def sleeping_candidate(
     out = out_field.value if q.max_tokens is None else min(out_field.value, float(q.max_tokens))
     wait, load, prompt_s, decode_s, finish = state.new_task(i, prompt, out)
     sp = state.sp.estimates[i]
-    wake_field = Field(value=sleeper.wake_s, n=0, source=sleeper.wake_source, age_s=None)
+    measured = sleeper.wake_age_s is not None
+    wake_field = Field(
+        value=sleeper.wake_s, n=1 if measured else 0, source=sleeper.wake_source, age_s=sleeper.wake_age_s
+    )
     decision = decide_wake(view, est, digest, sleeper, now_ms, params=params, plan_params=pp)
     return {
         "worker": sleeper.name,

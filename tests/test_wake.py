@@ -25,8 +25,16 @@ from dispatch.payload import Message
 from dispatch.queues import TaskQueues, read_result
 from dispatch.submit import TaskRequest, preview_request, route_and_submit
 from dispatch.view import LiveView
-from dispatch.wake import SleepRecord, read_record, wake, write_record
-from events.event import Event, TaskCompleted, Timings, WakeFailed, WakeRequested
+from dispatch.wake import (
+    CONFIGURED,
+    MEASURED,
+    SleepRecord,
+    WakeTime,
+    read_record,
+    wake,
+    write_record,
+)
+from events.event import Event, TaskCompleted, Timings, WakeFailed, WakeRequested, WorkerOnline
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
@@ -198,8 +206,9 @@ async def test_a_burst_wakes_the_sleeping_gpu_pc_once_and_ends_sooner_than_the_l
 
                 await wait_until(all_done, timeout=120, every=0.1)
                 makespan_s = (time.monotonic() - started) / SCALE
-                # The waker records the wake time it measured once the worker holds its lease.
+                # The projector measures the wake from the ledger: WakeRequested to WorkerOnline.
                 await wait_until(lambda: _measured(redis), timeout=20)
+                snap = await snapshot(redis, keys)
         finally:
             await _stop(laptop)
             if gpu is not None:
@@ -210,7 +219,7 @@ async def test_a_burst_wakes_the_sleeping_gpu_pc_once_and_ends_sooner_than_the_l
     (req,) = await events_of(ledger, WakeRequested)
     assert req.worker == "rtx3070ti" and req.why == "plan" and req.digest == QWEN
     assert req.gain_s is not None and req.gain_s > 0
-    assert req.wake_s == WAKE_S and req.wake_source == "configured"
+    assert req.wake_s == WAKE_S and req.wake_source == CONFIGURED
     assert not await events_of(ledger, WakeFailed)
     # It powered on no sooner than its wake time after the packet.
     assert online_at - req.at / 1000 >= WAKE_S * SCALE * 0.95
@@ -223,8 +232,14 @@ async def test_a_burst_wakes_the_sleeping_gpu_pc_once_and_ends_sooner_than_the_l
         for e in done
     )
     assert makespan_s < alone_s, (makespan_s, alone_s)
+    online = [e for e in await events_of(ledger, WorkerOnline) if e.worker == "rtx3070ti"]
     rec = await read_record(redis, keys, "rtx3070ti")
-    assert rec is not None and rec.measured_wake_s is not None and rec.wake_time()[1] == "measured"
+    assert rec is not None
+    counted = rec.wake_time(snap.fleet["rtx3070ti"], int(time.time() * 1000))
+    assert counted.source == MEASURED
+    assert counted.seconds == (online[0].at - req.at) / 1000
+    # The machine's real seconds (the harness started its worker after the scaled boot).
+    assert counted.seconds >= WAKE_S * SCALE * 0.95
 
 
 async def test_a_short_task_the_awake_laptop_finishes_sooner_wakes_nothing(
@@ -250,7 +265,7 @@ async def test_a_short_task_the_awake_laptop_finishes_sooner_wakes_nothing(
             (asleep,) = shown["sleeping"]
             assert asleep["worker"] == "rtx3070ti" and asleep["asleep"] is True
             assert asleep["terms"]["wake_s"] == WAKE_S and asleep["terms"]["wait_s"] >= WAKE_S
-            assert asleep["fields"]["wake_s"]["source"] == "configured"
+            assert asleep["fields"]["wake_s"]["source"] == CONFIGURED
             assert asleep["wake"]["wake"] is False
             async with _reaper(redis):
                 task_id = await _submit(redis, view, "a quick one", max_tokens=8)
@@ -313,7 +328,7 @@ async def test_a_worker_started_with_a_wake_mac_keeps_its_record_from_its_lease(
     assert rec is not None
     assert rec.mac == MAC and rec.broadcast == "127.0.0.1" and rec.port == 40009
     assert (rec.holds == [QWEN] and rec.models == ["qwen3:8b:latest"]) or rec.models == ["qwen3:8b"]
-    assert rec.wake_time() == (WAKE_S, "configured")
+    assert rec.wake_time() == WakeTime(seconds=WAKE_S, source=CONFIGURED)
     assert await redis.sismember(keys.sleepers, "rtx3070ti")
 
 
@@ -365,8 +380,8 @@ async def _result(redis: aioredis.Redis, task_id: str) -> bool:
 
 
 async def _measured(redis: aioredis.Redis) -> bool:
-    rec = await read_record(redis, Keys(), "rtx3070ti")
-    return rec is not None and rec.measured_wake_s is not None
+    row = (await snapshot(redis, Keys())).fleet.get("rtx3070ti")
+    return row is not None and row.wake_s.value is not None
 
 
 async def _delivered(sim: SimHosts) -> bool:

@@ -8,7 +8,19 @@ import socket
 import pytest
 
 from dispatch.errors import WakeError
-from dispatch.wake import SleepRecord, magic_packet, normalize_mac, send_magic_packet
+from dispatch.wake import (
+    CONFIGURED,
+    MEASURED,
+    SleepRecord,
+    WakeTime,
+    magic_packet,
+    normalize_mac,
+    send_magic_packet,
+)
+from events.event import WakeFailed, WakeRequested, WorkerOnline
+from projections.folder import Folder
+from projections.snapshot import FleetRow, Stamped
+from projections.tables import Tables
 from router.choose import RouteQuery
 from router.estimate import Estimator, build_estimator
 from router.plan import BacklogEntry, FleetView, WorkerView
@@ -131,14 +143,16 @@ def test_the_packet_arrives_at_a_loopback_listener() -> None:
     assert data == magic_packet(MAC)
 
 
-def test_the_record_uses_a_measured_wake_time_once_there_is_one() -> None:
+def test_the_record_counts_the_wake_time_the_ledger_measured_once_there_is_one() -> None:
     rec = SleepRecord(worker="rtx3070ti", mac=MAC, wake_s=90.0)
-    assert rec.wake_time() == (90.0, "configured")
+    assert rec.wake_time() == WakeTime(seconds=90.0, source=CONFIGURED)
     assert rec.bound_s() == 270.0
-    measured = SleepRecord(worker="rtx3070ti", mac=MAC, wake_s=90.0, measured_wake_s=5.0)
-    assert measured.wake_time() == (5.0, "measured")
+    row = FleetRow(worker="rtx3070ti")
+    assert rec.wake_time(row, NOW).source == CONFIGURED
+    row.wake_s = Stamped(value=5.0, at=NOW - 60_000)
+    assert rec.wake_time(row, NOW) == WakeTime(seconds=5.0, source=MEASURED, age_s=60.0)
     # Never a bound shorter than the minimum: a fast wake may still be slow once.
-    assert measured.bound_s() == 30.0
+    assert rec.bound_s(5.0) == 30.0
 
 
 def test_a_sleeping_machine_is_a_candidate_with_its_wake_time_and_its_source() -> None:
@@ -163,3 +177,20 @@ def test_a_sleeping_machine_is_a_candidate_with_its_wake_time_and_its_source() -
     idle = sleeping_candidate(_view(0), _seed_estimator(), QWEN, measured, NOW)
     assert idle is not None and isinstance(idle["terms"], dict)
     assert idle["terms"]["wait_s"] == 75.0 and idle["terms"]["load_s"] > 0
+
+
+def test_the_fold_measures_a_wake_from_its_request_to_the_next_worker_online() -> None:
+    tables = Tables()
+    folder = Folder(tables)
+    t0 = NOW
+    folder.apply(WakeRequested(at=t0, worker="rtx3070ti", why="plan"))
+    assert tables.fleet["rtx3070ti"].wake_pending == t0
+    folder.apply(WorkerOnline(at=t0 + 75_000, worker="rtx3070ti", slots=1))
+    row = tables.fleet["rtx3070ti"]
+    assert row.wake_s.value == 75.0 and row.wake_s.at == t0 + 75_000 and row.wake_pending is None
+    # A later start with no request measures nothing; a request given up on measures nothing either.
+    folder.apply(WorkerOnline(at=t0 + 500_000, worker="rtx3070ti", slots=1))
+    folder.apply(WakeRequested(at=t0 + 600_000, worker="rtx3070ti", why="plan"))
+    folder.apply(WakeFailed(at=t0 + 900_000, worker="rtx3070ti", waited_s=300.0))
+    folder.apply(WorkerOnline(at=t0 + 4_000_000, worker="rtx3070ti", slots=1))
+    assert row.wake_s.value == 75.0 and row.wake_pending is None

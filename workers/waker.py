@@ -7,8 +7,9 @@ sleepers' records, the live leases and the queues of the models the sleepers ser
 router.wake.decide_wake of each model a sleeper serves; the first model that pays wakes it, once.
 
 A packet sent (by the waker or `routeledger wake`) waits in `Keys.waking` until the machine's worker
-takes its lease, which measures the wake (packet to lease: kept in the record as the wake time the
-next decision counts), or until the record's bound passes, which appends WakeFailed.
+takes its lease, or until the record's bound passes, which appends WakeFailed. The wake time the
+next decision counts is the projector's: WakeRequested to the WorkerOnline that followed it, folded
+into the machine's fleet row (its `--wake-s` until one is measured).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from dispatch.wake import (
     SleepRecord,
     pending_wakes,
     read_records,
+    sleeper_of,
     wake,
-    write_record,
 )
 from events.codec import as_str
 from events.event import MAX_SECONDS, WakeFailed, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
-from router.wake import Sleeper, WakeDecision, WakeParams, decide_wake
+from projections.snapshot import FleetRow
+from router.wake import WakeDecision, WakeParams, decide_wake
 
 log = logging.getLogger("routeledger.waker")
 
@@ -63,9 +65,13 @@ class Waker:
     async def tick(self) -> list[WakeDecision]:
         """Settle answered and overdue wakes, then decide for every sleeper; the decisions that woke one."""
         records = await read_records(self.redis, self.keys)
+        if not records:
+            return []
         leases = await live_workers(self.redis, self.keys)
+        snap, est = await self.view.estimates()
+        now = now_ms()
         pending = await pending_wakes(self.redis, self.keys)
-        await self._settle(pending, records, leases)
+        await self._settle(pending, records, leases, snap.fleet, now)
         raw: Any = await self.redis.smembers(self.keys.forgotten)
         forgotten = {as_str(n) for n in raw}
         asleep = [
@@ -79,14 +85,7 @@ class Waker:
         fleet, est, now, _ = await self.view.fleet(digests, leases)
         woke: list[WakeDecision] = []
         for rec in asleep:
-            wake_s, source = rec.wake_time()
-            sleeper = Sleeper(
-                name=rec.worker,
-                slots=rec.slots,
-                holds=frozenset(rec.holds),
-                wake_s=wake_s,
-                wake_source=source,
-            )
+            sleeper = sleeper_of(rec, snap.fleet.get(rec.worker), now)
             best: WakeDecision | None = None
             for digest in sorted(rec.holds):
                 d = decide_wake(fleet, est, digest, sleeper, now, params=self.config.params)
@@ -103,6 +102,7 @@ class Waker:
                     gain_s=best.gain_s,
                     digest=best.digest,
                     window_s=self.config.window_s,
+                    wake_time=rec.wake_time(snap.fleet.get(rec.worker), now),
                 )
             except WakeError as exc:
                 log.warning("cannot wake %s: %s", rec.worker, exc)
@@ -113,25 +113,22 @@ class Waker:
         return woke
 
     async def _settle(
-        self, pending: dict[str, int], records: dict[str, SleepRecord], leases: dict[str, LeaseInfo]
+        self,
+        pending: dict[str, int],
+        records: dict[str, SleepRecord],
+        leases: dict[str, LeaseInfo],
+        fleet: dict[str, FleetRow],
+        now: int,
     ) -> None:
-        now = now_ms()
+        """A woken machine whose worker holds its lease is done waiting (the projector measures the
+        wake from the ledger: WakeRequested to WorkerOnline); one past its bound gets WakeFailed."""
+        floor = self.config.min_bound_s
         for name, at in sorted(pending.items()):
-            rec = records.get(name)
-            lease = leases.get(name)
-            if lease is not None:
-                # The worker took its lease: the wake is measured from the packet to that moment.
-                if rec is not None and lease.since >= at:
-                    measured = min(MAX_SECONDS, (lease.since - at) / 1000.0)
-                    await write_record(
-                        self.redis,
-                        self.keys,
-                        msgspec.structs.replace(rec, measured_wake_s=measured, measured_at=lease.since),
-                    )
+            if name in leases:
                 await self.redis.hdel(self.keys.waking, name)
                 continue
-            floor = self.config.min_bound_s
-            bound = rec.bound_s(floor) if rec is not None else floor
+            rec = records.get(name)
+            bound = rec.bound_s(rec.wake_time(fleet.get(name)).seconds, floor) if rec is not None else floor
             waited = (now - at) / 1000.0
             if waited > bound:
                 await self.ledger.append(WakeFailed(at=now, worker=name, waited_s=min(waited, MAX_SECONDS)))
