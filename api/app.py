@@ -79,6 +79,8 @@ class AppConfig(msgspec.Struct, kw_only=True):
     domains: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_DOMAINS))
     allow_runtime_options: bool = False
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
+    # Price what workers' slots hold of a prompt (router.prefix); False: every prompt is uncached.
+    prefix_pricing: bool = True
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -100,6 +102,7 @@ def create_app(config: AppConfig) -> FastAPI:
             max_queue_s=config.max_queue_s,
             max_queue_depth=config.max_queue_depth,
             keyed=bool(api_keys),
+            prefix_pricing=config.prefix_pricing,
         )
         try:
             yield

@@ -161,8 +161,11 @@ class Gateway:
         max_queue_s: float = 3600.0,
         max_queue_depth: int | None = None,
         keyed: bool = False,
+        prefix_pricing: bool = True,
     ) -> None:
         self.redis = redis
+        # Tasks carry their prompt's chain (router.prefix), which the plan prices.
+        self.prefix_pricing = prefix_pricing
         self.keys = keys
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
@@ -272,7 +275,13 @@ class Gateway:
     async def _submit_routed(self, req: TaskRequest) -> Submitted:
         try:
             return await self.retrying(
-                lambda: route_and_submit(self.queues, self.fleet, req, max_depth=self.max_queue_depth)
+                lambda: route_and_submit(
+                    self.queues,
+                    self.fleet,
+                    req,
+                    max_depth=self.max_queue_depth,
+                    prefixes=self.prefix_pricing,
+                )
             )
         except ResponseError as exc:
             if not is_oom(exc):

@@ -333,6 +333,68 @@ _CANCEL_QUEUED_DEF: Final = ScriptDef("cancel_queued", _CANCEL_QUEUED, allow_oom
 _TAKE_OVER_DEF: Final = ScriptDef("take_over", _TAKE_OVER)
 _CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
 _TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
+
+# The entries of a pinned stream nobody has taken yet: {id, task id, ...} in order, at most ARGV[2]
+# of them. KEYS[1] the pinned stream; ARGV[1] group, ARGV[2] count.
+_UNTAKEN: Final = """
+local last = '0-0'
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return {} end
+for _, g in ipairs(groups) do
+  local name, delivered = nil, nil
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+  end
+  if name == ARGV[1] and delivered ~= nil then last = delivered end
+end
+local out = {}
+for _, row in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', tonumber(ARGV[2]))) do
+  local ident = ''
+  local flat = row[2]
+  for i = 1, #flat, 2 do if flat[i] == 'id' then ident = flat[i + 1] end end
+  out[#out + 1] = row[1]
+  out[#out + 1] = ident
+end
+return out
+"""
+
+_UNTAKEN_DEF: Final = ScriptDef("untaken", _UNTAKEN)
+
+# Move a handed-off task (router.handoff) its worker has not taken from its pinned stream to the
+# shared queue it would have joined, at once: the entry leaves the pinned stream only if nobody
+# has taken it, and the task's lookup hash follows it. KEYS[1] the pinned stream, KEYS[2] the task
+# hash, KEYS[3] the shared queue, KEYS[4] registry of queues; ARGV[1] group, ARGV[2] entry id.
+# Returns the new entry id, or '' (taken meanwhile, or gone).
+_HAND_BACK: Final = """
+local last = '0-0'
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local name, delivered = nil, nil
+  for j = 1, #g, 2 do
+    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+  end
+  if name == ARGV[1] and delivered ~= nil then last = delivered end
+end
+local function key(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local ems, eseq = key(ARGV[2])
+local lms, lseq = key(last)
+if ems == nil or (ems < lms or (ems == lms and eseq <= lseq)) then return '' end
+local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if #rows == 0 then return '' end
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
+  return redis.error_reply(made.err)
+end
+local id = redis.call('XADD', KEYS[3], '*', unpack(rows[1][2]))
+redis.call('XDEL', KEYS[1], ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
+redis.call('SADD', KEYS[4], KEYS[3])
+return id
+"""
+
+_HAND_BACK_DEF: Final = ScriptDef("hand_back", _HAND_BACK)
 _KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
 _SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
 
@@ -500,6 +562,8 @@ class TaskQueues:
         self._submit = _SUBMIT_DEF.bind(redis)
         self._depth = _DEPTH_DEF.bind(redis)
         self._revive = _REVIVE_DEF.bind(redis)
+        self._untaken = _UNTAKEN_DEF.bind(redis)
+        self._hand_back = _HAND_BACK_DEF.bind(redis)
         self._groups: set[str] = set()
 
     def out_key(self, task_id: str) -> str:
@@ -586,6 +650,24 @@ class TaskQueues:
             return Taken(cursor=as_str(cursor))
         fields = dict(zip(flat[::2], flat[1::2], strict=False))
         return Taken(entry_id=as_str(entry_id), attempt=int(attempt), fields=fields)
+
+    async def untaken(self, queue: str, count: int = 200) -> list[tuple[str, str]]:
+        """(entry id, task id) of the entries of `queue` nobody has taken yet, oldest first."""
+        reply: Any = await self._untaken(keys=[queue], args=[WORKERS_GROUP, str(count)])
+        return [(as_str(reply[i]), as_str(reply[i + 1])) for i in range(0, len(reply), 2)]
+
+    async def hand_back(self, pinned: str, entry_id: str, task_id: str) -> str | None:
+        """Move a handed-off task nobody took from the pinned stream `pinned` to the shared queue
+        its lookup hash names (`fallback`): its new entry id; None when it is not a hand-off (a
+        benchmark), was taken meanwhile, or is gone."""
+        raw: Any = await self.redis.hget(self.keys.task(task_id), "fallback")
+        if not raw:
+            return None
+        moved: Any = await self._hand_back(
+            keys=[pinned, self.keys.task(task_id), as_str(raw), self.keys.queues],
+            args=[WORKERS_GROUP, entry_id],
+        )
+        return as_str(moved) or None
 
     async def finish(self, queue: str, entry_id: str, owner: str = "") -> int:
         """Acknowledge and delete an entry `owner` holds ('' = whoever does); 0 means it was no longer

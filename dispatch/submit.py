@@ -27,11 +27,15 @@ from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
 from router.errors import RouterError
 from router.estimate import DEFAULT_IMAGE_TOKENS
+from router.handoff import handoff_worker
 from router.prefix import PromptChain
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 
 log = logging.getLogger("routeledger.dispatch")
+
+# The oldest leases a request whose prompt has a chain is routed on (seconds; see route_and_submit).
+PREFIX_LEASES_MAX_AGE_S: Final = 0.05
 
 POLICY: Final = "routeledger"
 POLICY_VERSION: Final = 1
@@ -132,9 +136,16 @@ class Submitted(msgspec.Struct, kw_only=True):
 
 
 async def route_and_submit(
-    queues: TaskQueues, view: LiveView, req: TaskRequest, *, max_depth: int | None = None
+    queues: TaskQueues,
+    view: LiveView,
+    req: TaskRequest,
+    *,
+    max_depth: int | None = None,
+    prefixes: bool = True,
 ) -> Submitted:
-    """Route and queue one request; `req.model` may be `auto`.
+    """Route and queue one request; `req.model` may be `auto`. `prefixes`: its prompt's chain is
+    computed and priced (router.prefix), and it may be handed off (router.handoff); False: it is
+    planned as uncached everywhere.
 
     Raises ModelNotServedError at once when no live worker serves the model, and QueueFullError
     when the chosen model's queue holds `max_depth` tasks already. A named model the router cannot
@@ -142,7 +153,10 @@ async def route_and_submit(
     """
     text = req.text()
     domain = req.domain or classify_domain(text)
-    leases = await view.leases()
+    chain = request_chain(req.kind, req.messages, req.prompt, req.system) if prefixes else None
+    # What the workers' slots hold changes as each run ends, and a chat's next turn can follow its
+    # answer within a moment: a prompt with a chain is planned on leases no older than that.
+    leases = await view.leases(max_age_s=PREFIX_LEASES_MAX_AGE_S if chain is not None else None)
     candidates = view.resolve(req.model, leases)
     if candidates is None:
         # A worker that came online since the cached read is found at once.
@@ -156,7 +170,6 @@ async def route_and_submit(
     for capability in needs(req):
         candidates = _able(req.model, capability, candidates, leases)
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
-    chain = request_chain(req.kind, req.messages, req.prompt, req.system)
     query = RouteQuery(
         model=req.model,
         domain=domain,
@@ -182,8 +195,20 @@ async def route_and_submit(
         prefix=chain,
     )
     digest = decision.digest if decision is not None else candidates[req.model]
+    # Straight to one worker when the plan's lead is wide (router.handoff); only for the model's
+    # plain queue: a priority band or a fair-share round keeps its place among the bands.
+    pin = None
+    if decision is not None and req.priority == 0 and req.share_round == 0 and req.kind != EMBED:
+        pin = handoff_worker(decision)
     return await submit_task(
-        queues, routed, leases=leases, digest=digest, decision=decision, max_depth=max_depth
+        queues,
+        routed,
+        leases=leases,
+        digest=digest,
+        decision=decision,
+        max_depth=max_depth,
+        pin=pin,
+        prefixes=prefixes,
     )
 
 
@@ -324,6 +349,8 @@ async def submit_task(
     digest: str | None = None,
     decision: Decision | None = None,
     max_depth: int | None = None,
+    pin: str | None = None,
+    prefixes: bool = True,
 ) -> Submitted:
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
@@ -336,7 +363,9 @@ async def submit_task(
 
     The task joins its model's band queue for its priority and fair-share round
     (events.keys.Keys.band_queue): workers serve a model's bands highest priority first, and within
-    a priority the earlier round first.
+    a priority the earlier round first. With `pin` (router.handoff) it goes to that worker's
+    pinned stream instead, and its lookup hash names the queue it would have joined (`fallback`),
+    where the reaper moves it if that worker does not take it (TaskQueues.hand_back).
     """
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
@@ -379,10 +408,13 @@ async def submit_task(
         truncate=req.truncate,
         dimensions=req.dimensions,
         keep_alive=req.keep_alive,
-        prefix=req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system),
+        prefix=(req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system))
+        if prefixes
+        else None,
     )
     keys = queues.keys
-    queue = keys.band_queue(digest, task.priority, req.share_round)
+    shared = keys.band_queue(digest, task.priority, req.share_round)
+    queue = keys.pinned(pin) if pin is not None else shared
     events: list[Event] = [
         TaskSubmitted(
             task_id=task.task_id,
@@ -421,13 +453,15 @@ async def submit_task(
     }
     if req.key is not None:
         info["key"] = req.key
+    if pin is not None:
+        info["fallback"] = shared
     await queues.submit(
         queue,
         task,
         events,
         info,
         # The plain queue is always read, listed or not: only the other bands join the zset.
-        bands=keys.bands(digest) if queue != keys.queue(digest) else "",
+        bands=keys.bands(digest) if queue == shared and queue != keys.queue(digest) else "",
         order=band_order(task.priority, req.share_round),
     )
     return Submitted(task=task, queue=queue, decision=decision, key=req.key)

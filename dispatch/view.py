@@ -197,11 +197,13 @@ class Cached(Generic[T]):
     def stale(self) -> bool:
         return self._value is None or time.monotonic() - self._at >= self._ttl_s
 
-    async def get(self, fresh: bool = False) -> T:
-        if not fresh and self._value is not None and time.monotonic() - self._at < self._ttl_s:
+    async def get(self, fresh: bool = False, max_age_s: float | None = None) -> T:
+        """The value, read again when older than `ttl_s` (or `max_age_s`, where given and shorter)."""
+        ttl = self._ttl_s if max_age_s is None else min(self._ttl_s, max_age_s)
+        if not fresh and self._value is not None and time.monotonic() - self._at < ttl:
             return self._value
         async with self._lock:
-            if not fresh and self._value is not None and time.monotonic() - self._at < self._ttl_s:
+            if not fresh and self._value is not None and time.monotonic() - self._at < ttl:
                 return self._value
             value = await self._load()
             self._value, self._at = value, time.monotonic()
@@ -276,9 +278,9 @@ class LiveView:
         embedding = embedding_models(await self.leases(), snap)
         return Evidence(snapshot=snap, estimator=build_estimator(snap, now, embedding=embedding), error=error)
 
-    async def leases(self, fresh: bool = False) -> dict[str, LeaseInfo]:
-        """Live workers' leases (cached for `leases_every_s`)."""
-        return await self._leases.get(fresh)
+    async def leases(self, fresh: bool = False, max_age_s: float | None = None) -> dict[str, LeaseInfo]:
+        """Live workers' leases (cached for `leases_every_s`, or `max_age_s` where shorter)."""
+        return await self._leases.get(fresh, max_age_s)
 
     def worker_views(self, leases: dict[str, LeaseInfo]) -> list[WorkerView]:
         """`worker_views(leases)`, built once for each read of the leases. The list and its views

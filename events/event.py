@@ -97,6 +97,16 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
     # How `eval_count` was obtained: None, the backend reported it; "stream", the worker counted the
     # streamed pieces because the backend did not (an OpenAI-compatible server sending no `usage`).
     counted: str | None = None
+    # Of `prompt_eval_count`, the tokens a slot's KV cache held and the backend did not evaluate
+    # (Ollama's `prompt_eval_cached_count`, OpenAI's `usage.prompt_tokens_details.cached_tokens`):
+    # `prompt_eval_duration` is the time of the rest alone. None: not reported.
+    prompt_eval_cached_count: ReportedCount | None = None
+
+    def evaluated_prompt_tokens(self) -> int | None:
+        """The prompt tokens the backend evaluated: the ones its cache did not hold."""
+        if self.prompt_eval_count is None:
+            return None
+        return self.prompt_eval_count - min(self.prompt_eval_cached_count or 0, self.prompt_eval_count)
 
 
 class Resources(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):

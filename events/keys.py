@@ -101,6 +101,11 @@ class Keys:
         # Tasks pinned to one worker: benchmarks and explicit pins (group `workers`).
         return f"{self.prefix}q:w:{worker}"
 
+    def pinned_worker(self, queue: str) -> str | None:
+        # The worker whose pinned stream `queue` is (None: not a pinned stream).
+        head = f"{self.prefix}q:w:"
+        return queue[len(head) :] if queue.startswith(head) else None
+
     @property
     def queue_pattern(self) -> str:
         # SCAN pattern that matches every task queue (only to seed `queues` from an older layout).

@@ -117,7 +117,8 @@ def decode_tps(t: Timings) -> float | None:
 
 def prompt_tps(t: Timings) -> float | None:
     """Prompt tokens per second, or None when unknown or absurd."""
-    return _rate(t.prompt_eval_count, t.prompt_eval_duration, MAX_PROMPT_TPS)
+    # Cached tokens took no time: counted, they would make a cache hit look like a fast machine.
+    return _rate(t.evaluated_prompt_tokens(), t.prompt_eval_duration, MAX_PROMPT_TPS)
 
 
 def load_s(t: Timings) -> float | None:

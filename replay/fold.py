@@ -54,6 +54,7 @@ _SPEED_COLS: Final = [
     "digest",
     "prompt_eval_count",
     "prompt_eval_duration",
+    "prompt_eval_cached_count",
     "eval_count",
     "eval_duration",
     "load_duration",
@@ -73,7 +74,10 @@ _encode: Final = msgspec.msgpack.Encoder().encode
 
 
 def _rate(count: str, duration: str, cap: float) -> pl.Expr:
-    c, d = pl.col(count), pl.col(duration)
+    return _rate_of(pl.col(count), pl.col(duration), cap)
+
+
+def _rate_of(c: pl.Expr, d: pl.Expr, cap: float) -> pl.Expr:
     value = pl.when((c > 0) & (d > 0)).then(c / (d / NS_PER_S))
     return pl.when(value <= cap).then(value)
 
@@ -211,7 +215,9 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     # sample (Folder._speed_sample).
     embed = pl.col("kind").fill_null("") == EMBED
     decode = pl.when(~embed).then(decode_tps_expr())
-    prompt = _rate("prompt_eval_count", "prompt_eval_duration", MAX_PROMPT_TPS)
+    # The evaluated tokens only (Timings.evaluated_prompt_tokens): cached ones took no time.
+    cached = pl.min_horizontal(pl.col("prompt_eval_cached_count").fill_null(0), pl.col("prompt_eval_count"))
+    prompt = _rate_of(pl.col("prompt_eval_count") - cached, pl.col("prompt_eval_duration"), MAX_PROMPT_TPS)
     ttft = pl.when(~embed).then(pl.col("ttft_ms"))
     ld = pl.col("load_duration")
     cold = pl.col("cold")

@@ -75,6 +75,7 @@ Getter = Callable[[Any], Any]
 _TIMINGS: Final[Columns] = {
     "prompt_eval_count": (_I64, "timings.prompt_eval_count"),
     "prompt_eval_duration": (_I64, "timings.prompt_eval_duration"),
+    "prompt_eval_cached_count": (_I64, "timings.prompt_eval_cached_count"),
     "eval_count": (_I64, "timings.eval_count"),
     "eval_duration": (_I64, "timings.eval_duration"),
     "load_duration": (_I64, "timings.load_duration"),

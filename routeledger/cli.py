@@ -380,6 +380,7 @@ def api_from_env() -> Any:
             domains=s.domains,
             allow_runtime_options=s.allow_runtime_options,
             max_num_ctx=s.max_num_ctx,
+            prefix_pricing=s.prefix_pricing,
         )
     )
 

@@ -79,6 +79,7 @@ class Settings(msgspec.Struct, kw_only=True):
     domains: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_DOMAINS))
     allow_runtime_options: bool = False
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
+    prefix_pricing: bool = True
 
 
 # What each setting means, for `config show` and the README's table.
@@ -141,6 +142,10 @@ FIELDS: Final[dict[str, str]] = {
     ),
     "max_num_ctx": (
         "largest num_ctx a request may ask for without allow_runtime_options (the models' default)"
+    ),
+    "prefix_pricing": (
+        "price what workers' slots hold of a prompt (a chat's earlier turns) and hand a turn straight "
+        "to the worker that holds it when it wins by a margin; false plans every prompt as uncached"
     ),
 }
 

@@ -70,6 +70,7 @@ TIMINGS = st.builds(
     Timings,
     prompt_eval_count=MAYBE_INT,
     prompt_eval_duration=MAYBE_NS,
+    prompt_eval_cached_count=MAYBE_INT,
     eval_count=MAYBE_INT,
     eval_duration=MAYBE_NS,
     load_duration=MAYBE_NS,

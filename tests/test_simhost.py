@@ -397,6 +397,151 @@ async def test_two_slots_run_together_and_share_throughput_sublinearly() -> None
         assert shared * 0.95 < decode_tps(resp) < 100.0 * 0.97
 
 
+# -- the prompt cache -----------------------------------------------------------------------------
+
+# Two conversations that share no token: their first four bytes already differ.
+ALPHA = "Alpha. " + " ".join(f"fact {i} of the first story" for i in range(120))
+BRAVO = "Bravo. " + " ".join(f"line {i} of the other story" for i in range(120))
+
+Msgs = list[dict[str, str]]
+
+
+async def native_chat(url: str, messages: Msgs, **body: Any) -> dict[str, Any]:
+    """A non-streaming /api/chat, its JSON as sent (the ollama client drops fields it does not know)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        resp = await http.post(
+            "/api/chat",
+            json={
+                "model": "m",
+                "messages": messages,
+                "stream": False,
+                "options": {"num_predict": 40},
+                **body,
+            },
+        )
+        resp.raise_for_status()
+        return dict(resp.json())
+
+
+def rendered(messages: Msgs) -> str:
+    """The prompt as the simulator renders a chat: the messages' texts joined by "\n"."""
+    return "\n".join(m["content"] for m in messages)
+
+
+def held_after(messages: Msgs, answer: str) -> int:
+    """Tokens a slot holds after answering `messages` with `answer`: the rendered prompt, "\n" and
+    the answer, at four bytes a token (the simulator's tokenizer)."""
+    return len((rendered(messages) + "\n" + answer).encode()) // 4
+
+
+def next_turn(messages: Msgs, answer: str, question: str) -> Msgs:
+    """What a chat client sends next: everything so far, the answer it received, a new question."""
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
+def before_first_token_s(resp: dict[str, Any]) -> float:
+    """Reported time to the first token: everything but decoding."""
+    return float(resp["total_duration"] - resp["eval_duration"]) / 1e9
+
+
+async def test_a_second_turn_evaluates_only_its_new_tokens_and_reaches_its_first_token_sooner() -> None:
+    async with lab(0.01) as hosts:
+        url = hosts.url("one")
+        turn1 = [{"role": "user", "content": ALPHA}]
+        # The first answer streamed, as a chat client reads it: what it resends is what it received.
+        stream = await ollama.AsyncClient(url).chat(
+            model="m", messages=turn1, stream=True, options={"num_predict": 40}
+        )
+        answer = "".join([part.message.content or "" async for part in stream])
+        assert answer
+        turn2 = next_turn(turn1, answer, "And then?")
+        assert rendered(turn2).startswith(rendered(turn1) + "\n" + answer)
+
+        warm = await native_chat(url, turn2)
+        # The same turn on a machine that never saw the conversation (its model loaded first).
+        await native_chat(hosts.url("two"), [])
+        cold = await native_chat(hosts.url("two"), turn2)
+
+    total = count_tokens(rendered(turn2))
+    cached = held_after(turn1, answer)
+    assert warm["prompt_eval_count"] == cold["prompt_eval_count"] == total
+    assert warm["prompt_eval_cached_count"] == cached
+    assert "prompt_eval_cached_count" not in cold
+    # Only the tokens after the cached prefix are evaluated, at the preset's 1000 tok/s.
+    assert warm["prompt_eval_duration"] / 1e9 == pytest.approx((total - cached) / 1000.0, rel=0.01)
+    assert cold["prompt_eval_duration"] / 1e9 == pytest.approx(total / 1000.0, rel=0.01)
+    assert total - cached < 10 < cached
+    assert before_first_token_s(warm) < before_first_token_s(cold) / 5
+    counters = hosts.state("one").counters
+    assert counters.cached_prompt_tokens == cached
+    assert counters.cache_hits == 1
+    assert counters.prompt_tokens == count_tokens(ALPHA) + total
+
+
+async def test_the_openai_surface_reports_the_whole_prompt_and_its_cached_part() -> None:
+    async with lab(0) as hosts:
+        turn1 = [{"role": "user", "content": ALPHA}]
+        first = await native_chat(hosts.url("one"), turn1)
+        turn2 = next_turn(turn1, first["message"]["content"], "And then?")
+        client = openai.AsyncOpenAI(base_url=hosts.url("one") + "/v1", api_key="sim", max_retries=0)
+        done = await client.chat.completions.create(model="m", messages=turn2, max_tokens=5)  # type: ignore[arg-type]
+        await client.close()
+    assert done.usage is not None
+    assert done.usage.prompt_tokens == count_tokens(rendered(turn2))
+    assert done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens == held_after(turn1, first["message"]["content"])
+
+
+async def test_a_different_conversation_on_a_one_slot_machine_evicts_the_first() -> None:
+    async with lab(0) as hosts:
+        url = hosts.url("one")
+        alpha = [{"role": "user", "content": ALPHA}]
+        first = await native_chat(url, alpha)
+        await native_chat(url, [{"role": "user", "content": BRAVO}])
+        again = await native_chat(url, next_turn(alpha, first["message"]["content"], "And then?"))
+        state = hosts.state("one")
+    assert "prompt_eval_cached_count" not in again
+    assert again["prompt_eval_duration"] / 1e9 == pytest.approx(again["prompt_eval_count"] / 1000.0, rel=0.01)
+    assert state.counters.cached_prompt_tokens == 0
+    assert state.counters.cache_hits == 0
+
+
+async def test_two_conversations_on_a_two_slot_machine_each_keep_their_cache() -> None:
+    async with lab(0) as hosts:
+        url = hosts.url("two")
+        alpha = [{"role": "user", "content": ALPHA}]
+        bravo = [{"role": "user", "content": BRAVO}]
+        a1 = (await native_chat(url, alpha))["message"]["content"]
+        b1 = (await native_chat(url, bravo))["message"]["content"]
+        a2 = await native_chat(url, next_turn(alpha, a1, "And then?"))
+        b2 = await native_chat(url, next_turn(bravo, b1, "Go on."))
+        counters = hosts.state("two").counters
+    assert a2["prompt_eval_cached_count"] == held_after(alpha, a1)
+    assert b2["prompt_eval_cached_count"] == held_after(bravo, b1)
+    assert counters.cache_hits == 2
+    assert counters.cached_prompt_tokens == held_after(alpha, a1) + held_after(bravo, b1)
+
+
+async def test_unloading_the_model_or_powering_off_loses_every_slots_cache() -> None:
+    async with lab(0) as hosts:
+        url = hosts.url("two")
+        alpha = [{"role": "user", "content": ALPHA}]
+        first = await native_chat(url, alpha, keep_alive=0)
+        after_unload = await native_chat(url, next_turn(alpha, first["message"]["content"], "And then?"))
+        second = await native_chat(url, alpha)
+        await hosts.go_offline("two")
+        await hosts.go_online("two")
+        after_power = await native_chat(url, next_turn(alpha, second["message"]["content"], "And then?"))
+        counters = hosts.state("two").counters
+    for resp in (after_unload, after_power):
+        assert resp["load_duration"] == 2_000_000_000
+        assert "prompt_eval_cached_count" not in resp
+    # Between the two, the reloaded model cached again: the first turn, asked again, was a prefix of
+    # what its slot held.
+    assert second["prompt_eval_cached_count"] == second["prompt_eval_count"] - 1
+    assert counters.cache_hits == 1
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 

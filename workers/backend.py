@@ -697,9 +697,16 @@ def _ns_or_none(value: Any) -> int | None:
     return bounded_count(value, MAX_NS)
 
 
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`, where the server reports it."""
+    details = usage.get("prompt_tokens_details")
+    return _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
 def _ollama_timings(data: dict[str, Any]) -> Timings:
     return Timings(
         prompt_eval_count=_int_or_none(data.get("prompt_eval_count")),
+        prompt_eval_cached_count=_int_or_none(data.get("prompt_eval_cached_count")),
         prompt_eval_duration=_ns_or_none(data.get("prompt_eval_duration")),
         eval_count=_int_or_none(data.get("eval_count")),
         eval_duration=_ns_or_none(data.get("eval_duration")),
@@ -842,6 +849,7 @@ class OpenAIBackend:
                         yield Generated(
                             timings=Timings(
                                 prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
+                                prompt_eval_cached_count=_cached_tokens(usage),
                                 prompt_eval_duration=(first - t0) if first else None,
                                 eval_count=eval_count,
                                 eval_duration=(last - first) if first and last and last > first else None,

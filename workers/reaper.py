@@ -60,6 +60,10 @@ class ReaperConfig(msgspec.Struct, kw_only=True):
     # How long an entry whose owner closed its run may wait for the ingest to finish it before it
     # is reclaimed like any other (the owner's word that it closed is trusted only this long).
     ingest_grace_ms: int = 120_000
+    # How long a handed-off task (router.handoff) may wait untaken on its worker's pinned stream
+    # before it goes to the shared queue although that worker lives: it was handed off because it
+    # could start at once there, so a wait this long means that worker is not taking work.
+    handoff_wait_ms: int = 5_000
     # How often sleeping machines are looked at against the queues (workers/waker.py); 0: never.
     wake_interval_s: float = 2.0
 
@@ -77,6 +81,8 @@ class Sweep(msgspec.Struct, kw_only=True):
     awaiting_ingest: int = 0
     # Entries found delivered but neither pending nor deleted, and re-queued.
     revived: int = 0
+    # Handed-off tasks moved from a pinned stream to their shared queue.
+    handed_back: int = 0
 
 
 class Reaper:
@@ -124,6 +130,7 @@ class Reaper:
                         or report.stalled
                         or report.offline
                         or report.revived
+                        or report.handed_back
                     ):
                         log.info("sweep: %s", msgspec.json.encode(report).decode())
                 except (RedisError, OSError) as exc:
@@ -172,6 +179,7 @@ class Reaper:
         for queue in await self._queue_names():
             report.queues += 1
             await self._revive(queue, report)
+            await self._hand_back(queue, live, report)
             await self._reclaim_dead_owners(queue, live, report)
             await self._report_stalls(queue, report)
         return report
@@ -207,6 +215,27 @@ class Reaper:
             await self.redis.hset(self.keys.expired, name, life)
             report.offline += 1
             log.info("worker %s: lease expired with no goodbye; recorded it offline", name)
+
+    async def _hand_back(self, queue: str, live: set[str], report: Sweep) -> None:
+        """Move handed-off tasks nobody took from a pinned stream to their shared queue: all of
+        them when its worker's lease is gone, those waiting past `handoff_wait_ms` otherwise.
+        Benchmarks stay: they are meant for that worker alone (TaskQueues.hand_back)."""
+        worker = self.keys.pinned_worker(queue)
+        if worker is None:
+            return
+        cutoff = now_ms() - self.config.handoff_wait_ms
+        for entry_id, task_id in await self.queues.untaken(queue):
+            if worker in live and int(entry_id.split("-")[0]) > cutoff:
+                break  # oldest first: the rest waited less
+            moved = await self.queues.hand_back(queue, entry_id, task_id)
+            if moved is not None:
+                report.handed_back += 1
+                log.info(
+                    "task %s: handed off to %s, which did not take it (%s); moved to the shared queue",
+                    task_id,
+                    worker,
+                    "its lease is gone" if worker not in live else "waited too long",
+                )
 
     async def _reclaim_dead_owners(self, queue: str, live: set[str], report: Sweep) -> None:
         try:

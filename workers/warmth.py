@@ -71,7 +71,10 @@ class Warmth:
         if cold is not None:
             return cold, timings
         first_ns = timings.prompt_eval_duration
-        tokens = timings.prompt_eval_count if timings.prompt_eval_count is not None else prompt_tokens
+        # What the backend evaluated: a slot's cached tokens took no time, and counting them would
+        # set a prompt speed no cold prompt ever reaches.
+        evaluated = timings.evaluated_prompt_tokens()
+        tokens = evaluated if evaluated is not None else prompt_tokens
         if first_ns is None or first_ns <= 0 or tokens is None or tokens <= 0 or not alone:
             return None, timings
         per_token = first_ns / 1e9 / tokens

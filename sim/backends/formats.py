@@ -9,7 +9,11 @@ thinking first (Ollama: `message.thinking`, or `thinking` on /api/generate; Open
 or tool calls. Ollama sends the tool calls whole in one chunk once the model has emitted them
 (`message.tool_calls`, arguments as an object); OpenAI streams each call as a delta with its
 `index`, `id`, type and name, then deltas with chunks of its arguments' JSON, and finishes with
-`finish_reason: "tool_calls"`."""
+`finish_reason: "tool_calls"`.
+
+A prompt partly read from a slot's cache keeps its whole count, as Ollama and OpenAI-compatible
+servers report it (`prompt_eval_count`, `usage.prompt_tokens`); the cached part is reported beside
+it (`prompt_eval_cached_count`, `usage.prompt_tokens_details.cached_tokens`) when there is one."""
 
 from __future__ import annotations
 
@@ -113,6 +117,14 @@ class Format:
         return _enc.encode({"error": message})
 
 
+def ollama_final(timings: Timings) -> dict[str, Any]:
+    """Ollama's closing fields, with the cached part of the prompt when a slot's cache held some."""
+    out = final_fields(timings.done_reason, timings)
+    if timings.prompt_eval_cached_count:
+        out["prompt_eval_cached_count"] = timings.prompt_eval_cached_count
+    return out
+
+
 def ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
@@ -169,7 +181,7 @@ class ChatFormat(Format):
                 "model": self.model,
                 "created_at": rfc3339(),
                 "message": message,
-                **final_fields(timings.done_reason, timings),
+                **ollama_final(timings),
             }
         )
 
@@ -198,7 +210,7 @@ class GenerateFormat(Format):
         body: dict[str, Any] = {"model": self.model, "created_at": rfc3339(), "response": content}
         if thinking:
             body["thinking"] = thinking
-        return _enc.encode({**body, **final_fields(timings.done_reason, timings)})
+        return _enc.encode({**body, **ollama_final(timings)})
 
 
 class OpenAIFormat(Format):
@@ -253,12 +265,15 @@ class OpenAIFormat(Format):
             return self._delta({"role": "assistant", "content": None, "tool_calls": [head]})
         return self._delta({"tool_calls": [{"index": call, "function": {"arguments": token}}]})
 
-    def _usage(self, t: Timings) -> dict[str, int]:
-        return {
+    def _usage(self, t: Timings) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": t.prompt_eval_count,
             "completion_tokens": t.eval_count,
             "total_tokens": t.prompt_eval_count + t.eval_count,
         }
+        if t.prompt_eval_cached_count:
+            usage["prompt_tokens_details"] = {"cached_tokens": t.prompt_eval_cached_count}
+        return usage
 
     def final(self, timings: Timings) -> bytes:
         reason = _enc.encode("tool_calls" if self.calls_done(timings) else timings.done_reason)

@@ -28,6 +28,15 @@ Images: Ollama's base64 `images` (on chat messages or generate) and OpenAI's `im
 `data:…;base64,` URLs (remote URLs are refused: the server fetches nothing); each image costs a
 `vision` model sim.backends.ask.IMAGE_TOKENS (576) prompt tokens, in `prompt_eval_count` and in time.
 
+Prompt cache: each parallel slot of a loaded model keeps its last prompt and what it generated
+(sim.backends.machine.SlotCache); a request takes the free slot sharing the longest prefix with its
+prompt (none: the least recently used) and evaluates only the rest. The prompt is the messages'
+texts joined by "\n", so a chat that resends the answer it received, then a new question, extends
+the cached text. `prompt_eval_count` and `usage.prompt_tokens` stay the whole prompt, as Ollama
+reports them; `prompt_eval_cached_count` (`usage.prompt_tokens_details.cached_tokens`) is the cached
+part, and `prompt_eval_duration` the time of the rest. Unloading the model loses every slot's cache;
+`/sim/state` counts `cached_prompt_tokens` and `cache_hits`.
+
 Structured output: Ollama's `format` ("json" or a JSON schema) and OpenAI's `response_format`
 (`json_object`, or `json_schema` with its schema). A model that follows formats answers a schema
 with a value valid against it (sim.backends.schema), and plain JSON mode with a JSON array of three

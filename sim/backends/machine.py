@@ -7,6 +7,10 @@ scale), and the machine really waits that duration multiplied by `time_scale` (0
 
 State timers — keep_alive expiry and online windows — run on the wall clock multiplied by
 `time_scale`, or unscaled when `time_scale` is 0, so that a zero-delay run keeps its models loaded.
+
+Prompt cache: as in Ollama and llama.cpp, each parallel slot of a loaded model keeps the KV cache of
+its last prompt and of what it generated, and a request evaluates only the tokens after the prefix
+its slot already holds. See `SlotCache`.
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class Counters(msgspec.Struct, kw_only=True):
     unloads: int = 0
     prompt_tokens: int = 0
     eval_tokens: int = 0
+    # Of `prompt_tokens`, those a slot's cache already held (not evaluated again), and the
+    # generations that reused any.
+    cached_prompt_tokens: int = 0
+    cache_hits: int = 0
 
 
 class LoadedModel(msgspec.Struct, kw_only=True):
@@ -119,6 +127,9 @@ class Timings(msgspec.Struct, kw_only=True):
     eval_count: int
     eval_duration: int
     done_reason: str
+    # Of `prompt_eval_count` (the whole prompt, as Ollama counts it), the tokens read from a slot's
+    # cache; `prompt_eval_duration` is the time of the others alone.
+    prompt_eval_cached_count: int = 0
 
 
 def full_name(name: str) -> str:
@@ -164,10 +175,60 @@ def keep_alive_seconds(value: object) -> float | None:
     return sign * total
 
 
+class SlotCache:
+    """One parallel slot's KV cache, as Ollama's runner and llama.cpp's server keep it.
+
+    `held` is what the slot last evaluated and generated, as the bytes of rendered text (the
+    simulator's tokenizer reads four bytes a token, so a shared prefix of b bytes is b // 4 shared
+    tokens): the request's prompt, then "\n" and every token it generated. The simulator renders a
+    conversation as its messages' texts joined by "\n" (sim/backends/host.py), so a chat client that
+    resends the answer it received as an assistant message, then a new user message, sends a prompt
+    that begins with `held`: turn k+1 is turn k + "\n" + answer + "\n" + question. Thinking is
+    generated but not resent, so after a thinking answer only the prompt and its "\n" are shared, as
+    with real templates that drop earlier thinking.
+    """
+
+    __slots__ = ("held", "in_use", "used_at")
+
+    def __init__(self) -> None:
+        self.held = b""
+        self.in_use = False
+        # When the slot was last given a request (a counter, for least recently used).
+        self.used_at = 0
+
+
+def shared_prefix(a: bytes, b: bytes) -> int:
+    """Length in bytes of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    # Slice comparisons run in C: halving them beats a byte-by-byte loop on long conversations.
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class _Model:
     """A held model's run-time state on the machine."""
 
-    __slots__ = ("digest", "expires", "key", "load_count", "loaded", "name", "ready", "refs", "spec", "speed")
+    __slots__ = (
+        "caches",
+        "digest",
+        "expires",
+        "key",
+        "load_count",
+        "loaded",
+        "name",
+        "ready",
+        "refs",
+        "spec",
+        "speed",
+    )
 
     def __init__(self, name: str, key: str, digest: str, spec: ModelSpec, speed: WorkerModel) -> None:
         self.name = name
@@ -181,6 +242,8 @@ class _Model:
         # Loop time at which an idle loaded model unloads (inf: never).
         self.expires = math.inf
         self.load_count = 0
+        # One per parallel slot while loaded; unloading loses them all.
+        self.caches: list[SlotCache] = []
 
 
 class Generation:
@@ -188,6 +251,8 @@ class Generation:
 
     __slots__ = (
         "answer",
+        "cache_key",
+        "cached_tokens",
         "disconnect_after",
         "fault",
         "gone",
@@ -209,9 +274,14 @@ class Generation:
         keep_alive: float | None,
         fault: Fault | None,
         disconnect_after: int,
+        cache_key: bytes = b"",
     ) -> None:
         self.model = model
         self.prompt_tokens = prompt_tokens
+        # The prompt as a slot's cache compares it (see SlotCache), and how much of it the slot
+        # given to this job already held.
+        self.cache_key = cache_key
+        self.cached_tokens = 0
         self.answer = answer
         self.tokens = answer.tokens
         self.max_tokens = max_tokens
@@ -261,6 +331,7 @@ class SimMachine:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._fault_rng = random.Random(seed_of("faults", seed, spec.name))
         self._seq = 0
+        self._slot_tick = 0
         self.models: dict[str, _Model] = {}
         self.modified_at: dict[str, str] = {}
         for key, speed in spec.models.items():
@@ -365,10 +436,16 @@ class SimMachine:
             self.counters.disconnects += 1
             disconnect_after = self._fault_rng.randint(0, max(0, len(answer.tokens) // 2))
         prompt_tokens = count_tokens(ask.prompt) + ask.images * IMAGE_TOKENS
+        cache_key = ask.prompt.encode()
         if ask.tools:
-            # The tool definitions are rendered into the prompt by the model's template.
-            prompt_tokens += count_tokens(json.dumps(ask.tools))
-        return Generation(model, prompt_tokens, answer, ask.max_tokens, ka, fault, disconnect_after)
+            # The tool definitions are rendered into the prompt by the model's template, ahead of
+            # the conversation (so a conversation that keeps its tools keeps its prefix).
+            tools_text = json.dumps(ask.tools)
+            prompt_tokens += count_tokens(tools_text)
+            cache_key = tools_text.encode() + b"\n" + cache_key
+        return Generation(
+            model, prompt_tokens, answer, ask.max_tokens, ka, fault, disconnect_after, cache_key
+        )
 
     def _check_capabilities(self, model: _Model, ask: Ask) -> None:
         """Refuse, as Ollama does, what the model cannot do: `"NAME" does not support tools`."""
@@ -515,6 +592,7 @@ class SimMachine:
         model.loaded = False
         model.ready = None
         model.expires = math.inf
+        model.caches = []
         self.counters.unloads += 1
 
     async def _use(self, model: _Model) -> float:
@@ -538,6 +616,7 @@ class SimMachine:
             ready.cancel()
             raise
         model.loaded = True
+        model.caches = [SlotCache() for _ in range(self.slots)]
         model.load_count += 1
         self.counters.loads += 1
         ready.set_result(None)
@@ -587,19 +666,25 @@ class SimMachine:
                     eval_duration=0,
                     done_reason="load",
                 )
+            slot = self._take_slot(job)
             self.active += 1
             try:
                 result = await self._generate(job, emit)
             finally:
                 self.active -= 1
+                slot.in_use = False
             if result is None:
                 return None
             prompt_s, eval_s, n, reason = result
+            slot.held = job.cache_key + b"\n" + "".join(job.tokens[:n]).encode()
             # A warm call still reports a few milliseconds of "load", as real Ollama does.
             reported_load_s = load_s if load_s > 0 else self.spec.warm_load_ms / 1000.0
             self.counters.completed += 1
             self.counters.prompt_tokens += job.prompt_tokens
             self.counters.eval_tokens += n
+            if job.cached_tokens:
+                self.counters.cached_prompt_tokens += job.cached_tokens
+                self.counters.cache_hits += 1
             return Timings(
                 total_duration=_ns(queued_s + load_s + prompt_s + eval_s),
                 load_duration=_ns(reported_load_s),
@@ -608,11 +693,41 @@ class SimMachine:
                 eval_count=n,
                 eval_duration=_ns(eval_s),
                 done_reason=reason,
+                prompt_eval_cached_count=job.cached_tokens,
             )
         finally:
             if pinned:
                 self._unpin(model, 0.0 if job.unload else job.keep_alive)
             self.release()
+
+    def _take_slot(self, job: Generation) -> SlotCache:
+        """Give `job` the free slot of its model whose cache shares the longest prefix with its
+        prompt, or, when none shares a token, the least recently used free slot (Ollama's runner);
+        the slot keeps the shared prefix and holds the new prompt from now on.
+
+        A job that holds a machine slot always finds a free cache slot: a model has as many as the
+        machine has slots.
+        """
+        model = job.model
+        key = job.cache_key
+        free = [
+            (shared_prefix(slot.held, key) // 4, -slot.used_at, slot)
+            for slot in model.caches
+            if not slot.in_use
+        ]
+        if free:
+            best_tokens, _, best = max(free, key=lambda f: (f[0], f[1]))
+        else:
+            # Only when the model was unloaded under a running generation (power off): no cache.
+            best_tokens, best = 0, SlotCache()
+        self._slot_tick += 1
+        best.in_use = True
+        best.used_at = self._slot_tick
+        best.held = key
+        # At least one token is evaluated, even when the whole prompt is cached: the model needs it
+        # to produce the first output token's logits.
+        job.cached_tokens = max(0, min(best_tokens, job.prompt_tokens - 1))
+        return best
 
     async def _generate(self, job: Generation, emit: Emit | None) -> tuple[float, float, int, str] | None:
         speed = job.model.speed
@@ -623,7 +738,8 @@ class SimMachine:
             reason = "length"
         cut = job.disconnect_after if job.fault == "disconnect" else None
         scale = self.time_scale
-        prompt_s = job.prompt_tokens * self._share(self.active) / (speed.prompt_tps * self.speed_factor)
+        evaluated = job.prompt_tokens - job.cached_tokens
+        prompt_s = evaluated * self._share(self.active) / (speed.prompt_tps * self.speed_factor)
         if scale:
             await asyncio.sleep(prompt_s * scale)
             if job.gone():

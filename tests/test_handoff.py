@@ -1,0 +1,145 @@
+"""The pinned hand-off: a turn goes straight to the worker whose slot holds its conversation only
+when the plan's lead is wide, and the reaper moves it back to the shared queue when that worker
+does not take it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from dispatch.lease import LeaseInfo, Leases
+from dispatch.payload import Message, TaskMessage
+from dispatch.prefix import render_messages
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
+from events.keys import Keys
+from events.ledger import Ledger
+from router.choose import RouteQuery, decide
+from router.handoff import HANDOFF_RATIO, handoff_worker
+from router.plan import WorkerView
+from router.prefix import SlotCache, block_hashes, chain_of, marks_of
+from tests.router_helpers import NOW, QWEN, busy, estimator, snapshot, speed_row, view
+from workers.reaper import Reaper, ReaperConfig
+
+DIGEST = QWEN
+
+
+def _conversation() -> str:
+    return render_messages(
+        [
+            Message(role="user", content="question " + "lorem ipsum " * 500),
+            Message(role="assistant", content="answer " + "dolor sit " * 500),
+        ]
+    )
+
+
+def _decision(speeds: dict[str, tuple[float, float]], cached_on: str, busy_on: str | None = None):  # type: ignore[no-untyped-def]
+    text = _conversation()
+    est = estimator(snapshot([speed_row(w, QWEN, d, 30, prompt=p, load=3.0) for w, (d, p) in speeds.items()]))
+    workers = []
+    for name in speeds:
+        cache = [SlotCache(marks=marks_of(block_hashes(text)), used_ms=NOW)] if name == cached_on else []
+        w = WorkerView(name=name, slots=2 if name == busy_on else 1, holds={QWEN}, loaded={QWEN}, cache=cache)
+        if name == busy_on:
+            busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
+            busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
+        workers.append(w)
+    query = RouteQuery(model="m", prompt_tokens=3000, prefix=chain_of(text + "and the next question"))
+    return decide(query, {"m": QWEN}, view(workers), est, NOW)
+
+
+def test_a_turn_is_handed_off_only_when_the_slot_holding_it_wins_by_a_wide_margin() -> None:
+    # Equal machines: the cache makes the lead (3,000 prompt tokens at 100 tok/s is 30 s saved).
+    wide = _decision({"a": (20.0, 100.0), "b": (20.0, 100.0)}, cached_on="b")
+    assert handoff_worker(wide) == "b"
+    # The cache is on a machine so slow that the other finishes first anyway: no hand-off.
+    slow = _decision({"a": (40.0, 3000.0), "b": (2.0, 100.0)}, cached_on="b")
+    assert slow.ranking.best.worker == "a"
+    assert handoff_worker(slow) is None
+    # No cache anywhere: nothing a pin would keep.
+    bare = _decision({"a": (20.0, 100.0), "b": (25.0, 100.0)}, cached_on="nobody")
+    assert handoff_worker(bare) is None
+
+
+def test_a_narrow_lead_or_a_wait_keeps_the_turn_on_the_shared_queue() -> None:
+    close = _decision({"a": (20.0, 100.0), "b": (20.0, 100.0)}, cached_on="b")
+    best = close.ranking.best
+    rest = close.ranking.best_finish_after(1)
+    assert rest is not None
+    # The same decision with a demanded lead just above the one it has.
+    assert handoff_worker(close, ratio=rest / best.expected_finish_s * 1.01) is None
+    assert HANDOFF_RATIO > 1.0
+    # Its slots are all busy: it would wait, so the shared queue keeps the turn.
+    waiting = _decision({"a": (20.0, 100.0), "b": (20.0, 100.0)}, cached_on="b", busy_on="b")
+    assert handoff_worker(waiting) is None
+
+
+async def _pinned(queues: TaskQueues, task_id: str, worker: str) -> str:
+    req = TaskRequest(model="m", messages=[Message(role="user", content="hello " * 100)], task_id=task_id)
+    submitted = await submit_task(queues, req, digest=DIGEST, pin=worker)
+    assert submitted.queue == queues.keys.pinned(worker)
+    return submitted.queue
+
+
+async def _live(redis: aioredis.Redis, keys: Keys, name: str) -> None:
+    await Leases(redis, keys).put(LeaseInfo(worker=name, token="t", slots=1), 60_000)
+
+
+async def test_a_hand_off_its_worker_never_takes_goes_back_to_the_shared_queue_once(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    pinned = await _pinned(queues, "t-dead", "gone")
+    assert await redis_client.hget(keys.task("t-dead"), "fallback") == keys.queue(DIGEST).encode()
+    reaper = Reaper(redis_client, keys, ReaperConfig(lease_ms=10))
+    report = await reaper.sweep()
+    assert report.handed_back == 1
+    assert await redis_client.xlen(pinned) == 0
+    shared: Any = await redis_client.xrange(keys.queue(DIGEST))
+    assert [fields[b"id"] for _, fields in shared] == [b"t-dead"]
+    # The task's index follows it: a cancel or a lookup finds it where it is now.
+    assert await redis_client.hget(keys.task("t-dead"), "entry") == shared[0][0]
+    assert await redis_client.hget(keys.task("t-dead"), "queue") == keys.queue(DIGEST).encode()
+    assert (await reaper.sweep()).handed_back == 0
+    assert await redis_client.xlen(keys.queue(DIGEST)) == 1
+
+
+async def test_a_live_worker_keeps_a_fresh_hand_off_and_one_it_took_is_never_moved(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    await _live(redis_client, keys, "busy")
+    pinned = await _pinned(queues, "t-fresh", "busy")
+    reaper = Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=60_000))
+    assert (await reaper.sweep()).handed_back == 0
+    assert await redis_client.xlen(pinned) == 1
+    taken = await queues.take(pinned, "busy")
+    assert taken.entry_id
+    # Taken, then waited past the bound: it runs where it is.
+    late = Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=0))
+    assert (await late.sweep()).handed_back == 0
+    assert await redis_client.xlen(keys.queue(DIGEST)) == 0
+
+
+async def test_a_live_worker_that_does_not_take_its_hand_off_in_time_loses_it_to_the_shared_queue(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    await _live(redis_client, keys, "stuck")
+    await _pinned(queues, "t-stuck", "stuck")
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=0)).sweep()
+    assert report.handed_back == 1
+    assert await redis_client.xlen(keys.queue(DIGEST)) == 1
+
+
+async def test_a_benchmark_on_a_dead_workers_pinned_stream_stays_there(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    req = TaskRequest(model="m", messages=[Message(role="user", content="bench")], task_id="b1")
+    await submit_task(queues, req, digest=DIGEST)  # the shared queue: untouched by hand-backs
+    pinned = keys.pinned("gone")
+    await queues.enqueue(pinned, TaskMessage(task_id="bench-1", model="m", digest=DIGEST, bench_id="x"))
+    assert (await Reaper(redis_client, keys, ReaperConfig(lease_ms=10)).sweep()).handed_back == 0
+    assert await redis_client.xlen(pinned) == 1
