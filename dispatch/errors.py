@@ -101,3 +101,8 @@ class QueueFullError(DispatchError):
         )
         self.cap = cap
         self.retry_after_s = retry_after_s
+
+
+class WakeError(DispatchError):
+    """Raised when a sleeping machine cannot be woken as asked: no record, a malformed MAC address, or
+    the magic packet refused by the network."""

@@ -21,6 +21,7 @@ from dispatch.prefix import request_chain
 from dispatch.queues import TaskQueues
 from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
+from dispatch.wake import sleeping_candidates
 from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
@@ -496,4 +497,13 @@ async def preview_request(view: LiveView, query: RouteQuery) -> dict[str, object
             f"no live worker serves any model ({describe_fleet(leases)})", model=query.model
         )
     fleet, est, now, _ = await view.fleet(set(models.values()), leases)
-    return preview(query, models, fleet, est, now)
+    out = preview(query, models, fleet, est, now)
+    # Machines asleep that serve the model: what each would do if woken now (dispatch.wake).
+    snap, _ = await view.estimates()
+    digest = str(out["digest"])
+    sleeping = await sleeping_candidates(
+        view.redis, view.keys, fleet, est, digest, now, leases, snap.fleet, query
+    )
+    if sleeping:
+        out["sleeping"] = sleeping
+    return out

@@ -350,6 +350,27 @@ class WorkerOffline(Event, frozen=True, kw_only=True):
     reason: str
 
 
+class WakeRequested(Event, frozen=True, kw_only=True):
+    """A magic packet went to a sleeping machine: the plan said waking it finishes the queued work
+    sooner ("plan", with that gain in seconds), or an operator asked ("manual")."""
+
+    worker: str
+    why: str = "plan"
+    # Seconds sooner the plan expects the queued work of `digest` to finish with the machine awake.
+    gain_s: Seconds | None = None
+    digest: str = ""
+    # The wake time the decision counted, and where it came from ("configured", "measured ...").
+    wake_s: Seconds | None = None
+    wake_source: str = ""
+
+
+class WakeFailed(Event, frozen=True, kw_only=True):
+    """A machine sent a magic packet did not come online (no lease) within the bound."""
+
+    worker: str
+    waited_s: Seconds
+
+
 # -- benchmarks and quality ---------------------------------------------------------------------
 
 
@@ -477,6 +498,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     PipelineCompleted,
     WorkerChanged,
     SpeedShiftDetected,
+    WakeRequested,
+    WakeFailed,
 )
 
 AnyEvent = (
@@ -501,6 +524,8 @@ AnyEvent = (
     | PipelineCompleted
     | WorkerChanged
     | SpeedShiftDetected
+    | WakeRequested
+    | WakeFailed
 )
 
 TYPE_NAMES: frozenset[str] = frozenset(t.__name__ for t in EVENT_TYPES)

@@ -183,6 +183,27 @@ class Keys:
         # Hash worker -> status_since of the life the reaper ended (lease expired): one WorkerOffline each.
         return f"{self.prefix}expired"
 
+    def sleeper(self, worker: str) -> str:
+        # A machine that sleeps: how to wake it (MAC, broadcast, port), its slots and models and its
+        # configured wake time (dispatch.wake.SleepRecord); persistent, written by that worker (or an
+        # operator's `routeledger wake --mac`), read while its lease is absent.
+        return f"{self.prefix}sleeper:{worker}"
+
+    @property
+    def sleepers(self) -> str:
+        # Set of the names of workers with a sleeper record, so that the waker finds them without SCAN.
+        return f"{self.prefix}sleepers"
+
+    def woken(self, worker: str) -> str:
+        # Set NX with a TTL when a magic packet goes to a machine: at most one per machine per window.
+        return f"{self.prefix}woken:{worker}"
+
+    @property
+    def waking(self) -> str:
+        # Hash worker -> epoch ms of the magic packet not yet answered: the waker records the wake
+        # time when its lease appears, or WakeFailed once the record's bound has passed.
+        return f"{self.prefix}waking"
+
     # -- API keys ------------------------------------------------------------------------------
     def quota(self, name: str) -> str:
         # Hash: one API key's use (requests, refusals, today's tokens and day, its rate's timestamp).

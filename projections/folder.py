@@ -29,6 +29,8 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
     Timings,
+    WakeFailed,
+    WakeRequested,
     WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
@@ -494,6 +496,20 @@ class Folder:
         if _stamp(row.slots, e.slots, e.at):
             row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
             row.serves.value, row.serves.at = e.serves, e.at
+        if row.wake_pending is not None:
+            # Woken: the wake took from its request to this WorkerOnline (a negative span, from
+            # skewed clocks, measures nothing).
+            measured = (e.at - row.wake_pending) / 1000.0
+            if measured >= 0:
+                _stamp(row.wake_s, measured, e.at)
+            row.wake_pending = None
+
+    def _wake_requested(self, e: WakeRequested) -> None:
+        self._fleet(e.worker).wake_pending = e.at
+
+    def _wake_failed(self, e: WakeFailed) -> None:
+        # It did not come online in time: whenever it does, that is no measure of a wake.
+        self._fleet(e.worker).wake_pending = None
 
     def _heartbeat(self, e: WorkerHeartbeat) -> None:
         row = self._fleet(e.worker)
@@ -562,5 +578,7 @@ HANDLERS: Final[dict[type[Event], str]] = {
     WorkerOffline: "_offline",
     BenchmarkResult: "_bench",
     QualityScored: "_quality",
+    WakeRequested: "_wake_requested",
+    WakeFailed: "_wake_failed",
 }
 FOLDED_TYPES: Final[frozenset[str]] = frozenset(cls.__name__ for cls in HANDLERS)

@@ -188,6 +188,11 @@ class FleetRow(msgspec.Struct, kw_only=True, gc=False):
     # The worker's clock minus the ledger's (ms), from its newest TaskClaimed: the event's `at`
     # against its stream id's time. None: not seen claim anything.
     clock_offset_ms: int | None = None
+    # A sleeping machine's wake: `at` of the WakeRequested not yet answered by a WorkerOnline (or
+    # given up with WakeFailed), in ledger order; and the last measured wake, seconds from the
+    # request to the WorkerOnline that followed it, stamped with that WorkerOnline's `at`.
+    wake_pending: int | None = None
+    wake_s: Stamped = msgspec.field(default_factory=Stamped)
 
 
 class TaskRow(msgspec.Struct, kw_only=True, gc=False):

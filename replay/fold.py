@@ -410,7 +410,56 @@ def _fleet(tables: Tables, frames: Frames) -> None:
     )
     for worker, offset in offsets.iter_rows():
         rows[worker].clock_offset_ms = offset
+    _wakes(rows, frames)
     tables.fleet = rows
+
+
+# The order of a wake's events in `_wakes`, for ties of `seq` (none: one entry, one event).
+_REQUESTED, _FAILED, _ONLINE = 0, 1, 2
+
+
+def _wakes(rows: dict[str, FleetRow], frames: Frames) -> None:
+    """Each woken machine's pending request and last measured wake, as the live fold keeps them:
+    in ledger order a WakeRequested opens a wake, a WakeFailed drops it, and the next WorkerOnline
+    measures it (from the request's `at` to its own; a negative span measures nothing). The measure
+    kept is the one with the latest WorkerOnline `at`, the later in the ledger on a tie (`_stamp`)."""
+    requested = frames.frame("wake_requested")
+    failed = frames.frame("wake_failed")
+    if requested.height == 0 and failed.height == 0:
+        return
+    woken = pl.concat([requested["worker"], failed["worker"]]).cast(pl.String).unique()
+    online = frames.frame("online").filter(pl.col("worker").cast(pl.String).is_in(woken.implode()))
+
+    def part(frame: pl.DataFrame, kind: int) -> pl.DataFrame:
+        return frame.select(
+            "seq", "at", pl.col("worker").cast(pl.String), pl.lit(kind, dtype=pl.Int8).alias("kind")
+        )
+
+    parts = [part(requested, _REQUESTED), part(failed, _FAILED), part(online, _ONLINE)]
+    events = pl.concat(parts).sort("seq")
+    pending: dict[str, int | None] = {}
+    best: dict[str, tuple[int, int, float]] = {}
+    for seq, at, worker, kind in events.iter_rows():
+        if kind == _REQUESTED:
+            pending[worker] = at
+        elif kind == _FAILED:
+            pending[worker] = None
+        else:
+            since = pending.get(worker)
+            if since is None:
+                continue
+            measured = (at - since) / 1000.0
+            if measured >= 0 and (worker not in best or (at, seq) >= best[worker][:2]):
+                best[worker] = (at, seq, measured)
+            pending[worker] = None
+    for worker in woken.to_list():
+        row = rows.get(worker)
+        if row is None:
+            row = rows[worker] = FleetRow(worker=worker)
+        row.wake_pending = pending.get(worker)
+        if worker in best:
+            at, _, measured = best[worker]
+            row.wake_s = Stamped(value=measured, at=at)
 
 
 def _in_flight(frames: Frames, claimed: pl.DataFrame) -> dict[str, list[str]]:

@@ -37,6 +37,8 @@ from events.event import (
     TaskReclaimed,
     TaskStalled,
     TaskSubmitted,
+    WakeFailed,
+    WakeRequested,
     WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
@@ -186,6 +188,9 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "truncated": (_BOOL, "truncated"),
         },
     ),
+    # A sleeping machine's wakes: with the WorkerOnline events ("online"), they measure each wake.
+    WakeRequested: ("wake_requested", {"at": (_I64, "at"), "worker": (_STR, "worker")}),
+    WakeFailed: ("wake_failed", {"at": (_I64, "at"), "worker": (_STR, "worker")}),
 }
 
 _REPORT_SCHEMA: Final = {"seq": _I64, "at": _I64, "worker": _STR, "kind": pl.Int8, "ref": _I64}

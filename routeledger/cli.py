@@ -33,6 +33,7 @@ from routeledger.cli_route import route_app
 from routeledger.cli_sim import sim_app
 from routeledger.cli_status import status_cmd
 from routeledger.cli_traffic import traffic_cmd
+from routeledger.cli_wake import wake_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
 from routeledger.config import FIELDS, Settings, maxmemory_bytes, redis_url_for, url_file
 from routeledger.embedded import EmbeddedRedis, free_port, is_loopback, port_is_free, write_private
@@ -59,6 +60,7 @@ app.command("archive")(archive_cmd)
 app.add_typer(worker_app, name="worker")
 app.add_typer(task_app, name="task")
 app.command("reaper")(reaper_cmd)
+app.command("wake")(wake_cmd)
 app.add_typer(bench_app, name="bench")
 app.add_typer(route_app, name="route")
 app.add_typer(pipeline_app, name="pipeline")

@@ -16,6 +16,8 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:live:NAME` | read, write | its own lease |
 | `rl:card:NAME` | read, write | what its backend says of its models beyond the lease (template, parameters) |
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
+| `rl:sleeper:NAME` | read, write | how its machine is woken (`--wake-mac`), read while it sleeps |
+| `rl:sleepers` | SADD only | it lists its sleeper record (the waker finds it without SCAN), no other off |
 | `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
 | `rl:events` | read | ledger news wakes a worker the gate held back |
 | `rl:dead` | XADD only | it dead-letters a malformed or spent task, never rewrites the stream |
@@ -134,6 +136,8 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         f"~{k.run_result(name, '*')}",
         f"~{k.live(name)}",
         f"~{k.card(name)}",
+        # How its machine is woken while it sleeps (dispatch.wake): its own record only.
+        f"~{k.sleeper(name)}",
         f"~{k.forgotten}",
         # The registries: its own entry in the live workers, and the queues it makes.
         f"~{k.workers}",
@@ -150,6 +154,8 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     rules.append(f"(~{k.pinned(name)} +xadd)")
     # It lists its inbox, and may take no other worker's off the list (the ingest reads only it).
     rules.append(f"(~{k.inboxes} +sadd)")
+    # The same for its sleeper record.
+    rules.append(f"(~{k.sleepers} +sadd)")
     # Append-only: XADD (directly or from the batch-append function), and nothing else, on its inbox
     # and the dead letters.
     rules.append(f"(~{k.inbox(name)} ~{k.dead} +xadd +fcall)")

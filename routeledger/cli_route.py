@@ -48,10 +48,11 @@ def route_preview(
         "quality",
     ):
         table.add_column(col)
-    for c in result["candidates"]:
+    # Sleeping machines after the live ones: what each would do if woken now (its wake_s in its terms).
+    for c in [*result["candidates"], *result.get("sleeping", [])]:
         fields = c["fields"]
         table.add_row(
-            c["worker"],
+            f"{c['worker']} (asleep: {c['wake']['reason']})" if c.get("asleep") else c["worker"],
             f"{c['expected_finish_s']:.2f}",
             "\n".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in c["terms"].items()),
             *(

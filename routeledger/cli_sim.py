@@ -53,12 +53,18 @@ def hosts(
             loop.add_signal_handler(sig, stop.set)
         async with SimHosts(fleet, time_scale=time_scale, seed=seed, host=host) as sim:
             if json_:
-                line = json.dumps({"hosts": sim.urls, "control": sim.control_url})
+                wake = {n: sim.wake_port(n) for n in sim.wake_listeners}
+                line = json.dumps({"hosts": sim.urls, "control": sim.control_url, "wake_ports": wake})
                 print(line, flush=True)  # noqa: T201
             else:
                 width = max(len(n) for n in sim.names) if sim.names else 0
                 for name, url in sim.urls.items():
-                    console.print(f"{name:<{width}}  {url}", highlight=False)
+                    asleep = (
+                        f"  asleep: magic packet on udp {sim.host}:{sim.wake_port(name)}"
+                        if name in sim.wake_listeners
+                        else ""
+                    )
+                    console.print(f"{name:<{width}}  {url}{asleep}", highlight=False)
                 console.print(f"{'control':<{width}}  {sim.control_url}/sim/<machine>/…", highlight=False)
                 console.print(
                     f"[dim]fleet {fleet.name or '?'}, time scale {time_scale:g}, seed {seed}; Ctrl-C stops[/]"

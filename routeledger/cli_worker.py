@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -14,11 +15,22 @@ import typer
 from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
-from dispatch.lease import live_workers
+from dispatch.errors import WakeError
+from dispatch.lease import decode_lease, live_workers
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues, read_result
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
+from dispatch.wake import (
+    DEFAULT_BROADCAST,
+    DEFAULT_PORT,
+    DEFAULT_WAKE_S,
+    SleepRecord,
+    normalize_mac,
+    read_record,
+    record_from_lease,
+    write_record,
+)
 from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
@@ -82,6 +94,21 @@ def worker(
             "the projector (needed under the ACL `routeledger acl worker` prints)."
         ),
     ] = False,
+    wake_mac: Annotated[
+        str | None,
+        typer.Option(
+            help="This machine sleeps and wakes on LAN: its MAC address. The worker keeps a record of "
+            "how to wake it, which the reaper reads while the machine is asleep."
+        ),
+    ] = None,
+    wake_broadcast: Annotated[str, typer.Option(help="Where the magic packet goes.")] = DEFAULT_BROADCAST,
+    wake_port: Annotated[int, typer.Option(min=1, max=65535, help="UDP port of the magic packet.")] = (
+        DEFAULT_PORT
+    ),
+    wake_s: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds from the magic packet to serving, until a wake is measured."),
+    ] = DEFAULT_WAKE_S,
 ) -> None:
     """Run a worker: consume the streams of the models the backend holds, through the `workers` group."""
     if ctx.invoked_subcommand is not None:
@@ -98,6 +125,11 @@ def worker(
             f"worker name {name!r} is not a valid name: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit (pass --id NAME)"
         )
+    if wake_mac is not None:
+        try:
+            wake_mac = normalize_mac(wake_mac)
+        except WakeError as exc:
+            fail(exc.message)
     s = inst.settings
     setup_logging(s.log_level)
     serves = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
@@ -125,13 +157,53 @@ def worker(
             client, keys, be, cfg, gate=RouterGate(client, keys) if gate == "router" else None
         )
         watcher = asyncio.create_task(_forward(stop, agent.stopping))
+        sleeper = None
+        if wake_mac is not None:
+            mac = wake_mac
+            sleeper = asyncio.create_task(
+                _keep_record(client, keys, name, mac, wake_broadcast, wake_port, wake_s, agent.stopping)
+            )
         try:
             await agent.run()
         finally:
             watcher.cancel()
+            if sleeper is not None:
+                sleeper.cancel()
             await be.aclose()
 
     inst.run(go, fast=True)
+
+
+async def _keep_record(
+    client: aioredis.Redis,
+    keys: Keys,
+    name: str,
+    mac: str,
+    broadcast: str,
+    port: int,
+    wake_s: float,
+    stopping: asyncio.Event,
+) -> None:
+    """Keep this machine's sleeper record saying what its lease says it serves (dispatch.wake): written
+    once the lease is taken, and again whenever what it serves changes."""
+    last: SleepRecord | None = None
+    while not stopping.is_set():
+        try:
+            raw: Any = await client.get(keys.live(name))
+            if isinstance(raw, bytes):
+                old = await read_record(client, keys, name)
+                rec = record_from_lease(decode_lease(raw), mac, broadcast=broadcast, port=port, wake_s=wake_s)
+                if last is None or _differs(rec, last) or old is None:
+                    await write_record(client, keys, rec)
+                    last = rec
+        except (RedisError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("cannot keep the sleeper record (%s); retrying", exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), 0.5 if last is None else 5.0)
+
+
+def _differs(a: SleepRecord, b: SleepRecord) -> bool:
+    return msgspec.structs.replace(a, updated_at=0) != msgspec.structs.replace(b, updated_at=0)
 
 
 async def _forward(source: asyncio.Event, target: asyncio.Event) -> None:

@@ -157,6 +157,13 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # Bytes of GPU memory: a loaded model larger than this reports only this much as `size_vram` in
     # /api/ps (the rest runs on the CPU). None: every model fits.
     vram_bytes: int | None = None
+    # The machine sleeps at start (`sim hosts`): its HTTP port is closed until its magic packet (for
+    # `mac`) arrives on its UDP `wake_port` (0: a free one), then it powers on `wake_s` later
+    # (simulated seconds, times the time scale).
+    asleep: bool = False
+    mac: str | None = None
+    wake_s: float = 90.0
+    wake_port: int = 0
 
     def speed_factor(self, t: float) -> float:
         """What its speeds are multiplied by at simulated second `t`."""
@@ -250,6 +257,8 @@ def fleet_from_dict(data: dict[str, Any], source: str = "<dict>") -> Fleet:
     for w in fleet.worker:
         if w.slots < 1:
             raise FleetError(f"{source}: worker {w.name} needs at least one slot")
+        if w.asleep and (w.mac is None or w.wake_s < 0):
+            raise FleetError(f"{source}: worker {w.name} is asleep: it needs a mac and a wake_s of 0 or more")
         for slow in w.slowdown:
             if not (slow.factor > 0) or not (slow.until_s > slow.from_s >= 0):
                 raise FleetError(

@@ -25,6 +25,8 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
     Timings,
+    WakeFailed,
+    WakeRequested,
     WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
@@ -86,6 +88,8 @@ def one_of_each() -> list[Event]:
         PipelineChildAdded(at=AT, pipeline_id="p1", task_id="t5"),
         PipelineCompleted(at=AT, pipeline_id="p1", ok=True),
         SpeedShiftDetected(at=AT, worker="rtx3070ti", digest=DIGEST, long_run=83.0, recent=5.0, samples=2),
+        WakeRequested(at=AT, worker="rtx3070ti", why="plan", gain_s=420.5, digest=DIGEST, wake_s=90.0),
+        WakeFailed(at=AT, worker="rtx3070ti", waited_s=270.0),
     ]
     assert {type(e) for e in events} == set(EVENT_TYPES), "one_of_each must cover every event type"
     return events

@@ -49,3 +49,13 @@ def test_a_worker_writes_only_its_own_output_keys_and_its_name_cannot_reach_anot
     for name in ("a:b", "a{b}", "a*"):
         with pytest.raises(ValueError, match="no spaces, glob characters, braces or colons"):
             worker_acl_rules(name, "pw", keys)
+
+
+def test_a_worker_writes_only_its_own_sleeper_record_and_may_only_list_it() -> None:
+    keys = Keys()
+    rules = worker_acl_rules("a", "pw", keys)
+    assert f"~{keys.sleeper('a')}" in rules
+    assert not [r for r in rules if r.startswith(("~rl:sleeper:*", "%R~rl:sleeper:*", "~rl:sleepers"))]
+    assert f"(~{keys.sleepers} +sadd)" in rules
+    # Nobody's rate limit or pending wakes: only the waker and an operator send a packet.
+    assert not [r for r in rules if "woken" in r or "waking" in r]

@@ -31,6 +31,8 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
     Timings,
+    WakeFailed,
+    WakeRequested,
     WorkerChanged,
     WorkerHeartbeat,
     WorkerOffline,
@@ -183,6 +185,9 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         prompt_id=st.sampled_from(["", "p1", "p2"]),
         truncated=st.booleans(),
     ),
+    # Wakes: a request, a give-up, and WorkerOnline (above) measuring the span between.
+    st.builds(WakeRequested, at=AT_SKEWED, worker=WORKERS, why=st.sampled_from(["plan", "manual"])),
+    st.builds(WakeFailed, at=AT, worker=WORKERS, waited_s=st.just(30.0)),
 )
 # What happens between two batches of the live projector.
 ACTIONS = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["go", "go", "go", "restart", "rebuild"])))

@@ -39,6 +39,7 @@ from events.singleton import DEFAULT_LEASE_MS, SingletonLease
 from projections import store
 from projections.errors import ProjectionError
 from projections.snapshot import FleetRow
+from workers.waker import Waker, WakerConfig
 
 log = logging.getLogger("routeledger.reaper")
 
@@ -63,6 +64,8 @@ class ReaperConfig(msgspec.Struct, kw_only=True):
     # before it goes to the shared queue although that worker lives: it was handed off because it
     # could start at once there, so a wait this long means that worker is not taking work.
     handoff_wait_ms: int = 5_000
+    # How often sleeping machines are looked at against the queues (workers/waker.py); 0: never.
+    wake_interval_s: float = 2.0
 
 
 class Sweep(msgspec.Struct, kw_only=True):
@@ -95,6 +98,7 @@ class Reaper:
         self.leases = Leases(redis, keys)
         # Workers that write to an inbox (their entries are finished by the ingest), as of this sweep.
         self._inboxes: set[str] = set()
+        self.waker = Waker(redis, keys, WakerConfig(interval_s=config.wake_interval_s))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the reaper lease (one active reaper), sweep until `stop`."""
@@ -106,10 +110,18 @@ class Reaper:
             self.config.delivery_limit,
             self.config.stall_after_s,
         )
+        next_wake = 0.0
+        loop = asyncio.get_running_loop()
         try:
             while not stop.is_set():
                 if lease.lost.is_set():
                     await lease.hold()
+                if self.config.wake_interval_s > 0 and loop.time() >= next_wake:
+                    next_wake = loop.time() + self.config.wake_interval_s
+                    try:
+                        await self.waker.tick()
+                    except (RedisError, OSError) as exc:
+                        log.warning("waker failed, Redis unavailable (%s); retrying", exc)
                 try:
                     report = await self.sweep()
                     if (

@@ -23,6 +23,7 @@ from sim.backends.host import MachineApp
 from sim.backends.listener import Listener, read_body, respond
 from sim.backends.machine import Faults, MachineState, SimMachine
 from sim.backends.wire import FaultsRequest, ModelRequest, decode_body
+from sim.backends.wol import WakeListener, open_wake_listener
 from sim.errors import BadRequestError, SimHostError
 from sim.fleetspec import Fleet, WorkerSpec
 
@@ -113,6 +114,15 @@ class SimHosts:
         self._windows = windows
         self._window_tasks: list[asyncio.Task[None]] = []
         self._started = False
+        # Sleeping machines (spec.asleep): each one's network card, its pending power-on, and an
+        # event set when it has powered on after a magic packet.
+        self.wake_listeners: dict[str, WakeListener] = {}
+        self.woken: dict[str, asyncio.Event] = {
+            spec.name: asyncio.Event() for spec in fleet.worker if spec.asleep
+        }
+        self._boots: dict[str, asyncio.Task[None]] = {}
+        # Every datagram each card received, kept after the hosts stop (for a test to look at).
+        self._heard: dict[str, list[bytes]] = {}
 
     async def __aenter__(self) -> SimHosts:
         await self.start()
@@ -133,6 +143,8 @@ class SimHosts:
                     self._window_tasks.append(
                         asyncio.create_task(self._follow_windows(name, app.machine.spec))
                     )
+                if app.machine.spec.asleep:
+                    await self._fall_asleep(name, app.machine.spec)
             await self._control.open()
         except OSError as exc:
             await self.stop()
@@ -140,6 +152,12 @@ class SimHosts:
         self._started = True
 
     async def stop(self) -> None:
+        for boot in self._boots.values():
+            boot.cancel()
+        self._boots.clear()
+        for card in self.wake_listeners.values():
+            card.close()
+        self.wake_listeners.clear()
         for task in self._window_tasks:
             task.cancel()
         for task in self._window_tasks:
@@ -234,6 +252,40 @@ class SimHosts:
                 f"{name} cannot listen on its port {app.listener.port} again: {exc.strerror or exc}"
             ) from None
         app.machine.power_on()
+
+    # -- sleeping machines -----------------------------------------------------------------------
+
+    async def _fall_asleep(self, name: str, spec: WorkerSpec) -> None:
+        """Power the machine off and open its network card for its magic packet."""
+        await self.go_offline(name)
+        assert spec.mac is not None  # parse_fleet refuses a sleeping machine without one
+        card = await open_wake_listener(self.host, spec.wake_port, spec.mac, lambda: self._on_magic(name))
+        self.wake_listeners[name] = card
+        self._heard[name] = card.received
+
+    def wake_port(self, name: str) -> int:
+        """The UDP port where sleeping machine `name` listens for its magic packet."""
+        card = self.wake_listeners.get(name)
+        if card is None:
+            raise SimHostError(f"{name} is not a sleeping machine")
+        return card.port
+
+    def packets(self, name: str) -> list[bytes]:
+        """Every datagram sleeping machine `name`'s card has received, in order."""
+        return list(self._heard.get(name, []))
+
+    def _on_magic(self, name: str) -> None:
+        if self.is_online(name) or name in self._boots:
+            return
+        self._boots[name] = asyncio.get_running_loop().create_task(self._boot(name))
+
+    async def _boot(self, name: str) -> None:
+        """Power on `wake_s` (scaled) after the magic packet, as a machine boots."""
+        machine = self.machine(name)
+        await asyncio.sleep(machine.spec.wake_s * machine.timer_scale)
+        await self.go_online(name)
+        self._boots.pop(name, None)
+        self.woken[name].set()
 
     async def _follow_windows(self, name: str, spec: WorkerSpec) -> None:
         windows = sorted(spec.online or [])
