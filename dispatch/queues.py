@@ -367,7 +367,9 @@ _UNTAKEN_DEF: Final = ScriptDef("untaken", _UNTAKEN)
 # Returns the new entry id, or '' (taken meanwhile, or gone).
 _HAND_BACK: Final = """
 local last = '0-0'
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return '' end
+for _, g in ipairs(groups) do
   local name, delivered = nil, nil
   for j = 1, #g, 2 do
     if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
@@ -395,6 +397,37 @@ return id
 """
 
 _HAND_BACK_DEF: Final = ScriptDef("hand_back", _HAND_BACK)
+
+# Move a handed-off task its worker gave back (re-queued in place for ARGV[3], the re-queued
+# consumer: a retryable failure, a shutdown mid-run, or the reaper after its worker died) from the
+# pinned stream to the shared queue, as its next attempt: only while nobody has taken it again.
+# KEYS as _HAND_BACK; ARGV[1] group, ARGV[2] entry id, ARGV[3] the re-queued consumer.
+# Returns the new entry id, or '' (taken again meanwhile, or gone).
+_HAND_BACK_REQUEUED: Final = """
+local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #held == 0 then return '' end
+local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if #rows == 0 then return '' end
+local attempt = tostring(tonumber(held[1][4]) + 1)
+local fields = {}
+local flat = rows[1][2]
+for i = 1, #flat, 2 do
+  fields[#fields + 1] = flat[i]
+  if flat[i] == 'attempt' then fields[#fields + 1] = attempt else fields[#fields + 1] = flat[i + 1] end
+end
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
+  return redis.error_reply(made.err)
+end
+local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
+redis.call('SADD', KEYS[4], KEYS[3])
+return id
+"""
+
+_HAND_BACK_REQUEUED_DEF: Final = ScriptDef("hand_back_requeued", _HAND_BACK_REQUEUED)
 _KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
 _SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
 
@@ -564,6 +597,7 @@ class TaskQueues:
         self._revive = _REVIVE_DEF.bind(redis)
         self._untaken = _UNTAKEN_DEF.bind(redis)
         self._hand_back = _HAND_BACK_DEF.bind(redis)
+        self._hand_back_requeued = _HAND_BACK_REQUEUED_DEF.bind(redis)
         self._groups: set[str] = set()
 
     def out_key(self, task_id: str) -> str:
@@ -656,17 +690,23 @@ class TaskQueues:
         reply: Any = await self._untaken(keys=[queue], args=[WORKERS_GROUP, str(count)])
         return [(as_str(reply[i]), as_str(reply[i + 1])) for i in range(0, len(reply), 2)]
 
-    async def hand_back(self, pinned: str, entry_id: str, task_id: str) -> str | None:
-        """Move a handed-off task nobody took from the pinned stream `pinned` to the shared queue
-        its lookup hash names (`fallback`): its new entry id; None when it is not a hand-off (a
-        benchmark), was taken meanwhile, or is gone."""
+    async def hand_back(
+        self, pinned: str, entry_id: str, task_id: str, *, requeued: bool = False
+    ) -> str | None:
+        """Move a handed-off task from the pinned stream `pinned` to the shared queue its lookup
+        hash names (`fallback`): one nobody took, or (`requeued`) one its worker gave back, as its
+        next attempt. Its new entry id; None when it is not a hand-off (a benchmark), was taken
+        meanwhile, or is gone."""
         raw: Any = await self.redis.hget(self.keys.task(task_id), "fallback")
         if not raw:
             return None
-        moved: Any = await self._hand_back(
-            keys=[pinned, self.keys.task(task_id), as_str(raw), self.keys.queues],
-            args=[WORKERS_GROUP, entry_id],
-        )
+        keys = [pinned, self.keys.task(task_id), as_str(raw), self.keys.queues]
+        if requeued:
+            moved: Any = await self._hand_back_requeued(
+                keys=keys, args=[WORKERS_GROUP, entry_id, REQUEUED_CONSUMER]
+            )
+        else:
+            moved = await self._hand_back(keys=keys, args=[WORKERS_GROUP, entry_id])
         return as_str(moved) or None
 
     async def finish(self, queue: str, entry_id: str, owner: str = "") -> int:

@@ -4,6 +4,7 @@ does not take it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -143,3 +144,36 @@ async def test_a_benchmark_on_a_dead_workers_pinned_stream_stays_there(
     await queues.enqueue(pinned, TaskMessage(task_id="bench-1", model="m", digest=DIGEST, bench_id="x"))
     assert (await Reaper(redis_client, keys, ReaperConfig(lease_ms=10)).sweep()).handed_back == 0
     assert await redis_client.xlen(pinned) == 1
+
+
+async def test_a_hand_off_its_worker_gave_back_goes_to_the_shared_queue_as_its_next_attempt(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    await _live(redis_client, keys, "flaky")
+    pinned = await _pinned(queues, "t-back", "flaky")
+    taken = await queues.take(pinned, "flaky")
+    assert taken.entry_id
+    # A retryable failure: the worker re-queues it in place, on its own pinned stream.
+    await queues.requeue(pinned, taken.entry_id, delivery_limit=3, owner="flaky", attempt=1)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=60_000)).sweep()
+    assert report.handed_back == 1
+    assert await redis_client.xlen(pinned) == 0
+    # Another worker takes it from the shared queue, as attempt 2.
+    again = await queues.take(keys.queue(DIGEST), "other")
+    assert again.entry_id and again.attempt == 2
+    assert await redis_client.hget(keys.task("t-back"), "entry") == again.entry_id.encode()
+
+
+async def test_a_hand_off_taken_by_a_worker_that_died_is_reclaimed_into_the_shared_queue(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    pinned = await _pinned(queues, "t-died", "dead")
+    assert (await queues.take(pinned, "dead")).entry_id
+    await asyncio.sleep(0.05)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=10)).sweep()
+    assert report.reclaimed == 1 and report.handed_back == 1
+    assert await redis_client.xlen(pinned) == 0
+    again = await queues.take(keys.queue(DIGEST), "other")
+    assert again.entry_id and again.attempt == 2

@@ -531,6 +531,10 @@ class WorkerAgent:
         the head. None when something was taken or the head moved (ask again at once); else what
         to wait on."""
         self._last_ask = time.monotonic()
+        if self._last_ask < self._cooldown_until:
+            # After a failure that may be this machine's: nothing, pinned or shared (a hand-off it
+            # gave back goes to another worker meanwhile: workers.reaper).
+            return Wait(cursors={} if self._pinned_cursor is None else {self.pinned: self._pinned_cursor})
         # The pinned stream is looked at when something may be there: at first, when a wait woke
         # on it, after this worker handed an entry back, and now and then in any case.
         if self._pinned_cursor is None or self._last_ask - self._pinned_looked > _PINNED_LOOK_S:
@@ -542,8 +546,6 @@ class WorkerAgent:
                 return None
             self._pinned_cursor, self._pinned_looked = pinned.cursor, self._last_ask
         cursors = {self.pinned: self._pinned_cursor}
-        if time.monotonic() < self._cooldown_until:
-            return Wait(cursors=cursors)
         shared = self.shared_queues()
         for queue in shared:
             await self.queues.ensure_group(queue)

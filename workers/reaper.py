@@ -179,8 +179,8 @@ class Reaper:
         for queue in await self._queue_names():
             report.queues += 1
             await self._revive(queue, report)
-            await self._hand_back(queue, live, report)
             await self._reclaim_dead_owners(queue, live, report)
+            await self._hand_back(queue, live, report)
             await self._report_stalls(queue, report)
         return report
 
@@ -223,6 +223,18 @@ class Reaper:
         worker = self.keys.pinned_worker(queue)
         if worker is None:
             return
+        # Given back by its worker (a retryable failure, a shutdown, its death): the shared queue
+        # gives another worker the next attempt, where the pinned stream would give it to the same.
+        for pending in await self.ledger.pending(queue, consumer=REQUEUED_CONSUMER, count=100):
+            raw: Any = await self.redis.xrange(queue, pending.entry_id, pending.entry_id)
+            if not raw:
+                continue
+            ident = as_str(raw[0][1].get(F_ID, b""))
+            if ident and await self.queues.hand_back(queue, pending.entry_id, ident, requeued=True):
+                report.handed_back += 1
+                log.info(
+                    "task %s: handed off to %s, which gave it back; moved to the shared queue", ident, worker
+                )
         cutoff = now_ms() - self.config.handoff_wait_ms
         for entry_id, task_id in await self.queues.untaken(queue):
             if worker in live and int(entry_id.split("-")[0]) > cutoff:
