@@ -828,7 +828,12 @@ class PlanState:
         hits = self.cached(entry.prefix, prompt) if self._pfx is not None else None
         if hits:
             for i, tokens in hits.items():
-                finishes[i] -= tokens * sp.per_prompt[i]
+                finishes[i] = (
+                    self.head[i]
+                    + (prompt - tokens) * sp.per_prompt[i]
+                    + out * sp.per_out[i]
+                    + self.load_left[i]
+                )
         if not self.shared:
             finish = min(finishes)
             # The first of equals wins: holders are in registration order.
@@ -913,19 +918,39 @@ class PlanState:
     def _walk(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         """Assign `entries` in order until one goes to holder `until`: (the steps before it, its
         position, its finish), or (all steps, -1, 0.0)."""
-        if self.shared or self._pfx is not None:
-            # Task by task through `best` and `assign`: a machine whose tasks share it, or holders
-            # whose slots hold prompts (a task's cost there depends on what was laid out before it).
+        if self.shared:
             return self._walk_each(entries, until)
         default_prompt, out_of = self.default_prompt, self._out
         work = [(default_prompt if e.prompt_tokens is None else e.prompt_tokens, out_of(e)) for e in entries]
+        # Where slots hold prompts, each task's chain (its hits are looked up as it is laid out:
+        # a hit lasts only while the tasks laid out before it fit in the holder's other slots).
+        chains = [e.prefix for e in entries] if self._pfx is not None else None
         if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
-            return self._walk_all(work, until)
+            return self._walk_all(work, until, chains)
         # The bound below adds non-negative terms; negative token counts (a malformed request)
         # or free times would break it, and take the walk that needs no bound.
         if min(p for p, _ in work) < 0 or min(o for _, o in work) < 0 or min(self.head) < 0:
-            return self._walk_all(work, until)
-        return self._walk_pruned(work, until)
+            return self._walk_all(work, until, chains)
+        return self._walk_pruned(work, until, chains)
+
+    def _cheaper_hit(
+        self, chain: PromptChain | None, prompt: int, o: float, i: int, finish: float
+    ) -> tuple[int, float]:
+        """(holder, finish) of the best of holder `i` finishing at `finish` (the best without
+        caches) and the holders whose idle slot holds part of `chain`: a hit only lowers a
+        holder's finish, so nobody else can beat them both. Equal finishes go to the first
+        registered, as in the walks."""
+        if chain is None or not chain.hashes:
+            return i, finish
+        hits = self.cached(chain, prompt)
+        if not hits:
+            return i, finish
+        head, load_left, per_prompt, per_out = self.head, self.load_left, self.sp.per_prompt, self.sp.per_out
+        for j, tokens in hits.items():
+            f = head[j] + (prompt - tokens) * per_prompt[j] + o * per_out[j] + load_left[j]
+            if f < finish or (f == finish and j < i):
+                i, finish = j, f
+        return i, finish
 
     def _walk_each(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:
         steps: list[Step] = []
@@ -937,10 +962,14 @@ class PlanState:
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
-    def _walk_all(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
-        """Every task's finish on every holder (`best` and `assign` inlined)."""
+    def _walk_all(
+        self, work: list[tuple[int, float]], until: int, chains: Sequence[PromptChain | None] | None = None
+    ) -> tuple[list[Step], int, float]:
+        """Every task's finish on every holder (`best` and `assign` inlined); `chains`: the tasks'
+        prompt chains, where some holder's slots hold prompts (`_cheaper_hit`)."""
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
         replace = heapq.heapreplace
         for pos, (prompt, o) in enumerate(work):
@@ -950,6 +979,8 @@ class PlanState:
             ]
             finish = min(finishes)
             i = finishes.index(finish)
+            if chains is not None:
+                i, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish)
             if i == until:
                 return steps, pos, finish
             start = head[i]
@@ -961,10 +992,14 @@ class PlanState:
             head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
+            if given is not None:
+                given[i] += 1
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
-    def _walk_pruned(self, work: list[tuple[int, float]], until: int) -> tuple[list[Step], int, float]:
+    def _walk_pruned(
+        self, work: list[tuple[int, float]], until: int, chains: Sequence[PromptChain | None] | None = None
+    ) -> tuple[list[Step], int, float]:
         """The same assignments as `_walk_all`, looking at only the holders that might finish a
         task first.
 
@@ -986,6 +1021,7 @@ class PlanState:
         """
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
+        given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
         a_min, b_min = min(per_prompt), min(per_out)
         outs = sorted({o for _, o in work})
@@ -1025,6 +1061,13 @@ class PlanState:
                     limit = finish + finish * slack - bound
                 else:
                     seen.append(item)
+            if chains is not None:
+                j, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish)
+                if j != i:
+                    # A holder whose slot holds the task wins; the best without caches goes back
+                    # (the winner's old entries are left behind by its new version).
+                    seen.append(best)
+                    i = j
             for item in seen:
                 push(heap, item)
             if i == until:
@@ -1038,6 +1081,8 @@ class PlanState:
             h = head[i] = slots[0]
             loaded[i] = True
             load_left[i] = 0.0
+            if given is not None:
+                given[i] += 1
             v = version[i] = version[i] + 1
             b = per_out[i]
             for o_k, heap_k in classes:

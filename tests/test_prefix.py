@@ -3,6 +3,9 @@ prices what a worker's idle slot holds without pinning a conversation to it."""
 
 from __future__ import annotations
 
+import random
+
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +15,7 @@ from dispatch.prefix import render, render_messages, task_chain
 from events.event import Timings
 from projections.folder import prompt_tps
 from router.choose import RouteQuery, rank_workers
-from router.plan import BacklogEntry, PlanParams, PlanState, WorkerView, plan_queue
+from router.plan import BacklogEntry, FleetView, PlanParams, PlanState, WorkerView, plan_queue
 from router.prefix import (
     BLOCK_CHARS,
     PromptChain,
@@ -23,7 +26,8 @@ from router.prefix import (
     marks_of,
     matched_blocks,
 )
-from tests.router_helpers import NOW, QWEN, busy, estimator, snapshot, speed_row, view
+from sim.random_fleet import NOW_MS, FleetShape, random_fleet
+from tests.router_helpers import NOW, QWEN, busy, estimator, fleet_shapes, snapshot, speed_row, view
 
 # The story's two machines, as far as prompts go: the laptop evaluates about 90 prompt tokens a
 # second, the GPU PC about 1,500; the GPU PC also decodes faster.
@@ -196,3 +200,72 @@ def test_a_cache_hit_is_a_prompt_speed_sample_of_the_tokens_evaluated_not_of_the
     assert prompt_tps(hit) == pytest.approx(100.0)
     cold = Timings(prompt_eval_count=4000, prompt_eval_duration=1_000_000_000)
     assert prompt_tps(cold) == pytest.approx(4000.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=fleet_shapes(max_workers=30), seed=st.integers(0, 2**16))
+def test_slots_that_hold_none_of_the_queue_leave_every_plan_of_a_random_fleet_as_it_was(
+    shape: FleetShape, seed: int
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    rng = random.Random(seed)
+
+    def noise(n: int) -> tuple[int, ...]:
+        return tuple(rng.getrandbits(48) for _ in range(n))
+
+    # Every worker's slots hold other conversations; half the queued tasks carry chains of their own.
+    cached_workers = [
+        msgspec.structs.replace(
+            w, cache=[SlotCache(marks=marks_of(noise(rng.randint(1, 40)))) for _ in range(w.slots)]
+        )
+        for w in fleet.workers
+    ]
+    chained = {
+        d: [
+            msgspec.structs.replace(e, prefix=PromptChain(hashes=noise(8), chars=2048)) if k % 2 else e
+            for k, e in enumerate(q)
+        ]
+        for d, q in fleet.backlog.items()
+    }
+    with_caches = FleetView(workers=cached_workers, backlog=chained, arrival_rate=fleet.arrival_rate)
+    for digest in {d for w in fleet.workers for d in w.holds}:
+        before = plan_queue(fleet, est, digest, NOW_MS)
+        after = plan_queue(with_caches, est, digest, NOW_MS)
+        assert before.assignments == after.assignments
+        assert before.free_s == after.free_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=fleet_shapes(max_workers=40), seed=st.integers(0, 2**16))
+def test_with_slots_holding_queued_conversations_the_pruned_walk_still_equals_the_full_walk(
+    shape: FleetShape, seed: int
+) -> None:
+    snap, fleet, _ = random_fleet(shape, seed)
+    est = estimator(snap, NOW_MS)
+    rng = random.Random(seed)
+    chains = [
+        PromptChain(hashes=tuple(rng.getrandbits(48) for _ in range(12)), chars=12 * 256) for _ in range(6)
+    ]
+    # Each worker's slots hold some of six conversations, matched in part or whole; queued tasks
+    # continue them (or are strangers).
+    workers = [
+        msgspec.structs.replace(
+            w,
+            cache=[
+                SlotCache(marks=marks_of(rng.choice(chains).hashes[: rng.randint(1, 12)]))
+                for _ in range(rng.randint(0, w.slots))
+            ],
+        )
+        for w in fleet.workers
+    ]
+    backlog = {
+        d: [msgspec.structs.replace(e, prefix=rng.choice([*chains, None])) for e in q]
+        for d, q in fleet.backlog.items()
+    }
+    view_ = FleetView(workers=workers, backlog=backlog, arrival_rate=fleet.arrival_rate)
+    for digest in {d for w in workers for d in w.holds}:
+        pruned = plan_queue(view_, est, digest, NOW_MS)
+        full = plan_queue(view_, est, digest, NOW_MS, params=PlanParams(full_walk=True))
+        assert pruned.assignments == full.assignments
+        assert pruned.free_s == full.free_s
