@@ -50,6 +50,14 @@ def schedule(
     mean_tokens: Annotated[float | None, typer.Option("--mean-tokens", help="Mean output tokens.")] = None,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt tokens per task.")] = 64,
     burst: Annotated[int, typer.Option("--burst", help="Children per pipeline (submitted at once).")] = 1,
+    workload: Annotated[
+        str,
+        typer.Option(
+            "--workload",
+            help="poisson: independent tasks; chat: conversations of 2-8 turns, each resending the"
+            " conversation (--prompt-tokens: mean new message), 30 s mean think time.",
+        ),
+    ] = "poisson",
     join: Annotated[
         list[str] | None, typer.Option("--join", help="WORKER@SECONDS: offline until then (repeatable).")
     ] = None,
@@ -62,8 +70,10 @@ def schedule(
     """Simulate the policies on a fleet at several loads, beside the best threshold and the lower bound."""
     from sim.fleetspec import load_fleet
     from sim.scheduling.experiment import parse_policies, run_matrix
-    from sim.scheduling.workload import WorkloadSpec, default_model
+    from sim.scheduling.workload import WORKLOADS, WorkloadSpec, default_model
 
+    if workload not in WORKLOADS:
+        raise FleetError(f"unknown workload {workload!r}; workloads: {', '.join(WORKLOADS)}")
     if (fleet is None) == (fleet_file is None):
         raise FleetError("give exactly one of --fleet NAME or --fleet-file FILE")
     spec_fleet = load_fleet(fleet_file if fleet_file is not None else str(fleet))
@@ -89,6 +99,7 @@ def schedule(
         burst=burst,
         joins=at(join, "--join"),
         leaves=at(leave, "--leave"),
+        kind=workload,
     )
     rows = run_matrix(
         spec_fleet,
@@ -98,18 +109,23 @@ def schedule(
         base,
         progress=None if json_ else lambda s: err_console.print(f"[dim]{s}[/]", highlight=False),
     )
-    table = Table(title=f"fleet {spec_fleet.name or '?'}, model {chosen}, {tasks} tasks, seed {seed}")
+    chat = workload == "chat"
+    title = f"fleet {spec_fleet.name or '?'}, model {chosen}, {tasks} tasks, seed {seed}"
+    table = Table(title=title + (", chat" if chat else ""))
     slowed = any(w.slowdown for w in spec_fleet.worker)
     columns = ["policy", "load", "mean s", "p95 s", "makespan s", "vs best threshold", "vs lower bound"]
+    if chat:
+        columns[2:2] = ["mean ttft s", "p95 ttft s"]
     if slowed:
         columns += ["vs oracle", "detect s", "away s", "misrouted", "back s"]
     for col in columns:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         name = r.policy + (f" (K={','.join(map(str, r.thresholds))})" if r.thresholds else "")
-        cells = [
-            name,
-            f"{r.load:g}",
+        cells = [name, f"{r.load:g}"]
+        if chat:
+            cells += [_fmt(r.mean_ttft_s, 2), _fmt(r.p95_ttft_s, 2)]
+        cells += [
             _fmt(r.mean_s),
             _fmt(r.p95_s),
             _fmt(r.makespan_s, 0),
@@ -145,8 +161,10 @@ def schedule(
     if json_:
         results = [msgspec.to_builtins(r) for r in rows]
         for r in results:
-            for k in ("mean_s", "p95_s", "makespan_s"):
-                if r[k] == float("inf"):
+            if not chat:
+                del r["mean_ttft_s"], r["p95_ttft_s"]
+            for k in ("mean_s", "p95_s", "makespan_s", "mean_ttft_s", "p95_ttft_s"):
+                if r.get(k) == float("inf"):
                     r[k] = None
         print(json.dumps({"fleet": spec_fleet.name, "tasks": tasks, "results": results}))  # noqa: T201
     else:

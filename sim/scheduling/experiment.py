@@ -2,7 +2,10 @@
 the best fixed threshold found by a sweep, and the lower bounds beside them.
 
 All policies at one load see the same jobs (common random numbers), so their ratios are not
-blurred by sampling noise between runs.
+blurred by sampling noise between runs. On chats (`WorkloadSpec.kind == "chat"`) a later turn
+arrives when the policy finished the one before, so the lower bounds (which need every arrival in
+advance) are left out, the best threshold is swept only when asked for, and each row also has
+the time to first token.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class ResultRow(msgspec.Struct, kw_only=True):
     away_s: float | None = None
     back_s: float | None = None
     misrouted: int | None = None
+    # Chats: mean and 95th percentile of the time to first token (RunResult.ttft_s).
+    mean_ttft_s: float | None = None
+    p95_ttft_s: float | None = None
 
 
 def limits_of(fleet: Fleet, model: str, jobs: Sequence[Job]) -> Bounds:
@@ -142,20 +148,23 @@ def run_matrix(
 ) -> list[ResultRow]:
     """Every policy at every load; `best-threshold` is always computed (the others are compared to it)."""
     rows: list[ResultRow] = []
+    chat = base.kind == "chat"
     for load in loads:
         spec = msgspec.structs.replace(base, load=load)
         jobs = generate(fleet, model, spec)
-        bound = limits_of(fleet, model, jobs)
-        best_run, ks = sweep_thresholds(fleet, model, spec, jobs)
-        best_mean = best_run.mean_s
+        bound = None if chat else limits_of(fleet, model, jobs)
+        best: tuple[RunResult, list[int]] | None = None
+        if not chat or BEST_THRESHOLD in policies:
+            best = sweep_thresholds(fleet, model, spec, jobs)
+        best_mean = best[0].mean_s if best is not None else None
         slowed = any(w.slowdown for w in fleet.worker)
         oracle_mean = simulate(fleet, model, spec, make_policy(ORACLE), jobs).mean_s if slowed else None
         for name in policies:
             if progress is not None:
                 progress(f"load {load}: {name}")
             shifts: list[tuple[float, str, str]] = []
-            if name == BEST_THRESHOLD:
-                result, found = best_run, ks
+            if name == BEST_THRESHOLD and best is not None:
+                result, found = best
             else:
                 policy = make_policy(name)
                 result, found = simulate(fleet, model, spec, policy, jobs), None
@@ -169,14 +178,16 @@ def run_matrix(
                     mean_s=mean,
                     p95_s=result.p95_s(),
                     makespan_s=result.makespan_s,
-                    vs_best_threshold=mean / best_mean if math.isfinite(mean) else None,
-                    vs_lower_bound=mean / bound.mean_response_s if math.isfinite(mean) else None,
+                    vs_best_threshold=mean / best_mean if best_mean and math.isfinite(mean) else None,
+                    vs_lower_bound=mean / bound.mean_response_s if bound and math.isfinite(mean) else None,
                     thresholds=found,
                     vs_oracle=mean / oracle_mean if oracle_mean and math.isfinite(mean) else None,
                     detect_s=None if figures is None else figures.detect_s,
                     away_s=None if figures is None else figures.away_s,
                     back_s=None if figures is None else figures.back_s,
                     misrouted=None if figures is None else figures.misrouted,
+                    mean_ttft_s=result.mean_ttft_s if chat else None,
+                    p95_ttft_s=result.p95_ttft_s() if chat else None,
                 )
             )
     return rows

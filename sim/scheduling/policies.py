@@ -7,7 +7,12 @@ decision) on statistics folded with the real `projections.snapshot.fold` and the
 half-lives, read as often as the agent re-reads its snapshot; it learns from an empty ledger (or a
 given snapshot) with benchmarks on join by the worker's own rule, and probes a machine that looks
 slow as the worker does. `routeledger-oracle` is the same gate fed the true speeds at every moment
-(a slowdown window included).
+(a slowdown window included). On chats `routeledger` also prices what the workers' slots hold of
+each turn's conversation, and hands a turn straight to one worker when the API would
+(`router.handoff`); `routeledger-noprefix` is the same with caches left out of every decision.
+
+The peers `sticky`, `pair` and `herd` follow their projects' published rules (cited where each
+is defined).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import msgspec
 from dispatch.benchmark import BENCH_MIN_SAMPLES, BENCH_STALE_AFTER_S, PROBE_AFTER_S, needs_benchmark
 from projections.shift import detect, fold_sample
 from projections.snapshot import DemandRow, LengthRow, Snapshot, SpeedRow, Stat, fold
+from router.choose import Decision, RouteQuery, rank_workers
 from router.estimate import Estimator, build_estimator
-from router.gate import GateParams, decide_take
+from router.gate import BACKLOG_DEPTH, GateParams, decide_take
+from router.handoff import handoff_worker
+from router.plan import FleetView, WorkerView
 from sim.errors import FleetError
 from sim.scheduling.schedule import Measured, Simulation, SimWorker
 from sim.scheduling.workload import Job
@@ -43,6 +51,9 @@ class _Base:
         return 0
 
     def arrived(self, sim: Simulation, job: Job) -> None:
+        return None
+
+    def pin(self, sim: Simulation, job: Job) -> SimWorker | None:
         return None
 
     def route(self, sim: Simulation, job: Job) -> SimWorker:
@@ -153,6 +164,116 @@ class ShortestExpectedDelay(_Base):
         return min(_online(sim), key=lambda w: (w.in_system() + 1) / _true_rate(w, sim))
 
 
+class Sticky(_Base):
+    """Olla's sticky sessions: a conversation's turns go to the backend that served its first turn
+    while that backend is routable; a new conversation (or one whose backend is gone) goes where
+    the configured balancer sends it, and is pinned there. The balancer here is Olla's
+    least-connections (`LeastConnections`, fewest active connections; ties rotated): the default
+    `priority` balancer picks at random within a priority tier, and these fleets set no priorities.
+    Olla also expires a pin after a TTL; the think times here are far below any TTL, so none is
+    modelled.
+
+    Rule: https://thushan.github.io/olla/concepts/sticky-sessions/ ("Hit: the pinned backend is
+    still routable ... Miss: ... forwarded to the underlying balancer, and the selected backend is
+    stored. Repin: ... no longer routable") and https://thushan.github.io/olla/concepts/load-balancing
+    (source: github.com/thushan/olla, internal/adapter/balancer/sticky.go).
+    """
+
+    name = "sticky"
+
+    def __init__(self) -> None:
+        self.home: dict[int, str] = {}
+        self.balancer = LeastConnections()
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        name = self.home.get(job.conv)
+        if name is not None:
+            home = sim.by_name[name]
+            if home.online:
+                return home
+        chosen = self.balancer.route(sim, job)
+        if job.conv >= 0:
+            self.home[job.conv] = chosen.name
+        return chosen
+
+
+# PAIR's coarse GPU pressure: utilization at or above each threshold adds one unit (0-3).
+PAIR_PRESSURE = (0.40, 0.70, 0.85)
+
+
+class Pair(_Base):
+    """NVIDIA PAIR's node order: among the nodes holding the model, by pending jobs (queued or
+    running there) plus GPU pressure, then pressure, then node id. Pressure maps the busiest GPU's
+    utilization to 0-3 units at 40%, 70% and 85%; here utilization is the share of the machine's
+    slots in use (the simulator has no GPU counters), without PAIR's smoothing and hysteresis.
+    Node id order is registration order. PAIR's proxy counts its own just-dispatched requests at
+    once, as the simulator's counts are.
+
+    Rule: https://github.com/NVIDIA/Personal-AI-Router/blob/main/docs/architecture.mdx ("How a
+    Node Is Chosen": "Nodes sort by pending plus pressure, then by pressure, then by node ID").
+    """
+
+    name = "pair"
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        def key(w: SimWorker) -> tuple[int, int, int]:
+            used = len(w.runs) / w.slots
+            pressure = sum(1 for t in PAIR_PRESSURE if used >= t)
+            return (w.in_system() + pressure, pressure, w.index)
+
+        return min(_online(sim), key=key)
+
+
+class Herd(_Base):
+    """Ollama Herd's score, its signals that tell these machines apart: model thermal state (+50
+    loaded, +30 unloaded within the last 30 minutes, +10 cold on disk), memory fit (+20: the model
+    fits every machine here comfortably), queue depth (-6 per request, at most -30), and the
+    estimated wait (-(depth x the node x model's p75 latency) / 10 s, at most -25). Depth counts
+    the requests the node has for the model, running or queued. Latency is each run's seconds on
+    that node (the last 100); with none yet, 10 s (Herd's guess for a model of unknown size).
+    Role affinity, availability trend and context fit score alike on every machine here and are
+    left out. The highest score wins; ties go to the first registered.
+
+    Rule: https://ollamaherd.com/guides/concepts ("Scoring Signals") and
+    https://github.com/geeks-accelerator/ollama-herd/blob/main/src/fleet_manager/server/scorer.py
+    with the weights of src/fleet_manager/models/config.py.
+    """
+
+    name = "herd"
+    WARM_S = 1800.0
+    DEFAULT_P75_S = 10.0
+
+    def __init__(self) -> None:
+        self.latency: dict[str, deque[float]] = {}
+
+    def _p75(self, w: SimWorker) -> float:
+        xs = sorted(self.latency.get(w.name, ()))
+        if not xs:
+            return self.DEFAULT_P75_S
+        return xs[min(len(xs) - 1, math.ceil(0.75 * len(xs)) - 1)]
+
+    def score(self, sim: Simulation, w: SimWorker) -> float:
+        if w.loaded and not (w.idle_since is not None and sim.now - w.idle_since > w.spec.keep_alive_s):
+            thermal = 50.0
+        elif w.unloaded_at is not None and sim.now - w.unloaded_at < self.WARM_S:
+            thermal = 30.0
+        else:
+            thermal = 10.0
+        depth = w.in_system()
+        queue = -min(30.0, 6.0 * depth)
+        wait = -min(25.0, depth * self._p75(w) / 10.0) if depth else 0.0
+        return thermal + 20.0 + queue + wait
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        online = _online(sim)
+        scores = [self.score(sim, w) for w in online]
+        return online[scores.index(max(scores))]
+
+    def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
+        if not job.bench:
+            self.latency.setdefault(worker.name, deque(maxlen=100)).append(measured.wall_s)
+
+
 class StoryOriginal(_Base):
     """The story's first router: speed statistics keyed by model only (the same for every worker,
     so they cannot tell machines apart), a congestion score that averages only the metrics a
@@ -241,12 +362,22 @@ class Routeledger(_Base):
     pull = True
 
     def __init__(
-        self, gate: GateParams | None = None, oracle: bool = False, snapshot: Snapshot | None = None
+        self,
+        gate: GateParams | None = None,
+        oracle: bool = False,
+        snapshot: Snapshot | None = None,
+        prefix: bool = True,
     ) -> None:
         self.gate = gate or GateParams()
         self.oracle = oracle
         if oracle:
             self.name = "routeledger-oracle"
+        # False: decisions see no slot contents (the `prefix_pricing` setting off).
+        self.prefix = prefix
+        if not prefix:
+            self.name = "routeledger-noprefix"
+        # Turns handed straight to a worker (`pin`).
+        self.handoffs = 0
         # What the projector holds: every arrival and completion is folded in at once.
         self.tables = _copy(snapshot) if snapshot is not None else Snapshot()
         # What the agent decides on: a copy of the tables and its estimator, re-read as often as
@@ -349,8 +480,35 @@ class Routeledger(_Base):
         view = sim.view
         # A copy: the simulation changes its workers' views in place (what runs, what is loaded),
         # and the router keeps figures per list of workers, which a new list renews.
-        workers = list(view.workers)
+        workers = self._workers(sim)
         return decide_take(worker.name, workers, view.backlog, snap, est, sim.now_ms, self.gate).take
+
+    def _workers(self, sim: Simulation) -> list[WorkerView]:
+        if self.prefix:
+            return list(sim.view.workers)
+        return [msgspec.structs.replace(w, cache=[]) if w.cache else w for w in sim.view.workers]
+
+    def pin(self, sim: Simulation, job: Job) -> SimWorker | None:
+        """The API's pinned hand-off (router.handoff): the plan's best holder for the turn, when an
+        idle slot there holds part of it, it has a free slot, and every other holder's finish is at
+        least HANDOFF_RATIO (1.25) times its own."""
+        if not self.prefix or job.chain is None or not job.chain.hashes:
+            return None
+        workers = self._workers(sim)
+        if not workers:
+            return None
+        _, est = self._evidence(sim)
+        view = FleetView(workers=workers, backlog={sim.digest: sim.queue[:BACKLOG_DEPTH]})
+        query = RouteQuery(
+            model=sim.model, domain=job.domain, prompt_tokens=job.prompt_tokens, prefix=job.chain
+        )
+        ranking = rank_workers(view, est, sim.digest, sim.now_ms, query, params=self.gate.plan)
+        decision = Decision(model=sim.model, digest=sim.digest, domain=job.domain, ranking=ranking)
+        name = handoff_worker(decision)
+        if name is None:
+            return None
+        self.handoffs += 1
+        return sim.by_name[name]
 
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         if self.oracle:
@@ -425,6 +583,7 @@ def _known(x: float) -> Stat:
 POLICIES: dict[str, Callable[[], _Base]] = {
     "routeledger": Routeledger,
     "routeledger-oracle": lambda: Routeledger(oracle=True),
+    "routeledger-noprefix": lambda: Routeledger(prefix=False),
     "round-robin": RoundRobin,
     "random": RandomChoice,
     "least-busy": LeastBusy,
@@ -433,6 +592,9 @@ POLICIES: dict[str, Callable[[], _Base]] = {
     "fast-only": FastOnly,
     "sed": ShortestExpectedDelay,
     "story-original": StoryOriginal,
+    "sticky": Sticky,
+    "pair": Pair,
+    "herd": Herd,
 }
 # `best-threshold` is not one policy but a sweep of `Threshold` (see sim.sweep).
 POLICY_NAMES: tuple[str, ...] = (*POLICIES, "best-threshold")

@@ -8,6 +8,19 @@ k**parallel_exponent / k of its solo speed. A model not used for `keep_alive_s` 
 costs its load time again. A worker that goes offline loses what it runs: those tasks go back to
 the head of the queue they came from and start again. A worker's `slowdown` windows multiply its
 speed meanwhile: what it runs at the change goes on at the new speed from there.
+
+Prompt caches (chat workloads, whose jobs carry a conversation and a chain): each of a worker's
+`slots` keeps the conversation text of the last run it served, its prompt and its answer, as
+Ollama's and llama.cpp's slots keep their KV cache. A run takes the idle slot holding the longest
+prefix of its conversation (none: the least recently used idle slot, whose content it evicts) and
+evaluates only the rest of its prompt; unloading the model or going offline loses every slot's
+content. The workers' views report the slots (`WorkerView.cache`) as a real worker's lease does, and
+queued tasks carry their chain (`BacklogEntry.prefix`). Jobs without a conversation cache nothing,
+so the other workloads run exactly as before. A run's first token comes after its load and its
+uncached prompt, at the speed it gets meanwhile (`RunResult.ttft_s`).
+
+A pull policy may hand a task straight to one worker at its arrival (`Policy.pin`): the worker's
+pinned list, served before the shared queue, as the API's pinned hand-off does.
 """
 
 from __future__ import annotations
@@ -21,8 +34,18 @@ import msgspec
 
 from projections.shift import MIN_RATIO
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
+from router.prefix import SlotCache, marks_of
 from sim.fleetspec import Fleet, WorkerSpec, default_digest
-from sim.scheduling.workload import Job, ModelSpeeds, WorkloadSpec, generate, serving, speeds
+from sim.scheduling.workload import (
+    Job,
+    ModelSpeeds,
+    WorkloadSpec,
+    conversation_hashes,
+    generate,
+    serving,
+    speeds,
+    tokens_blocks,
+)
 
 # A benchmark prompt (a policy says how many a joining worker runs): short, as the shipped ones are.
 BENCH_PROMPT_TOKENS = 32
@@ -45,15 +68,43 @@ class Measured(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 class _Run:
     """A job on a worker: remaining solo seconds, and the parts of its solo time."""
 
-    __slots__ = ("job", "load_s", "remaining", "solo", "started", "task")
+    __slots__ = ("decode_s", "first", "job", "load_s", "remaining", "slot", "solo", "started", "task")
 
-    def __init__(self, job: Job, solo: float, load_s: float, started: float, task: RunningTask) -> None:
+    def __init__(
+        self,
+        job: Job,
+        solo: float,
+        load_s: float,
+        started: float,
+        task: RunningTask,
+        decode_s: float = 0.0,
+        slot: int = -1,
+    ) -> None:
         self.job = job
         self.solo = solo
         self.remaining = solo
         self.load_s = load_s
         self.started = started
         self.task = task
+        # Solo seconds of its output: the first token comes when only these remain.
+        self.decode_s = decode_s
+        # When its first token came (None: not yet).
+        self.first: float | None = None
+        # The cache slot it runs in (-1: caches are not modelled in this run).
+        self.slot = slot
+
+
+class _Slot:
+    """What one backend slot holds: `tokens` tokens of conversation `conv`'s text (-1: nothing
+    reusable), whether a run uses it, and when it was last given one."""
+
+    __slots__ = ("busy", "conv", "tokens", "used")
+
+    def __init__(self) -> None:
+        self.conv = -1
+        self.tokens = 0
+        self.busy = False
+        self.used = -math.inf
 
 
 class SimWorker:
@@ -78,6 +129,10 @@ class SimWorker:
         # Its speed now relative to `true` (the fleet's slowdown windows).
         self.factor = 1.0
         self.view = WorkerView(name=spec.name, slots=spec.slots, holds={digest})
+        # Its slots' prompt caches (chat workloads only).
+        self.cache = [_Slot() for _ in range(spec.slots)]
+        # When it last unloaded the model (None: never).
+        self.unloaded_at: float | None = None
 
     @property
     def free(self) -> bool:
@@ -112,6 +167,9 @@ class Policy(Protocol):
     def arrived(self, sim: Simulation, job: Job) -> None:
         """A task was submitted (before it is queued)."""
 
+    def pin(self, sim: Simulation, job: Job) -> SimWorker | None:
+        """Pull: the worker to hand `job` to at its arrival, past the shared queue (None: queue it)."""
+
     def route(self, sim: Simulation, job: Job) -> SimWorker:
         """Push: the online worker whose own queue gets `job`."""
 
@@ -142,6 +200,11 @@ class RunResult(msgspec.Struct, kw_only=True):
     # share beside running tasks counted; '' if none): the task went to a slower machine than it
     # had to.
     misrouted: list[str] = msgspec.field(default_factory=list)
+    # Per task, by index: from its arrival to its first token (queue wait, load and the prompt it
+    # evaluated, at the speed its run got).
+    ttft_s: list[float] = msgspec.field(default_factory=list)
+    # Per task, by index: prompt tokens a slot's cache held for it.
+    cached_tokens: list[int] = msgspec.field(default_factory=list)
 
     @property
     def mean_s(self) -> float:
@@ -154,6 +217,14 @@ class RunResult(msgspec.Struct, kw_only=True):
     @property
     def makespan_s(self) -> float:
         return max(self.finish_s) - self.first_arrival_s
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttft_s) / len(self.ttft_s)
+
+    def p95_ttft_s(self) -> float:
+        xs = sorted(self.ttft_s)
+        return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)]
 
 
 class Simulation:
@@ -179,7 +250,12 @@ class Simulation:
         self.digest = fleet.digest_of(specs[0], model) if specs else default_digest(model)
         self.workers = [SimWorker(i, s, model, self.digest) for i, s in enumerate(specs)]
         self.by_name = {w.name: w for w in self.workers}
-        self.jobs: list[Job] = list(jobs) if jobs is not None else generate(fleet, model, workload)
+        given = list(jobs) if jobs is not None else generate(fleet, model, workload)
+        # Chats: later turns' arrivals are set as the run goes, on copies (a caller runs every
+        # policy on the same jobs).
+        self.chat = any(j.conv >= 0 for j in given)
+        self.jobs: list[Job] = [msgspec.structs.replace(j) for j in given] if self.chat else given
+        self._hashes: dict[int, tuple[int, ...]] = {}
         self.now = 0.0
         self.queue: list[BacklogEntry] = []
         # The live facts a decision reads: online workers (what each runs) and the queue.
@@ -192,6 +268,8 @@ class Simulation:
         self.start_order: list[str] = []
         self.start_s: list[float] = []
         self.misrouted: list[str] = []
+        self.ttft: list[float] = [math.nan] * n
+        self.cached: list[int] = [0] * n
         self.benchmarks = 0
         self._bench_index = n
 
@@ -223,7 +301,8 @@ class Simulation:
     def run(self) -> RunResult:
         """Simulate until every task finished; the per-task figures."""
         for j in self.jobs:
-            self._push(j.arrival, _ARRIVE, j.index)
+            if math.isfinite(j.arrival):
+                self._push(j.arrival, _ARRIVE, j.index)
         self._windows()
         self.policy.start(self)
         events = self._events
@@ -249,6 +328,7 @@ class Simulation:
             # Nobody who serves the model was online after they arrived.
             for i in missing:
                 self.finish[i] = math.inf
+                self.ttft[i] = math.inf
         return RunResult(
             policy=self.policy.name,
             response_s=[self.finish[j.index] - j.arrival for j in self.jobs],
@@ -259,6 +339,8 @@ class Simulation:
             misrouted=list(self.misrouted),
             first_arrival_s=min(j.arrival for j in self.jobs),
             benchmarks=self.benchmarks,
+            ttft_s=list(self.ttft),
+            cached_tokens=list(self.cached),
         )
 
     # -- events ---------------------------------------------------------------------------------
@@ -266,6 +348,10 @@ class Simulation:
     def _arrive(self, job: Job) -> None:
         self.policy.arrived(self, job)
         if self.policy.pull:
+            pinned = self.policy.pin(self, job)
+            if pinned is not None and pinned.online:
+                pinned.pinned.append(job)
+                return
             self.queue.append(self._entry(job))
             return
         online = [w for w in self.workers if w.online]
@@ -281,6 +367,7 @@ class Simulation:
             enqueued_at_ms=self.epoch_ms + int(job.arrival * 1000.0),
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
+            prefix=job.chain,
         )
 
     def _online(self, w: SimWorker) -> None:
@@ -315,12 +402,17 @@ class Simulation:
             return
         w.online = False
         w.version += 1
-        lost = [r.job for r in w.runs if not r.job.bench]
+        # What it ran, and tasks handed to it that it had not started (a hand-off goes back to
+        # the shared queue when its worker is gone).
+        lost = [r.job for r in w.runs if not r.job.bench] + [j for j in w.pinned if not j.bench]
         w.runs.clear()
         w.view.running.clear()
         w.pinned.clear()
+        if w.loaded:
+            w.unloaded_at = self.now
         w.loaded = False
         w.view.loaded.clear()
+        self._forget(w)
         self.view.workers = [x.view for x in self.workers if x.online]
         # What it ran or held goes back to the head of the queue, in arrival order.
         back = sorted(lost, key=lambda j: j.index) + w.own
@@ -340,8 +432,12 @@ class Simulation:
 
     def _advance(self, w: SimWorker) -> None:
         if w.runs:
-            dt = (self.now - w.last) * w.rate()
+            rate = w.rate()
+            dt = (self.now - w.last) * rate
             for r in w.runs:
+                if r.first is None and r.remaining - dt <= r.decode_s:
+                    # Its prompt was done within this stretch, at this rate.
+                    r.first = w.last + max(0.0, r.remaining - r.decode_s) / rate
                 r.remaining -= dt
         w.last = self.now
 
@@ -371,11 +467,24 @@ class Simulation:
                 wall_s=wall,
                 in_flight=k,
             )
+            if r.slot >= 0:
+                slot = w.cache[r.slot]
+                slot.busy = False
+                slot.used = self.now
+                # The slot holds the prompt and what was generated: the next turn extends it.
+                slot.tokens = job.prompt_tokens + job.output_tokens if job.conv >= 0 else 0
             if not job.bench:
                 self.finish[job.index] = self.now
+                self.ttft[job.index] = (self.now if r.first is None else r.first) - job.arrival
                 self.worker_of[job.index] = w.name
                 w.done += 1
+                if job.next >= 0:
+                    turn = self.jobs[job.next]
+                    turn.arrival = self.now + turn.think_s
+                    self._push(turn.arrival, _ARRIVE, turn.index)
             self.policy.completed(self, w, job, measured)
+        if self.chat:
+            self._report(w)
         if not w.runs:
             w.idle_since = self.now
         self._reschedule(w)
@@ -384,7 +493,9 @@ class Simulation:
         self._advance(w)
         self._expire(w)
         load = 0.0 if w.loaded else w.true.load_s
-        solo = load + job.prompt_tokens / w.true.prompt_tps + job.output_tokens / w.true.decode_tps
+        slot, cached = self._take_slot(w, job) if self.chat else (-1, 0)
+        decode_s = job.output_tokens / w.true.decode_tps
+        solo = load + (job.prompt_tokens - cached) / w.true.prompt_tps + decode_s
         w.loaded = True
         w.view.loaded.add(self.digest)
         w.idle_since = None
@@ -395,11 +506,14 @@ class Simulation:
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
         )
-        w.runs.append(_Run(job, solo, load, self.now, task))
+        w.runs.append(_Run(job, solo, load, self.now, task, decode_s, slot))
         w.view.running.append(task)
+        if self.chat:
+            self._report(w)
         if job.bench:
             self.benchmarks += 1
         else:
+            self.cached[job.index] = cached
             self.start_order.append(w.name)
             self.start_s.append(self.now)
             # The speed the task gets here (its share beside what runs already) against the one a
@@ -421,6 +535,58 @@ class Simulation:
         if w.loaded and not w.runs and idle is not None and self.now - idle > w.spec.keep_alive_s:
             w.loaded = False
             w.view.loaded.clear()
+            # When it unloaded, not when the next look noticed.
+            w.unloaded_at = idle + w.spec.keep_alive_s
+            self._forget(w)
+
+    # -- prompt caches (chat workloads) ------------------------------------------------------------
+
+    def _take_slot(self, w: SimWorker, job: Job) -> tuple[int, int]:
+        """(slot, cached prompt tokens) of a run of `job` starting on `w`: the idle slot holding
+        the longest prefix of its conversation, else the least recently used idle slot."""
+        idle = [k for k, s in enumerate(w.cache) if not s.busy]
+        best, cached = -1, 0
+        if job.conv >= 0:
+            for k in idle:
+                s = w.cache[k]
+                if s.conv == job.conv and cached < s.tokens <= job.prompt_tokens:
+                    best, cached = k, s.tokens
+        if best < 0:
+            best = min(idle, key=lambda k: w.cache[k].used)
+        slot = w.cache[best]
+        slot.busy = True
+        slot.used = self.now
+        # What it held is replaced by this prompt (its common prefix kept).
+        slot.conv = job.conv
+        slot.tokens = job.prompt_tokens if job.conv >= 0 else 0
+        return best, cached
+
+    def _forget(self, w: SimWorker) -> None:
+        """The model left its memory: no slot holds anything."""
+        if not self.chat:
+            return
+        for s in w.cache:
+            s.conv, s.tokens, s.busy = -1, 0, False
+        self._report(w)
+
+    def _conv_hashes(self, conv: int, tokens: int) -> tuple[int, ...]:
+        blocks = tokens_blocks(tokens)
+        held = self._hashes.get(conv)
+        if held is None or len(held) < blocks:
+            held = self._hashes[conv] = conversation_hashes(conv, max(blocks, 2 * len(held or ())))
+        return held[:blocks]
+
+    def _report(self, w: SimWorker) -> None:
+        """`w`'s view of its slots, as its lease would report them."""
+        w.view.cache = [
+            SlotCache(
+                marks=marks_of(self._conv_hashes(s.conv, s.tokens)) if s.conv >= 0 else (),
+                busy=s.busy,
+                used_ms=self.epoch_ms + int(s.used * 1000.0) if math.isfinite(s.used) else 0,
+                digest=self.digest,
+            )
+            for s in w.cache
+        ]
 
     def _dispatch(self) -> None:
         """Give free slots work until nobody takes anything more."""

@@ -1,20 +1,36 @@
 """Workloads of the scheduling simulator: Poisson arrivals at a target load, output lengths per
-domain, bursts (pipelines of k children), and workers joining or leaving mid-run.
+domain, bursts (pipelines of k children), multi-turn chats, and workers joining or leaving mid-run.
 
 Load = arrival rate x mean work / total fleet speed, for the requested model: the fleet's
 capacity is the sum over the workers that serve the model of slots**parallel_exponent / (mean
 service time there), so load 1.0 is what the whole fleet can just keep up with.
+
+A chat (`kind="chat"`, `generate_chat`) is a conversation of `turns_min`..`turns_max` turns (drawn
+uniformly: 2..8, mean 5, by default). Each turn's prompt is the conversation so far (every earlier
+user message and answer) plus a new user message (exponential, mean `prompt_tokens`); its answer
+has the model's output law. The next turn is sent `think_s` (exponential, mean 30 s) after the
+answer finished, so only the first turn's arrival is known in advance: the simulator schedules each
+later one when its previous turn completes (`Job.next`, `Job.think_s`). Conversations start as a
+Poisson process; its load counts every turn's prompt as if nothing were cached (the work a fleet
+without caches would do): conversation rate = load x capacity at the mean turn / mean turns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 
 import msgspec
 
+from router.prefix import BLOCK_CHARS, MAX_BLOCKS, PromptChain
 from sim.errors import FleetError
 from sim.fleetspec import Fleet, WorkerSpec
+
+# A chat prompt's characters per token: the chain of a prompt of n tokens covers 4n characters,
+# so a block of the chain (BLOCK_CHARS = 256 characters) is 64 tokens.
+CHARS_PER_TOKEN = 4
+WORKLOADS = ("poisson", "chat")
 
 
 class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -34,6 +50,12 @@ class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):
     # (worker, simulated second): offline until then / offline from then.
     joins: tuple[tuple[str, float], ...] = ()
     leaves: tuple[tuple[str, float], ...] = ()
+    # "poisson": independent tasks (in bursts of `burst`); "chat": conversations (module docstring).
+    kind: str = "poisson"
+    turns_min: int = 2
+    turns_max: int = 8
+    # Mean seconds between a turn's answer and the next turn.
+    think_s: float = 30.0
 
 
 class Job(msgspec.Struct, kw_only=True, gc=False):
@@ -46,6 +68,13 @@ class Job(msgspec.Struct, kw_only=True, gc=False):
     domain: str = "general"
     burst_id: int = 0
     bench: bool = False
+    # A chat turn: its conversation (-1: not a chat), the index of the conversation's next turn
+    # (-1: none), the think time before this turn is sent (after the previous one finished; its
+    # `arrival` is then unknown, inf, until the simulator sets it), and its prompt's chain.
+    conv: int = -1
+    next: int = -1
+    think_s: float = 0.0
+    chain: PromptChain | None = None
 
 
 class ModelSpeeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -129,7 +158,12 @@ def draw_tokens(rng: random.Random, dist: str, mean: float, sigma: float) -> int
 
 
 def generate(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
-    """The jobs of one run, in arrival order; the same for the same seed."""
+    """The jobs of one run, in arrival order (a chat's: conversation by conversation); the same
+    for the same seed."""
+    if spec.kind == "chat":
+        return generate_chat(fleet, model, spec)
+    if spec.kind != "poisson":
+        raise FleetError(f"unknown workload {spec.kind!r}; workloads: {', '.join(WORKLOADS)}")
     if spec.load <= 0 or spec.tasks < 1 or spec.burst < 1:
         raise FleetError("load must be positive, tasks and burst at least 1")
     rng = random.Random(spec.seed)
@@ -152,4 +186,81 @@ def generate(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
                     burst_id=burst_id,
                 )
             )
+    return jobs
+
+
+def conversation_hashes(conv: int, blocks: int) -> tuple[int, ...]:
+    """The chain hashes of the first `blocks` blocks of conversation `conv`'s text: block j's hash
+    stands for the conversation's text up to the end of block j, so two prompts of one
+    conversation share exactly their common blocks, and no two conversations share any."""
+    out = []
+    for j in range(min(blocks, MAX_BLOCKS)):
+        digest = hashlib.blake2b(f"{conv}:{j}".encode(), digest_size=6).digest()
+        out.append(int.from_bytes(digest, "big"))
+    return tuple(out)
+
+
+def tokens_blocks(tokens: int) -> int:
+    """Full chain blocks of a chat text of `tokens` tokens."""
+    return tokens * CHARS_PER_TOKEN // BLOCK_CHARS
+
+
+def chat_turn_mean(spec: WorkloadSpec, out_mean: float) -> tuple[float, float]:
+    """(mean turns per conversation, mean prompt tokens per turn) of `spec`'s chats: turn k of a
+    conversation (from 1) sends k user messages and k - 1 answers."""
+    turns = range(spec.turns_min, spec.turns_max + 1)
+    mean_turns = sum(turns) / len(turns)
+    # Over a conversation of t turns the prompts hold t user messages and t(t - 1)/2 earlier parts
+    # (each a message and its answer) in all.
+    pairs = sum(t * (t - 1) / 2 for t in turns) / len(turns)
+    prompt = (mean_turns * spec.prompt_tokens + pairs * (spec.prompt_tokens + out_mean)) / mean_turns
+    return mean_turns, prompt
+
+
+def generate_chat(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
+    """The turns of `spec.tasks` chat turns' conversations (module docstring), conversation by
+    conversation; later turns' arrivals are inf until the simulator sends them."""
+    if spec.load <= 0 or spec.tasks < 1 or not 1 <= spec.turns_min <= spec.turns_max:
+        raise FleetError("load must be positive, tasks at least 1, and 1 <= turns_min <= turns_max")
+    rng = random.Random(spec.seed)
+    dist, mean, sigma = output_law(fleet, model, spec)
+    mean_turns, mean_prompt = chat_turn_mean(spec, mean)
+    # The fleet's turns per second at the mean turn, every prompt evaluated whole.
+    cap = capacity(fleet, model, msgspec.structs.replace(spec, prompt_tokens=round(mean_prompt)))
+    rate = spec.load * cap / mean_turns
+    jobs: list[Job] = []
+    t = 0.0
+    conv = 0
+    while len(jobs) < spec.tasks:
+        t += rng.expovariate(rate)
+        turns = rng.randint(spec.turns_min, spec.turns_max)
+        turns = min(turns, spec.tasks - len(jobs))
+        drawn = []
+        for k in range(turns):
+            message = draw_tokens(rng, "exp", float(spec.prompt_tokens), 0.0)
+            answer = draw_tokens(rng, dist, mean, sigma)
+            think = rng.expovariate(1.0 / spec.think_s) if k and spec.think_s > 0 else 0.0
+            drawn.append((message, answer, think))
+        total = sum(m + a for m, a, _ in drawn)
+        hashes = conversation_hashes(conv, tokens_blocks(total))
+        history = 0
+        first = len(jobs)
+        for k, (message, answer, think) in enumerate(drawn):
+            prompt = history + message
+            jobs.append(
+                Job(
+                    index=len(jobs),
+                    arrival=t if k == 0 else math.inf,
+                    prompt_tokens=prompt,
+                    output_tokens=answer,
+                    domain=spec.domain,
+                    burst_id=conv + 1,
+                    conv=conv,
+                    next=first + k + 1 if k + 1 < turns else -1,
+                    think_s=think,
+                    chain=PromptChain(hashes=hashes[: tokens_blocks(prompt)], chars=prompt * CHARS_PER_TOKEN),
+                )
+            )
+            history = prompt + answer
+        conv += 1
     return jobs
