@@ -29,6 +29,9 @@ class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     domain: str = "general"
     prompt_tokens: int | None = None
     max_tokens: int | None = None
+    # Its backend has answered (the slot is free; the run still writes what it made): the plan
+    # leaves it out, while the fleet's overview and the reaper still see it.
+    answered: bool = False
 
 
 class LoadedModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

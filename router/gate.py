@@ -165,7 +165,9 @@ def should_take(
     divisor = (len(me.running) + 1 + max(1, me.slots)) / 2.0
     expected = rate * my_first * p.arrival_weight / divisor if p.rule == "arrivals" else 0.0
     phantoms = int(expected + 0.5)
-    entries = list(queue) + [queue[-1]] * phantoms
+    # Expected arrivals are like the last task in size, but hold no conversation of theirs.
+    phantom = queue[-1] if queue[-1].prefix is None else msgspec.structs.replace(queue[-1], prefix=None)
+    entries = list(queue) + [phantom] * phantoms
     # The walk stops at the first task the plan gives me: the tasks behind it cannot change that.
     given = state.first_given(mine, entries)
     if given is not None:

@@ -622,60 +622,72 @@ class _Prefixes:
 
     __slots__ = ("_matches", "by_mark", "idle", "positions")
 
-    def __init__(self, by_mark: dict[tuple[int, int], list[int]], idle: list[int]) -> None:
+    def __init__(self, by_mark: dict[tuple[int, int], list[tuple[int, int]]], idle: list[int]) -> None:
+        # (blocks, hash) -> the (holder index, slot index) of every idle slot with that checkpoint.
         self.by_mark = by_mark
-        # Longest first: a holder's first match is its longest.
+        # Longest first: a slot's first match is its longest.
         self.positions = sorted({b for b, _ in by_mark}, reverse=True)
         self.idle = idle
         # Per queued task's chain (by identity; the chain is kept so that its id is not reused):
-        # every holder's longest match. A queue is laid out again on every decision while these
-        # holders last, and its tasks' chains with it.
-        self._matches: dict[int, tuple[PromptChain, list[tuple[int, int]]]] = {}
+        # every matching slot. A queue is laid out again on every decision while these holders
+        # last, and its tasks' chains with it.
+        self._matches: dict[int, tuple[PromptChain, dict[int, list[tuple[int, int]]]]] = {}
 
     @classmethod
     def of(cls, holders: Sequence[WorkerView], digest: str) -> _Prefixes | None:
-        by_mark: dict[tuple[int, int], list[int]] = {}
+        by_mark: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for i, w in enumerate(holders):
-            for slot in w.cache:
+            for k, slot in enumerate(w.cache):
                 if slot.busy or (slot.digest and slot.digest != digest):
                     continue
                 for mark in slot.marks:
-                    found = by_mark.setdefault(mark, [])
-                    if not found or found[-1] != i:
-                        found.append(i)
+                    by_mark.setdefault(mark, []).append((i, k))
         if not by_mark:
             return None
         idle = [max(0, w.slots - len(w.running)) for w in holders]
         return cls(by_mark, idle)
 
-    def _longest(self, chain: PromptChain) -> list[tuple[int, int]]:
-        """(holder index, blocks) of every holder whose idle slot holds a prefix of `chain`."""
+    def _longest(self, chain: PromptChain) -> dict[int, list[tuple[int, int]]]:
+        """Holder index -> (blocks, slot index) of each of its idle slots holding a prefix of
+        `chain`, longest first."""
         hit = self._matches.get(id(chain))
         if hit is not None and hit[0] is chain:
             return hit[1]
         hashes = chain.hashes
         n = len(hashes)
-        found: dict[int, int] = {}
+        seen: set[tuple[int, int]] = set()
+        out: dict[int, list[tuple[int, int]]] = {}
         by_mark = self.by_mark
         for pos in self.positions:
             if pos > n:
                 continue
-            for i in by_mark.get((pos, hashes[pos - 1]), ()):
-                if i not in found:
-                    found[i] = pos
-        out = list(found.items())
+            for slot in by_mark.get((pos, hashes[pos - 1]), ()):
+                if slot not in seen:
+                    seen.add(slot)
+                    out.setdefault(slot[0], []).append((pos, slot[1]))
         if len(self._matches) >= _MATCHES_MAX:
             self._matches.clear()
         self._matches[id(chain)] = (chain, out)
         return out
 
-    def blocks(self, chain: PromptChain, given: Sequence[int]) -> dict[int, int]:
-        """Holder index -> blocks of `chain` its idle slot holds, for the holders where the slot
-        would still hold them when the task starts: the `given[i]` tasks laid out there before it
-        fit in its other idle slots (the backend gives each the least recently used idle slot, or
-        the one sharing its prefix; a conversation's own slot is its most recently used)."""
+    def blocks(
+        self, chain: PromptChain, given: Sequence[int], used: set[tuple[int, int]]
+    ) -> dict[int, tuple[int, int]]:
+        """Holder index -> (blocks, slot index) of `chain` its idle slot holds, for the holders
+        where the slot would still hold them when the task starts: the `given[i]` tasks laid out
+        there before it fit in its other idle slots (the backend gives each the least recently
+        used idle slot, or the one sharing its prefix; a conversation's own slot is its most
+        recently used), and no task laid out before it took that slot for its own hit (`used`)."""
         idle = self.idle
-        return {i: b for i, b in self._longest(chain) if given[i] < idle[i]}
+        out: dict[int, tuple[int, int]] = {}
+        for i, slots in self._longest(chain).items():
+            if given[i] >= idle[i]:
+                continue
+            for blocks, k in slots:
+                if (i, k) not in used:
+                    out[i] = (blocks, k)
+                    break
+        return out
 
 
 # `_Prefixes` keeps at most this many chains' matches (a queue's worth, several times over).
@@ -726,6 +738,7 @@ class PlanState:
         "outs",
         "shared",
         "sp",
+        "used",
     )
 
     def __init__(
@@ -798,18 +811,24 @@ class PlanState:
         # (a hit holds only while they fit in its other idle slots: `_Prefixes.blocks`).
         self._pfx = tpl.prefixes()
         self.given: list[int] | None = None if self._pfx is None else [0] * len(self.names)
+        # The (holder, slot) pairs whose content a task laid out already counted as its hit.
+        self.used: set[tuple[int, int]] = set()
 
     def cached(self, chain: PromptChain | None, prompt_tokens: int) -> dict[int, int]:
         """Holder index -> prompt tokens of a task with `chain` (of `prompt_tokens` tokens) that
         an idle slot of that holder holds, where it still would when the task starts there now."""
+        return {i: tokens for i, (tokens, _) in self._hits(chain, prompt_tokens).items()}
+
+    def _hits(self, chain: PromptChain | None, prompt_tokens: int) -> dict[int, tuple[int, int]]:
+        """`cached`, with the slot of each hit: holder index -> (tokens, slot index)."""
         px, given = self._pfx, self.given
         if px is None or given is None or chain is None or not chain.hashes:
             return {}
-        out: dict[int, int] = {}
-        for i, blocks in px.blocks(chain, given).items():
+        out: dict[int, tuple[int, int]] = {}
+        for i, (blocks, k) in px.blocks(chain, given, self.used).items():
             tokens = tokens_of_blocks(blocks, chain.chars, prompt_tokens)
             if tokens > 0:
-                out[i] = tokens
+                out[i] = (tokens, k)
         return out
 
     def _out(self, entry: BacklogEntry) -> float:
@@ -885,6 +904,10 @@ class PlanState:
 
     def assign(self, i: int, finish: float, start: float = 0.0, entry: BacklogEntry | None = None) -> None:
         """Give holder `i` the task `best` placed there (from `start` to `finish`)."""
+        won = None
+        if entry is not None and self._pfx is not None and entry.prefix is not None:
+            prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+            won = self._hits(entry.prefix, prompt).get(i)
         slots = self.free[i]
         if i not in self._own:
             slots = self.free[i] = list(slots)
@@ -904,6 +927,9 @@ class PlanState:
         self.load_left[i] = 0.0
         if self.given is not None:
             self.given[i] += 1
+        if won is not None:
+            # Its hit's slot is its own now (after its work above was priced with it).
+            self.used.add((i, won[1]))
 
     def walk(self, entries: Sequence[BacklogEntry]) -> list[Step]:
         """Assign `entries` in order, each to the holder finishing it earliest: (holder index,
@@ -959,17 +985,20 @@ class PlanState:
         """(holder, finish) of the best of holder `i` finishing at `finish` (the best without
         caches) and the holders whose idle slot holds part of `chain`: a hit only lowers a
         holder's finish, so nobody else can beat them both. Equal finishes go to the first
-        registered, as in the walks."""
+        registered, as in the walks. The slot of the winner's hit, if it has one, is taken."""
         if chain is None or not chain.hashes:
             return i, finish
-        hits = self.cached(chain, prompt)
+        hits = self._hits(chain, prompt)
         if not hits:
             return i, finish
         head, load_left, per_prompt, per_out = self.head, self.load_left, self.sp.per_prompt, self.sp.per_out
-        for j, tokens in hits.items():
+        for j, (tokens, _) in hits.items():
             f = head[j] + (prompt - tokens) * per_prompt[j] + o * per_out[j] + load_left[j]
             if f < finish or (f == finish and j < i):
                 i, finish = j, f
+        won = hits.get(i)
+        if won is not None:
+            self.used.add((i, won[1]))
         return i, finish
 
     def _walk_each(self, entries: Sequence[BacklogEntry], until: int) -> tuple[list[Step], int, float]:

@@ -269,3 +269,15 @@ def test_with_slots_holding_queued_conversations_the_pruned_walk_still_equals_th
         full = plan_queue(view_, est, digest, NOW_MS, params=PlanParams(full_walk=True))
         assert pruned.assignments == full.assignments
         assert pruned.free_s == full.free_s
+
+
+def test_one_cached_slot_counts_for_one_task_and_the_next_that_shares_its_prefix_runs_cold() -> None:
+    text = render_messages(_conversation(4))
+    # Two queued turns both extend what b's one idle slot holds; b has a second, empty slot.
+    first, second = chain_of(text + "first question"), chain_of(text + "another question")
+    b = _holder("b", slots=2, cache=[_slot_holding(text), SlotCache()])
+    state = PlanState([b], _est({"b": (20.0, 300.0)}), QWEN, NOW, PlanParams())
+    assert state.cached(second, 2000)
+    state.walk([_entry("t1", first, 2000)])
+    # The first took the slot that held it: the second gets the empty one, cold.
+    assert state.cached(second, 2000) == {}

@@ -370,9 +370,9 @@ class WorkerAgent:
                     domain=r.entry.task.domain,
                     prompt_tokens=r.entry.task.prompt_tokens,
                     max_tokens=r.entry.task.max_tokens,
+                    answered=r.answered,
                 )
                 for r in self.running.values()
-                if not r.answered
             ],
             since=self.started_at,
             resources=self.resources,
@@ -712,6 +712,10 @@ class WorkerAgent:
                 )
                 return
             crash_here("claim", run.ordinal)
+            if task.kind != EMBED:
+                # Before the lease below: it must not show the slot this run takes as holding
+                # what it held before.
+                run.slot = self.slots.start(task.digest, task.prefix or task_chain(task))
             # One round trip: the lease that now lists this task, the claim, and the cancel check.
             # The lease goes first: a worker woken by the TaskClaimed reads it up to date. It is on
             # its way while the backend is asked, and done before anything of the run is written.
@@ -736,8 +740,6 @@ class WorkerAgent:
             pipe.exists(self.keys.cancel(task.task_id))
             claim = _Claim(self, asyncio.ensure_future(pipe.execute()), sent, task.task_id)
             run.claim = claim
-            if task.kind != EMBED:
-                run.slot = self.slots.start(task.digest, task.prefix or task_chain(task))
             await self._generate(run, local)
             self._failures = 0
         except TaskCancelledError:
