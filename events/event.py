@@ -106,7 +106,8 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=
         """The prompt tokens the backend evaluated: the ones its cache did not hold."""
         if self.prompt_eval_count is None:
             return None
-        return self.prompt_eval_count - min(self.prompt_eval_cached_count or 0, self.prompt_eval_count)
+        cached = max(0, self.prompt_eval_cached_count or 0)
+        return self.prompt_eval_count - min(cached, self.prompt_eval_count)
 
 
 class Resources(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):

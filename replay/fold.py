@@ -216,7 +216,9 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     embed = pl.col("kind").fill_null("") == EMBED
     decode = pl.when(~embed).then(decode_tps_expr())
     # The evaluated tokens only (Timings.evaluated_prompt_tokens): cached ones took no time.
-    cached = pl.min_horizontal(pl.col("prompt_eval_cached_count").fill_null(0), pl.col("prompt_eval_count"))
+    cached = pl.min_horizontal(
+        pl.col("prompt_eval_cached_count").fill_null(0).clip(lower_bound=0), pl.col("prompt_eval_count")
+    )
     prompt = _rate_of(pl.col("prompt_eval_count") - cached, pl.col("prompt_eval_duration"), MAX_PROMPT_TPS)
     ttft = pl.when(~embed).then(pl.col("ttft_ms"))
     ld = pl.col("load_duration")

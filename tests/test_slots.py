@@ -54,3 +54,14 @@ def test_a_model_the_backend_unloaded_forgets_what_its_slots_held() -> None:
     assert slots.report()
     slots.forget([DIGEST])
     assert slots.report() == []
+
+
+def test_a_run_knows_how_much_of_its_prompt_its_slot_should_hold() -> None:
+    slots = Slots(1)
+    k = slots.start(DIGEST, chain_of(_chat(2)))
+    assert slots.hit(DIGEST, k) == 0  # the first turn: nothing held
+    slots.finish(DIGEST, k, chain_of(_chat(3)))
+    k = slots.start(DIGEST, chain_of(_chat(4)))
+    assert slots.hit(DIGEST, k) == len(chain_of(_chat(3)).hashes)
+    slots.finish(DIGEST, k, None)
+    assert slots.hit(DIGEST, k) == 0

@@ -879,10 +879,21 @@ class WorkerAgent:
             # the result: Gateway.relay).
             await flush()
         wall_ms = (time.perf_counter() - t0) * 1000
+        reported = generated.timings
+        if (
+            run.slot >= 0
+            and self.slots.hit(task.digest, run.slot) > 0
+            and reported.prompt_eval_cached_count is None
+            and reported.prompt_eval_count is not None
+        ):
+            # This run should have found its prefix cached, and the backend does not say how
+            # much it did (Ollama's count includes cached tokens, with or without saying so): its
+            # prompt time is no prompt speed sample. Recorded as all cached, which leaves it out.
+            reported = msgspec.structs.replace(reported, prompt_eval_cached_count=reported.prompt_eval_count)
         cold, timings = self.warmth.after(
             task.digest,
             cold,
-            generated.timings,
+            reported,
             alone=alone and len(self.running) <= 1,
             prompt_tokens=task.prompt_tokens,
         )

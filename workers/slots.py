@@ -21,13 +21,15 @@ from router.prefix import PromptChain, SlotCache, best_slot, marks_of
 
 
 class _Slot:
-    __slots__ = ("busy", "digest", "hashes", "used_ms")
+    __slots__ = ("busy", "digest", "hashes", "hit", "used_ms")
 
     def __init__(self) -> None:
         self.hashes: tuple[int, ...] = ()
         self.busy = False
         self.used_ms = 0
         self.digest = ""
+        # Blocks of the prompt it runs now that it held before (0: none, or it runs nothing).
+        self.hit = 0
 
 
 class Slots:
@@ -50,24 +52,28 @@ class Slots:
         slots = self._of(digest)
         hashes = chain.hashes if chain is not None else ()
         reported = [SlotCache(marks=marks_of(s.hashes) if s.hashes else (), busy=s.busy) for s in slots]
-        k, _ = best_slot(hashes, reported)
+        k, hit = best_slot(hashes, reported)
         if k < 0:
             idle = [i for i, s in enumerate(slots) if not s.busy]
             if not idle:
                 return -1
             k = min(idle, key=lambda i: slots[i].used_ms)
         slot = slots[k]
-        slot.busy, slot.used_ms, slot.digest = True, now_ms(), digest
+        slot.busy, slot.used_ms, slot.digest, slot.hit = True, now_ms(), digest, hit
         # While it runs, the slot holds this prompt (and then some): what it held before is gone.
         slot.hashes = hashes
         return k
+
+    def hit(self, digest: str, k: int) -> int:
+        """Blocks of its prompt the run on slot `k` should find in the cache (0: none expected)."""
+        return self._of(digest)[k].hit if k >= 0 else 0
 
     def finish(self, digest: str, k: int, held: PromptChain | None) -> None:
         """The run on slot `k` ended; the slot holds `held` (its prompt and answer; None: unknown)."""
         if k < 0:
             return
         slot = self._of(digest)[k]
-        slot.busy = False
+        slot.busy, slot.hit = False, 0
         slot.hashes = held.hashes if held is not None else ()
 
     def forget(self, digests: Iterable[str]) -> None:
