@@ -11,9 +11,11 @@ would cost more than it tells).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any, Protocol
 
-from dispatch.payload import EMBED, Message, TaskMessage
+from dispatch.payload import EMBED, Message, TaskMessage, ToolCall
 from router.prefix import PromptChain, chain_of
 
 # Separators that message text seldom holds: a message boundary is never mistaken for content.
@@ -32,49 +34,80 @@ def _render_message(m: Message) -> str:
     return "".join(parts)
 
 
-def render(task: TaskMessage, reply: str | None = None) -> str | None:
-    """The canonical text of `task`'s prompt, followed by `reply` (what the model answered) where
-    given; None for a task the cache does not apply to (embeddings)."""
-    if task.kind == EMBED:
+class Prompted(Protocol):
+    """What the rendering reads of a request or a task (dispatch.submit.TaskRequest, TaskMessage)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def messages(self) -> list[Message]: ...
+    @property
+    def prompt(self) -> str | None: ...
+    @property
+    def system(self) -> str | None: ...
+    @property
+    def tools(self) -> list[dict[str, Any]] | None: ...
+    @property
+    def format(self) -> Any: ...
+    @property
+    def response_format(self) -> dict[str, Any] | None: ...
+    @property
+    def images(self) -> list[str] | None: ...
+
+
+def _head(p: Prompted) -> str:
+    """What the backend puts ahead of the conversation, or that changes it from the start: the
+    tools offered (rendered into the system prompt), a schema to answer in, a completion's
+    images. Requests that differ there share no cache."""
+    parts: list[str] = []
+    if p.tools:
+        parts.append(f"<tools {json.dumps(p.tools, sort_keys=True, default=str)}>")
+    if p.format is not None or p.response_format is not None:
+        parts.append(f"<format {json.dumps([p.format, p.response_format], sort_keys=True, default=str)}>")
+    if p.images:
+        parts += [f"<image {len(img)} {img[:32]}>" for img in p.images]
+    return "".join(parts)
+
+
+def render(p: Prompted, reply: str | None = None, calls: Sequence[ToolCall] | None = None) -> str | None:
+    """The canonical text of a prompt, followed by `reply` (what the model answered, with the
+    tool `calls` it made) where given; None for a task the cache does not apply to (embeddings)."""
+    if p.kind == EMBED:
         return None
-    if task.kind == "generate":
-        text = f"system{_ROLE}{task.system or ''}{_END}user{_ROLE}{task.prompt or ''}{_END}"
-        return text if reply is None else f"{text}assistant{_ROLE}{reply}{_END}"
-    return render_messages(task.messages, reply)
-
-
-def held_after(task: TaskMessage, reply: str) -> PromptChain | None:
-    """What the slot that ran `task` holds once it answered `reply`: the prompt and the answer
-    (the chain a chat's next turn extends)."""
-    text = render(task, reply)
-    if text is None:
-        return None
-    chain = chain_of(text)
-    return chain if chain.hashes else None
-
-
-def render_messages(messages: Sequence[Message], reply: str | None = None) -> str:
-    """The canonical text of a chat's messages (and the assistant's `reply`, where given)."""
-    text = "".join(map(_render_message, messages))
+    if p.kind == "generate":
+        text = f"{_head(p)}system{_ROLE}{p.system or ''}{_END}user{_ROLE}{p.prompt or ''}{_END}"
+    else:
+        text = _head(p) + "".join(map(_render_message, p.messages))
     if reply is not None:
-        text += f"assistant{_ROLE}{reply}{_END}"
+        text += _render_message(
+            Message(role="assistant", content=reply, tool_calls=list(calls) if calls else None)
+        )
     return text
 
 
-def task_chain(task: TaskMessage) -> PromptChain | None:
-    """`task`'s prompt chain; None where the cache does not apply or the prompt is under a block."""
-    return request_chain(task.kind, task.messages, task.prompt, task.system)
+def held_after(task: TaskMessage, reply: str, calls: Sequence[ToolCall] | None = None) -> PromptChain | None:
+    """What the slot that ran `task` holds once it answered `reply` (and made tool `calls`): the
+    prompt and the answer (the chain a chat's next turn extends)."""
+    return _chain(render(task, reply, calls))
 
 
-def request_chain(
-    kind: str, messages: Sequence[Message], prompt: str | None, system: str | None
-) -> PromptChain | None:
-    """The prompt chain of a request of `kind` (`task_chain` before there is a task)."""
-    if kind == EMBED:
+def render_messages(messages: Sequence[Message], reply: str | None = None) -> str:
+    """The canonical text of a chat's messages (and the assistant's `reply`, where given), for a
+    request with no tools, format or images."""
+    text = "".join(map(_render_message, messages))
+    if reply is not None:
+        text += _render_message(Message(role="assistant", content=reply))
+    return text
+
+
+def task_chain(p: Prompted) -> PromptChain | None:
+    """The prompt chain of a request or a task; None where the cache does not apply or the prompt
+    is under a block."""
+    return _chain(render(p))
+
+
+def _chain(text: str | None) -> PromptChain | None:
+    if text is None:
         return None
-    if kind == "generate":
-        text = f"system{_ROLE}{system or ''}{_END}user{_ROLE}{prompt or ''}{_END}"
-    else:
-        text = render_messages(messages)
     chain = chain_of(text)
     return chain if chain.hashes else None

@@ -17,7 +17,7 @@ import msgspec
 from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFullError
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
-from dispatch.prefix import request_chain
+from dispatch.prefix import task_chain
 from dispatch.queues import TaskQueues
 from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
@@ -153,7 +153,7 @@ async def route_and_submit(
     """
     text = req.text()
     domain = req.domain or classify_domain(text)
-    chain = request_chain(req.kind, req.messages, req.prompt, req.system) if prefixes else None
+    chain = task_chain(req) if prefixes else None
     # What the workers' slots hold changes as each run ends, and a chat's next turn can follow its
     # answer within a moment: a prompt with a chain is planned on leases no older than that.
     leases = await view.leases(max_age_s=PREFIX_LEASES_MAX_AGE_S if chain is not None else None)
@@ -408,9 +408,7 @@ async def submit_task(
         truncate=req.truncate,
         dimensions=req.dimensions,
         keep_alive=req.keep_alive,
-        prefix=(req.prefix or request_chain(req.kind, req.messages, req.prompt, req.system))
-        if prefixes
-        else None,
+        prefix=(req.prefix or task_chain(req)) if prefixes else None,
     )
     keys = queues.keys
     shared = keys.band_queue(digest, task.priority, req.share_round)

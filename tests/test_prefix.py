@@ -281,3 +281,35 @@ def test_one_cached_slot_counts_for_one_task_and_the_next_that_shares_its_prefix
     state.walk([_entry("t1", first, 2000)])
     # The first took the slot that held it: the second gets the empty one, cold.
     assert state.cached(second, 2000) == {}
+
+
+def test_the_same_messages_with_other_tools_or_schema_share_no_cache() -> None:
+    msgs = _conversation(2)
+    plain = TaskMessage(task_id="a", model="m", digest=QWEN, messages=msgs)
+    tooled = TaskMessage(
+        task_id="b",
+        model="m",
+        digest=QWEN,
+        messages=msgs,
+        tools=[{"type": "function", "function": {"name": "f"}}],
+    )
+    shaped = TaskMessage(task_id="c", model="m", digest=QWEN, messages=msgs, format="json")
+    chains = [task_chain(t) for t in (plain, tooled, shaped)]
+    assert all(c is not None for c in chains)
+    firsts = {c.hashes[0] for c in chains if c is not None}
+    assert len(firsts) == 3
+    # The same tools again: the next turn still extends the slot's content.
+    held = render(tooled, "an answer " * 50)
+    assert held is not None
+    nxt = TaskMessage(
+        task_id="d",
+        model="m",
+        digest=QWEN,
+        messages=[
+            *msgs,
+            Message(role="assistant", content="an answer " * 50),
+            Message(role="user", content="?"),
+        ],
+        tools=tooled.tools,
+    )
+    assert (render(nxt) or "").startswith(held)

@@ -901,7 +901,7 @@ class WorkerAgent:
             generated = msgspec.structs.replace(generated, timings=timings)
         text = "".join(pieces)
         if run.slot >= 0:
-            holds = held_after(task, text)
+            holds = held_after(task, text, calls)
             self.slots.finish(task.digest, run.slot, holds)
             run.slot, run.answered = -1, True
             if holds is not None and self.eager_lease:
