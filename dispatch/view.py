@@ -232,6 +232,9 @@ class LiveView:
         snapshot_every_s: float = SNAPSHOT_EVERY_S,
         leases_every_s: float = 0.0,
     ) -> None:
+        # Worker -> its lease's renewed_at when this process last handed it a task
+        # (dispatch.submit): the next hand-off waits for a lease written after that one.
+        self.handed_off: dict[str, int] = {}
         self.redis = redis
         self.keys = keys
         self._leases = Cached(self._load_leases, leases_every_s)

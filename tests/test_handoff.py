@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, Leases
 from dispatch.payload import Message, TaskMessage
 from dispatch.prefix import render_messages
 from dispatch.queues import TaskQueues
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import TaskRequest, route_and_submit, submit_task
+from dispatch.view import LiveView
+from events.event import ModelEntry
 from events.keys import Keys
 from events.ledger import Ledger
 from router.choose import RouteQuery, decide
@@ -177,3 +180,38 @@ async def test_a_hand_off_taken_by_a_worker_that_died_is_reclaimed_into_the_shar
     assert await redis_client.xlen(pinned) == 0
     again = await queues.take(keys.queue(DIGEST), "other")
     assert again.entry_id and again.attempt == 2
+
+
+async def test_a_worker_handed_a_turn_gets_no_other_until_its_lease_says_it_took_it(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    leases = Leases(redis_client, keys)
+    text = _conversation()
+    slot = SlotCache(marks=marks_of(block_hashes(text)), used_ms=NOW)
+    model = [ModelEntry(name="m", digest=DIGEST)]
+    holder = LeaseInfo(worker="holder", token="t", slots=1, inventory=model, loaded=[DIGEST], cache=[slot])
+    other = LeaseInfo(worker="other", token="t", slots=1, inventory=model, loaded=[DIGEST])
+    await leases.put(other, 60_000)
+    await leases.put(holder, 60_000)
+    view = LiveView(redis_client, keys)
+    turn = [
+        Message(role="user", content="question " + "lorem ipsum " * 500),
+        Message(role="assistant", content="answer " + "dolor sit " * 500),
+        Message(role="user", content="and then?"),
+    ]
+
+    async def send(n: int) -> str:
+        sub = await route_and_submit(queues, view, TaskRequest(model="m", messages=turn, task_id=f"turn{n}"))
+        return sub.queue
+
+    # Equal machines by their priors: the one whose slot holds the conversation wins by far.
+    assert await send(1) == keys.pinned("holder")
+    # Its lease still says what it said: it has not taken the first yet.
+    assert await send(2) == keys.queue(DIGEST)
+    # It took it (and its lease was written again), and the second went elsewhere (else the plan
+    # gives it that slot first): the next may go straight to it.
+    await redis_client.delete(keys.queue(DIGEST))
+    await asyncio.sleep(0.06)
+    await leases.put(msgspec.structs.replace(holder, renewed_at=holder.renewed_at + 1000), 60_000)
+    assert await send(3) == keys.pinned("holder")
