@@ -334,19 +334,38 @@ _TAKE_OVER_DEF: Final = ScriptDef("take_over", _TAKE_OVER)
 _CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
 _TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
 
+# Lua helpers of the hand-off scripts: a group's last delivered id (nil: the stream is gone), and
+# the group made on a queue that may not have it yet.
+_LUA_HANDOFF: Final = """
+local function last_delivered(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return nil end
+  local last = '0-0'
+  for _, g in ipairs(groups) do
+    local name, delivered = nil, nil
+    for j = 1, #g, 2 do
+      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
+    end
+    if name == group and delivered ~= nil then last = delivered end
+  end
+  return last
+end
+local function ensure_group(stream, group)
+  local made = redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
+    return made.err
+  end
+  return nil
+end
+"""
+
 # The entries of a pinned stream nobody has taken yet: {id, task id, ...} in order, at most ARGV[2]
 # of them. KEYS[1] the pinned stream; ARGV[1] group, ARGV[2] count.
-_UNTAKEN: Final = """
-local last = '0-0'
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if not ok then return {} end
-for _, g in ipairs(groups) do
-  local name, delivered = nil, nil
-  for j = 1, #g, 2 do
-    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
-  end
-  if name == ARGV[1] and delivered ~= nil then last = delivered end
-end
+_UNTAKEN: Final = (
+    _LUA_HANDOFF
+    + """
+local last = last_delivered(KEYS[1], ARGV[1])
+if last == nil then return {} end
 local out = {}
 for _, row in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', tonumber(ARGV[2]))) do
   local ident = ''
@@ -357,6 +376,7 @@ for _, row in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', to
 end
 return out
 """
+)
 
 _UNTAKEN_DEF: Final = ScriptDef("untaken", _UNTAKEN)
 
@@ -365,17 +385,11 @@ _UNTAKEN_DEF: Final = ScriptDef("untaken", _UNTAKEN)
 # has taken it, and the task's lookup hash follows it. KEYS[1] the pinned stream, KEYS[2] the task
 # hash, KEYS[3] the shared queue, KEYS[4] registry of queues; ARGV[1] group, ARGV[2] entry id.
 # Returns the new entry id, or '' (taken meanwhile, or gone).
-_HAND_BACK: Final = """
-local last = '0-0'
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
-if not ok then return '' end
-for _, g in ipairs(groups) do
-  local name, delivered = nil, nil
-  for j = 1, #g, 2 do
-    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
-  end
-  if name == ARGV[1] and delivered ~= nil then last = delivered end
-end
+_HAND_BACK: Final = (
+    _LUA_HANDOFF
+    + """
+local last = last_delivered(KEYS[1], ARGV[1])
+if last == nil then return '' end
 local function key(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
@@ -385,16 +399,15 @@ local lms, lseq = key(last)
 if ems == nil or (ems < lms or (ems == lms and eseq <= lseq)) then return '' end
 local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
 if #rows == 0 then return '' end
-local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[1], '0', 'MKSTREAM')
-if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
-  return redis.error_reply(made.err)
-end
+local failed = ensure_group(KEYS[3], ARGV[1])
+if failed then return redis.error_reply(failed) end
 local id = redis.call('XADD', KEYS[3], '*', unpack(rows[1][2]))
 redis.call('XDEL', KEYS[1], ARGV[2])
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
 redis.call('SADD', KEYS[4], KEYS[3])
 return id
 """
+)
 
 _HAND_BACK_DEF: Final = ScriptDef("hand_back", _HAND_BACK)
 
@@ -403,7 +416,9 @@ _HAND_BACK_DEF: Final = ScriptDef("hand_back", _HAND_BACK)
 # pinned stream to the shared queue, as its next attempt: only while nobody has taken it again.
 # KEYS as _HAND_BACK; ARGV[1] group, ARGV[2] entry id, ARGV[3] the re-queued consumer.
 # Returns the new entry id, or '' (taken again meanwhile, or gone).
-_HAND_BACK_REQUEUED: Final = """
+_HAND_BACK_REQUEUED: Final = (
+    _LUA_HANDOFF
+    + """
 local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
 if #held == 0 then return '' end
 local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
@@ -417,15 +432,14 @@ for i = 1, #flat, 2 do
   fields[#fields + 1] = flat[i]
   if flat[i] == 'attempt' then fields[#fields + 1] = attempt else fields[#fields + 1] = flat[i + 1] end
 end
-local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[1], '0', 'MKSTREAM')
-if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
-  return redis.error_reply(made.err)
-end
+local failed = ensure_group(KEYS[3], ARGV[1])
+if failed then return redis.error_reply(failed) end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
 redis.call('SADD', KEYS[4], KEYS[3])
 return id
 """
+)
 
 _HAND_BACK_REQUEUED_DEF: Final = ScriptDef("hand_back_requeued", _HAND_BACK_REQUEUED)
 _KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
