@@ -23,3 +23,7 @@ class BadRequestError(SimHostError):
 
 class CapabilityError(BadRequestError):
     """Raised when a request asks a model for something its capabilities lack (tools, images, …)."""
+
+
+class MixError(RouteledgerError):
+    """Raised when a workload mix (a `[[class]]` TOML file or a shipped name) is missing or malformed."""

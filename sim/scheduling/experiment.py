@@ -48,6 +48,23 @@ class ResultRow(msgspec.Struct, kw_only=True):
     # Chats: mean and 95th percentile of the time to first token (RunResult.ttft_s).
     mean_ttft_s: float | None = None
     p95_ttft_s: float | None = None
+    # Mixes (`WorkloadSpec.mix`): each class's 99th percentile response, by its domain.
+    class_p99_s: dict[str, float] | None = None
+
+
+def class_p99(jobs: Sequence[Job], result: RunResult, domains: Sequence[str] = ()) -> dict[str, float]:
+    """The 99th percentile response of each domain's jobs in `result` (the nearest rank), in the
+    order of `domains` first (a domain without jobs is left out)."""
+    by: dict[str, list[float]] = {d: [] for d in domains}
+    for j, r in zip(jobs, result.response_s, strict=True):
+        by.setdefault(j.domain, []).append(r)
+    out = {}
+    for domain, xs in by.items():
+        if not xs:
+            continue
+        xs.sort()
+        out[domain] = xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+    return out
 
 
 def limits_of(fleet: Fleet, model: str, jobs: Sequence[Job]) -> Bounds:
@@ -188,6 +205,11 @@ def run_matrix(
                     misrouted=None if figures is None else figures.misrouted,
                     mean_ttft_s=result.mean_ttft_s if chat else None,
                     p95_ttft_s=result.p95_ttft_s() if chat else None,
+                    class_p99_s=(
+                        class_p99(jobs, result, [c.domain for c in base.mix.classes])
+                        if base.mix is not None
+                        else None
+                    ),
                 )
             )
     return rows

@@ -367,6 +367,7 @@ class Simulation:
             enqueued_at_ms=self.epoch_ms + int(job.arrival * 1000.0),
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
+            max_tokens=job.max_tokens,
             prefix=job.chain,
         )
 
@@ -505,6 +506,7 @@ class Simulation:
             started_at_ms=self.now_ms,
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
+            max_tokens=job.max_tokens,
         )
         w.runs.append(_Run(job, solo, load, self.now, task, decode_s, slot))
         w.view.running.append(task)

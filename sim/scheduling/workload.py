@@ -13,6 +13,16 @@ answer finished, so only the first turn's arrival is known in advance: the simul
 later one when its previous turn completes (`Job.next`, `Job.think_s`). Conversations start as a
 Poisson process; its load counts every turn's prompt as if nothing were cached (the work a fleet
 without caches would do): conversation rate = load x capacity at the mean turn / mean turns.
+
+A mix (`WorkloadSpec.mix`, `routeledger sim schedule --mix FILE`) is traffic of several classes,
+each with its domain, share of arrivals, prompt length law (lognormal around its mean), output
+length law and optional `max_tokens` cap (`Mix`, `parse_mix`). Each arrival draws its class, then
+its prompt and its output (capped by `max_tokens`, as a backend stops there). Load keeps its
+meaning: the fleet's capacity is taken at the mix's mean task (its classes' mean prompt and mean
+capped output, weighted by share; service time is linear in tokens, so that is the mean service
+time on each worker), and arrival rate = load x that capacity. A one-class mix draws no class and,
+with `prompt_sigma = 0`, no prompt either, so it gives exactly the jobs of the same single-domain
+workload.
 """
 
 from __future__ import annotations
@@ -20,17 +30,46 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import tomllib
+from importlib import resources
+from pathlib import Path
 
 import msgspec
 
 from router.prefix import BLOCK_CHARS, MAX_BLOCKS, PromptChain
-from sim.errors import FleetError
+from sim.errors import FleetError, MixError
 from sim.fleetspec import Fleet, WorkerSpec
 
 # A chat prompt's characters per token: the chain of a prompt of n tokens covers 4n characters,
 # so a block of the chain (BLOCK_CHARS = 256 characters) is 64 tokens.
 CHARS_PER_TOKEN = 4
 WORKLOADS = ("poisson", "chat")
+OUTPUT_DISTS = ("exp", "lognormal", "fixed")
+# How far a mix's shares may sum from 1.
+SHARE_TOLERANCE = 1e-6
+
+
+class MixClass(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One class of a mix: its share of arrivals and the laws of its prompt and output lengths."""
+
+    domain: str
+    share: float
+    # Mean prompt tokens; lognormal with `prompt_sigma` (0: every prompt has the mean).
+    prompt_tokens: float
+    prompt_sigma: float = 0.0
+    # Mean output tokens, under `output_dist` (exp, lognormal with `output_sigma`, or fixed).
+    output_tokens: float
+    output_dist: str
+    output_sigma: float = 0.0
+    # The cap the request carries: no output runs longer.
+    max_tokens: int | None = None
+
+
+class Mix(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A workload mix: `[[class]]` tables (module docstring)."""
+
+    name: str = ""
+    classes: tuple[MixClass, ...] = msgspec.field(name="class")
 
 
 class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -56,6 +95,8 @@ class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):
     turns_max: int = 8
     # Mean seconds between a turn's answer and the next turn.
     think_s: float = 30.0
+    # Several classes of traffic (module docstring); None: one domain with the fields above.
+    mix: Mix | None = None
 
 
 class Job(msgspec.Struct, kw_only=True, gc=False):
@@ -75,6 +116,8 @@ class Job(msgspec.Struct, kw_only=True, gc=False):
     next: int = -1
     think_s: float = 0.0
     chain: PromptChain | None = None
+    # The cap the request carries (None: none); `output_tokens` is already within it.
+    max_tokens: int | None = None
 
 
 class ModelSpeeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -84,7 +127,7 @@ class ModelSpeeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     prompt_tps: float
     load_s: float
 
-    def seconds(self, prompt_tokens: int, output_tokens: float, loaded: bool) -> float:
+    def seconds(self, prompt_tokens: float, output_tokens: float, loaded: bool) -> float:
         """Solo service time of a task on this worker."""
         return (
             (0.0 if loaded else self.load_s)
@@ -134,11 +177,16 @@ def output_law(fleet: Fleet, model: str, spec: WorkloadSpec) -> tuple[str, float
 
 
 def capacity(fleet: Fleet, model: str, spec: WorkloadSpec) -> float:
-    """Tasks per second the fleet can serve for `model` (all serving workers, models loaded)."""
+    """Tasks per second the fleet can serve for `model` (all serving workers, models loaded); a
+    mix's at its mean task (module docstring)."""
     _, mean, _ = output_law(fleet, model, spec)
     total = 0.0
     for w in serving(fleet, model):
-        s = speeds(w, model).seconds(spec.prompt_tokens, mean, True)
+        true = speeds(w, model)
+        if spec.mix is not None:
+            s = sum(c.share * true.seconds(c.prompt_tokens, capped_mean(c), True) for c in spec.mix.classes)
+        else:
+            s = true.seconds(spec.prompt_tokens, mean, True)
         total += w.slots**w.parallel_exponent / s
     if total <= 0:
         raise FleetError(f"no worker of fleet {fleet.name!r} serves {model!r}")
@@ -157,10 +205,126 @@ def draw_tokens(rng: random.Random, dist: str, mean: float, sigma: float) -> int
     return max(1, round(x))
 
 
+def capped_mean(c: MixClass) -> float:
+    """The mean output of class `c` once its `max_tokens` cap is applied: E[min(X, cap)]."""
+    cap = c.max_tokens
+    m = c.output_tokens
+    if cap is None:
+        return m
+    if c.output_dist == "fixed":
+        return min(m, float(cap))
+    if c.output_dist == "exp":
+        return m * (1.0 - math.exp(-cap / m))
+    if c.output_sigma <= 0:
+        return min(m, float(cap))
+    # Lognormal (mu, s): E[min(X, c)] = e^(mu + s^2/2) Phi((ln c - mu - s^2)/s) + c (1 - Phi((ln c - mu)/s)).
+    s = c.output_sigma
+    mu = math.log(m) - s * s / 2.0
+
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    z = (math.log(cap) - mu) / s
+    return m * phi(z - s) + cap * (1.0 - phi(z))
+
+
+def _check_mix(mix: Mix, source: str) -> Mix:
+    if not mix.classes:
+        raise MixError(f"{source}: a mix needs at least one [[class]] table")
+    domains = [c.domain for c in mix.classes]
+    if len(set(domains)) != len(domains):
+        raise MixError(f"{source}: class domains must be unique, got {domains}")
+    for i, c in enumerate(mix.classes):
+        at = f"{source}: class[{i}] ({c.domain})"
+        if c.output_dist not in OUTPUT_DISTS:
+            raise MixError(f"{at}: output_dist {c.output_dist!r} is not one of {', '.join(OUTPUT_DISTS)}")
+        for field in ("share", "prompt_tokens", "output_tokens"):
+            if not getattr(c, field) > 0:
+                raise MixError(f"{at}: {field} must be positive, got {getattr(c, field)}")
+        for field in ("prompt_sigma", "output_sigma"):
+            if not getattr(c, field) >= 0:
+                raise MixError(f"{at}: {field} must be 0 or more, got {getattr(c, field)}")
+        if c.max_tokens is not None and c.max_tokens < 1:
+            raise MixError(f"{at}: max_tokens must be at least 1, got {c.max_tokens}")
+    total = sum(c.share for c in mix.classes)
+    if abs(total - 1.0) > SHARE_TOLERANCE:
+        raise MixError(f"{source}: the classes' share values sum to {total:g}, not 1")
+    return mix
+
+
+def parse_mix(text: str, source: str = "<string>") -> Mix:
+    """A Mix from TOML text in the `[[class]]` shape; errors name the source and the field."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MixError(f"{source} is not valid TOML: {exc}") from None
+    data.setdefault("name", Path(source).stem if source != "<string>" else "")
+    try:
+        mix = msgspec.convert(data, Mix)
+    except msgspec.ValidationError as exc:
+        raise MixError(f"{source}: {exc}") from None
+    return _check_mix(mix, source)
+
+
+def mix_names() -> list[str]:
+    """Names of the mixes shipped in sim/presets/mixes."""
+    folder = resources.files("sim") / "presets" / "mixes"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_mix(name_or_path: str | Path) -> Mix:
+    """A shipped mix by name (`chat-code`, `rag`) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        try:
+            return parse_mix(path.read_text(), str(path))
+        except OSError as exc:
+            raise MixError(f"cannot read mix file {path}: {exc.strerror}") from None
+    resource = resources.files("sim") / "presets" / "mixes" / f"{name_or_path}.toml"
+    if not resource.is_file():
+        raise MixError(f"no mix {str(name_or_path)!r}; shipped mixes: {', '.join(mix_names())}")
+    return parse_mix(resource.read_text(), f"{name_or_path}.toml")
+
+
+def _draw_class(rng: random.Random, mix: Mix) -> MixClass:
+    classes = mix.classes
+    if len(classes) == 1:
+        # No draw: a one-class mix consumes the generator as the single-domain workload does.
+        return classes[0]
+    u = rng.random()
+    for c in classes[:-1]:
+        u -= c.share
+        if u < 0:
+            return c
+    return classes[-1]
+
+
+def _mix_job(rng: random.Random, mix: Mix, index: int, t: float, burst_id: int) -> Job:
+    c = _draw_class(rng, mix)
+    if c.prompt_sigma > 0:
+        prompt = draw_tokens(rng, "lognormal", c.prompt_tokens, c.prompt_sigma)
+    else:
+        prompt = max(1, round(c.prompt_tokens))
+    out = draw_tokens(rng, c.output_dist, c.output_tokens, c.output_sigma)
+    if c.max_tokens is not None:
+        out = min(out, c.max_tokens)
+    return Job(
+        index=index,
+        arrival=t,
+        prompt_tokens=prompt,
+        output_tokens=out,
+        domain=c.domain,
+        burst_id=burst_id,
+        max_tokens=c.max_tokens,
+    )
+
+
 def generate(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
     """The jobs of one run, in arrival order (a chat's: conversation by conversation); the same
     for the same seed."""
     if spec.kind == "chat":
+        if spec.mix is not None:
+            raise MixError("a mix runs with the poisson workload, not chat")
         return generate_chat(fleet, model, spec)
     if spec.kind != "poisson":
         raise FleetError(f"unknown workload {spec.kind!r}; workloads: {', '.join(WORKLOADS)}")
@@ -176,6 +340,9 @@ def generate(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
         t += rng.expovariate(rate)
         burst_id += 1
         for _ in range(min(spec.burst, spec.tasks - len(jobs))):
+            if spec.mix is not None:
+                jobs.append(_mix_job(rng, spec.mix, len(jobs), t, burst_id))
+                continue
             jobs.append(
                 Job(
                     index=len(jobs),
