@@ -64,13 +64,21 @@ def schedule(
     leave: Annotated[
         list[str] | None, typer.Option("--leave", help="WORKER@SECONDS: offline from then (repeatable).")
     ] = None,
+    mix: Annotated[
+        str | None,
+        typer.Option(
+            "--mix",
+            help="A workload mix: a [[class]] TOML file, or a shipped one (chat-code, rag);"
+            " replaces --dist, --mean-tokens and --prompt-tokens.",
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the results as one JSON line last.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write mean response vs load as a PNG.")] = None,
 ) -> None:
     """Simulate the policies on a fleet at several loads, beside the best threshold and the lower bound."""
     from sim.fleetspec import load_fleet
     from sim.scheduling.experiment import parse_policies, run_matrix
-    from sim.scheduling.workload import WORKLOADS, WorkloadSpec, default_model
+    from sim.scheduling.workload import WORKLOADS, WorkloadSpec, default_model, load_mix
 
     if workload not in WORKLOADS:
         raise FleetError(f"unknown workload {workload!r}; workloads: {', '.join(WORKLOADS)}")
@@ -79,6 +87,7 @@ def schedule(
     spec_fleet = load_fleet(fleet_file if fleet_file is not None else str(fleet))
     chosen = model or default_model(spec_fleet)
     names = parse_policies(policies)
+    chosen_mix = load_mix(mix) if mix is not None else None
 
     def at(items: list[str] | None, flag: str) -> tuple[tuple[str, float], ...]:
         out = []
@@ -100,6 +109,7 @@ def schedule(
         joins=at(join, "--join"),
         leaves=at(leave, "--leave"),
         kind=workload,
+        mix=chosen_mix,
     )
     rows = run_matrix(
         spec_fleet,
@@ -111,6 +121,8 @@ def schedule(
     )
     chat = workload == "chat"
     title = f"fleet {spec_fleet.name or '?'}, model {chosen}, {tasks} tasks, seed {seed}"
+    if chosen_mix is not None:
+        title += f", mix {chosen_mix.name or '?'}"
     table = Table(title=title + (", chat" if chat else ""))
     slowed = any(w.slowdown for w in spec_fleet.worker)
     columns = ["policy", "load", "mean s", "p95 s", "makespan s", "vs best threshold", "vs lower bound"]
@@ -142,6 +154,16 @@ def schedule(
                 _fmt(r.back_s, 0),
             ]
         table.add_row(*cells)
+    # A mix's per-class p99 in a table of its own: beside the others' columns it would not fit.
+    classes: Table | None = None
+    if chosen_mix is not None:
+        classes = Table(title=f"p99 response s by class, mix {chosen_mix.name or '?'}")
+        domains = [c.domain for c in chosen_mix.classes]
+        for col in ["policy", "load", *domains]:
+            classes.add_column(col, justify="left" if col == "policy" else "right")
+        for r in rows:
+            p99 = r.class_p99_s or {}
+            classes.add_row(r.policy, f"{r.load:g}", *[_fmt(p99.get(d)) for d in domains])
     if plot is not None:
         from sim.scheduling.plot import line_chart
 
@@ -163,9 +185,15 @@ def schedule(
         for r in results:
             if not chat:
                 del r["mean_ttft_s"], r["p95_ttft_s"]
+            if r["class_p99_s"] is None:
+                del r["class_p99_s"]
+            else:
+                r["class_p99_s"] = {d: None if v == float("inf") else v for d, v in r["class_p99_s"].items()}
             for k in ("mean_s", "p95_s", "makespan_s", "mean_ttft_s", "p95_ttft_s"):
                 if r.get(k) == float("inf"):
                     r[k] = None
         print(json.dumps({"fleet": spec_fleet.name, "tasks": tasks, "results": results}))  # noqa: T201
     else:
         console.print(table)
+        if classes is not None:
+            console.print(classes)
