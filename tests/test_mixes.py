@@ -184,3 +184,10 @@ def test_the_json_of_a_mixed_run_has_each_classes_p99() -> None:
     # whole run's p95.
     assert p99["code"] > p99["classify"]
     assert max(p99.values()) >= row["p95_s"]
+
+
+def test_a_mix_with_the_chat_workload_is_refused_in_one_line() -> None:
+    args = ["sim", "schedule", "--fleet", "seed", "--mix", "rag", "--workload", "chat", "--tasks", "10"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 2, out.output
+    assert "a mix runs with the poisson workload" in out.output
