@@ -115,10 +115,11 @@ def matched_blocks(hashes: Sequence[int], slot: SlotCache) -> int:
     return 0
 
 
-def best_slot(hashes: Sequence[int], slots: Sequence[SlotCache]) -> tuple[int, int]:
+def best_slot(hashes: Sequence[int], slots: Sequence[SlotCache]) -> tuple[int | None, int]:
     """(slot index, matched blocks) of the idle slot holding the longest prefix of `hashes`;
-    (-1, 0) when no idle slot holds any of it."""
-    best, where = 0, -1
+    (None, 0) when no idle slot holds any of it."""
+    best: int = 0
+    where: int | None = None
     if not hashes:
         return where, best
     for k, slot in enumerate(slots):

@@ -42,7 +42,7 @@ def test_a_busy_slot_is_reported_busy_and_a_failed_run_leaves_its_slot_holding_n
     slots = Slots(1)
     k = slots.start(DIGEST, chain_of(_chat(2)))
     assert [s.busy for s in slots.report()] == [True]
-    assert slots.start(DIGEST, PromptChain()) == -1  # more runs than slots: the backend queues it
+    assert slots.start(DIGEST, PromptChain()) is None  # more runs than slots: the backend queues it
     slots.finish(DIGEST, k, None)
     assert slots.report() == []
 

@@ -133,8 +133,8 @@ class Running(msgspec.Struct, kw_only=True):
     # A cancelled run reports them, and its API key is charged for them (Projector._charge).
     prompt_done: bool = False
     pieces: int = 0
-    # The backend slot it runs in, as this worker models them (workers.slots; -1: none, or done).
-    slot: int = -1
+    # The backend slot it runs in, as this worker models them (workers.slots; None: none, or done).
+    slot: int | None = None
     # The backend has answered: its slot is free, though the run still writes what it made.
     answered: bool = False
 
@@ -771,7 +771,7 @@ class WorkerAgent:
         finally:
             if run.claim is not None:
                 run.claim.discard()
-            if run.slot >= 0:
+            if run.slot is not None:
                 # Ended without an answer: what the slot holds now is not known.
                 self.slots.finish(task.digest, run.slot, None)
             self.running.pop(entry.entry_id, None)
@@ -881,7 +881,7 @@ class WorkerAgent:
         wall_ms = (time.perf_counter() - t0) * 1000
         reported = generated.timings
         if (
-            run.slot >= 0
+            run.slot is not None
             and self.slots.hit(task.digest, run.slot) > 0
             and reported.prompt_eval_cached_count is None
             and reported.prompt_eval_count is not None
@@ -900,10 +900,10 @@ class WorkerAgent:
         if timings is not generated.timings:
             generated = msgspec.structs.replace(generated, timings=timings)
         text = "".join(pieces)
-        if run.slot >= 0:
+        if run.slot is not None:
             holds = held_after(task, text, calls)
             self.slots.finish(task.digest, run.slot, holds)
-            run.slot, run.answered = -1, True
+            run.slot, run.answered = None, True
             if holds is not None and self.eager_lease:
                 # The lease says what the slot holds before the answer reaches the client: a
                 # chat's next turn, sent at once, is planned with it.

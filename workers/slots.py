@@ -45,18 +45,18 @@ class Slots:
             found = self._by_digest[digest] = [_Slot() for _ in range(self._count)]
         return found
 
-    def start(self, digest: str, chain: PromptChain | None) -> int:
+    def start(self, digest: str, chain: PromptChain | None) -> int | None:
         """A run of `digest` starts with prompt `chain`: the slot the backend gives it (marked busy),
-        by the backend's rule. -1 when every slot is busy (more runs than slots: the backend
+        by the backend's rule. None when every slot is busy (more runs than slots: the backend
         queues it; nothing is known of where it lands)."""
         slots = self._of(digest)
         hashes = chain.hashes if chain is not None else ()
         reported = [SlotCache(marks=marks_of(s.hashes) if s.hashes else (), busy=s.busy) for s in slots]
         k, hit = best_slot(hashes, reported)
-        if k < 0:
+        if k is None:
             idle = [i for i, s in enumerate(slots) if not s.busy]
             if not idle:
-                return -1
+                return None
             k = min(idle, key=lambda i: slots[i].used_ms)
         slot = slots[k]
         slot.busy, slot.used_ms, slot.digest, slot.hit = True, now_ms(), digest, hit
@@ -64,13 +64,13 @@ class Slots:
         slot.hashes = hashes
         return k
 
-    def hit(self, digest: str, k: int) -> int:
+    def hit(self, digest: str, k: int | None) -> int:
         """Blocks of its prompt the run on slot `k` should find in the cache (0: none expected)."""
-        return self._of(digest)[k].hit if k >= 0 else 0
+        return 0 if k is None else self._of(digest)[k].hit
 
-    def finish(self, digest: str, k: int, held: PromptChain | None) -> None:
+    def finish(self, digest: str, k: int | None, held: PromptChain | None) -> None:
         """The run on slot `k` ended; the slot holds `held` (its prompt and answer; None: unknown)."""
-        if k < 0:
+        if k is None:
             return
         slot = self._of(digest)[k]
         slot.busy, slot.hit = False, 0
