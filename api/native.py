@@ -48,6 +48,7 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
         max_tokens=body.max_tokens,
         priority=body.priority,
         client=client,
+        paced=bool(body.stream),
         tools=tools,
         images=body.images or None,
         format=body.format,

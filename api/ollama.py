@@ -231,6 +231,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
             format=body.format,
             client=request.headers.get("user-agent"),
             stream=body.stream is not False,
+            paced=body.stream is not False,
             tools=tools,
             think=body.think,
         )
@@ -252,6 +253,7 @@ async def generate(body: OllamaGenerate, request: Request) -> Response:
         format=body.format,
         client=request.headers.get("user-agent"),
         stream=body.stream is not False,
+        paced=body.stream is not False,
         images=body.images or None,
         think=body.think,
     )

@@ -163,6 +163,7 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
             format=_format(body.response_format),
             client=request.headers.get("user-agent"),
             stream=bool(body.stream),
+            paced=bool(body.stream),
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
@@ -253,6 +254,7 @@ async def completions(body: CompletionCreate, request: Request) -> Response:
         max_tokens=body.max_tokens,
         client=request.headers.get("user-agent"),
         stream=bool(body.stream),
+        paced=bool(body.stream),
     )
     ans = task_answer(request, await submit(request, req))
     cid, created = f"cmpl-{ans.ident}", unix_now()

@@ -86,6 +86,9 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # False when the submitter only waits for the result: the worker then writes the output once,
     # with the result, instead of streaming it piece by piece.
     stream: bool = True
+    # A person reads the answer as it streams: the plan places it where its reader would finish
+    # reading first (router.plan.BacklogEntry.paced), not where it would finish.
+    paced: bool = False
     # Epoch ms after which nobody waits for the task (its client gave up, or the longest a task
     # may queue passed): a worker that takes it later records TaskExpired and never runs it.
     deadline_ms: int | None = None

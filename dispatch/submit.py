@@ -65,6 +65,9 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     task_id: str | None = None
     # False when the caller only waits for the result (see TaskMessage.stream).
     stream: bool = True
+    # A person reads its answer as it streams (see TaskMessage.paced): an API client streaming a
+    # chat or a completion.
+    paced: bool = False
     # Epoch ms after which nobody waits for it (see TaskMessage.deadline_ms); None: no deadline.
     deadline_ms: int | None = None
     # Its options change how the backend runs the model (dispatch/options.py): recorded on
@@ -177,6 +180,7 @@ async def route_and_submit(
         max_tokens=req.max_tokens,
         images=req.image_count(),
         prefix=chain,
+        paced=req.paced,
     )
     decision: Decision | None
     try:
@@ -403,6 +407,7 @@ async def submit_task(
         priority=req.priority,
         pipeline_id=req.pipeline_id,
         stream=req.stream,
+        paced=req.paced,
         prompt_tokens=req.prompt_tokens(),
         deadline_ms=req.deadline_ms,
         tools=req.tools,

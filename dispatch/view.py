@@ -356,6 +356,7 @@ class _TaskSize(msgspec.Struct, kw_only=True):
     prompt_tokens: int | None = None
     max_tokens: int | None = None
     prefix: PromptChain | None = None
+    paced: bool = False
 
 
 # The plan reads up to BACKLOG_DEPTH tasks per decision: decoding only these fields skips building
@@ -392,6 +393,7 @@ def _entries(digest: str, rows: list[Any], queue: str) -> list[BacklogEntry]:
                 max_tokens=task.max_tokens,
                 queue=queue,
                 prefix=task.prefix,
+                paced=task.paced,
             )
         )
     return out

@@ -89,6 +89,9 @@ class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     # Its prompt's chain (router.prefix): a holder whose idle slot holds a prefix of it evaluates
     # only the rest, shown as the `cached_prompt_tokens` term and field. None: not known.
     prefix: PromptChain | None = None
+    # A person reads its answer as it streams (router.plan.BacklogEntry.paced): holders are
+    # ranked by when that reader would finish reading it, shown as the `reading_s` term.
+    paced: bool = False
 
 
 def most_cached(query: RouteQuery, prompt_tokens: int) -> int:
@@ -157,13 +160,16 @@ class Ranking:
         plan: Plan,
         finishes: list[float],
         build: Callable[[int, int], WorkerCandidate],
+        costs: list[float] | None = None,
     ) -> None:
-        """`finishes[i]`: holder i's finish for the new task; `build(i, rank)` its candidate."""
+        """`finishes[i]`: holder i's finish for the new task; `build(i, rank)` its candidate;
+        `costs[i]`: what the ranking orders by where that is not the finish (a paced task's
+        reader's finish)."""
         self.digest = digest
         self.domain = domain
         self.plan = plan
         self._finishes = finishes
-        self._ranks = _ranks(finishes)
+        self._ranks = _ranks(finishes if costs is None else costs)
         # Best first; equal ranks in holder (registration) order.
         self._order = sorted(range(len(finishes)), key=self._ranks.__getitem__)
         self._build = build
@@ -276,6 +282,8 @@ def _ranking(
     out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
     cached = state.cached(query.prefix, prompt)
     finishes = state.finishes(prompt, out, cached)
+    pace = state.pace if query.paced else None
+    costs = None if pace is None else [f + out * x for f, x in zip(finishes, pace, strict=True)]
 
     def build(i: int, rank: int) -> WorkerCandidate:
         w, sp = holders[i], state.sp.estimates[i]
@@ -312,9 +320,13 @@ def _ranking(
             # Its other slots' tasks share the machine with this one: the time that costs, and why.
             terms["sharing_s"] = finish - (wait + load + prompt_s + decode_s)
             fields["parallel_exponent"] = est.concurrency(w.name, digest).exponent
+        if pace is not None:
+            # Reading its answer outlasts decoding it by this much (0: it decodes slower than
+            # its reader reads); the holders are ranked by finish + this.
+            terms["reading_s"] = out * pace[i]
         return WorkerCandidate(worker=w.name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
 
-    return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build)
+    return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build, costs=costs)
 
 
 def _cached_field(tokens: int, prompt: int, chain: PromptChain, worker: WorkerView) -> Field:

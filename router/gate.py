@@ -166,7 +166,11 @@ def should_take(
     expected = rate * my_first * p.arrival_weight / divisor if p.rule == "arrivals" else 0.0
     phantoms = int(expected + 0.5)
     # Expected arrivals are like the last task in size, but hold no conversation of theirs.
-    phantom = queue[-1] if queue[-1].prefix is None else msgspec.structs.replace(queue[-1], prefix=None)
+    phantom = (
+        queue[-1]
+        if queue[-1].prefix is None and not queue[-1].paced
+        else msgspec.structs.replace(queue[-1], prefix=None, paced=False)
+    )
     entries = list(queue) + [phantom] * phantoms
     # The walk stops at the first task the plan gives me: the tasks behind it cannot change that.
     given = state.first_given(mine, entries)

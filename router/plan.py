@@ -23,7 +23,14 @@ model; this is how one model's plan sees the others' queues, from the same backl
 first task there), and it charges the load even where that older task will go to another holder.
 
 The plan assigns the backlog in queue order, each task to the live holder whose slot would finish
-it earliest. Times are seconds from `now`. `FleetView` holds the live facts the ledger projections
+it earliest; a paced task (a person reads its answer as it streams: `BacklogEntry.paced`) to the
+one where its reader would finish reading it earliest. A reader who starts at the first token
+and reads at `PlanParams.reading_tps` finishes at first token + output / min(decode tok/s,
+reading tok/s): past the first token, decoding faster than they read gains them nothing, so a
+machine that starts the answer sooner and streams it at least at reading pace serves them
+better than a faster one they would wait for. This is the quality of experience Andes (Liu et
+al., 2024, arXiv:2404.16283) defines for streamed text; the slot is still planned busy until the
+task's real finish. Times are seconds from `now`. `FleetView` holds the live facts the ledger projections
 do not (the queues' backlog and the running tasks' start times); the caller fills it.
 """
 
@@ -60,6 +67,11 @@ class PlanParams(msgspec.Struct, kw_only=True, frozen=True):
     # same choice; those models show bounds: router.choose.ModelCandidate). This is the
     # reference the tests and benchmarks compare the default against.
     full_walk: bool = False
+    # Tokens per second a person reads a streamed answer at (0: no task is paced; each finishes
+    # as soon as it can). Adults read non-fiction silently at about 238 words a minute
+    # (Brysbaert, 2019, a meta-analysis of 190 studies), about 5.3 tokens/s at the 0.75 words a
+    # token of English under common LLM tokenizers.
+    reading_tps: float = 5.3
 
 
 class RunningTask(msgspec.Struct, kw_only=True, gc=False):
@@ -162,6 +174,9 @@ class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
     # Its prompt's chain (router.prefix): a worker whose idle slot holds a prefix of it evaluates
     # only the rest. None: not known (a task without messages, or from before chains).
     prefix: PromptChain | None = None
+    # A person reads its answer as it streams (an API client streaming a chat or a completion):
+    # placed where its reader finishes reading first (module docstring), not where it finishes.
+    paced: bool = False
 
 
 class FleetView(msgspec.Struct, kw_only=True, gc=False):
@@ -265,6 +280,8 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
 
 Factors = tuple[float, ...]
 
+# A pruned walk's heap of holders: (key, holder index, version).
+_Heap = list[tuple[float, int, int]]
 # (holder index, start, finish) of one task in a walk of the backlog.
 Step = tuple[int, float, float]
 
@@ -736,6 +753,8 @@ class PlanState:
         "loaded",
         "names",
         "outs",
+        "pace",
+        "read_out",
         "shared",
         "sp",
         "used",
@@ -813,6 +832,16 @@ class PlanState:
         self.given: list[int] | None = None if self._pfx is None else [0] * len(self.names)
         # The (holder, slot) pairs whose content a task laid out already counted as its hit.
         self.used: set[tuple[int, int]] = set()
+        # A paced task's cost per output token on each holder: its decode time or its reading
+        # time, whichever is longer (`pace`: the reading time beyond decoding). None: no pacing.
+        r = params.reading_tps
+        if r > 0.0:
+            self.read_out: list[float] | None = [max(b, 1.0 / r) for b in self.sp.per_out]
+            self.pace: list[float] | None = [
+                rb - b for rb, b in zip(self.read_out, self.sp.per_out, strict=True)
+            ]
+        else:
+            self.read_out = self.pace = None
 
     def cached(self, chain: PromptChain | None, prompt_tokens: int) -> dict[int, int]:
         """Holder index -> prompt tokens of a task with `chain` (of `prompt_tokens` tokens) that
@@ -873,7 +902,8 @@ class PlanState:
                     + out * sp.per_out[i]
                     + self.load_left[i]
                 )
-        if not self.shared:
+        pace = self.pace if entry.paced else None
+        if not self.shared and pace is None:
             finish = min(finishes)
             # The first of equals wins: holders are in registration order.
             i = finishes.index(finish)
@@ -887,6 +917,9 @@ class PlanState:
                 work = uncached * sp.per_prompt[i] + out * sp.per_out[i] + self.load_left[i]
                 finishes[i], delay = self._shared(i, self.head[i], work)
                 costs[i] = finishes[i] + delay
+        if pace is not None:
+            # Its reader's finish: past decoding, the time they still read.
+            costs = [c + out * x for c, x in zip(costs, pace, strict=True)]
         i = costs.index(min(costs))
         return i, self.head[i], finishes[i]
 
@@ -971,27 +1004,40 @@ class PlanState:
         # Where slots hold prompts, each task's chain (its hits are looked up as it is laid out:
         # a hit lasts only while the tasks laid out before it fit in the holder's other slots).
         chains = [e.prefix for e in entries] if self._pfx is not None else None
+        paced = [e.paced for e in entries] if self.read_out is not None else None
+        if paced is not None and not any(paced):
+            paced = None
         if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
-            return self._walk_all(work, until, chains)
+            return self._walk_all(work, until, chains, paced)
         # The bound below adds non-negative terms; negative token counts (a malformed request)
         # or free times would break it, and take the walk that needs no bound.
         if min(p for p, _ in work) < 0 or min(o for _, o in work) < 0 or min(self.head) < 0:
-            return self._walk_all(work, until, chains)
-        return self._walk_pruned(work, until, chains)
+            return self._walk_all(work, until, chains, paced)
+        return self._walk_pruned(work, until, chains, paced)
 
     def _cheaper_hit(
-        self, chain: PromptChain | None, prompt: int, o: float, i: int, finish: float
+        self,
+        chain: PromptChain | None,
+        prompt: int,
+        o: float,
+        i: int,
+        finish: float,
+        per_out: Sequence[float] | None = None,
     ) -> tuple[int, float]:
         """(holder, finish) of the best of holder `i` finishing at `finish` (the best without
         caches) and the holders whose idle slot holds part of `chain`: a hit only lowers a
         holder's finish, so nobody else can beat them both. Equal finishes go to the first
-        registered, as in the walks. The slot of the winner's hit, if it has one, is taken."""
+        registered, as in the walks. The slot of the winner's hit, if it has one, is taken.
+        `per_out`: the seconds per output token to compare by (a paced task's `read_out`; then
+        `finish` and the answer are its reader's finish)."""
         if chain is None or not chain.hashes:
             return i, finish
         hits = self._hits(chain, prompt)
         if not hits:
             return i, finish
-        head, load_left, per_prompt, per_out = self.head, self.load_left, self.sp.per_prompt, self.sp.per_out
+        head, load_left, per_prompt = self.head, self.load_left, self.sp.per_prompt
+        if per_out is None:
+            per_out = self.sp.per_out
         for j, (tokens, _) in hits.items():
             f = head[j] + (prompt - tokens) * per_prompt[j] + o * per_out[j] + load_left[j]
             if f < finish or (f == finish and j < i):
@@ -1012,24 +1058,35 @@ class PlanState:
         return steps, -1, 0.0
 
     def _walk_all(
-        self, work: list[tuple[int, float]], until: int, chains: Sequence[PromptChain | None] | None = None
+        self,
+        work: list[tuple[int, float]],
+        until: int,
+        chains: Sequence[PromptChain | None] | None = None,
+        paced: Sequence[bool] | None = None,
     ) -> tuple[list[Step], int, float]:
         """Every task's finish on every holder (`best` and `assign` inlined); `chains`: the tasks'
-        prompt chains, where some holder's slots hold prompts (`_cheaper_hit`)."""
+        prompt chains, where some holder's slots hold prompts (`_cheaper_hit`); `paced`: which
+        tasks go where their reader finishes first (`BacklogEntry.paced`)."""
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
         given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
+        read_out, pace = self.read_out, self.pace
         replace = heapq.heapreplace
         for pos, (prompt, o) in enumerate(work):
+            reads = paced is not None and paced[pos]
+            by = read_out if reads and read_out is not None else per_out
             finishes = [
                 h + prompt * a + o * b + ld
-                for h, a, b, ld in zip(head, per_prompt, per_out, load_left, strict=True)
+                for h, a, b, ld in zip(head, per_prompt, by, load_left, strict=True)
             ]
             finish = min(finishes)
             i = finishes.index(finish)
             if chains is not None:
-                i, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish)
+                i, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish, by)
+            if reads and pace is not None:
+                # The reader's finish, back to the task's own.
+                finish -= o * pace[i]
             if i == until:
                 return steps, pos, finish
             start = head[i]
@@ -1047,7 +1104,11 @@ class PlanState:
         return steps, -1, 0.0
 
     def _walk_pruned(
-        self, work: list[tuple[int, float]], until: int, chains: Sequence[PromptChain | None] | None = None
+        self,
+        work: list[tuple[int, float]],
+        until: int,
+        chains: Sequence[PromptChain | None] | None = None,
+        paced: Sequence[bool] | None = None,
     ) -> tuple[list[Step], int, float]:
         """The same assignments as `_walk_all`, looking at only the holders that might finish a
         task first.
@@ -1067,35 +1128,56 @@ class PlanState:
         bit; the bound is rounded differently, so it must pass the best by a margin (_BOUND_SLACK)
         that rounding cannot make up before a holder is left out. Every holder within the bound
         is looked at, so of equal finishes the first registered wins, as in the full walk.
+
+        Paced tasks (`paced`) compare their readers' finishes: their classes key holders by
+        `read_out` instead of b, with the same bound over its least value.
         """
         steps: list[Step] = []
         head, load_left, free, own, loaded = self.head, self.load_left, self.free, self._own, self.loaded
         given = self.given
         per_prompt, per_out = self.sp.per_prompt, self.sp.per_out
-        a_min, b_min = min(per_prompt), min(per_out)
-        outs = sorted({o for _, o in work})
-        # More classes mean more heaps to push into per task: past a few, classes span ranges.
-        refs = outs if len(outs) <= _OUTPUT_CLASSES else outs[:: -(-len(outs) // _OUTPUT_CLASSES)]
-        classes: list[tuple[float, list[tuple[float, int, int]]]] = []
-        for o_c in refs:
-            heap = [
-                (h + o_c * b + ld, i, 0)
-                for i, (h, b, ld) in enumerate(zip(head, per_out, load_left, strict=True))
-            ]
-            heapq.heapify(heap)
-            classes.append((o_c, heap))
-        class_of = {o: classes[bisect.bisect_right(refs, o) - 1] for o in outs}
+        read_out, pace = self.read_out, self.pace
+        a_min = min(per_prompt)
+        flags = paced if paced is not None and read_out is not None else [False] * len(work)
+        # Per kind (plain, paced): the seconds per output token it compares by, and its classes
+        # of (least output, heap of (key, holder, version)).
+        kinds: list[tuple[Sequence[float], list[tuple[float, list[tuple[float, int, int]]]]]] = []
+        class_of: dict[
+            tuple[float, bool], tuple[float, list[tuple[float, int, int]], Sequence[float], float]
+        ] = {}
+        by: Sequence[float]
+        for reads in (False, True):
+            outs = sorted({o for (_, o), f in zip(work, flags, strict=True) if f == reads})
+            if not outs:
+                continue
+            by = read_out if reads and read_out is not None else per_out
+            b_min = min(by)
+            # More classes mean more heaps to push into per task: past a few, classes span ranges.
+            refs = outs if len(outs) <= _OUTPUT_CLASSES else outs[:: -(-len(outs) // _OUTPUT_CLASSES)]
+            classes: list[tuple[float, _Heap]] = []
+            for o_c in refs:
+                heap = [
+                    (h + o_c * b + ld, i, 0)
+                    for i, (h, b, ld) in enumerate(zip(head, by, load_left, strict=True))
+                ]
+                heapq.heapify(heap)
+                classes.append((o_c, heap))
+            kinds.append((by, classes))
+            for o in outs:
+                o_c, heap = classes[bisect.bisect_right(refs, o) - 1]
+                class_of[(o, reads)] = (o_c, heap, by, b_min)
         version = [0] * len(head)
         pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
         slack = _BOUND_SLACK
         for pos, (prompt, o) in enumerate(work):
-            o_c, heap = class_of[o]
+            reads = flags[pos]
+            o_c, heap, by, b_min = class_of[(o, reads)]
             bound = prompt * a_min + (o - o_c) * b_min
             best = pop(heap)
             while best[2] != version[best[1]]:
                 best = pop(heap)
             i = best[1]
-            finish = head[i] + prompt * per_prompt[i] + o * per_out[i] + load_left[i]
+            finish = head[i] + prompt * per_prompt[i] + o * by[i] + load_left[i]
             limit = finish + finish * slack - bound
             seen: list[tuple[float, int, int]] = []
             while heap and heap[0][0] <= limit:
@@ -1103,7 +1185,7 @@ class PlanState:
                 j = item[1]
                 if item[2] != version[j]:
                     continue
-                f = head[j] + prompt * per_prompt[j] + o * per_out[j] + load_left[j]
+                f = head[j] + prompt * per_prompt[j] + o * by[j] + load_left[j]
                 if f < finish or (f == finish and j < i):
                     seen.append(best)
                     best, finish, i = item, f, j
@@ -1111,12 +1193,15 @@ class PlanState:
                 else:
                     seen.append(item)
             if chains is not None:
-                j, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish)
+                j, finish = self._cheaper_hit(chains[pos], prompt, o, i, finish, by)
                 if j != i:
                     # A holder whose slot holds the task wins; the best without caches goes back
                     # (the winner's old entries are left behind by its new version).
                     seen.append(best)
                     i = j
+            if reads and pace is not None:
+                # The reader's finish, back to the task's own.
+                finish -= o * pace[i]
             for item in seen:
                 push(heap, item)
             if i == until:
@@ -1133,9 +1218,10 @@ class PlanState:
             if given is not None:
                 given[i] += 1
             v = version[i] = version[i] + 1
-            b = per_out[i]
-            for o_k, heap_k in classes:
-                push(heap_k, (h + o_k * b, i, v))
+            for by_k, classes_k in kinds:
+                b = by_k[i]
+                for o_k, heap_k in classes_k:
+                    push(heap_k, (h + o_k * b, i, v))
             steps.append((i, start, finish))
         return steps, -1, 0.0
 

@@ -11,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from routeledger.cli import app
+from router.gate import GateParams
+from router.plan import PlanParams
 from router.prefix import PromptChain, cached_tokens
 from sim.fleetspec import Fleet, ModelSpec, OutputLength, WorkerModel, WorkerSpec, load_fleet
 from sim.scheduling.policies import FastOnly, Routeledger, make_policy
@@ -267,3 +269,21 @@ def test_the_chat_json_rows_have_the_time_to_first_token() -> None:
     assert "mean_ttft_s" not in json.loads(out.output.strip().splitlines()[-1])["results"][0]
     out = CliRunner().invoke(app, [*args, "--workload", "nope"])
     assert out.exit_code == 2 and "unknown workload" in out.output
+
+
+def test_paced_turns_reach_their_first_token_sooner_than_least_busy_and_than_unpaced_ones() -> None:
+    # Trio at a light load: placing a turn where it finishes first queues it behind the GPU
+    # desktop; placing it where its reader finishes first starts it on the mini PC, which streams
+    # faster than anyone reads (README, the chat table).
+    fleet = load_fleet("trio")
+    spec = WorkloadSpec(kind="chat", load=0.3, tasks=1500, seed=2)
+    jobs = generate(fleet, "qwen3:8b", spec)
+    paced = simulate(fleet, "qwen3:8b", spec, Routeledger(), jobs)
+    unpaced = simulate(
+        fleet, "qwen3:8b", spec, Routeledger(gate=GateParams(plan=PlanParams(reading_tps=0.0))), jobs
+    )
+    least = simulate(fleet, "qwen3:8b", spec, make_policy("least-busy"), jobs)
+    assert paced.mean_ttft_s < 0.8 * least.mean_ttft_s
+    assert paced.mean_ttft_s < 0.8 * unpaced.mean_ttft_s
+    # Whole answers still finish sooner than least-busy's: the laptop is left to the last.
+    assert paced.mean_s < least.mean_s

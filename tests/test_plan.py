@@ -417,3 +417,68 @@ def test_a_cold_estimator_forgets_what_the_plan_kept_for_it() -> None:
     assert "#index" in est.memo
     est.clear_cache()
     assert "#index" not in est.memo
+
+
+def _paced_view(paced: bool) -> tuple[FleetView, Estimator]:
+    """The seed pair with the fast machine 20 s into a 27 s task and one 64-token task queued."""
+    est = estimator(seed_snapshot())
+    mac, rtx = worker("macbookair", {QWEN}), worker("rtx3070ti", {QWEN})
+    busy(rtx, QWEN, started_s_ago=7.0, expected_s=27.0)
+    queue = [msgspec.structs.replace(e, paced=paced) for e in backlog(QWEN, 1)]
+    return view([mac, rtx], {QWEN: queue}), est
+
+
+def test_a_streamed_answer_starts_on_the_idle_machine_that_decodes_faster_than_its_reader_reads() -> None:
+    # 600 output tokens: 53 s on the idle laptop (11.4 tok/s), 7 s on the GPU PC after its 20 s
+    # wait. Read at 5.3 tok/s, both streams outpace the reader, who starts 20 s sooner on the laptop.
+    fleet, est = _paced_view(paced=True)
+    (step,) = PlanState(fleet.workers, est, QWEN, NOW, PlanParams()).walk(fleet.backlog[QWEN])
+    assert step[0] == 0  # the laptop
+    # Planned busy until its own finish, not its reader's.
+    fresh = PlanState(fleet.workers, est, QWEN, NOW, PlanParams())
+    assert step[2] == pytest.approx(fresh.best_on(0, fleet.backlog[QWEN][0]), rel=1e-9)
+
+
+def test_an_answer_nobody_reads_as_it_streams_waits_for_the_machine_that_finishes_it_first() -> None:
+    fleet, est = _paced_view(paced=False)
+    (step,) = PlanState(fleet.workers, est, QWEN, NOW, PlanParams()).walk(fleet.backlog[QWEN])
+    assert step[0] == 1  # the GPU PC
+    paced, _ = _paced_view(paced=True)
+    (off,) = PlanState(paced.workers, est, QWEN, NOW, PlanParams(reading_tps=0.0)).walk(paced.backlog[QWEN])
+    assert off[0] == 1  # pacing off: a streamed one too
+
+
+def test_a_reader_faster_than_the_slow_machine_streams_waits_for_the_fast_one() -> None:
+    # A reader skimming at 40 tok/s waits on the laptop's 11.4 tok/s stream: 45 s against the GPU
+    # PC's 20 s wait and 13 s of reading.
+    fleet, est = _paced_view(paced=True)
+    state = PlanState(fleet.workers, est, QWEN, NOW, PlanParams(reading_tps=40.0))
+    (step,) = state.walk(fleet.backlog[QWEN])
+    assert step[0] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=fleet_shapes(), seed=st.integers(0, 2**16), every=st.integers(1, 3))
+def test_the_pruned_walk_places_paced_tasks_where_the_full_walk_does(
+    shape: FleetShape, seed: int, every: int
+) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        # Prune however small the fleet: paced classes must hold their bound everywhere.
+        mp.setattr(plan_module, "PRUNE_MIN_TASKS", 1)
+        mp.setattr(plan_module, "PRUNE_MIN_HOLDERS", 1)
+        for queue, pruned, full in _walks(shape, seed):
+            mixed = [msgspec.structs.replace(e, paced=k % every == 0) for k, e in enumerate(queue)]
+            _same_walk(mixed, pruned, full)
+
+
+def test_a_streamed_request_ranks_holders_by_when_its_reader_finishes_and_shows_the_reading_time() -> None:
+    fleet, est = _paced_view(paced=False)
+    fleet.backlog[QWEN] = []
+    read = rank_workers(fleet, est, QWEN, NOW, RouteQuery(model=QWEN, paced=True))
+    assert [c.worker for c in read.candidates] == ["macbookair", "rtx3070ti"]
+    laptop, gpu = read.candidates
+    # Both machines outpace the reader, so reading outlasts decoding on each, more on the faster.
+    assert laptop.terms["reading_s"] > 0.0 and gpu.terms["reading_s"] > laptop.terms["reading_s"]
+    assert laptop.expected_finish_s > gpu.expected_finish_s  # ranked by the reader, not the finish
+    plain = rank_workers(fleet, est, QWEN, NOW, RouteQuery(model=QWEN))
+    assert plain.best.worker == "rtx3070ti" and "reading_s" not in plain.best.terms

@@ -71,3 +71,16 @@ async def test_a_model_is_resolved_once_per_read_of_the_leases(redis_client: aio
     assert view.resolve("llama3", first) is None
     # A new read answers from the new leases: nobody serves qwen3 once its only holder drains.
     assert view.resolve("qwen3:8b", {"a": lease("a", since=1, draining=True)}) is None
+
+
+def test_a_queued_task_read_as_it_streams_reaches_the_plan_paced_and_an_old_entry_does_not() -> None:
+    from dispatch.payload import F_TASK, TaskMessage, encode_task
+    from dispatch.view import _entries
+
+    rows = [
+        ("1-0", {F_TASK: encode_task(TaskMessage(task_id="read", model="m", digest=QWEN, paced=True))}),
+        ("2-0", {F_TASK: encode_task(TaskMessage(task_id="waited", model="m", digest=QWEN, stream=False))}),
+    ]
+    read, waited = _entries(QWEN, rows, "q")
+    assert (read.task_id, read.paced) == ("read", True)
+    assert (waited.task_id, waited.paced) == ("waited", False)

@@ -500,7 +500,11 @@ class Routeledger(_Base):
         _, est = self._evidence(sim)
         view = FleetView(workers=workers, backlog={sim.digest: sim.queue[:BACKLOG_DEPTH]})
         query = RouteQuery(
-            model=sim.model, domain=job.domain, prompt_tokens=job.prompt_tokens, prefix=job.chain
+            model=sim.model,
+            domain=job.domain,
+            prompt_tokens=job.prompt_tokens,
+            prefix=job.chain,
+            paced=job.conv >= 0,
         )
         ranking = rank_workers(view, est, sim.digest, sim.now_ms, query, params=self.gate.plan)
         decision = Decision(model=sim.model, digest=sim.digest, domain=job.domain, ranking=ranking)

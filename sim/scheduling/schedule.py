@@ -369,6 +369,8 @@ class Simulation:
             prompt_tokens=job.prompt_tokens,
             max_tokens=job.max_tokens,
             prefix=job.chain,
+            # A chat turn is streamed to the person who reads it, as chat clients do.
+            paced=job.conv >= 0,
         )
 
     def _online(self, w: SimWorker) -> None:
