@@ -10,6 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
+from events.event import TaskRouted
+from events.ledger import Ledger
+from tests.helpers import events_of
 from tests.test_api_support import fleet_and_api, stored_result, stored_results
 
 # The test fleet's model `m` answers 40 tokens at 200 tok/s: 0.2 s a task at time_scale 1.
@@ -132,3 +135,28 @@ async def test_auto_picks_a_served_model_and_says_which(redis_client: aioredis.R
         await client.close()
     assert completion.model == "m:latest"
     assert completion.choices[0].message.content
+
+
+async def test_a_streamed_chat_is_ranked_for_its_reader_and_a_waited_one_for_its_finish(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    async with fleet_and_api(redis_client, redis_url) as (base, _):
+
+        def call() -> tuple[str, str]:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
+            with client.chat.completions.with_streaming_response.create(
+                model="m", messages=MESSAGES, stream=True
+            ) as streamed:
+                for _ in streamed.iter_lines():
+                    pass
+            return raw.headers["x-routeledger-task"], streamed.headers["x-routeledger-task"]
+
+        waited_id, streamed_id = await asyncio.to_thread(call)
+        routed = {r.task_id: r for r in await events_of(ledger, TaskRouted)}
+    terms = {
+        task_id: [c["terms"] for c in routed[task_id].breakdown["candidates"]]  # type: ignore[union-attr]
+        for task_id in (waited_id, streamed_id)
+    }
+    assert all("reading_s" in t for t in terms[streamed_id])
+    assert not any("reading_s" in t for t in terms[waited_id])
