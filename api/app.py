@@ -81,6 +81,8 @@ class AppConfig(msgspec.Struct, kw_only=True):
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
     # Price what workers' slots hold of a prompt (router.prefix); False: every prompt is uncached.
     prefix_pricing: bool = True
+    # Streamed answers are placed for their readers (router.plan, BacklogEntry.paced); False: by finish.
+    paced_streams: bool = True
 
 
 def create_app(config: AppConfig) -> FastAPI:
@@ -103,6 +105,7 @@ def create_app(config: AppConfig) -> FastAPI:
             max_queue_depth=config.max_queue_depth,
             keyed=bool(api_keys),
             prefix_pricing=config.prefix_pricing,
+            paced_streams=config.paced_streams,
         )
         try:
             yield

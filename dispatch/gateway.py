@@ -162,10 +162,13 @@ class Gateway:
         max_queue_depth: int | None = None,
         keyed: bool = False,
         prefix_pricing: bool = True,
+        paced_streams: bool = True,
     ) -> None:
         self.redis = redis
         # Tasks carry their prompt's chain (router.prefix), which the plan prices.
         self.prefix_pricing = prefix_pricing
+        # A streamed request is paced (TaskRequest.paced); False: none is.
+        self.paced_streams = paced_streams
         self.keys = keys
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
@@ -278,7 +281,7 @@ class Gateway:
                 lambda: route_and_submit(
                     self.queues,
                     self.fleet,
-                    req,
+                    req if self.paced_streams or not req.paced else msgspec.structs.replace(req, paced=False),
                     max_depth=self.max_queue_depth,
                     prefixes=self.prefix_pricing,
                 )

@@ -381,6 +381,7 @@ def api_from_env() -> Any:
             allow_runtime_options=s.allow_runtime_options,
             max_num_ctx=s.max_num_ctx,
             prefix_pricing=s.prefix_pricing,
+            paced_streams=s.paced_streams,
         )
     )
 

@@ -80,6 +80,7 @@ class Settings(msgspec.Struct, kw_only=True):
     allow_runtime_options: bool = False
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
     prefix_pricing: bool = True
+    paced_streams: bool = True
 
 
 # What each setting means, for `config show` and the README's table.
@@ -146,6 +147,10 @@ FIELDS: Final[dict[str, str]] = {
     "prefix_pricing": (
         "price what workers' slots hold of a prompt (a chat's earlier turns) and hand a turn straight "
         "to the worker that holds it when it wins by a margin; false plans every prompt as uncached"
+    ),
+    "paced_streams": (
+        "place an answer streamed to its client where its reader finishes reading it first (first token, "
+        "then no slower than 5.3 tok/s); false places every task where it finishes"
     ),
 }
 

@@ -141,22 +141,41 @@ async def test_a_streamed_chat_is_ranked_for_its_reader_and_a_waited_one_for_its
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
     async with fleet_and_api(redis_client, redis_url) as (base, _):
-
-        def call() -> tuple[str, str]:
-            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
-            with client.chat.completions.with_streaming_response.create(
-                model="m", messages=MESSAGES, stream=True
-            ) as streamed:
-                for _ in streamed.iter_lines():
-                    pass
-            return raw.headers["x-routeledger-task"], streamed.headers["x-routeledger-task"]
-
-        waited_id, streamed_id = await asyncio.to_thread(call)
+        waited_id, streamed_id = await _waited_and_streamed(base)
         routed = {r.task_id: r for r in await events_of(ledger, TaskRouted)}
-    terms = {
-        task_id: [c["terms"] for c in routed[task_id].breakdown["candidates"]]  # type: ignore[union-attr]
-        for task_id in (waited_id, streamed_id)
-    }
+    terms = _terms(routed, waited_id, streamed_id)
     assert all("reading_s" in t for t in terms[streamed_id])
     assert not any("reading_s" in t for t in terms[waited_id])
+
+
+async def test_with_paced_streams_off_a_streamed_chat_is_ranked_for_its_finish_too(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    async with fleet_and_api(redis_client, redis_url, paced_streams=False) as (base, _):
+        waited_id, streamed_id = await _waited_and_streamed(base)
+        routed = {r.task_id: r for r in await events_of(ledger, TaskRouted)}
+    terms = _terms(routed, waited_id, streamed_id)
+    assert terms[streamed_id] and not any("reading_s" in t for ts in terms.values() for t in ts)
+
+
+def _terms(routed: dict[str, TaskRouted], *task_ids: str) -> dict[str, list[dict[str, float]]]:
+    return {
+        task_id: [c["terms"] for c in routed[task_id].breakdown["candidates"]]  # type: ignore[union-attr]
+        for task_id in task_ids
+    }
+
+
+async def _waited_and_streamed(base: str) -> tuple[str, str]:
+    """The task ids of one chat answered whole and one streamed, sent in that order."""
+
+    def call() -> tuple[str, str]:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES)
+        with client.chat.completions.with_streaming_response.create(
+            model="m", messages=MESSAGES, stream=True
+        ) as streamed:
+            for _ in streamed.iter_lines():
+                pass
+        return raw.headers["x-routeledger-task"], streamed.headers["x-routeledger-task"]
+
+    return await asyncio.to_thread(call)
