@@ -150,7 +150,7 @@ class Ranking:
     cost more than laying out a queue.
     """
 
-    __slots__ = ("_build", "_built", "_finishes", "_order", "_ranks", "digest", "domain", "plan")
+    __slots__ = ("_build", "_built", "_costs", "_finishes", "_order", "_ranks", "digest", "domain", "plan")
 
     def __init__(
         self,
@@ -169,7 +169,8 @@ class Ranking:
         self.domain = domain
         self.plan = plan
         self._finishes = finishes
-        self._ranks = _ranks(finishes if costs is None else costs)
+        self._costs = finishes if costs is None else costs
+        self._ranks = _ranks(self._costs)
         # Best first; equal ranks in holder (registration) order.
         self._order = sorted(range(len(finishes)), key=self._ranks.__getitem__)
         self._build = build
@@ -209,6 +210,16 @@ class Ranking:
         """The best expected finish among the candidates after the first `n` (None: there are none)."""
         rest = self._order[n:]
         return min(self._finishes[i] for i in rest) if rest else None
+
+    def best_cost_after(self, n: int) -> float | None:
+        """The lowest of what the ranking orders by (the finish, or a paced task's reader's finish)
+        among the candidates after the first `n` (None: there are none)."""
+        rest = self._order[n:]
+        return min(self._costs[i] for i in rest) if rest else None
+
+    def cost(self, n: int) -> float:
+        """What the ranking orders the `n`th candidate (0: the best) by."""
+        return self._costs[self._order[n]]
 
 
 def _ranks(values: list[float]) -> list[int]:

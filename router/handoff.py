@@ -13,6 +13,9 @@ chosen one stalls. So it is done only when the plan's lead is wide and certain e
   whose length is a guess;
 - every other holder's expected finish is at least HANDOFF_RATIO times its own: estimates of
   speeds are noisy, and a narrow lead is not worth giving up the shared queue's second chances.
+  For a paced task (router.plan.BacklogEntry.paced) the finishes compared are its reader's, and
+  since every holder's includes the same reading time, the lead demanded is (HANDOFF_RATIO - 1)
+  times the chosen worker's own time to the first token (plus any decoding past reading pace).
 
 A handed-off task the worker has not taken within a bound, or whose worker's lease is gone, is
 moved back to the shared queue by the reaper (workers.reaper), so a pin never strands a task.
@@ -34,10 +37,18 @@ def handoff_worker(decision: Decision, ratio: float = HANDOFF_RATIO) -> str | No
     best = ranking.best
     if best.terms.get("cached_prompt_tokens", 0.0) <= 0.0 or best.terms.get("wait_s", 0.0) > 0.0:
         return None
-    rest = ranking.best_finish_after(1)
+    rest = ranking.best_cost_after(1)
     if rest is None:
         # The only holder: the shared queue reaches it as surely, and is kept for a newcomer.
         return None
+    reading = best.terms.get("reading_s")
+    if reading is not None:
+        # A paced task: its reader's finish on every holder shares the reading time, so the lead
+        # is measured on the rest, the time to its first token and what decoding adds past reading.
+        own = ranking.cost(0) - reading - best.terms["decode_s"]
+        if rest - ranking.cost(0) < (ratio - 1.0) * max(own, 0.0):
+            return None
+        return best.worker
     if rest < ratio * best.expected_finish_s:
         return None
     return best.worker

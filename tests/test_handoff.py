@@ -38,7 +38,9 @@ def _conversation() -> str:
     )
 
 
-def _decision(speeds: dict[str, tuple[float, float]], cached_on: str, busy_on: str | None = None):  # type: ignore[no-untyped-def]
+def _decision(  # type: ignore[no-untyped-def]
+    speeds: dict[str, tuple[float, float]], cached_on: str, busy_on: str | None = None, paced: bool = False
+):
     text = _conversation()
     est = estimator(snapshot([speed_row(w, QWEN, d, 30, prompt=p, load=3.0) for w, (d, p) in speeds.items()]))
     workers = []
@@ -49,7 +51,9 @@ def _decision(speeds: dict[str, tuple[float, float]], cached_on: str, busy_on: s
             busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
             busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
         workers.append(w)
-    query = RouteQuery(model="m", prompt_tokens=3000, prefix=chain_of(text + "and the next question"))
+    query = RouteQuery(
+        model="m", prompt_tokens=3000, prefix=chain_of(text + "and the next question"), paced=paced
+    )
     return decide(query, {"m": QWEN}, view(workers), est, NOW)
 
 
@@ -64,6 +68,18 @@ def test_a_turn_is_handed_off_only_when_the_slot_holding_it_wins_by_a_wide_margi
     # No cache anywhere: nothing a pin would keep.
     bare = _decision({"a": (20.0, 100.0), "b": (25.0, 100.0)}, cached_on="nobody")
     assert handoff_worker(bare) is None
+
+
+def test_a_streamed_turn_is_handed_to_the_slot_holding_it_when_its_reader_starts_sooner_by_a_margin() -> None:
+    # The cache is on a machine that decodes 8 tok/s, faster than its reader reads: the reader
+    # starts at once there and waits 1 s for the prompt on the other, which finishes sooner.
+    speeds = {"a": (40.0, 3000.0), "b": (8.0, 100.0)}
+    plain = _decision(speeds, cached_on="b")
+    assert plain.ranking.best.worker == "a" and handoff_worker(plain) is None
+    read = _decision(speeds, cached_on="b", paced=True)
+    assert read.ranking.best.worker == "b" and handoff_worker(read) == "b"
+    # A lead a quarter of its own time to the first token is demanded; 50x that is not there.
+    assert handoff_worker(read, ratio=50.0) is None
 
 
 def test_a_narrow_lead_or_a_wait_keeps_the_turn_on_the_shared_queue() -> None:
