@@ -103,7 +103,8 @@ def decision_times(
 
 def with_conversations(fleet: FleetView, seed: int = 3, conversations: int = 200) -> FleetView:
     """`fleet` as a chat fleet: every worker's slots hold one of `conversations` conversations each
-    (the whole of it or its start), and half the queued tasks continue one of them."""
+    (the whole of it or its start), half the queued tasks continue one of them, and every queued
+    task is streamed to its reader (paced), as a chat client's are."""
     rng = random.Random(seed)
     chains = [
         PromptChain(hashes=tuple(rng.getrandbits(48) for _ in range(24)), chars=24 * 256)
@@ -120,7 +121,12 @@ def with_conversations(fleet: FleetView, seed: int = 3, conversations: int = 200
         for w in fleet.workers
     ]
     backlog = {
-        d: [msgspec.structs.replace(e, prefix=rng.choice(chains)) if k % 2 else e for k, e in enumerate(q)]
+        d: [
+            msgspec.structs.replace(e, prefix=rng.choice(chains), paced=True)
+            if k % 2
+            else msgspec.structs.replace(e, paced=True)
+            for k, e in enumerate(q)
+        ]
         for d, q in fleet.backlog.items()
     }
     return FleetView(workers=workers, backlog=backlog, arrival_rate=fleet.arrival_rate)
@@ -266,7 +272,8 @@ def main() -> None:
     ap.add_argument(
         "--chat",
         action="store_true",
-        help="also time decisions with every slot holding a conversation and half the queue continuing one",
+        help="also time decisions with every slot holding a conversation, half the queue continuing one"
+        " and every queued task paced",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

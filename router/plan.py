@@ -43,7 +43,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, cast
+from typing import Final, TypeVar, cast
 
 import msgspec
 
@@ -280,6 +280,27 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
 
 Factors = tuple[float, ...]
 
+
+def _spread(values: list[_V], most: int) -> list[_V]:
+    """At most about `most` of the sorted `values`, evenly spread, the least first (each class's
+    reference is the least value it holds)."""
+    return values if len(values) <= most else values[:: -(-len(values) // most)]
+
+
+_V = TypeVar("_V", int, float)
+
+
+class _Class:
+    """One class of a pruned walk's tasks: its least prompt (0 for plain tasks) and output, the
+    seconds per output token it compares by, their least, and its heap once built."""
+
+    __slots__ = ("b_min", "by", "heap", "o", "p")
+
+    def __init__(self, p: int, o: float, by: Sequence[float], b_min: float) -> None:
+        self.p, self.o, self.by, self.b_min = p, o, by, b_min
+        self.heap: list[tuple[float, int, int]] | None = None
+
+
 # A pruned walk's heap of holders: (key, holder index, version).
 _Heap = list[tuple[float, int, int]]
 # (holder index, start, finish) of one task in a walk of the backlog.
@@ -291,6 +312,8 @@ PRUNE_MIN_TASKS = 8
 PRUNE_MIN_HOLDERS = 16
 # At most this many output classes (heaps) in a pruned walk; see `PlanState._walk_pruned`.
 _OUTPUT_CLASSES = 8
+# A paced kind's prompt classes (heaps); see `PlanState._walk_pruned`.
+_PACED_CLASSES = 8
 # The relative margin by which a pruning bound must pass the best finish before the holders behind
 # it are left out: far above the few units in the last place that rounding a sum of four
 # non-negative terms in a different order can move it, far below any difference that matters.
@@ -1139,40 +1162,54 @@ class PlanState:
         read_out, pace = self.read_out, self.pace
         a_min = min(per_prompt)
         flags = paced if paced is not None and read_out is not None else [False] * len(work)
-        # Per kind (plain, paced): the seconds per output token it compares by, and its classes
-        # of (least output, heap of (key, holder, version)).
-        kinds: list[tuple[Sequence[float], list[tuple[float, list[tuple[float, int, int]]]]]] = []
-        class_of: dict[
-            tuple[float, bool], tuple[float, list[tuple[float, int, int]], Sequence[float], float]
-        ] = {}
+        # Per kind (plain, paced), its classes (`_Class`), each with a heap of (key, holder,
+        # version) keyed by its least prompt and output. A paced task's cost
+        # on the holders that stream faster than its reader reads differs only by their wait
+        # and prompt time, so its classes span prompt sizes too: keyed by output alone, every
+        # idle holder would fall within the bound.
+        kinds: list[list[_Class]] = []
+        class_of: dict[tuple[int, float, bool], _Class] = {}
+        version = [0] * len(head)
         by: Sequence[float]
         for reads in (False, True):
-            outs = sorted({o for (_, o), f in zip(work, flags, strict=True) if f == reads})
-            if not outs:
+            mine = {(p if reads else 0, o) for (p, o), f in zip(work, flags, strict=True) if f == reads}
+            if not mine:
                 continue
             by = read_out if reads and read_out is not None else per_out
             b_min = min(by)
-            # More classes mean more heaps to push into per task: past a few, classes span ranges.
-            refs = outs if len(outs) <= _OUTPUT_CLASSES else outs[:: -(-len(outs) // _OUTPUT_CLASSES)]
-            classes: list[tuple[float, _Heap]] = []
-            for o_c in refs:
-                heap = [
-                    (h + o_c * b + ld, i, 0)
-                    for i, (h, b, ld) in enumerate(zip(head, by, load_left, strict=True))
-                ]
-                heapq.heapify(heap)
-                classes.append((o_c, heap))
-            kinds.append((by, classes))
-            for o in outs:
-                o_c, heap = classes[bisect.bisect_right(refs, o) - 1]
-                class_of[(o, reads)] = (o_c, heap, by, b_min)
-        version = [0] * len(head)
+            # Paced: one output class, since past reading pace every holder's output term is
+            # the same (o x the reading time per token) and only the slow decoders' differ.
+            o_refs = _spread(sorted({o for _, o in mine}), 1 if reads else _OUTPUT_CLASSES)
+            p_refs = _spread(sorted({p for p, _ in mine}), _PACED_CLASSES) if reads else [0]
+            made = {(p_c, o_c): _Class(p_c, o_c, by, b_min) for p_c in p_refs for o_c in o_refs}
+            kinds.append(list(made.values()))
+            for p, o in mine:
+                p_c = p_refs[bisect.bisect_right(p_refs, p) - 1]
+                o_c = o_refs[bisect.bisect_right(o_refs, o) - 1]
+                class_of[(p, o, reads)] = made[(p_c, o_c)]
         pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
         slack = _BOUND_SLACK
         for pos, (prompt, o) in enumerate(work):
             reads = flags[pos]
-            o_c, heap, by, b_min = class_of[(o, reads)]
-            bound = prompt * a_min + (o - o_c) * b_min
+            cls = class_of[(prompt if reads else 0, o, reads)]
+            p_c, o_c, by, b_min = cls.p, cls.o, cls.by, cls.b_min
+            heap = cls.heap
+            if heap is None:
+                # Built when first needed, from the holders' state now: a walk that stops at a
+                # holder's first task seldom needs them all.
+                heap = cls.heap = (
+                    [
+                        (h + p_c * a + o_c * b + ld, i, version[i])
+                        for i, (h, a, b, ld) in enumerate(zip(head, per_prompt, by, load_left, strict=True))
+                    ]
+                    if p_c
+                    else [
+                        (h + o_c * b + ld, i, version[i])
+                        for i, (h, b, ld) in enumerate(zip(head, by, load_left, strict=True))
+                    ]
+                )
+                heapq.heapify(heap)
+            bound = (prompt - p_c) * a_min + (o - o_c) * b_min
             best = pop(heap)
             while best[2] != version[best[1]]:
                 best = pop(heap)
@@ -1218,10 +1255,12 @@ class PlanState:
             if given is not None:
                 given[i] += 1
             v = version[i] = version[i] + 1
-            for by_k, classes_k in kinds:
-                b = by_k[i]
-                for o_k, heap_k in classes_k:
-                    push(heap_k, (h + o_k * b, i, v))
+            a = per_prompt[i]
+            for classes_k in kinds:
+                b = classes_k[0].by[i]
+                for c in classes_k:
+                    if c.heap is not None:
+                        push(c.heap, (h + c.p * a + c.o * b if c.p else h + c.o * b, i, v))
             steps.append((i, start, finish))
         return steps, -1, 0.0
 
