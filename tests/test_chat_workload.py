@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import msgspec
 import pytest
@@ -287,3 +288,37 @@ def test_paced_turns_reach_their_first_token_sooner_than_least_busy_and_than_unp
     assert paced.mean_ttft_s < 0.8 * unpaced.mean_ttft_s
     # Whole answers still finish sooner than least-busy's: the laptop is left to the last.
     assert paced.mean_s < least.mean_s
+
+
+def _random_fleet(rng: random.Random) -> Fleet:
+    """Two to five machines on one model, the fastest 40-120 tok/s and each other 1.5-15x slower,
+    prompt speeds 10-40x their decode speed, 1-4 slots sharing the machine by various exponents."""
+    fastest = rng.uniform(40.0, 120.0)
+    workers = []
+    for i in range(rng.randint(2, 5)):
+        decode = fastest if i == 0 else fastest / math.exp(rng.uniform(math.log(1.5), math.log(15.0)))
+        workers.append(
+            WorkerSpec(
+                name=f"w{i}",
+                slots=rng.choice((1, 1, 2, 4)),
+                parallel_exponent=rng.choice((0.5, 0.7, 1.0)),
+                models={
+                    "m": WorkerModel(
+                        decode_tps=decode, prompt_tps=decode * rng.uniform(10, 40), load_s=rng.uniform(2, 12)
+                    )
+                },
+            )
+        )
+    rng.shuffle(workers)
+    law = OutputLength(dist="lognormal", mean=rng.uniform(150, 600), sigma=0.6)
+    return Fleet(name="random", worker=workers, model={"m": ModelSpec(output=law)})
+
+
+@pytest.mark.parametrize("seed", [3, 8, 13])
+def test_on_random_fleets_paced_turns_reach_their_first_token_no_later_than_unpaced_ones(seed: int) -> None:
+    fleet = _random_fleet(random.Random(seed))
+    spec = WorkloadSpec(kind="chat", load=0.3, tasks=800, seed=seed)
+    jobs = generate(fleet, "m", spec)
+    paced = simulate(fleet, "m", spec, Routeledger(), jobs)
+    unpaced = simulate(fleet, "m", spec, Routeledger(gate=GateParams(plan=PlanParams(reading_tps=0.0))), jobs)
+    assert paced.mean_ttft_s <= unpaced.mean_ttft_s
