@@ -10,7 +10,7 @@ the best fixed threshold at each load.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -54,6 +54,15 @@ class GateParams(msgspec.Struct, kw_only=True, frozen=True):
     plan: PlanParams = PlanParams()
     # See SNAPSHOT_EVERY_S.
     snapshot_every_s: float = SNAPSHOT_EVERY_S
+    # Size-aware dispatch: lay the queue out by each task's expected size (smallest first) and
+    # take the task the plan gives me, not the head, so a slow machine takes a small task from
+    # behind a big one the fast machine will run (`_sized_given`). Starvation is bounded: a task
+    # that has waited `max_skip_wait_s` is laid out before every task that has not, in queue order,
+    # so no later task is taken ahead of it by size any more. Off by default: a real worker's
+    # queue hands out its head only (dispatch.queues.TaskQueues.take), so taking a later entry
+    # needs a queue operation that does not exist yet; the scheduling simulator turns it on.
+    skip_ahead: bool = False
+    max_skip_wait_s: float = 120.0
 
 
 class GateDecision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -99,14 +108,16 @@ def _taking(
     finish: float,
     why: str,
     numbers: dict[str, float],
+    pick: int | None = None,
 ) -> GateDecision:
     """The decision to take the head because the plan gives `worker` task #pos + 1 of `queue`."""
+    k = pick if pick is not None else 0
     return GateDecision(
         take=True,
         worker=worker,
         digest=digest,
-        task_id=queue[0].task_id,
-        entry_id=queue[0].entry_id,
+        task_id=queue[k].task_id,
+        entry_id=queue[k].entry_id,
         position=pos + 1,
         reason=f"the plan gives me task #{pos + 1} of {len(queue)} queued {why}",
         numbers={
@@ -116,6 +127,92 @@ def _taking(
             "my_finish_s": finish,
         },
     )
+
+
+def _pick(queue: list[BacklogEntry], pos: int, p: GateParams) -> int | None:
+    """Where the size-aware rule takes the task the plan gives me (`pos`), not the head."""
+    if not p.skip_ahead or pos <= 0 or pos >= len(queue):
+        return None
+    return pos
+
+
+def _size_order(
+    queue: list[BacklogEntry], state: PlanState, now_ms: int, p: GateParams
+) -> list[BacklogEntry]:
+    """`queue` as the size-aware plan lays it out: tasks that waited `max_skip_wait_s` or more
+    first, in queue order; then the rest by expected size (`PlanState.size_s`), equal sizes in
+    queue order (so a queue of alike tasks keeps its order)."""
+    limit = now_ms - int(p.max_skip_wait_s * 1000.0)
+
+    def key(k: int) -> tuple[int, float, int]:
+        e = queue[k]
+        if e.enqueued_at_ms <= limit:
+            return (0, 0.0, k)
+        return (1, state.size_s(e), k)
+
+    return [queue[k] for k in sorted(range(len(queue)), key=key)]
+
+
+def _with_arrivals(
+    queue: list[BacklogEntry],
+    recent: list[BacklogEntry],
+    count: int,
+    state: PlanState,
+    now_ms: int,
+    p: GateParams,
+) -> list[BacklogEntry]:
+    """`queue` in size order with `count` expected arrivals: tasks like the newest queued ones
+    (`recent`, oldest first), enqueued now and holding no conversation."""
+    if count <= 0 or not recent:
+        return queue
+    like = recent[-count:]
+    extra = [
+        msgspec.structs.replace(like[k % len(like)], prefix=None, task_id="", enqueued_at_ms=now_ms)
+        for k in range(count)
+    ]
+    return _size_order(queue + extra, state, now_ms, p)
+
+
+def _sized_given(
+    fresh: Callable[[], PlanState],
+    mine: int,
+    queue: list[BacklogEntry],
+    known: list[BacklogEntry],
+    per_s: float,
+    my_first: float,
+    now_ms: int,
+    p: GateParams,
+) -> tuple[int, float] | None:
+    """(position in `queue`, my finish) of the task the size-aware plan gives me, or None.
+
+    The plan lays out `queue` (in `_size_order`) with the tasks expected to arrive (`per_s` a
+    second) while I would run what it gives me: first over my finish of the smallest, then, as
+    long as it gives me a task I would finish later, over that finish (at most 3 times). A big
+    task ties me up long, and the small ones arriving meanwhile then go ahead of it in the plan:
+    a slow machine takes it only if the plan still gives it to me. Where the plan gives me an
+    expected arrival: where every task known (queued and running, `known`) has the same
+    expected size, I take the head (the rule for alike tasks: I will be needed, so start now);
+    where sizes differ, the arrival's size says nothing certain, so I take nothing yet.
+    """
+    horizon = my_first
+    recent = sorted(queue, key=lambda e: e.enqueued_at_ms)
+    pos, finish = 0, my_first
+    for _ in range(3):
+        state = fresh()
+        entries = _with_arrivals(queue, recent, int(per_s * horizon + 0.5), state, now_ms, p)
+        given = state.first_given(mine, entries)
+        if given is None:
+            return None
+        pos, finish = given
+        if entries[pos].task_id == "":
+            sizes = [state.size_s(e) for e in known]
+            if max(sizes) > min(sizes) * (1.0 + 1e-9):
+                return None
+            return 0, fresh().best_on(mine, queue[0])
+        if finish <= horizon * (1.0 + 1e-9):
+            break
+        horizon = finish
+    return queue.index(entries[pos]), finish
 
 
 def should_take(
@@ -139,6 +236,8 @@ def should_take(
     holders = holders_by_digest(view)[digest]
     state = PlanState(holders, est, digest, now_ms, p.plan, backlog=view.backlog)
     mine = state.names.index(worker)
+    if p.skip_ahead:
+        queue = _size_order(queue, state, now_ms, p)
     my_first = state.best_on(mine, queue[0])
     # Guard: another holder free right now that finishes the head sooner takes it, whatever comes;
     # unless the plan of what is queued now gives me a task too. Workers ask at once, not in turn:
@@ -150,7 +249,14 @@ def should_take(
         if beside is not None:
             pos, finish = beside
             return _taking(
-                worker, digest, queue, pos, finish, f"({state.names[i0]}, free too, gets the first)", {}
+                worker,
+                digest,
+                queue,
+                pos,
+                finish,
+                f"({state.names[i0]}, free too, gets the first)",
+                {},
+                _pick(queue, pos, p),
             )
         return GateDecision(
             take=False,
@@ -173,7 +279,32 @@ def should_take(
     )
     entries = list(queue) + [phantom] * phantoms
     # The walk stops at the first task the plan gives me: the tasks behind it cannot change that.
-    given = state.first_given(mine, entries)
+    if p.skip_ahead:
+        running = [
+            BacklogEntry(
+                task_id=t.task_id,
+                digest=t.digest,
+                enqueued_at_ms=t.started_at_ms,
+                domain=t.domain,
+                prompt_tokens=t.prompt_tokens,
+                max_tokens=t.max_tokens,
+            )
+            for h in holders
+            for t in h.running
+            if t.digest == digest
+        ]
+        given = _sized_given(
+            lambda: PlanState(holders, est, digest, now_ms, p.plan, backlog=view.backlog),
+            mine,
+            queue,
+            queue + running,
+            rate * p.arrival_weight / divisor,
+            my_first,
+            now_ms,
+            p,
+        )
+    else:
+        given = state.first_given(mine, entries)
     if given is not None:
         pos, finish = given
         return _taking(
@@ -184,6 +315,7 @@ def should_take(
             finish,
             f"+ {phantoms} expected to arrive before my next chance to take",
             {"expected_arrivals": expected, "arrival_rate_per_s": rate, "arrival_divisor": divisor},
+            _pick(queue, pos, p),
         )
     return GateDecision(
         take=False,

@@ -952,6 +952,13 @@ class PlanState:
             prompt -= self.cached(entry.prefix, prompt).get(i, 0)
         return prompt * self.sp.per_prompt[i] + self._out(entry) * self.sp.per_out[i] + self.load_left[i]
 
+    def size_s(self, entry: BacklogEntry) -> float:
+        """Expected solo seconds of `entry` on the fastest holder, model loaded: its size."""
+        prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
+        out = self._out(entry)
+        sp = self.sp
+        return min(prompt * a + out * b for a, b in zip(sp.per_prompt, sp.per_out, strict=True))
+
     def best_on(self, i: int, entry: BacklogEntry) -> float:
         """When holder `i` would finish `entry` if it were given it next."""
         work = self._work(i, entry)

@@ -17,11 +17,15 @@ import msgspec
 
 from sim.fleetspec import Fleet
 from sim.scheduling.bounds import Bounds, lower_bounds
-from sim.scheduling.policies import POLICY_NAMES, Threshold, make_policy
+from sim.scheduling.policies import POLICY_NAMES, Sita, Threshold, make_policy
 from sim.scheduling.schedule import RunResult, simulate
 from sim.scheduling.workload import Job, WorkloadSpec, generate, serving, speeds
 
 BEST_THRESHOLD = "best-threshold"
+SITA = "sita"
+# The cutoffs SITA tries: these quantiles of the jobs' exact sizes (and none: 0 and inf).
+SITA_QUANTILES = tuple(i / 40 for i in range(1, 40))
+SWEPT = (BEST_THRESHOLD, SITA)
 
 
 class ResultRow(msgspec.Struct, kw_only=True):
@@ -36,6 +40,8 @@ class ResultRow(msgspec.Struct, kw_only=True):
     vs_lower_bound: float | None = None
     # For best-threshold: the thresholds it found (per slower worker, fastest first).
     thresholds: list[int] | None = None
+    # For sita: the size cutoffs it found (seconds on the fastest worker, slowest worker's first).
+    cutoffs_s: list[float] | None = None
     # With slowdown windows in the fleet (see `slowdown_figures`): mean over the oracle's, seconds
     # until the router saw the slowdown (routeledger only), until new work went elsewhere, and
     # until work came back after it ended; and tasks sent to the slowed machine while a faster one
@@ -110,6 +116,47 @@ def sweep_thresholds(
     return cache[best], list(best)
 
 
+def sweep_sita(
+    fleet: Fleet, model: str, spec: WorkloadSpec, jobs: Sequence[Job], passes: int = 2
+) -> tuple[RunResult, list[float]]:
+    """The best SITA cutoffs for these jobs: each cutoff swept over SITA_QUANTILES of the exact
+    sizes (and 0: that worker gets nothing) with the others fixed, kept in increasing order
+    (coordinate descent, `passes` passes)."""
+    workers = serving(fleet, model)
+    n = len(workers)
+    if n <= 1:
+        return simulate(fleet, model, spec, Sita(()), jobs), []
+    fastest = max(workers, key=lambda w: speeds(w, model).decode_tps)
+    true = speeds(fastest, model)
+    sizes = sorted(true.seconds(j.prompt_tokens, j.output_tokens, True) for j in jobs)
+    grid = sorted({0.0, *(sizes[min(len(sizes) - 1, int(q * len(sizes)))] for q in SITA_QUANTILES)})
+    cache: dict[tuple[float, ...], RunResult] = {}
+
+    def run(cs: tuple[float, ...]) -> float:
+        if cs not in cache:
+            cache[cs] = simulate(fleet, model, spec, Sita(cs), jobs)
+        return cache[cs].mean_s
+
+    # Start from cutoffs that split the jobs evenly by count among the slower workers' share.
+    best = tuple(grid[min(len(grid) - 1, (i + 1) * len(grid) // (2 * n))] for i in range(n - 1))
+    best_mean = run(best)
+    for _ in range(passes):
+        moved = False
+        for i in range(n - 1):
+            lo = best[i - 1] if i > 0 else 0.0
+            hi = best[i + 1] if i + 1 < n - 1 else float("inf")
+            for c in grid:
+                if not lo <= c <= hi:
+                    continue
+                cs = (*best[:i], c, *best[i + 1 :])
+                mean = run(cs)
+                if mean < best_mean:
+                    best, best_mean, moved = cs, mean, True
+        if not moved:
+            break
+    return cache[best], list(best)
+
+
 ORACLE = "routeledger-oracle"
 # After a slowdown ends, how long the return of work is looked for.
 RETURN_HORIZON_S = 1800.0
@@ -174,14 +221,20 @@ def run_matrix(
         if not chat or BEST_THRESHOLD in policies:
             best = sweep_thresholds(fleet, model, spec, jobs)
         best_mean = best[0].mean_s if best is not None else None
+        sita = sweep_sita(fleet, model, spec, jobs) if SITA in policies and not chat else None
         slowed = any(w.slowdown for w in fleet.worker)
         oracle_mean = simulate(fleet, model, spec, make_policy(ORACLE), jobs).mean_s if slowed else None
         for name in policies:
             if progress is not None:
                 progress(f"load {load}: {name}")
             shifts: list[tuple[float, str, str]] = []
+            cutoffs: list[float] | None = None
             if name == BEST_THRESHOLD and best is not None:
                 result, found = best
+            elif name == SITA:
+                if sita is None:
+                    continue
+                (result, cutoffs), found = sita, None
             else:
                 policy = make_policy(name)
                 result, found = simulate(fleet, model, spec, policy, jobs), None
@@ -198,6 +251,7 @@ def run_matrix(
                     vs_best_threshold=mean / best_mean if best_mean and math.isfinite(mean) else None,
                     vs_lower_bound=mean / bound.mean_response_s if bound and math.isfinite(mean) else None,
                     thresholds=found,
+                    cutoffs_s=cutoffs,
                     vs_oracle=mean / oracle_mean if oracle_mean and math.isfinite(mean) else None,
                     detect_s=None if figures is None else figures.detect_s,
                     away_s=None if figures is None else figures.away_s,
@@ -221,6 +275,6 @@ def parse_policies(text: str) -> list[str]:
         return list(POLICY_NAMES)
     names = [p.strip() for p in text.split(",") if p.strip()]
     for n in names:
-        if n != BEST_THRESHOLD:
+        if n not in SWEPT:
             make_policy(n)
     return names

@@ -34,7 +34,7 @@ from router.handoff import handoff_worker
 from router.plan import FleetView, WorkerView
 from sim.errors import FleetError
 from sim.scheduling.schedule import Measured, Simulation, SimWorker
-from sim.scheduling.workload import Job
+from sim.scheduling.workload import Job, capped_mean
 
 # How often the agent's benchmark loop looks (workers.config's default `bench_check_s`).
 BENCH_CHECK_S = 30.0
@@ -61,6 +61,9 @@ class _Base:
 
     def take(self, sim: Simulation, worker: SimWorker) -> bool:
         raise FleetError(f"{self.name} is a push policy")
+
+    def pick(self, sim: Simulation, worker: SimWorker) -> int | None:
+        return 0 if self.take(sim, worker) else None
 
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         return None
@@ -338,6 +341,94 @@ class Threshold(_Base):
         return len(sim.queue) >= k
 
 
+def _by_speed(sim: Simulation) -> list[SimWorker]:
+    """The serving workers, fastest first (by solo decode speed; ties to the first registered)."""
+    return sorted(sim.workers, key=lambda w: (-w.true.decode_tps, w.index))
+
+
+def exact_size(sim: Simulation, job: Job) -> float:
+    """A job's true solo seconds on the fastest worker, model loaded: the size SITA cuts by."""
+    return _by_speed(sim)[0].true.seconds(job.prompt_tokens, job.output_tokens, True)
+
+
+class Sita(_Base):
+    """Size-interval task assignment with exact sizes: the slowest worker gets the jobs below the
+    first cutoff, the next one those up to the second, and so on; the fastest gets the largest.
+    Each worker serves its own queue in arrival order. A job whose worker is offline goes to the
+    nearest online one by speed, faster first. The cutoffs are swept per load
+    (sim.scheduling.experiment.sweep_sita): the best of them is a strong bound on what knowing
+    sizes is worth, since no router knows a task's output length before it runs."""
+
+    pull = False
+
+    def __init__(self, cutoffs: tuple[float, ...]) -> None:
+        self.cutoffs = cutoffs
+        self.name = f"sita-{','.join(f'{c:.3g}' for c in cutoffs)}"
+        self._slowest_first: list[SimWorker] = []
+
+    def start(self, sim: Simulation) -> None:
+        self._slowest_first = list(reversed(_by_speed(sim)))
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        size = exact_size(sim, job)
+        order = self._slowest_first
+        k = len(order) - 1
+        for i, c in enumerate(self.cutoffs[: len(order) - 1]):
+            if size < c:
+                k = i
+                break
+        nearest: list[SimWorker] = [*order[k:], *reversed(order[:k])]
+        for w in nearest:
+            if w.online:
+                return w
+        return _online(sim)[0]
+
+
+def _size_estimate(sim: Simulation, job: Job, w: SimWorker) -> float:
+    """Expected solo seconds of `job` on `w` from what a request says before it runs: its prompt
+    tokens and its class's mean output capped by its max_tokens (the mix's law, or the model's
+    mean), never its true output."""
+    return w.true.seconds(job.prompt_tokens, _expected_output(sim, job), True)
+
+
+def _expected_output(sim: Simulation, job: Job) -> float:
+    mix = sim.workload.mix
+    if mix is not None:
+        for c in mix.classes:
+            if c.domain == job.domain:
+                return capped_mean(c)
+    mean = sim.workload.mean_tokens or sim.fleet.model_spec(sim.model).output.mean
+    return mean if job.max_tokens is None else min(mean, float(job.max_tokens))
+
+
+def _work_left(sim: Simulation, w: SimWorker) -> float:
+    """Expected solo seconds of what `w` has: its running tasks' estimates less the time they ran
+    (never below 0), and its queued ones whole, shared over its slots."""
+    running = sum(max(0.0, _size_estimate(sim, r.job, w) - (sim.now - r.started)) for r in w.runs)
+    queued = sum(_size_estimate(sim, j, w) for j in w.own)
+    return (running + queued) / float(w.slots**w.exponent)
+
+
+class SedSize(_Base):
+    """SED with size estimates: the worker where the job is expected to finish first, counting the
+    expected work it has (`_work_left`) and the job's own expected size there."""
+
+    name = "sed-size"
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return min(_online(sim), key=lambda w: _work_left(sim, w) + _size_estimate(sim, job, w))
+
+
+class LeastBusySize(_Base):
+    """Least-busy by expected work instead of task count: the worker with the least expected solo
+    seconds left (`_work_left`), whatever the job's own size there."""
+
+    name = "least-busy-size"
+
+    def route(self, sim: Simulation, job: Job) -> SimWorker:
+        return min(_online(sim), key=lambda w: _work_left(sim, w))
+
+
 def _copy(snapshot: Snapshot) -> Snapshot:
     """A snapshot whose tables later folds do not reach (folds replace rows, never change them)."""
     return msgspec.structs.replace(
@@ -368,7 +459,9 @@ class Routeledger(_Base):
         snapshot: Snapshot | None = None,
         prefix: bool = True,
     ) -> None:
-        self.gate = gate or GateParams()
+        # Size-aware dispatch on (router.gate.GateParams.skip_ahead): the simulator's queue can
+        # hand out any entry.
+        self.gate = gate or GateParams(skip_ahead=True)
         self.oracle = oracle
         if oracle:
             self.name = "routeledger-oracle"
@@ -483,6 +576,17 @@ class Routeledger(_Base):
         workers = self._workers(sim)
         return decide_take(worker.name, workers, view.backlog, snap, est, sim.now_ms, self.gate).take
 
+    def pick(self, sim: Simulation, worker: SimWorker) -> int | None:
+        snap, est = self._evidence(sim)
+        workers = self._workers(sim)
+        d = decide_take(worker.name, workers, sim.view.backlog, snap, est, sim.now_ms, self.gate)
+        if not d.take:
+            return None
+        for k, e in enumerate(sim.queue[:BACKLOG_DEPTH]):
+            if e.task_id == d.task_id:
+                return k
+        return 0
+
     def _workers(self, sim: Simulation) -> list[WorkerView]:
         if self.prefix:
             return list(sim.view.workers)
@@ -595,17 +699,20 @@ POLICIES: dict[str, Callable[[], _Base]] = {
     "least-connections": LeastConnections,
     "fast-only": FastOnly,
     "sed": ShortestExpectedDelay,
+    "sed-size": SedSize,
+    "least-busy-size": LeastBusySize,
     "story-original": StoryOriginal,
     "sticky": Sticky,
     "pair": Pair,
     "herd": Herd,
 }
-# `best-threshold` is not one policy but a sweep of `Threshold` (see sim.sweep).
-POLICY_NAMES: tuple[str, ...] = (*POLICIES, "best-threshold")
+# `best-threshold` and `sita` are not one policy each but sweeps of `Threshold` and `Sita`
+# (sim.scheduling.experiment).
+POLICY_NAMES: tuple[str, ...] = (*POLICIES, "best-threshold", "sita")
 
 
 def make_policy(name: str) -> _Base:
-    """A fresh policy by name (`best-threshold` is swept by the runner, not made here)."""
+    """A fresh policy by name (`best-threshold` and `sita` are swept by the runner, not made here)."""
     factory = POLICIES.get(name)
     if factory is None:
         raise FleetError(f"unknown policy {name!r}; policies: {', '.join(POLICY_NAMES)}")

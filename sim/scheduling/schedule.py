@@ -176,6 +176,9 @@ class Policy(Protocol):
     def take(self, sim: Simulation, worker: SimWorker) -> bool:
         """Pull: whether `worker`, which has a free slot, takes the head of the shared queue now."""
 
+    def pick(self, sim: Simulation, worker: SimWorker) -> int | None:
+        """Pull: the position in the shared queue of the task `worker` takes now (None: none)."""
+
     def completed(self, sim: Simulation, worker: SimWorker, job: Job, measured: Measured) -> None:
         """A run finished (benchmarks included) with what the backend reports."""
 
@@ -605,8 +608,8 @@ class Simulation:
                     if not w.own:
                         break
                     self._start(w, w.own.pop(0))
-                elif self.queue and self.policy.take(self, w):
-                    entry = self.queue.pop(0)
+                elif self.queue and (k := self.policy.pick(self, w)) is not None:
+                    entry = self.queue.pop(k)
                     self._start(w, self.jobs[int(entry.task_id)])
                 else:
                     break
