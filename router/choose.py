@@ -287,10 +287,11 @@ def _ranking(
     """The holders ranked for a new task behind the backlog `state` has laid out as `plan`."""
     domain = query.domain
     prompt = prompt_estimate(query, params.default_prompt_tokens, est)
-    out_field = est.output_tokens(digest, domain)
+    # The size estimate: its own prompt tokens, and its output as the lengths' law capped by its
+    # max_tokens (the field's source says which).
+    out_field = est.capped_output(digest, domain, query.max_tokens)
     quality = est.quality(digest, domain)
-    max_tokens = query.max_tokens
-    out = out_field.value if max_tokens is None else min(out_field.value, float(max_tokens))
+    out = out_field.value
     cached = state.cached(query.prefix, prompt)
     finishes = state.finishes(prompt, out, cached)
     pace = state.pace if query.paced else None
@@ -573,8 +574,7 @@ def _score_models(
     rows: list[tuple[Field, float, list[BacklogEntry], tuple[float, str] | None]] = []
     for _, digest, holders in weighed:
         quality = est.quality(digest, domain)
-        out_value = est.output_tokens(digest, domain).value
-        out = out_value if query.max_tokens is None else min(out_value, float(query.max_tokens))
+        out = est.capped_output(digest, domain, query.max_tokens).value
         queue = view.backlog.get(digest, [])
         floor = None
         if prune:

@@ -654,6 +654,35 @@ class Estimator:
             return done * sigma * sigma / max(math.log(done), sigma * sigma)
         return _normal_cdf(sigma - z) / survive - done
 
+    def capped_output(self, digest: str, domain: str, max_tokens: int | None) -> Field:
+        """Expected output tokens of a request that carries a `max_tokens` cap: E[min(L, cap)] of
+        the lengths' law (a lognormal with the `output_tokens` mean and the `length_sigma`
+        spread), not min(mean, cap): a cap near the mean cuts the long answers only. Without a
+        cap, `output_tokens` itself."""
+        out = self.output_tokens(digest, domain)
+        if max_tokens is None:
+            return out
+        key = ("#capped", digest, domain, max_tokens)
+        hit = self.memo.get(key)
+        if isinstance(hit, Field):
+            return hit
+        m, cap = out.value, float(max(0, max_tokens))
+        sigma = self.length_sigma(digest, domain)
+        if m <= 0.0 or cap <= 0.0 or sigma <= 0.0:
+            value = max(0.0, min(m, cap))
+        else:
+            # Lognormal (mu, s) with mean m: E[min(L, c)] = m Phi(z - s) + c (1 - Phi(z)),
+            # z = (ln c - mu) / s, mu = ln m - s^2 / 2.
+            z = (math.log(cap) - math.log(m) + sigma * sigma / 2.0) / sigma
+            value = m * _normal_cdf(z - sigma) + cap * (1.0 - _normal_cdf(z))
+        hit = msgspec.structs.replace(
+            out,
+            value=value,
+            source=f"E[min(length, max_tokens {max_tokens})], lognormal sigma {sigma:.2f}: {out.source}",
+        )
+        self.memo[key] = hit
+        return hit
+
     def quality(self, digest: str, domain: str) -> Field:
         """Quality in [0, 1] of the model for the domain, whichever worker runs it: the Beta
         posterior's mean, with its standard deviation and interval (the module's docstring)."""

@@ -216,9 +216,8 @@ class Service(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 def expected_output(est: Estimator, digest: str, domain: str, max_tokens: int | None) -> float:
-    """Expected output tokens, capped by the request's max tokens."""
-    out = est.output_tokens(digest, domain).value
-    return out if max_tokens is None else min(out, float(max_tokens))
+    """Expected output tokens, capped by the request's max tokens (`Estimator.capped_output`)."""
+    return est.capped_output(digest, domain, max_tokens).value
 
 
 def service(
@@ -884,12 +883,13 @@ class PlanState:
         return out
 
     def _out(self, entry: BacklogEntry) -> float:
-        out = self.outs.get(entry.domain)
-        if out is None:
-            out = self._est.output_tokens(self.digest, entry.domain).value
-            self.outs[entry.domain] = out
         cap = entry.max_tokens
-        return out if cap is None or cap >= out else cap
+        if cap is None:
+            out = self.outs.get(entry.domain)
+            if out is None:
+                out = self.outs[entry.domain] = self._est.output_tokens(self.digest, entry.domain).value
+            return out
+        return self._est.capped_output(self.digest, entry.domain, cap).value
 
     def _shared_finish(self, i: int, start: float, work: float) -> float:
         return self._shared(i, start, work)[0]
