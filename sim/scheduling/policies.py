@@ -458,6 +458,7 @@ class Routeledger(_Base):
         oracle: bool = False,
         snapshot: Snapshot | None = None,
         prefix: bool = True,
+        name: str | None = None,
     ) -> None:
         # Size-aware dispatch on (router.gate.GateParams.skip_ahead): the simulator's queue can
         # hand out any entry.
@@ -469,6 +470,8 @@ class Routeledger(_Base):
         self.prefix = prefix
         if not prefix:
             self.name = "routeledger-noprefix"
+        if name is not None:
+            self.name = name
         # Turns handed straight to a worker (`pin`).
         self.handoffs = 0
         # What the projector holds: every arrival and completion is folded in at once.
@@ -692,6 +695,7 @@ POLICIES: dict[str, Callable[[], _Base]] = {
     "routeledger": Routeledger,
     "routeledger-oracle": lambda: Routeledger(oracle=True),
     "routeledger-noprefix": lambda: Routeledger(prefix=False),
+    "routeledger-sizeblind": lambda: Routeledger(gate=GateParams(), name="routeledger-sizeblind"),
     "round-robin": RoundRobin,
     "random": RandomChoice,
     "least-busy": LeastBusy,
