@@ -952,6 +952,10 @@ class PlanState:
             prompt -= self.cached(entry.prefix, prompt).get(i, 0)
         return prompt * self.sp.per_prompt[i] + self._out(entry) * self.sp.per_out[i] + self.load_left[i]
 
+    def out_of(self, entry: BacklogEntry) -> float:
+        """Expected output tokens of `entry` (its domain's lengths, capped by its max_tokens)."""
+        return self._out(entry)
+
     def size_s(self, entry: BacklogEntry) -> float:
         """Expected solo seconds of `entry` on the fastest holder, model loaded: its size."""
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens

@@ -148,3 +148,14 @@ def test_sed_size_sends_a_small_job_to_an_idle_slow_worker_and_a_big_one_to_the_
     code = msgspec.structs.replace(jobs[0], domain="code", prompt_tokens=900, max_tokens=4096)
     assert sim.policy.route(sim, label).name == "macbookair"
     assert sim.policy.route(sim, code).name == "rtx3070ti"
+
+
+def test_on_alike_tasks_the_size_aware_gate_keeps_the_size_blind_figures_within_one_percent() -> None:
+    # Only a benchmark running beside alike tasks (a smaller prompt) makes sizes differ at all.
+    fleet = load_fleet("trio")
+    for load in (0.5, 0.9):
+        spec = WorkloadSpec(load=load, tasks=400, seed=5)
+        jobs = generate(fleet, "qwen3:8b", spec)
+        sized = simulate(fleet, "qwen3:8b", spec, make_policy("routeledger"), jobs)
+        blind = simulate(fleet, "qwen3:8b", spec, make_policy("routeledger-sizeblind"), jobs)
+        assert abs(sized.mean_s / blind.mean_s - 1.0) < 0.01, load
