@@ -364,7 +364,11 @@ def _expected_s(worker: WorkerView, t: RunningTask, est: Estimator, p: PlanParam
     if t.expected_s is not None:
         return t.expected_s
     prompt = p.default_prompt_tokens if t.prompt_tokens is None else t.prompt_tokens
-    return _coef(est, worker.name, t.digest, t.domain).seconds(prompt, t.max_tokens, True)
+    c = _coef(est, worker.name, t.digest, t.domain)
+    if t.max_tokens is None:
+        return c.seconds(prompt, None, True)
+    # Capped: the expected output under its cap (Estimator.capped_output), as the plan counts it.
+    return prompt * c.per_prompt + est.capped_output(t.digest, t.domain, t.max_tokens).value * c.per_out
 
 
 def slot_free_times(
