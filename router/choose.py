@@ -296,6 +296,7 @@ def _ranking(
     finishes = state.finishes(prompt, out, cached)
     pace = state.pace if query.paced else None
     costs = None if pace is None else [f + out * x for f, x in zip(finishes, pace, strict=True)]
+    prompt_field = _prompt_field(query, prompt, params.default_prompt_tokens)
 
     def build(i: int, rank: int) -> WorkerCandidate:
         w, sp = holders[i], state.sp.estimates[i]
@@ -305,10 +306,12 @@ def _ranking(
             "load_s": load,
             "prompt_s": prompt_s,
             "decode_s": decode_s,
+            "prompt_tokens": float(prompt),
             "output_tokens": out,
             "quality": quality.value,
         }
         fields = {
+            "prompt_tokens": prompt_field,
             "decode_tps": sp.decode_tps,
             "prompt_tps": sp.prompt_tps,
             # A backend that cannot say what is loaded is charged the load its runs have shown.
@@ -339,6 +342,19 @@ def _ranking(
         return WorkerCandidate(worker=w.name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
 
     return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build, costs=costs)
+
+
+def _prompt_field(query: RouteQuery, prompt: int, default_prompt: int) -> Field:
+    """The size estimate's prompt part and where it comes from: the request's own text, counted
+    at about 4 characters a token before the backend counts it (dispatch.payload.estimate_tokens;
+    no per-model ratio is learned yet), or the plan's default when the request said nothing."""
+    if query.prompt_tokens is None:
+        source = f"default: {default_prompt} tokens (the request's prompt was not counted)"
+    else:
+        source = "the request's text at about 4 characters a token (estimated before the backend counts)"
+    if query.images > 0:
+        source += f", + {query.images} image(s)"
+    return Field(value=float(prompt), n=0, source=source, age_s=None)
 
 
 def _cached_field(tokens: int, prompt: int, chain: PromptChain, worker: WorkerView) -> Field:
@@ -751,7 +767,7 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True, gc=False):
         ranking = self.ranking
         candidates = ranking.top(top)
         rest_best = ranking.best_finish_after(top)
-        shared_terms = ("output_tokens", "quality", "image_tokens")
+        shared_terms = ("prompt_tokens", "output_tokens", "quality", "image_tokens")
         first = candidates[0]
         out: dict[str, object] = {
             "model": self.model,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from projections.snapshot import LengthRow
+from router.choose import RouteQuery, rank_workers
 from router.gate import GateParams, should_take
 from router.plan import BacklogEntry, service
 from sim.fleetspec import load_fleet
@@ -159,3 +160,14 @@ def test_on_alike_tasks_the_size_aware_gate_keeps_the_size_blind_figures_within_
         sized = simulate(fleet, "qwen3:8b", spec, make_policy("routeledger"), jobs)
         blind = simulate(fleet, "qwen3:8b", spec, make_policy("routeledger-sizeblind"), jobs)
         assert abs(sized.mean_s / blind.mean_s - 1.0) < 0.01, load
+
+
+def test_the_breakdown_shows_the_size_estimate_and_its_source() -> None:
+    est = _seed_estimator({"chat": _spread(300.0)})
+    mac, rtx = worker("macbookair", {QWEN}), worker("rtx3070ti", {QWEN})
+    query = RouteQuery(model="qwen3:8b", domain="chat", prompt_tokens=350, max_tokens=256)
+    best = rank_workers(view([mac, rtx]), est, QWEN, NOW, query).best
+    assert best.terms["prompt_tokens"] == 350.0
+    assert "4 characters a token" in best.fields["prompt_tokens"].source
+    assert best.terms["output_tokens"] == est.capped_output(QWEN, "chat", 256).value
+    assert "max_tokens 256" in best.fields["output_tokens"].source
