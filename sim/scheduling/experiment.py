@@ -4,8 +4,9 @@ the best fixed threshold found by a sweep, and the lower bounds beside them.
 All policies at one load see the same jobs (common random numbers), so their ratios are not
 blurred by sampling noise between runs. On chats (`WorkloadSpec.kind == "chat"`) a later turn
 arrives when the policy finished the one before, so the lower bounds (which need every arrival in
-advance) are left out, the best threshold is swept only when asked for, and each row also has
-the time to first token.
+advance) are left out, and so is `sita` (it needs every task's size at its arrival, and is
+swept on the tasks in advance), the best threshold is swept only when asked for, and each row
+also has the time to first token.
 """
 
 from __future__ import annotations
