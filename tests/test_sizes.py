@@ -10,6 +10,7 @@ from router.choose import RouteQuery, rank_workers
 from router.gate import GateParams, should_take
 from router.plan import BacklogEntry, service
 from sim.fleetspec import load_fleet
+from sim.scheduling.experiment import sweep_sita
 from sim.scheduling.policies import Routeledger, Sita, exact_size, make_policy
 from sim.scheduling.schedule import Simulation, simulate
 from sim.scheduling.workload import MixClass, WorkloadSpec, capped_mean, generate, load_mix
@@ -171,3 +172,13 @@ def test_the_breakdown_shows_the_size_estimate_and_its_source() -> None:
     assert "4 characters a token" in best.fields["prompt_tokens"].source
     assert best.terms["output_tokens"] == est.capped_output(QWEN, "chat", 256).value
     assert "max_tokens 256" in best.fields["output_tokens"].source
+
+
+def test_the_sita_sweep_finds_cutoffs_no_worse_than_sending_everything_to_the_fastest() -> None:
+    fleet = load_fleet("seed")
+    spec = WorkloadSpec(load=0.7, tasks=300, seed=6, mix=load_mix("chat-code"))
+    jobs = generate(fleet, "qwen3:8b", spec)
+    swept, cutoffs = sweep_sita(fleet, "qwen3:8b", spec, jobs)
+    everything_fast = simulate(fleet, "qwen3:8b", spec, Sita((0.0,)), jobs)
+    assert len(cutoffs) == 1
+    assert swept.mean_s <= everything_fast.mean_s
