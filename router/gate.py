@@ -281,10 +281,13 @@ def should_take(
             if t.digest == digest
         ]
     # Sizes matter only where the tasks differ in expected size: on alike tasks the rule is the
-    # size-blind one, bit for bit. Nor where queued tasks carry a prompt chain: what a task costs
-    # then depends on which slot holds its conversation, which the size-aware look-ahead does not
-    # price (in the simulator it made chats 3-5% slower than the size-blind rule).
-    sized = p.skip_ahead and all(e.prefix is None for e in queue) and _sizes_differ(state, known)
+    # size-blind one, bit for bit. Nor where queued tasks carry a prompt chain or are paced: what a
+    # task costs then depends on which slot holds its conversation, or on its reader, which the
+    # size-aware look-ahead does not price (in the simulator it made chats 3-5% slower than the
+    # size-blind rule).
+    sized = (
+        p.skip_ahead and all(e.prefix is None and not e.paced for e in queue) and _sizes_differ(state, known)
+    )
     if sized:
         queue = _size_order(queue, state, now_ms, p)
     my_first = state.best_on(mine, queue[0])
