@@ -162,3 +162,22 @@ async def test_no_server_is_a_connect_failure_and_no_answer_in_time_a_timeout() 
             await pool.post("/p", b"{}", [])
         await pool.aclose()
     assert slow.value.kind == "timeout"
+
+
+async def test_an_answer_without_length_or_chunks_ends_where_its_connection_does() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+        for line in (b'{"a": 1}\n', b'{"b": 2}\n'):
+            writer.write(line)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async with serving(handler) as (url, accepted):
+        streams = LineStreams(url, 5.0)
+        try:
+            twice = [[line async for line in streams.lines("/p", {}, "m")] for _ in range(2)]
+        finally:
+            await streams.aclose()
+    assert twice == [[b'{"a": 1}', b'{"b": 2}']] * 2
+    assert len(accepted) == 2

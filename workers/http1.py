@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self._headers_done = False
         self._complete = False
         self._keep_alive = False
+        self._until_close = True
         self._waiter: asyncio.Future[None] | None = None
         self.status = 0
 
@@ -71,11 +72,19 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._headers_done and not self._complete and self._until_close and exc is None:
+            # An answer with neither a length nor chunks ends where its connection does.
+            self._complete = True
         if not self._complete and self.error is None:
             self.error = HttpError("closed", str(exc) if exc else "the backend closed the connection")
         self._wake()
 
     # -- httptools callbacks -------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered == b"content-length" or (lowered == b"transfer-encoding" and b"chunked" in value.lower()):
+            self._until_close = False
+
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self._headers_done = True
@@ -113,6 +122,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._body.clear()
         self._headers_done = self._complete = self._keep_alive = False
+        # Until a header says how the body ends (a length, or chunks), it ends with the connection.
+        self._until_close = True
         self.status = 0
         assert self.transport is not None
         self.transport.write(request)
