@@ -62,12 +62,37 @@ T = TypeVar("T")
 
 # Errors that mean "Redis is not there right now", as opposed to a command Redis refused.
 TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# The pause after a try that found Redis away, doubled after each further one (up to 0.5 s).
+_FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
 _XREAD: Final = b"XREAD"
 # How often a reader of a task's output looks again for the workers that run it (dispatch.queues
 # run_writers) and for the live workers that might (see _Outputs).
 _LOOK_MS: Final = 500
+
+
+async def _registered(outputs: _Outputs) -> set[str]:
+    raw: Any = await outputs.redis.smembers(outputs.keys.workers)
+    return {as_str(n) for n in raw}
+
+
+class _Workers:
+    """The names of the registered workers, read at most once per _LOOK_MS for every reader that
+    starts in between (a reader's first look), instead of once for each."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._names: set[str] = set()
+        self._read_at = -float("inf")
+
+    async def names(self) -> set[str]:
+        now = time.monotonic()
+        if (now - self._read_at) * 1000 >= _LOOK_MS:
+            raw: Any = await self.redis.smembers(self.keys.workers)
+            self._names, self._read_at = {as_str(n) for n in raw}, now
+        return self._names
 
 
 class _Outputs:
@@ -80,10 +105,13 @@ class _Outputs:
     to hold the task's entry (or to have had its claim accepted), and one whose worker does not is
     dropped from the reader with what it had written (it wrote for a task it does not run)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, task_id: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, task_id: str, workers: _Workers | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.task_id = task_id
+        self._workers = workers
         self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
         self.writers: list[str] = []
         # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
@@ -92,10 +120,18 @@ class _Outputs:
         self._looked = -float("inf")
 
     async def _look(self) -> None:
+        first = self._looked == -float("inf")
         self._looked = time.monotonic()
-        self.writers = await run_writers(self.redis, self.keys, self.task_id)
-        raw: Any = await self.redis.smembers(self.keys.workers)
-        for name in {*self.writers, *(as_str(n) for n in raw)}:
+        if first:
+            # Nothing was read yet, so nothing waits on knowing the writers: a chunk on a worker's
+            # own stream makes the reader look them up before it is used (read). The workers' names
+            # may be a moment old (_Workers): the reader's next look, within _LOOK_MS, reads them
+            # afresh, so a worker registered in between is followed at most that much later.
+            names = await self._workers.names() if self._workers is not None else await _registered(self)
+        else:
+            self.writers = await run_writers(self.redis, self.keys, self.task_id)
+            names = await _registered(self)
+        for name in {*self.writers, *names}:
             stream = self.keys.run_out(name, self.task_id)
             self._names[stream] = name
             if stream in self._dropped and name in self.writers:
@@ -173,6 +209,7 @@ class Gateway:
         self.ledger = Ledger(redis, keys)
         self.queues = TaskQueues(redis, keys, self.ledger)
         self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
+        self.workers = _Workers(redis, keys)
         self.memory = MemoryWatch(redis)
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
@@ -187,10 +224,21 @@ class Gateway:
     # -- resilience -----------------------------------------------------------------------------
     async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run `op`, retrying while Redis is unreachable within the budget; then RedisUnavailableError."""
+        started = time.monotonic()
+        try:
+            # The first try outside the retry machinery: it succeeds nearly always, and tenacity's
+            # bookkeeping costs more than many a command it wraps. The rest keep the same budget
+            # and the same first pause.
+            return await op()
+        except TRANSIENT as exc:
+            left = self.retry_budget_s - (time.monotonic() - started)
+            if left <= 0:
+                raise unavailable(exc) from None
+        await asyncio.sleep(_FIRST_PAUSE_S)
         try:
             async for attempt in AsyncRetrying(
-                stop=stop_after_delay(self.retry_budget_s),
-                wait=wait_exponential(multiplier=0.05, max=0.5),
+                stop=stop_after_delay(max(0.0, left - _FIRST_PAUSE_S)),
+                wait=wait_exponential(multiplier=2 * _FIRST_PAUSE_S, max=0.5),
                 retry=retry_if_exception_type(TRANSIENT),
                 reraise=True,
             ):
@@ -308,7 +356,7 @@ class Gateway:
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
         """Block on the task's output stream until it ends, then return its result."""
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        outputs = _Outputs(self.redis, self.keys, task_id)
+        outputs = _Outputs(self.redis, self.keys, task_id, self.workers)
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -336,7 +384,7 @@ class Gateway:
         letter, an expiry: its chunk has no run nonce) ends the stream whichever run it follows.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        outputs = _Outputs(self.redis, self.keys, task_id)
+        outputs = _Outputs(self.redis, self.keys, task_id, self.workers)
         followed: tuple[int, str] | None = None
         relayed = False
         calls = 0

@@ -184,21 +184,42 @@ end
 return {row[1], attempt, flat, ''}
 """
 
+# How many entries one model's queues hold, all its bands together (queued, and delivered ones not
+# yet finished): `plain` its plain queue, `bands` its zset of bands.
+LUA_DEPTH: Final = """
+local function depth(plain, bands)
+  local n = 0
+  if redis.call('TYPE', plain).ok == 'stream' then n = redis.call('XLEN', plain) end
+  for _, q in ipairs(redis.call('ZRANGE', bands, 0, -1)) do
+    if q ~= plain and redis.call('TYPE', q).ok == 'stream' then n = n + redis.call('XLEN', q) end
+  end
+  return n
+end
+"""
+
 # Submit a task exactly once, keyed by its id: the ledger events, the queue entry and the task's
 # lookup hash (which records the entry, so that a cancel finds it without reading the queue), or
 # nothing if the task exists already (a re-sent submission). The queue and its group are made if
 # missing, and the queue joins the registry of queues.
-# A band queue (events.keys.Keys.band_queue) joins its model's zset of bands too.
+# A band queue (events.keys.Keys.band_queue) joins its model's zset of bands too. With a cap, a new
+# task is refused when the model's queues (see _DEPTH) hold that many entries already: checked in
+# the same call, so that a submission is one round trip.
 # KEYS[1] ledger, KEYS[2] task hash, KEYS[3] queue, KEYS[4] registry of queues, KEYS[5] the model's
-# bands; ARGV[1] the packed events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, ARGV[5] the
-# queue's place among its model's bands ('' = not a band queue), then n hash field/value items, then
-# the queue entry's field/value items. Returns {1, entry id} when queued now, {0, entry id} when it
-# was queued before.
+# bands, KEYS[6] the model's plain queue, KEYS[7] the model's bands (for the cap); ARGV[1] the packed
+# events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, ARGV[5] the queue's place among its
+# model's bands ('' = not a band queue), ARGV[6] the cap ('' = none), then n hash field/value items,
+# then the queue entry's field/value items. Returns {1, entry id} when queued now, {0, entry id}
+# when it was queued before, {-1, depth} when the model's queues are at the cap.
 _SUBMIT: Final = (
     LUA_APPEND_BLOB
+    + LUA_DEPTH
     + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   return {0, redis.call('HGET', KEYS[2], 'entry') or ''}
+end
+if ARGV[6] ~= '' then
+  local held = depth(KEYS[6], KEYS[7])
+  if held >= tonumber(ARGV[6]) then return {-1, held} end
 end
 local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[3], '0', 'MKSTREAM')
 if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
@@ -207,9 +228,9 @@ end
 append_blob(KEYS[1], ARGV[1], nil)
 local n = tonumber(ARGV[4])
 local info = {}
-for i = 6, 5 + n do info[#info + 1] = ARGV[i] end
+for i = 7, 6 + n do info[#info + 1] = ARGV[i] end
 local fields = {}
-for i = 6 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
 local entry = redis.call('XADD', KEYS[3], '*', unpack(fields))
 redis.call('HSET', KEYS[2], 'entry', entry, unpack(info))
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -447,14 +468,7 @@ _SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
 
 # How many entries one model's queue holds, all its bands together (queued, and delivered ones not
 # yet finished). KEYS[1] the model's plain queue, KEYS[2] its zset of bands (same slot).
-_DEPTH: Final = """
-local n = 0
-if redis.call('TYPE', KEYS[1]).ok == 'stream' then n = redis.call('XLEN', KEYS[1]) end
-for _, q in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  if q ~= KEYS[1] and redis.call('TYPE', q).ok == 'stream' then n = n + redis.call('XLEN', q) end
-end
-return n
-"""
+_DEPTH: Final = LUA_DEPTH + "return depth(KEYS[1], KEYS[2])\n"
 _DEPTH_DEF: Final = ScriptDef("depth", _DEPTH)
 _REVIVE_DEF: Final = ScriptDef("revive", _REVIVE, allow_oom=True)
 
@@ -470,6 +484,14 @@ OVER_LIMIT: Final = 2
 # How long finished results and output chunks are kept.
 RESULT_TTL_MS: Final = 24 * 3600 * 1000
 OUTPUT_TTL_MS: Final = 3600 * 1000
+
+
+class AtCapError(Exception):
+    """A submission refused: the model's queues hold `held` entries, at the cap it was given."""
+
+    def __init__(self, held: int) -> None:
+        super().__init__(f"the model's queues hold {held} entries")
+        self.held = held
 
 
 class Requeue(msgspec.Struct, frozen=True):
@@ -643,11 +665,14 @@ class TaskQueues:
         *,
         bands: str = "",
         order: int | None = None,
+        cap: int | None = None,
     ) -> tuple[bool, str]:
         """Record `events`, the task's lookup hash (`info`, plus its entry id) and its queue entry, at
         once and only once per task id (see _SUBMIT): (queued now, entry id). Sending it again after
         a lost reply is safe: the second finds the task and queues nothing. A band queue names its
-        model's zset of bands (`bands`) and its place there (`order`)."""
+        model's zset of bands (`bands`) and its place there (`order`). With `cap`, a new task is
+        refused (AtCapError, with the depth) when the queues of the task's model hold that many
+        entries (see depth)."""
         flat: list[Any] = []
         for field, value in info.items():
             flat += [field, value]
@@ -655,18 +680,29 @@ class TaskQueues:
         for raw, value in queue_fields(task).items():
             entry += [raw, value]
         reply: Any = await self._submit(
-            keys=[self.keys.events, self.keys.task(task.task_id), queue, self.keys.queues, bands or queue],
+            keys=[
+                self.keys.events,
+                self.keys.task(task.task_id),
+                queue,
+                self.keys.queues,
+                bands or queue,
+                self.keys.queue(task.digest),
+                self.keys.bands(task.digest),
+            ],
             args=[
                 encode_batch(events),
                 str(RESULT_TTL_MS),
                 WORKERS_GROUP,
                 str(len(flat)),
                 "" if order is None or not bands else str(order),
+                "" if cap is None else str(cap),
                 *flat,
                 *entry,
             ],
         )
         created, entry_id = reply
+        if int(created) < 0:
+            raise AtCapError(int(entry_id))
         return int(created) == 1, as_str(entry_id)
 
     async def depth(self, digest: str) -> int:

@@ -18,7 +18,7 @@ from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFu
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.prefix import task_chain
-from dispatch.queues import TaskQueues
+from dispatch.queues import AtCapError, TaskQueues
 from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
 from dispatch.view import LiveView
 from dispatch.wake import sleeping_candidates
@@ -381,15 +381,6 @@ async def submit_task(
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
         digest = require_model(req.model, live)
-    if max_depth is not None:
-        held = await queues.depth(digest)
-        if held >= max_depth:
-            raise QueueFullError(
-                f"the queue of {req.model} holds {held} tasks: at its cap max_queue_depth={max_depth}",
-                hint="try again later, or another model; the operator may raise max_queue_depth",
-                cap=max_depth,
-                retry_after_s=QUEUE_FULL_RETRY_S,
-            )
     text = req.text()
     domain = req.domain or classify_domain(text)
     task = TaskMessage(
@@ -465,15 +456,25 @@ async def submit_task(
         info["key"] = req.key
     if pin is not None:
         info["fallback"] = shared
-    await queues.submit(
-        queue,
-        task,
-        events,
-        info,
-        # The plain queue is always read, listed or not: only the other bands join the zset.
-        bands=keys.bands(digest) if queue == shared and queue != keys.queue(digest) else "",
-        order=band_order(task.priority, req.share_round),
-    )
+    try:
+        await queues.submit(
+            queue,
+            task,
+            events,
+            info,
+            # The plain queue is always read, listed or not: only the other bands join the zset.
+            bands=keys.bands(digest) if queue == shared and queue != keys.queue(digest) else "",
+            order=band_order(task.priority, req.share_round),
+            # The cap is checked in the same call: a submission is one round trip.
+            cap=max_depth,
+        )
+    except AtCapError as exc:
+        raise QueueFullError(
+            f"the queue of {req.model} holds {exc.held} tasks: at its cap max_queue_depth={max_depth}",
+            hint="try again later, or another model; the operator may raise max_queue_depth",
+            cap=max_depth or exc.held,
+            retry_after_s=QUEUE_FULL_RETRY_S,
+        ) from None
     return Submitted(task=task, queue=queue, decision=decision, key=req.key)
 
 

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import hiredis
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
@@ -82,6 +84,44 @@ def check_tls(url: str) -> None:
             )
 
 
+class _HiredisPacking:
+    """Commands packed into the Redis protocol by hiredis (C) instead of redis-py's Python loop,
+    which the asyncio client uses even where hiredis is installed: for an event's XADD of 40
+    fields, about 5 us instead of 40 us, on every command the request path sends. Arguments
+    hiredis does not take (a bool, None) go to redis-py's packing, which refuses them as before."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        head = args[0]
+        if isinstance(head, str):
+            head = head.encode()
+        if b" " in head:
+            # A command written with its subcommand ("CLIENT SETNAME"): sent as separate words.
+            args = (*head.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except (TypeError, UnicodeError):
+            return super().pack_command(*args)  # type: ignore[misc,no-any-return]
+
+
+class _Tcp(_HiredisPacking, Connection):
+    pass
+
+
+class _Tls(_HiredisPacking, SSLConnection):
+    pass
+
+
+class _Unix(_HiredisPacking, UnixDomainSocketConnection):
+    pass
+
+
+_PACKED: Final[dict[type[AbstractConnection], type[AbstractConnection]]] = {
+    Connection: _Tcp,
+    SSLConnection: _Tls,
+    UnixDomainSocketConnection: _Unix,
+}
+
+
 def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> aioredis.Redis:
     """The one way routeledger's processes make a Redis client.
 
@@ -95,9 +135,10 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
       at checkout (see the module's docstring).
     - A `rediss://` URL is TLS, with the files in its query (see the module's docstring); they are
       checked here, so that a missing one is named rather than failing the first command.
+    - Commands are packed by hiredis (_HiredisPacking).
     """
     check_tls(url)
-    return aioredis.Redis.from_url(
+    client = aioredis.Redis.from_url(
         url,
         socket_connect_timeout=3,
         socket_timeout=socket_timeout,
@@ -108,3 +149,6 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
         maint_notifications_config=MaintNotificationsConfig(enabled=False),
         **options,
     )
+    pool = client.connection_pool
+    pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
+    return client

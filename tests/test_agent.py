@@ -359,3 +359,22 @@ async def test_a_task_cancelled_before_its_claim_returns_stops_at_its_first_toke
     chunks = [chunk_decoder.decode(f[b"c"]) for _, f in await redis_client.xrange(keys.out(task_id))]
     assert chunks and chunks[-1].done
     assert "".join(c.text for c in chunks) == ""
+
+
+async def test_a_task_nobody_streams_writes_its_whole_text_in_its_done_chunk_alone(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    # Its reader then wakes once, for the chunk that also carries the result.
+    keys = Keys()
+    queues = TaskQueues(redis_client, keys, ledger)
+    async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
+        async with running_agent(redis_client, sim.url("a"), fast_config("a")):
+            request = TaskRequest(
+                model="m", messages=[Message(role="user", content="hi")], max_tokens=8, stream=False
+            )
+            task_id = (await submit_task(queues, request)).task.task_id
+            await wait_until(lambda: completed(ledger, 1), timeout=20)
+    [(_, fields)] = await redis_client.xrange(keys.out(task_id))
+    chunk = chunk_decoder.decode(fields[b"c"])
+    result = result_decoder.decode(fields[b"r"])
+    assert chunk.done and chunk.text and chunk.text == result.text

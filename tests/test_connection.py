@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import hiredis
 import pytest
 import redis
 
@@ -94,3 +96,30 @@ def test_tls_settings_join_the_url_as_absolute_paths_and_the_urls_own_files_win(
     own = with_tls_files("rediss://:p@h:1/0?ssl_ca_certs=/etc/theirs.crt", ca="ca.crt")
     assert dict(parse_qsl(urlsplit(own).query)) == {"ssl_ca_certs": "/etc/theirs.crt"}
     assert with_tls_files("redis://:p@h:1/0") == "redis://:p@h:1/0"
+
+
+async def test_commands_packed_by_hiredis_reach_redis_as_redis_py_would_send_them(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url)
+    try:
+        fields = {"text": "héllo wörld", "n": 7, "x": 0.25, "raw": b"\x00\xff"}
+        entry = await client.xadd("s", fields)  # type: ignore[arg-type]
+        rows = await client.xrange("s")
+        await client.execute_command("CLIENT SETNAME", "packed")  # type: ignore[no-untyped-call]
+        name = await client.client_getname()
+        with pytest.raises(redis.DataError):
+            await client.set("k", True)
+    finally:
+        await client.aclose()
+    assert rows == [
+        (entry, {b"text": "héllo wörld".encode(), b"n": b"7", b"x": b"0.25", b"raw": b"\x00\xff"})
+    ]
+    assert name in ("packed", b"packed")
+
+
+def test_a_client_packs_a_command_in_one_piece_as_hiredis_does() -> None:
+    client = open_redis("redis://127.0.0.1:1")
+    conn = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    args: Any = ("XADD", "s", "*", "a", "b" * 10_000, "n", 3)
+    assert conn.pack_command(*args) == [hiredis.pack_command(args)]

@@ -931,6 +931,12 @@ class WorkerAgent:
         await run.settle_claim()
         rest = "".join(buffer)
         buffer.clear()
+        if not task.stream:
+            # Nobody streams it: its whole text goes out with the done chunk, so that a reader (a
+            # waiting client, or a pipeline relaying it) wakes once, not for a text chunk and again
+            # for the done chunk. The outcome is stored first all the same (close_run).
+            done = Chunk(attempt=entry.attempt, done=True, run=run.run_id, text=rest)
+            rest = ""
         lost = run.lost
         first = stored = await self._until_room(
             task.task_id, "result", lambda: self.queues.close_run(result, rest, only_over_dead=lost)

@@ -41,7 +41,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import httpcore
 import httpx
@@ -52,6 +52,7 @@ from dispatch.modelcard import ModelCard
 from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
 from workers.errors import BackendError
+from workers.http1 import Http1Pool, HttpError
 
 
 class Generated(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,6 +124,13 @@ def _classify(exc: Exception, started: bool) -> BackendError:
     ):
         kind = "disconnect" if started else "unreachable"
         return BackendError(kind, str(exc) or "connection closed", retryable=True)
+    if isinstance(exc, HttpError):
+        if exc.kind == "connect":
+            return BackendError("unreachable", str(exc), retryable=True)
+        if exc.kind == "timeout":
+            return BackendError("timeout", str(exc), retryable=True)
+        kind = "disconnect" if started else "unreachable"
+        return BackendError(kind, str(exc), retryable=True)
     if isinstance(exc, msgspec.DecodeError | ValueError):
         return BackendError("protocol", str(exc), retryable=True)
     return BackendError("protocol", f"{type(exc).__name__}: {exc}", retryable=True)
@@ -149,43 +157,38 @@ def _raise_status(status: int, raw: bytes, model: str) -> None:
 
 
 class LineStreams:
-    """POSTs of JSON whose answer is read line by line (Ollama's NDJSON), over a pool of kept-alive
-    connections to one backend: every run's request, so it goes straight to httpcore (on which
-    httpx is built) and skips httpx's per-request layers, a quarter of the request's CPU
-    (bench/backend_client.py measures both)."""
+    """POSTs of JSON whose answer is read line by line (Ollama's NDJSON), over kept-alive
+    connections to one backend: every run's request, so it goes through the leanest client that
+    does the job (workers.http1), not httpx or httpcore (bench/backend_client.py measures all three)."""
 
     def __init__(self, url: str, idle_timeout_s: float) -> None:
-        self._url = url.rstrip("/")
-        self._pool = httpcore.AsyncConnectionPool(max_connections=64, max_keepalive_connections=32)
-        self._extensions: dict[str, Any] = {
-            "timeout": {"connect": 5.0, "read": idle_timeout_s, "write": 30.0, "pool": 30.0}
-        }
+        self._pool = Http1Pool(url.rstrip("/"), connect_timeout_s=5.0, read_timeout_s=idle_timeout_s)
 
     async def lines(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[bytes, None]:
         """Each non-blank line of the answer to POST `body` (as JSON) at `path`; BackendError for an
         HTTP error status. Closing the iterator early closes the connection."""
-        content = msgspec.json.encode(body)
-        headers = [
-            (b"Content-Type", b"application/json"),
-            (b"Accept", b"application/x-ndjson"),
-            (b"Content-Length", str(len(content)).encode()),
-        ]
-        async with self._pool.stream(
-            "POST", self._url + path, headers=headers, content=content, extensions=self._extensions
-        ) as resp:
-            if resp.status >= 400:
-                _raise_status(resp.status, b"".join([c async for c in resp.aiter_stream()]), model)
+        answer = await self._pool.post(path, msgspec.json.encode(body), _NDJSON_HEADERS)
+        try:
+            if answer.status >= 400:
+                _raise_status(answer.status, await answer.read(), model)
             rest = b""
-            async for chunk in resp.aiter_stream():
-                *whole, rest = (rest + chunk).split(b"\n")
+            async for chunk in answer.chunks():
+                if rest:
+                    chunk = rest + chunk
+                *whole, rest = chunk.split(b"\n")
                 for line in whole:
                     if line.strip():
                         yield line
             if rest.strip():
                 yield rest
+        finally:
+            await answer.aclose()
 
     async def aclose(self) -> None:
         await self._pool.aclose()
+
+
+_NDJSON_HEADERS: Final = [(b"Content-Type", b"application/json"), (b"Accept", b"application/x-ndjson")]
 
 
 async def _post_json(
