@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from workers.backend import LineStreams
-from workers.errors import BackendError
-from workers.http1 import Http1Pool, HttpError
+from workers.errors import BackendError, HttpError
+from workers.http1 import Http1Pool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

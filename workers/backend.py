@@ -51,8 +51,8 @@ from dispatch.lease import LoadedModel
 from dispatch.modelcard import ModelCard
 from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
-from workers.errors import BackendError
-from workers.http1 import Http1Pool, HttpError
+from workers.errors import BackendError, HttpError
+from workers.http1 import Http1Pool
 
 
 class Generated(msgspec.Struct, frozen=True, kw_only=True):

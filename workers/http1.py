@@ -24,16 +24,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-
-class HttpError(Exception):
-    """The connection failed or the answer broke the protocol; `kind` says which: connect (no
-    connection), timeout (nothing arrived in time), closed (the backend closed the connection
-    before the answer's end), protocol (the answer is not HTTP/1.1)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
+from workers.errors import HttpError
 
 # Connections kept idle per backend; more are opened while all are busy and closed when returned.
 _IDLE_MAX: Final = 32
