@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from events.event import TaskCompleted, Timings, now_ms
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.view import LiveView
+from events.event import TaskCompleted, TaskSubmitted, Timings, now_ms
 from events.keys import Keys
+from events.ledger import Ledger
 from projections.reader import snapshot
 from router.estimate import build_estimator
+from sim.backends.hosts import SimHosts
+from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 from tests.test_projector import D1, fold_all
 from tests.test_replay import _live_against_rebuild
 
@@ -64,3 +71,21 @@ async def test_the_live_fold_and_the_rebuild_learn_the_same_bytes_per_token(redi
     events = [*_three_bytes_a_token(1_764_000_000_000), *_three_bytes_a_token(1_764_000_500_000)]
     # Duplicated task ids: only each task's first counted completion is a sample, in both folds.
     await _live_against_rebuild(redis_url, list(events), [(5, "go"), (4, "restart")])
+
+
+async def test_a_submission_after_learning_counts_its_prompt_at_the_learned_ratio(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    await fold_all(redis_client, keys, _three_bytes_a_token(now_ms() - 1000, MODEL_DIGEST))
+    queues = TaskQueues(redis_client, keys, ledger)
+    async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
+        async with running_agent(redis_client, sim.url("a"), fast_config("a")):
+            req = TaskRequest(model="m", messages=[Message(role="user", content="x" * 600)])
+            sub = await route_and_submit(queues, LiveView(redis_client, keys), req)
+    assert sub.decision is not None
+    best = sub.decision.ranking.candidates[0]
+    # 600 bytes at 3 a token (150 at the default 4).
+    assert best.terms["prompt_tokens"] == 200.0 and sub.task.prompt_tokens == 200
+    assert "learned: 3.00 chars/token from 5 runs" in best.fields["prompt_tokens"].source
+    [submitted] = await events_of(ledger, TaskSubmitted)
+    assert submitted.prompt_tokens == 200
