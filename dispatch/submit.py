@@ -24,7 +24,7 @@ from dispatch.view import LiveView
 from dispatch.wake import sleeping_candidates
 from events.event import Event, TaskRouted, TaskSubmitted
 from events.keys import band_order
-from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide
+from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide, learned_tokens
 from router.errors import RouterError
 from router.estimate import DEFAULT_IMAGE_TOKENS
 from router.handoff import handoff_worker
@@ -101,6 +101,9 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     # Its prompt's chain (dispatch.prefix), where routing computed it already; else computed at
     # submission.
     prefix: PromptChain | None = None
+    # Its model's learned prompt bytes per token (router.estimate.Estimator.bytes_per_token), where
+    # routing found one: its text is counted at that ratio instead of about 4 bytes a token.
+    bytes_per_token: float | None = None
 
     def text(self) -> str:
         """All the text the model reads (its size and its domain are read from it)."""
@@ -109,6 +112,11 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     def text_tokens(self) -> int:
         """The prompt's text size before the backend counts it: an embedding's inputs one by one
         (each is a sequence of its own), anything else as one text."""
+        if self.bytes_per_token is not None:
+            ratio = self.bytes_per_token
+            if self.kind == EMBED and self.inputs:
+                return sum(learned_tokens(len(text.encode()), ratio) for text in self.inputs)
+            return learned_tokens(len(self.text().encode()), ratio)
         if self.kind == EMBED and self.inputs:
             return sum(estimate_tokens(text) for text in self.inputs)
         return estimate_tokens(self.text())
@@ -177,6 +185,7 @@ async def route_and_submit(
         model=req.model,
         domain=domain,
         prompt_tokens=req.text_tokens(),
+        prompt_bytes=len(text.encode()),
         max_tokens=req.max_tokens,
         images=req.image_count(),
         prefix=chain,
@@ -199,6 +208,9 @@ async def route_and_submit(
         prefix=chain,
     )
     digest = decision.digest if decision is not None else candidates[req.model]
+    learned = est.bytes_per_token(digest)
+    if learned is not None:
+        routed = msgspec.structs.replace(routed, bytes_per_token=learned.value)
     # Straight to one worker when the plan's lead is wide (router.handoff); only for the model's
     # plain queue: a priority band or a fair-share round keeps its place among the bands.
     pin = None

@@ -229,6 +229,11 @@ class TaskCompleted(Event, frozen=True, kw_only=True):
     # The task's kind (TaskSubmitted.kind): an `embed` run's prompt tokens over its prompt duration
     # is an embedding-rate sample, not a prompt-speed one, and it has no decode or output length.
     kind: str = "chat"
+    # The UTF-8 bytes of the prompt's text (what the submission's token estimate counts,
+    # dispatch.payload.estimate_tokens), against which `timings.prompt_eval_count` is a sample of
+    # the model's bytes per token. None: unknown (events written before this field), or the run
+    # read more than its text (images, tools), whose tokens the text does not hold.
+    prompt_bytes: Count | None = None
 
 
 class TaskFailed(Event, frozen=True, kw_only=True):

@@ -89,6 +89,10 @@ MAX_PROMPT_TPS: Final = 1_000_000.0
 # No model writes a million tokens in one answer; a larger count is a broken report, and one such
 # value would swamp the length table's mean.
 MAX_OUTPUT_TOKENS: Final = 1_000_000
+# A run's prompt bytes per token outside these bounds is a broken count or a cache hit the backend
+# counted only in part (no tokenizer is that far from about 4 bytes a token): not a sample.
+MIN_SAMPLE_BYTES_PER_TOKEN: Final = 0.5
+MAX_SAMPLE_BYTES_PER_TOKEN: Final = 32.0
 # A run that does not say whether it loaded the model (written before completions said so) is a
 # load sample only from this many seconds: a warm call reports milliseconds, a load seconds.
 MIN_UNKNOWN_LOAD_S: Final = 0.5
@@ -137,6 +141,24 @@ def cold_load_s(t: Timings, cold: bool | None) -> float | None:
     if cold is None and seconds < MIN_UNKNOWN_LOAD_S:
         return None
     return seconds
+
+
+def prompt_sample(prompt_bytes: int | None, t: Timings) -> tuple[float, float] | None:
+    """(prompt bytes, prompt tokens) of a run, as a sample of its model's bytes per token, or None.
+
+    The rule: the run says its prompt's text bytes (TaskCompleted.prompt_bytes: not when it read
+    images or tools), its backend counted the prompt (`prompt_eval_count` > 0) and reported no
+    cached part (`prompt_eval_cached_count` > 0: backends differ on whether the count holds the
+    cached tokens), and the ratio lies within [MIN_SAMPLE_BYTES_PER_TOKEN,
+    MAX_SAMPLE_BYTES_PER_TOKEN]."""
+    count = t.prompt_eval_count
+    if prompt_bytes is None or prompt_bytes <= 0 or count is None or count <= 0:
+        return None
+    if (t.prompt_eval_cached_count or 0) > 0:
+        return None
+    if not MIN_SAMPLE_BYTES_PER_TOKEN <= prompt_bytes / count <= MAX_SAMPLE_BYTES_PER_TOKEN:
+        return None
+    return float(prompt_bytes), float(count)
 
 
 def ttft_s(ttft_ms: float | None) -> float | None:
@@ -445,15 +467,24 @@ class Folder:
             return
         if not row.runtime_options:
             self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold, e.kind)
+        key = (e.digest, e.domain)
+        at, h = self._ledger_ms(e.at), self.tables.half_life_s
         if t.eval_count is not None and 0 <= t.eval_count <= MAX_OUTPUT_TOKENS:
-            key = (e.digest, e.domain)
-            length = self.tables.length.get(key)
-            if length is None:
-                length = self.tables.length[key] = LengthRow(digest=e.digest, domain=e.domain)
-            length.output_tokens = fold(
-                length.output_tokens, float(t.eval_count), self._ledger_ms(e.at), self.tables.half_life_s
-            )
-            self.dirty_length.add(key)
+            length = self._length(key)
+            length.output_tokens = fold(length.output_tokens, float(t.eval_count), at, h)
+        sample = prompt_sample(e.prompt_bytes, t)
+        if sample is not None:
+            length = self._length(key)
+            length.prompt_bytes = fold(length.prompt_bytes, sample[0], at, h)
+            length.prompt_tokens = fold(length.prompt_tokens, sample[1], at, h)
+
+    def _length(self, key: tuple[str, str]) -> LengthRow:
+        """The length row of (digest, domain), made if new, marked changed."""
+        length = self.tables.length.get(key)
+        if length is None:
+            length = self.tables.length[key] = LengthRow(digest=key[0], domain=key[1])
+        self.dirty_length.add(key)
+        return length
 
     def _failed(self, e: TaskFailed) -> None:
         row = self._task(e)

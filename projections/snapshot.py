@@ -146,6 +146,11 @@ class LengthRow(msgspec.Struct, kw_only=True, gc=False):
     digest: str
     domain: str
     output_tokens: Stat = msgspec.field(default_factory=Stat)
+    # A model's bytes per prompt token, learned from the same runs (projections.folder.prompt_sample):
+    # each run's prompt text bytes and the prompt tokens its backend counted, folded together, so
+    # that the ratio of their decayed sums is the token-weighted, time-decayed bytes per token.
+    prompt_bytes: Stat = msgspec.field(default_factory=Stat)
+    prompt_tokens: Stat = msgspec.field(default_factory=Stat)
 
 
 class QualityRow(msgspec.Struct, kw_only=True, gc=False):

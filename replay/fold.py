@@ -24,6 +24,8 @@ from projections.folder import (
     MAX_DECODE_TPS,
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TPS,
+    MAX_SAMPLE_BYTES_PER_TOKEN,
+    MIN_SAMPLE_BYTES_PER_TOKEN,
     MIN_UNKNOWN_LOAD_S,
     NS_PER_S,
     resources_dict,
@@ -337,6 +339,28 @@ def _length(tables: Tables, counted: pl.LazyFrame) -> None:
     keys = ["digest", "domain"]
     for key, stat in _stat_rows(stats(samples, keys, "x", tables.half_life_s), keys).items():
         tables.length[key] = LengthRow(digest=key[0], domain=key[1], output_tokens=stat)
+    # The prompt's bytes per token (projections.folder.prompt_sample's rule).
+    pb, pc = pl.col("prompt_bytes"), pl.col("prompt_eval_count")
+    ratio = pb / pc
+    prompts = counted.filter(
+        (pb > 0)
+        & (pc > 0)
+        & (pl.col("prompt_eval_cached_count").fill_null(0) <= 0)
+        & (ratio >= MIN_SAMPLE_BYTES_PER_TOKEN)
+        & (ratio <= MAX_SAMPLE_BYTES_PER_TOKEN)
+    ).select(
+        ledger_ms_expr().alias("at"),
+        "digest",
+        "domain",
+        pb.cast(pl.Float64).alias("bytes"),
+        pc.cast(pl.Float64).alias("tokens"),
+    )
+    for column in ("bytes", "tokens"):
+        for key, stat in _stat_rows(stats(prompts, keys, column, tables.half_life_s), keys).items():
+            row = tables.length.get(key)
+            if row is None:
+                row = tables.length[key] = LengthRow(digest=key[0], domain=key[1])
+            setattr(row, "prompt_bytes" if column == "bytes" else "prompt_tokens", stat)
 
 
 def _quality(tables: Tables, quality: pl.DataFrame) -> None:

@@ -122,6 +122,7 @@ KINDS: Final[dict[type[Event], tuple[str, Columns]]] = {
             "bench_id": (_STR, "bench_id"),
             "wall_ms": (_F64, "wall_ms"),
             "kind": (_STR, "kind"),
+            "prompt_bytes": (_I64, "prompt_bytes"),
             **_TIMINGS,
         },
     ),

@@ -82,6 +82,9 @@ class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     domain: str = "general"
     # Counted (or estimated) before the backend counts them; None: the plan's default.
     prompt_tokens: int | None = None
+    # The UTF-8 bytes of its prompt's text, where known: a model whose bytes per token were
+    # learned (Estimator.bytes_per_token) counts the prompt from them instead of `prompt_tokens`.
+    prompt_bytes: int | None = None
     max_tokens: int | None = None
     # Images it carries: each adds Estimator.image_tokens() to the prompt (the backend counts
     # them in its prompt_eval_count), shown as the `image_tokens` term and field.
@@ -103,9 +106,14 @@ def most_cached(query: RouteQuery, prompt_tokens: int) -> int:
     return tokens_of_blocks(len(chain.hashes), chain.chars, prompt_tokens)
 
 
-def prompt_estimate(query: RouteQuery, default_prompt: int, est: Estimator) -> int:
-    """The prompt tokens a decision counts for `query`: its text, and its images."""
+def prompt_estimate(query: RouteQuery, default_prompt: int, est: Estimator, digest: str | None = None) -> int:
+    """The prompt tokens a decision counts for `query` on model `digest`: its text (at the model's
+    learned bytes per token, where its text's bytes are known and the model has one), and its
+    images."""
     prompt = default_prompt if query.prompt_tokens is None else query.prompt_tokens
+    learned = _learned_ratio(query, est, digest)
+    if learned is not None and query.prompt_bytes is not None:
+        prompt = learned_tokens(query.prompt_bytes, learned.value)
     if query.images > 0:
         prompt += round(query.images * est.image_tokens().value)
     return prompt
@@ -286,7 +294,7 @@ def _ranking(
 ) -> Ranking:
     """The holders ranked for a new task behind the backlog `state` has laid out as `plan`."""
     domain = query.domain
-    prompt = prompt_estimate(query, params.default_prompt_tokens, est)
+    prompt = prompt_estimate(query, params.default_prompt_tokens, est, digest)
     # The size estimate: its own prompt tokens, and its output as the lengths' law capped by its
     # max_tokens (the field's source says which).
     out_field = est.capped_output(digest, domain, query.max_tokens)
@@ -296,7 +304,9 @@ def _ranking(
     finishes = state.finishes(prompt, out, cached)
     pace = state.pace if query.paced else None
     costs = None if pace is None else [f + out * x for f, x in zip(finishes, pace, strict=True)]
-    prompt_field = _prompt_field(query, prompt, params.default_prompt_tokens)
+    prompt_field = _prompt_field(
+        query, prompt, params.default_prompt_tokens, _learned_ratio(query, est, digest)
+    )
 
     def build(i: int, rank: int) -> WorkerCandidate:
         w, sp = holders[i], state.sp.estimates[i]
@@ -344,17 +354,34 @@ def _ranking(
     return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build, costs=costs)
 
 
-def _prompt_field(query: RouteQuery, prompt: int, default_prompt: int) -> Field:
-    """The size estimate's prompt part and where it comes from: the request's own text, counted
-    at about 4 characters a token before the backend counts it (dispatch.payload.estimate_tokens;
-    no per-model ratio is learned yet), or the plan's default when the request said nothing."""
-    if query.prompt_tokens is None:
+def _learned_ratio(query: RouteQuery, est: Estimator, digest: str | None) -> Field | None:
+    """The model's learned bytes per token, where the query's text bytes are known and it has one."""
+    if digest is None or query.prompt_bytes is None:
+        return None
+    return est.bytes_per_token(digest)
+
+
+def learned_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
+    """A text of `prompt_bytes` bytes in tokens at a model's learned bytes per token."""
+    return max(1, math.ceil(prompt_bytes / bytes_per_token))
+
+
+def _prompt_field(query: RouteQuery, prompt: int, default_prompt: int, learned: Field | None = None) -> Field:
+    """The size estimate's prompt part and where it comes from: the request's own text, at the
+    model's learned bytes per token (Estimator.bytes_per_token) or else at about 4 characters a
+    token before the backend counts it (dispatch.payload.estimate_tokens), or the plan's default
+    when the request said nothing."""
+    n = 0
+    if learned is not None:
+        source = f"the request's text, {learned.source} (estimated before the backend counts)"
+        n = learned.n
+    elif query.prompt_tokens is None:
         source = f"default: {default_prompt} tokens (the request's prompt was not counted)"
     else:
         source = "the request's text at about 4 characters a token (estimated before the backend counts)"
     if query.images > 0:
         source += f", + {query.images} image(s)"
-    return Field(value=float(prompt), n=0, source=source, age_s=None)
+    return Field(value=float(prompt), n=n, source=source, age_s=None)
 
 
 def _cached_field(tokens: int, prompt: int, chain: PromptChain, worker: WorkerView) -> Field:
@@ -581,9 +608,8 @@ def _score_models(
     """
     domain = query.domain
     default_prompt = plan_params.default_prompt_tokens
-    prompt = prompt_estimate(query, default_prompt, est)
-    # A slot may hold every full block of the prompt: a floor counts only the rest.
-    floor_prompt = prompt - most_cached(query, prompt)
+    # Each model's own estimate of the prompt (its learned bytes per token, where it has one).
+    prompts: list[int] = []
     prune = not plan_params.full_walk and params.latency_weight >= 0.0 and params.latency_scale_s > 0.0
     # Per model: quality, output tokens, queue, and the floor under the new task's finish as
     # (seconds, holder) (None where no floor holds, or when nothing is pruned).
@@ -592,6 +618,10 @@ def _score_models(
         quality = est.quality(digest, domain)
         out = est.capped_output(digest, domain, query.max_tokens).value
         queue = view.backlog.get(digest, [])
+        prompt = prompt_estimate(query, default_prompt, est, digest)
+        prompts.append(prompt)
+        # A slot may hold every full block of the prompt: a floor counts only the rest.
+        floor_prompt = prompt - most_cached(query, prompt)
         floor = None
         if prune:
             found = service_floor(est, holders, digest, floor_prompt, out, queue, default_prompt, view)
@@ -621,6 +651,7 @@ def _score_models(
         (then only laying its queue out tells)."""
         state = state_of(k)
         _, out, queue, _ = rows[k]
+        prompt = prompts[k]
         found = state.finish_floor(prompt, out, queue, state.cached(query.prefix, prompt))
         if found is None:
             return False
@@ -635,6 +666,7 @@ def _score_models(
         _, out, queue, _ = rows[k]
         steps = state.walk(queue)
         laid[digest] = (state, steps)
+        prompt = prompts[k]
         finishes = state.finishes(prompt, out, state.cached(query.prefix, prompt))
         i = _first_best(finishes)
         finished[k] = (finishes[i], state.names[i])

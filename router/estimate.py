@@ -70,6 +70,14 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     # The quantile of output length taken as "as long as a task plausibly runs".
     length_tail_quantile_z: float = 2.326  # the 99th percentile of a normal
 
+    # A prompt's UTF-8 bytes per token (dispatch.payload.estimate_tokens's figure) until a model's
+    # own is learned from `min_prompt_ratio_samples` runs (projections.folder.prompt_sample); a
+    # learned one is held within [min_bytes_per_token, max_bytes_per_token].
+    default_bytes_per_token: float = 4.0
+    min_prompt_ratio_samples: int = 5
+    min_bytes_per_token: float = 1.5
+    max_bytes_per_token: float = 8.0
+
     # Two-sided coverage of the quality interval the breakdown shows.
     quality_interval: float = 0.9
     fit_iterations: int = 12
@@ -362,6 +370,7 @@ class Estimator:
         self.embedding = embedding
         self._speed_cells: dict[str, dict[tuple[str, str], _Cell]] = {f: {} for f in SPEED_FIELDS}
         speed = list(speed)
+        length = list(length)
         # Decode samples whose output tokens the worker counted from the stream: the source says so.
         self._counted = {(row.worker, row.digest): row.counted_n for row in speed if row.counted_n}
         # Fields whose recent samples left the long run (projections.shift): the recent value wins.
@@ -391,6 +400,21 @@ class Estimator:
             if c is not None:
                 self._length_cells[(lrow.digest, lrow.domain)] = c
                 self._length_pools.setdefault(lrow.digest, _Pool()).add(lrow.domain, c)
+        # Per digest, every domain together: (decayed prompt bytes, decayed prompt tokens, runs,
+        # newest run), each row's decayed sums brought to `now_ms`.
+        self._prompt_ratio: dict[str, tuple[float, float, int, int | None]] = {}
+        for lrow in length:
+            pb, pt = lrow.prompt_bytes, lrow.prompt_tokens
+            if pt.n == 0 or pt.updated_at is None:
+                continue
+            k = pt.weight_at(now_ms, half_life_s) / pt.dn if pt.dn > 0 else 0.0
+            b, t, n, newest = self._prompt_ratio.get(lrow.digest, (0.0, 0.0, 0, None))
+            self._prompt_ratio[lrow.digest] = (
+                b + pb.dsum * k,
+                t + pt.dsum * k,
+                n + pt.n,
+                _newest(newest, pt.updated_at),
+            )
         self._quality_cells: dict[tuple[str, str], _Cell] = {}
         self._quality_pools: dict[str, _Pool] = {}
         for qrow in quality:
@@ -598,6 +622,27 @@ class Estimator:
         for every model (DEFAULT_IMAGE_TOKENS), named as such in the breakdown."""
         value = self.params.default_image_tokens
         return Field(value=value, n=0, source=f"default: {value:g} per image (one CLIP tile)", age_s=None)
+
+    def bytes_per_token(self, digest: str) -> Field | None:
+        """The model's prompt bytes per token learned from its runs (their token-weighted,
+        time-decayed mean, every domain together, clamped to [min_bytes_per_token,
+        max_bytes_per_token]), or None while fewer than `min_prompt_ratio_samples` runs were
+        measured (the default `default_bytes_per_token` then stands)."""
+        p = self.params
+        learned = self._prompt_ratio.get(digest)
+        if learned is None:
+            return None
+        b, t, n, newest = learned
+        if n < p.min_prompt_ratio_samples or t <= 0.0:
+            return None
+        value = min(p.max_bytes_per_token, max(p.min_bytes_per_token, b / t))
+        return Field(
+            value=value,
+            n=n,
+            source=f"learned: {value:.2f} chars/token from {n} runs",
+            age_s=self._age(newest),
+            weight=t,
+        )
 
     def output_tokens(self, digest: str, domain: str) -> Field:
         """Expected output tokens of the model for the domain (a property of the digest, not the worker)."""

@@ -106,6 +106,8 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
         cold=COLD,
         # An embedding's prompt rate is an embedding-rate sample, with no decode, prompt or TTFT one.
         kind=st.sampled_from(["chat", "embed"]),
+        # Prompt bytes against prompt_eval_count: a bytes-per-token sample, or one out of bounds.
+        prompt_bytes=st.one_of(st.none(), st.integers(0, 8000)),
     ),
     st.builds(
         TaskFailed,

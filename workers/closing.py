@@ -77,6 +77,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                 bench_id=task.bench_id,
                 cold=self.cold,
                 kind=task.kind,
+                prompt_bytes=text_prompt_bytes(task),
             )
         )
         return out
@@ -99,3 +100,12 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
             max_tokens=task.max_tokens,
             truncated=self.generated.done_reason == "length",
         )
+
+
+def text_prompt_bytes(task: TaskMessage) -> int | None:
+    """The bytes of the text a task's model read, when its prompt is that text alone: None when it
+    also read images or tool definitions (their tokens are not in the text; the learned bytes per
+    token, projections.folder.prompt_sample, would take them for the text's)."""
+    if task.images or task.tools or any(m.images for m in task.messages):
+        return None
+    return len(task.prompt_text().encode())
