@@ -46,6 +46,11 @@ class Admission(msgspec.Struct, kw_only=True):
     slack: int = 0
     # Work waits that the gate leaves to others for now (the worker asks again when things change).
     held_back: bool = False
+    # The entry decided on is not the head (the size-aware plan gave the worker a later task): the
+    # worker moves it to its pinned stream and takes it there (TaskQueues.take_given).
+    ahead: bool = False
+    # The task of `entry_id`, when known (a take ahead names its lookup hash).
+    task_id: str = ""
     # Each queue looked at -> the id of its last entry (an XREAD from it wakes on the next new one).
     cursors: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -81,7 +86,11 @@ class RouterGate:
     """Admits the head of a shared queue only when the router's gate says this worker should take it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
-        self.params = params or GateParams()
+        # Size-aware: a worker may take a later task than the head (Admission.ahead).
+        self.params = params or GateParams(skip_ahead=True)
+        # For a worker that writes to an inbox: its ACL may not delete a queue entry or write a
+        # task's lookup hash, so it cannot move a later task to its pinned stream (take_given).
+        self._head_only = msgspec.structs.replace(self.params, skip_ahead=False)
         self.view = LiveView(
             redis, keys, snapshot_every_s=self.params.snapshot_every_s, leases_every_s=LEASES_EVERY_S
         )
@@ -137,7 +146,8 @@ class RouterGate:
             views = worker_views({**leases, agent.name: mine}) if placed is None else placed
             self._views = (leases, me, views)
         now = now_ms()
-        decision = decide_take(agent.name, views, backlog, snap, est, now, self.params)
+        params = self.params if agent.finishes else self._head_only
+        decision = decide_take(agent.name, views, backlog, snap, est, now, params)
         self.last = decision
         if not decision.take or decision.digest is None:
             if decision.task_id is not None:
@@ -148,6 +158,16 @@ class RouterGate:
         # backlog of the band queue that holds the head: a take looks at that queue only).
         own = backlog.get(decision.digest) or []
         band = next((e.queue for e in own if e.entry_id == decision.entry_id), "") if own else ""
+        head = next((e for e in own if e.queue == band), None)
+        if head is not None and decision.entry_id and head.entry_id != decision.entry_id:
+            # A later task than its queue's head: taken exactly, or not at all.
+            return Admission(
+                queue=band or self.keys.queue(decision.digest),
+                entry_id=decision.entry_id,
+                ahead=True,
+                task_id=decision.task_id or "",
+                cursors=cursors,
+            )
         queued = sum(1 for e in own if e.queue == band)
         slack = 0 if decision.position is None else max(0, min(decision.position, queued) - 1)
         return Admission(
