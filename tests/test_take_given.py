@@ -273,3 +273,22 @@ async def test_a_worker_that_writes_to_an_inbox_is_gated_by_the_size_blind_rule(
     taken = await gate.admit(_idle_agent(redis_client, keys, "w", inbox=True), [keys.queue(MODEL_DIGEST)])
     assert taken.entry_id == e0 and not taken.ahead
     assert [p.skip_ahead for p in given.params] == [False]
+
+
+async def test_a_lone_worker_runs_a_small_task_queued_behind_a_big_one_first_through_its_pinned_stream(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    for task_id, max_tokens in (("big", None), ("small", 2)):
+        req = TaskRequest(
+            model="m", messages=[Message(role="user", content="x")], max_tokens=max_tokens, task_id=task_id
+        )
+        await submit_task(queues, req, digest=MODEL_DIGEST)
+    gate = RouterGate(redis_client, keys)
+    async with running_agent(redis_client, hosts.url("a"), fast_config("a"), gate=gate):
+        await wait_until(lambda: _one_each(ledger, TaskCompleted, 2), timeout=5)
+    claims = await events_of(ledger, TaskClaimed)
+    assert [(c.task_id, c.queue) for c in claims] == [
+        ("small", keys.pinned("a")),
+        ("big", keys.queue(MODEL_DIGEST)),
+    ]
