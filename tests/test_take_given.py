@@ -63,7 +63,8 @@ async def test_a_later_task_moves_to_the_workers_pinned_stream_and_is_delivered_
     assert pinned.encode() in await redis_client.smembers(keys.queues)
     # The head stays for the others; a cancel finds the moved task where it runs.
     assert (await queues.take(shared, "other")).fields[b"id"] == t0.encode()
-    assert (await queues.cancel_queued(pinned, taken.entry_id))[0] == CANCEL_RUNNING
+    found = (task[b"queue"].decode(), task[b"entry"].decode())
+    assert (await queues.cancel_queued(*found))[0] == CANCEL_RUNNING
 
 
 async def test_a_later_task_taken_or_removed_meanwhile_is_not_taken(

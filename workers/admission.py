@@ -4,7 +4,9 @@
 for the system than leaving it to the others; the decision is pure (the scheduling simulator makes
 it through the same function), its facts come from `dispatch.view.LiveView`. `PlainPull` takes the
 head of whichever queue waited longest. Either way the worker then takes exactly that one entry,
-and only if it is still the head (`TaskQueues.take`), and asks again for its next free slot.
+and only if it is still the head (`TaskQueues.take`), or, for a later task the size-aware plan gave
+it, only if it is still queued (`TaskQueues.take_given`, which moves it to the worker's pinned
+stream), and asks again for its next free slot.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class PlainPull:
 
 
 class RouterGate:
-    """Admits the head of a shared queue only when the router's gate says this worker should take it."""
+    """Admits a task of a shared queue (the head, or a later one by expected size) only when the
+    router's gate says this worker should take it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
         # Size-aware: a worker may take a later task than the head (Admission.ahead).
