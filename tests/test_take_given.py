@@ -293,3 +293,20 @@ async def test_a_lone_worker_runs_a_small_task_queued_behind_a_big_one_first_thr
         ("small", keys.pinned("a")),
         ("big", keys.queue(MODEL_DIGEST)),
     ]
+
+
+async def test_tasks_waiting_in_several_priority_bands_are_gated_by_the_size_blind_rule(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Bands are served highest priority first; a size-aware order across them would not keep that.
+    queues = TaskQueues(redis_client, keys, ledger)
+    for task_id, priority in (("low", 0), ("high", 5)):
+        req = TaskRequest(
+            model="m", messages=[Message(role="user", content="x")], task_id=task_id, priority=priority
+        )
+        await submit_task(queues, req, digest=MODEL_DIGEST)
+    given = _Recorded([])
+    monkeypatch.setattr(admission, "decide_take", given)
+    gate = RouterGate(redis_client, keys)
+    await gate.admit(_idle_agent(redis_client, keys, "w", inbox=False), [keys.queue(MODEL_DIGEST)])
+    assert [p.skip_ahead for p in given.params] == [False]

@@ -68,6 +68,13 @@ def _digests(agent: WorkerAgent, keys: Keys, queues: Sequence[str]) -> list[str]
     return [m.digest for m in agent.serving() if keys.queue(m.digest) in wanted]
 
 
+def _one_band(backlog: dict[str, list[BacklogEntry]]) -> bool:
+    """Whether each model's queued tasks wait in one queue. Where they wait in several (priority
+    bands, fair-share rounds), tasks are served band by band, and the size-aware order, which lays
+    a model's tasks out by size whatever their band, would not keep that: the gate is size-blind there."""
+    return all(len({e.queue for e in q}) <= 1 for q in backlog.values())
+
+
 class PlainPull:
     """Take the head of whichever queue waited longest (the behaviour before the router's gate)."""
 
@@ -91,8 +98,9 @@ class RouterGate:
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
         # Size-aware: a worker may take a later task than the head (Admission.ahead).
         self.params = params or GateParams(skip_ahead=True)
-        # For a worker that writes to an inbox: its ACL may not delete a queue entry or write a
-        # task's lookup hash, so it cannot move a later task to its pinned stream (take_given).
+        # For a worker that writes to an inbox (its ACL may not delete a queue entry or write a
+        # task's lookup hash, so it cannot move a later task to its pinned stream: take_given),
+        # and for a model whose tasks wait in several bands (_one_band).
         self._head_only = msgspec.structs.replace(self.params, skip_ahead=False)
         self.view = LiveView(
             redis, keys, snapshot_every_s=self.params.snapshot_every_s, leases_every_s=LEASES_EVERY_S
@@ -149,7 +157,7 @@ class RouterGate:
             views = worker_views({**leases, agent.name: mine}) if placed is None else placed
             self._views = (leases, me, views)
         now = now_ms()
-        params = self.params if agent.finishes else self._head_only
+        params = self.params if agent.finishes and _one_band(backlog) else self._head_only
         decision = decide_take(agent.name, views, backlog, snap, est, now, params)
         self.last = decision
         if not decision.take or decision.digest is None:
