@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from dispatch.payload import Message, TaskMessage
 from dispatch.queues import CANCEL_RUNNING, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
+from events.connection import redis_client as redis_client_for
 from events.event import ModelEntry, TaskClaimed, TaskCompleted
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
@@ -47,9 +48,17 @@ async def _ids(redis: aioredis.Redis, stream: str) -> list[bytes]:
 
 
 async def test_a_later_task_moves_to_the_workers_pinned_stream_and_is_delivered_there_at_once(
-    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+    any_redis_url: str, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    redis_client = redis_client_for(any_redis_url)
+    try:
+        await _moves(redis_client, keys)
+    finally:
+        await redis_client.aclose()
+
+
+async def _moves(redis_client: aioredis.Redis, keys: Keys) -> None:
+    queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
     (t0, _), (t1, e1), _ = await _queued(queues, 3)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("w")
     taken = await queues.take_given(shared, pinned, "w", e1, t1)
