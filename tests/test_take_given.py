@@ -14,12 +14,20 @@ from dispatch.payload import Message, TaskMessage
 from dispatch.queues import CANCEL_RUNNING, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as redis_client_for
-from events.event import ModelEntry, TaskClaimed, TaskCompleted
+from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskReclaimed
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
 from router.gate import GateDecision, GateParams
 from sim.backends.hosts import SimHosts
-from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.helpers import (
+    MODEL_DIGEST,
+    events_of,
+    fast_config,
+    make_test_fleet,
+    running_agent,
+    running_reaper,
+    wait_until,
+)
 from workers import admission
 from workers.admission import Admission, RouterGate
 from workers.agent import WorkerAgent
@@ -319,3 +327,25 @@ async def test_tasks_waiting_in_several_priority_bands_are_gated_by_the_size_bli
     gate = RouterGate(redis_client, keys)
     await gate.admit(_idle_agent(redis_client, keys, "w", inbox=False), [keys.queue(MODEL_DIGEST)])
     assert [p.skip_ahead for p in given.params] == [False]
+
+
+async def test_a_moved_task_whose_worker_died_is_run_by_another_worker_and_completed_once(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, hosts: SimHosts
+) -> None:
+    queues = TaskQueues(redis_client, keys, ledger)
+    (t0, _), (t1, e1) = await _queued(queues, 2)
+    # A worker with no lease (it died) moved t1 to its pinned stream and took it there.
+    assert (await queues.take_given(keys.queue(MODEL_DIGEST), keys.pinned("gone"), "gone", e1, t1)).entry_id
+    async with (
+        running_reaper(redis_client, lease_ms=100),
+        running_agent(redis_client, hosts.url("b"), fast_config("b")),
+    ):
+        await wait_until(lambda: _one_each(ledger, TaskCompleted, 2), timeout=5)
+    done = await events_of(ledger, TaskCompleted)
+    assert sorted((c.task_id, c.worker, c.attempt, c.duplicate) for c in done) == [
+        (t0, "b", 1, False),
+        (t1, "b", 2, False),
+    ]
+    reclaims = await events_of(ledger, TaskReclaimed)
+    assert [(r.task_id, r.owner) for r in reclaims] == [(t1, "gone")]
+    assert await redis_client.xlen(keys.pinned("gone")) == 0
