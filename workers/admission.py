@@ -4,7 +4,9 @@
 for the system than leaving it to the others; the decision is pure (the scheduling simulator makes
 it through the same function), its facts come from `dispatch.view.LiveView`. `PlainPull` takes the
 head of whichever queue waited longest. Either way the worker then takes exactly that one entry,
-and only if it is still the head (`TaskQueues.take`), and asks again for its next free slot.
+and only if it is still the head (`TaskQueues.take`), or, for a later task the size-aware plan gave
+it, only if it is still queued (`TaskQueues.take_given`, which moves it to the worker's pinned
+stream), and asks again for its next free slot.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class Admission(msgspec.Struct, kw_only=True):
     slack: int = 0
     # Work waits that the gate leaves to others for now (the worker asks again when things change).
     held_back: bool = False
+    # The entry decided on is not the head (the size-aware plan gave the worker a later task): the
+    # worker moves it to its pinned stream and takes it there (TaskQueues.take_given).
+    ahead: bool = False
+    # The task of `entry_id`, when known (a take ahead names its lookup hash).
+    task_id: str = ""
     # Each queue looked at -> the id of its last entry (an XREAD from it wakes on the next new one).
     cursors: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -59,6 +66,13 @@ class Gate(Protocol):
 def _digests(agent: WorkerAgent, keys: Keys, queues: Sequence[str]) -> list[str]:
     wanted = set(queues)
     return [m.digest for m in agent.serving() if keys.queue(m.digest) in wanted]
+
+
+def _one_band(backlog: dict[str, list[BacklogEntry]]) -> bool:
+    """Whether each model's queued tasks wait in one queue. Where they wait in several (priority
+    bands, fair-share rounds), tasks are served band by band, and the size-aware order, which lays
+    a model's tasks out by size whatever their band, would not keep that: the gate is size-blind there."""
+    return all(len({e.queue for e in q}) <= 1 for q in backlog.values())
 
 
 class PlainPull:
@@ -78,10 +92,16 @@ class PlainPull:
 
 
 class RouterGate:
-    """Admits the head of a shared queue only when the router's gate says this worker should take it."""
+    """Admits a task of a shared queue (the head, or a later one by expected size) only when the
+    router's gate says this worker should take it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, params: GateParams | None = None) -> None:
-        self.params = params or GateParams()
+        # Size-aware: a worker may take a later task than the head (Admission.ahead).
+        self.params = params or GateParams(skip_ahead=True)
+        # For a worker that writes to an inbox (its ACL may not delete a queue entry or write a
+        # task's lookup hash, so it cannot move a later task to its pinned stream: take_given),
+        # and for a model whose tasks wait in several bands (_one_band).
+        self._head_only = msgspec.structs.replace(self.params, skip_ahead=False)
         self.view = LiveView(
             redis, keys, snapshot_every_s=self.params.snapshot_every_s, leases_every_s=LEASES_EVERY_S
         )
@@ -137,7 +157,8 @@ class RouterGate:
             views = worker_views({**leases, agent.name: mine}) if placed is None else placed
             self._views = (leases, me, views)
         now = now_ms()
-        decision = decide_take(agent.name, views, backlog, snap, est, now, self.params)
+        params = self.params if agent.finishes and _one_band(backlog) else self._head_only
+        decision = decide_take(agent.name, views, backlog, snap, est, now, params)
         self.last = decision
         if not decision.take or decision.digest is None:
             if decision.task_id is not None:
@@ -148,6 +169,16 @@ class RouterGate:
         # backlog of the band queue that holds the head: a take looks at that queue only).
         own = backlog.get(decision.digest) or []
         band = next((e.queue for e in own if e.entry_id == decision.entry_id), "") if own else ""
+        head = next((e for e in own if e.queue == band), None)
+        if head is not None and decision.entry_id and head.entry_id != decision.entry_id:
+            # A later task than its queue's head: taken exactly, or not at all.
+            return Admission(
+                queue=band or self.keys.queue(decision.digest),
+                entry_id=decision.entry_id,
+                ahead=True,
+                task_id=decision.task_id or "",
+                cursors=cursors,
+            )
         queued = sum(1 for e in own if e.queue == band)
         slack = 0 if decision.position is None else max(0, min(decision.position, queued) - 1)
         return Admission(

@@ -553,12 +553,21 @@ class WorkerAgent:
         cursors.update(admission.cursors)
         if admission.queue is None:
             return Wait(cursors=cursors, held_back=admission.held_back)
-        taken = await self.queues.take(admission.queue, self.name, admission.entry_id, admission.slack)
+        if admission.ahead:
+            # A later task than the head: moved to the pinned stream and taken there, as a hand-off.
+            taken = await self.queues.take_given(
+                admission.queue, self.pinned, self.name, admission.entry_id, admission.task_id
+            )
+            if not taken.entry_id:
+                # Not moved: taken or removed meanwhile, or the pinned stream has work (look there next).
+                self._pinned_cursor = None
+        else:
+            taken = await self.queues.take(admission.queue, self.name, admission.entry_id, admission.slack)
         if taken.entry_id:
             self._missed = 0
             self.expects_work = True
             self._last_shared_take = time.monotonic()
-            self._start(admission.queue, taken)
+            self._start(self.pinned if admission.ahead else admission.queue, taken)
             return None
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
         # decision was about a task that is not there; ask again, pausing a little if it repeats.
