@@ -8,7 +8,9 @@
 A decision is what bench/router.py times: a request with model=auto (every model's holders ranked
 on the plan of its queue, each model's utility scored) plus one worker's gate check, on a random
 fleet of sim/random_fleet.py (`--models` models, each worker serving 6; the backlog favours a
-popular model) with the snapshot's estimates already cached. `--decisions` gives how many are
+popular model) with the snapshot's estimates already cached. The gate check is the one a worker's
+`RouterGate` makes (size-aware, `GateParams(skip_ahead=True)`); `--gate blind` times the size-blind
+one it made before. `--decisions` gives how many are
 timed at each size, after a few untimed ones, in each of `--rounds` rounds; the figures are the
 median over rounds of each round's p50 and p99 (every round's p99 is printed too).
 
@@ -55,7 +57,7 @@ from events.keys import Keys
 from routeledger.embedded import EmbeddedRedis
 from router.choose import RouteQuery, decide
 from router.estimate import Estimator, build_estimator
-from router.gate import should_take
+from router.gate import GateParams, should_take
 from router.plan import FleetView
 from router.prefix import PromptChain, SlotCache, marks_of
 from sim.backends.hosts import SimHosts
@@ -77,11 +79,12 @@ def decision_times(
     *,
     rng: random.Random,
     cold: bool = False,
+    gate: GateParams | None = None,
 ) -> tuple[float, float]:
     """(p50, p99) in microseconds of `decisions` decisions, each an `auto` request of a random
     domain and prompt size and the gate check of one of the workers with a free slot (in turn).
     `cold`: the estimator forgets its looked-up estimates before each (the first decision on a
-    new snapshot)."""
+    new snapshot); `gate`: the gate's parameters (RouterGate's: size-aware)."""
     # Workers with a free slot get past the gate's first checks; a fleet without one asks them all.
     free = [w.name for w in fleet.workers if len(w.running) < w.slots] or [w.name for w in fleet.workers]
     times: list[float] = []
@@ -93,7 +96,7 @@ def decision_times(
             query = RouteQuery(model="auto", domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
             t = time.perf_counter()
             decide(query, models, fleet, est, NOW_MS)
-            should_take(free[i % len(free)], fleet, est, NOW_MS)
+            should_take(free[i % len(free)], fleet, est, NOW_MS, gate)
             times.append((time.perf_counter() - t) * 1e6)
     finally:
         gc.enable()
@@ -133,7 +136,12 @@ def with_conversations(fleet: FleetView, seed: int = 3, conversations: int = 200
 
 
 def measure_decisions(
-    sizes: list[tuple[int, int]], models: int, decisions: list[int], rounds: int = 1, chat: bool = False
+    sizes: list[tuple[int, int]],
+    models: int,
+    decisions: list[int],
+    rounds: int = 1,
+    chat: bool = False,
+    gate: GateParams | None = None,
 ) -> dict[str, Any]:
     """Decision p50 and p99 (us) at each (workers, backlog) size, as `decision_p50_us_{w}x{b}` and
     `decision_p99_us_{w}x{b}`: the median over `rounds` rounds (the same decisions each round, on
@@ -154,8 +162,8 @@ def measure_decisions(
         p99s: list[float] = []
         for _ in range(rounds):
             rng = random.Random(2)
-            decision_times(fleet, digests, est, WARMUP, rng=rng)
-            mid, tail = decision_times(fleet, digests, est, count, rng=rng)
+            decision_times(fleet, digests, est, WARMUP, rng=rng, gate=gate)
+            mid, tail = decision_times(fleet, digests, est, count, rng=rng, gate=gate)
             p50s.append(round(mid, 1))
             p99s.append(round(tail, 1))
         size = f"{workers}x{backlog}" + ("_chat" if chat else "")
@@ -275,13 +283,23 @@ def main() -> None:
         help="also time decisions with every slot holding a conversation, half the queue continuing one"
         " and every queued task paced",
     )
+    ap.add_argument(
+        "--gate",
+        choices=("aware", "blind"),
+        default="aware",
+        help="the gate check timed: RouterGate's size-aware one (default) or the size-blind one",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    gate = GateParams(skip_ahead=args.gate == "aware")
     if len(args.decisions) != len(args.sizes):
         ap.error("--decisions needs one count per size")
-    decisions = measure_decisions(args.sizes, args.models, args.decisions, args.rounds)
+    decisions = measure_decisions(args.sizes, args.models, args.decisions, args.rounds, gate=gate)
+    decisions["gate"] = args.gate
     if args.chat:
-        decisions.update(measure_decisions(args.sizes, args.models, args.decisions, args.rounds, chat=True))
+        decisions.update(
+            measure_decisions(args.sizes, args.models, args.decisions, args.rounds, chat=True, gate=gate)
+        )
     if not args.json:
         for chat in (False, True) if args.chat else (False,):
             for (workers, backlog), count in zip(args.sizes, args.decisions, strict=True):

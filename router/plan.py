@@ -280,6 +280,17 @@ def _coef(est: Estimator, worker: str, digest: str, domain: str) -> _Coef:
 Factors = tuple[float, ...]
 
 
+def _pareto(per_prompt: Sequence[float], per_out: Sequence[float]) -> list[tuple[float, float]]:
+    """The (seconds per prompt token, per output token) pairs no other pair is at most in both:
+    for non-negative token counts the least time over all holders is the least over these, the
+    same float, since a dominated pair's products and sum are no smaller."""
+    front: list[tuple[float, float]] = []
+    for a, b in sorted(zip(per_prompt, per_out, strict=True)):
+        if not front or b < front[-1][1]:
+            front.append((a, b))
+    return front
+
+
 def _spread(values: list[_V], most: int) -> list[_V]:
     """At most about `most` of the sorted `values`, evenly spread, the least first (each class's
     reference is the least value it holds)."""
@@ -766,6 +777,7 @@ class PlanState:
 
     __slots__ = (
         "_est",
+        "_front",
         "_own",
         "_pfx",
         "default_prompt",
@@ -858,6 +870,8 @@ class PlanState:
         self.given: list[int] | None = None if self._pfx is None else [0] * len(self.names)
         # The (holder, slot) pairs whose content a task laid out already counted as its hit.
         self.used: set[tuple[int, int]] = set()
+        # The holders no other is faster than in both prompt and output (`size_s`), when needed.
+        self._front: list[tuple[float, float]] | None = None
         # A paced task's cost per output token on each holder: its decode time or its reading
         # time, whichever is longer (`pace`: the reading time beyond decoding). None: no pacing.
         r = params.reading_tps
@@ -965,7 +979,13 @@ class PlanState:
         prompt = self.default_prompt if entry.prompt_tokens is None else entry.prompt_tokens
         out = self._out(entry)
         sp = self.sp
-        return min(prompt * a + out * b for a, b in zip(sp.per_prompt, sp.per_out, strict=True))
+        if prompt < 0 or out < 0:
+            # A malformed count: the front below holds only for non-negative ones.
+            return min(prompt * a + out * b for a, b in zip(sp.per_prompt, sp.per_out, strict=True))
+        front = self._front
+        if front is None:
+            front = self._front = _pareto(sp.per_prompt, sp.per_out)
+        return min(prompt * a + out * b for a, b in front)
 
     def best_on(self, i: int, entry: BacklogEntry) -> float:
         """When holder `i` would finish `entry` if it were given it next."""
