@@ -482,3 +482,18 @@ def test_a_streamed_request_ranks_holders_by_when_its_reader_finishes_and_shows_
     assert laptop.expected_finish_s > gpu.expected_finish_s  # ranked by the reader, not the finish
     plain = rank_workers(fleet, est, QWEN, NOW, RouteQuery(model=QWEN))
     assert plain.best.worker == "rtx3070ti" and "reading_s" not in plain.best.terms
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    speeds=st.lists(st.tuples(st.floats(1e-5, 1.0), st.floats(1e-4, 2.0)), min_size=1, max_size=40),
+    prompt=st.integers(0, 8000),
+    out=st.floats(0.0, 4000.0),
+)
+def test_a_tasks_size_over_the_speed_front_is_its_least_time_over_every_holder(
+    speeds: list[tuple[float, float]], prompt: int, out: float
+) -> None:
+    front = plan_module._pareto([a for a, _ in speeds], [b for _, b in speeds])
+    every = min(prompt * a + out * b for a, b in speeds)
+    # (Negative, malformed counts: `size_s` takes every holder.)
+    assert min(prompt * a + out * b for a, b in front) == every
