@@ -3,7 +3,7 @@
 
     python bench/scale.py [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300]
                           [--rounds 3] [--idle 10,200] [--idle-seconds 20] [--result-keys 27000] [--chat]
-                          [--json]
+                          [--gate aware|blind] [--json]
 
 A decision is what bench/router.py times: a request with model=auto (every model's holders ranked
 on the plan of its queue, each model's utility scored) plus one worker's gate check, on a random
@@ -25,7 +25,7 @@ line is JSON:
 
     {"bench": "scale", "idle_worker_redis_cmds_per_s": ..., "decision_p99_us_50x100": ...,
      "decision_p99_us_500x1000": ..., "decision_p50_us_50x100": ..., "decision_p50_us_500x1000": ...,
-     "idle_worker_redis_cmds_per_s_10": ..., "idle_worker_scripts_per_s_10": ..., ...}
+     "gate": "aware", "idle_worker_redis_cmds_per_s_10": ..., "idle_worker_scripts_per_s_10": ..., ...}
 
 `idle_worker_redis_cmds_per_s` is the largest of the per-size figures.
 """

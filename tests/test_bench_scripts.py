@@ -53,7 +53,16 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
     decision_keys = [f"decision_{q}_us_{s}" for q in ("p99", "p50") for s in sizes]
     round_keys = [f"decision_{q}_us_{s}_rounds" for s in sizes for q in ("p99", "p50")]
     idle_keys = ["idle_worker_redis_cmds_per_s_2", "idle_worker_scripts_per_s_2"]
-    assert list(figures) == ["bench", "idle_worker_redis_cmds_per_s", *decision_keys, *round_keys, *idle_keys]
+    assert list(figures) == [
+        "bench",
+        "idle_worker_redis_cmds_per_s",
+        *decision_keys,
+        *round_keys,
+        "gate",
+        *idle_keys,
+    ]
+    # The gate check timed is the one a worker's RouterGate makes.
+    assert figures["gate"] == "aware"
     # Each figure is the median of its three rounds' figures.
     for key in decision_keys:
         assert len(figures[f"{key}_rounds"]) == 3
