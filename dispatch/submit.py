@@ -217,7 +217,8 @@ async def route_and_submit(
     if decision is not None and req.priority == 0 and req.share_round == 0 and req.kind != EMBED:
         pin = handoff_worker(decision)
         lease = leases.get(pin) if pin is not None else None
-        if pin is not None and (lease is None or lease.renewed_at <= view.handed_off.get(pin, -1)):
+        handed = view.handed_off.get(pin) if pin is not None else None
+        if pin is not None and (lease is None or (handed is not None and lease.renewed_at <= handed)):
             # No plan sees a hand-off until its worker claims it and writes its lease again: until
             # then this worker is not free for another (its lease would still say it is).
             pin = None

@@ -78,7 +78,7 @@ class _Run:
         started: float,
         task: RunningTask,
         decode_s: float = 0.0,
-        slot: int = -1,
+        slot: int | None = None,
     ) -> None:
         self.job = job
         self.solo = solo
@@ -90,7 +90,7 @@ class _Run:
         self.decode_s = decode_s
         # When its first token came (None: not yet).
         self.first: float | None = None
-        # The cache slot it runs in (-1: caches are not modelled in this run).
+        # The cache slot it runs in (None: caches are not modelled in this run).
         self.slot = slot
 
 
@@ -473,7 +473,7 @@ class Simulation:
                 wall_s=wall,
                 in_flight=k,
             )
-            if r.slot >= 0:
+            if r.slot is not None:
                 slot = w.cache[r.slot]
                 slot.busy = False
                 slot.used = self.now
@@ -499,7 +499,7 @@ class Simulation:
         self._advance(w)
         self._expire(w)
         load = 0.0 if w.loaded else w.true.load_s
-        slot, cached = self._take_slot(w, job) if self.chat else (-1, 0)
+        slot, cached = self._take_slot(w, job) if self.chat else (None, 0)
         decode_s = job.output_tokens / w.true.decode_tps
         solo = load + (job.prompt_tokens - cached) / w.true.prompt_tps + decode_s
         w.loaded = True
