@@ -355,9 +355,13 @@ _TAKE_OVER_DEF: Final = ScriptDef("take_over", _TAKE_OVER)
 _CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
 _TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
 
-# Lua helpers of the hand-off scripts: a group's last delivered id (nil: the stream is gone), and
-# the group made on a queue that may not have it yet.
+# Lua helpers of the hand-off scripts: a stream id as (ms, seq) numbers, a group's last delivered id
+# (nil: the stream is gone), and the group made on a queue that may not have it yet.
 _LUA_HANDOFF: Final = """
+local function key(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
 local function last_delivered(stream, group)
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
   if not ok then return nil end
@@ -424,10 +428,6 @@ local function nothing()
 end
 local last = last_delivered(KEYS[1], ARGV[1])
 if last == nil then return nothing() end
-local function key(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
 local ems, eseq = key(ARGV[3])
 local lms, lseq = key(last)
 if ems == nil then return nothing() end
@@ -485,10 +485,6 @@ _HAND_BACK: Final = (
     + """
 local last = last_delivered(KEYS[1], ARGV[1])
 if last == nil then return '' end
-local function key(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
 local ems, eseq = key(ARGV[2])
 local lms, lseq = key(last)
 if ems == nil or (ems < lms or (ems == lms and eseq <= lseq)) then return '' end
