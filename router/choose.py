@@ -362,8 +362,10 @@ def _learned_ratio(query: RouteQuery, est: Estimator, digest: str | None) -> Fie
 
 
 def learned_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
-    """A text of `prompt_bytes` bytes in tokens at a model's learned bytes per token."""
-    return max(1, math.ceil(prompt_bytes / bytes_per_token))
+    """A text of `prompt_bytes` bytes in tokens at a model's learned bytes per token. The ratio is
+    a quotient of decayed sums, so a whole number of tokens can come out a rounding error above
+    itself: that error is not a token more."""
+    return max(1, math.ceil(prompt_bytes / bytes_per_token - 1e-9))
 
 
 def _prompt_field(query: RouteQuery, prompt: int, default_prompt: int, learned: Field | None = None) -> Field:
