@@ -1,5 +1,5 @@
 """A worker agent through what goes wrong around it: a connection dropped mid-command, a Redis
-restart that lost writes, a cancel that never arrives."""
+restart that lost writes, a cancel that never arrives, a partition longer than its lease."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as open_redis
-from events.event import WorkerChanged
+from events.event import WorkerChanged, WorkerOnline
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tests.faultproxy import fault_proxy
 from tests.helpers import (
     events_of,
     fast_config,
@@ -104,3 +105,34 @@ async def test_the_heartbeat_ends_by_itself_once_the_worker_stops_so_a_lost_canc
     finally:
         beating.cancel()
         await backend.aclose()
+
+
+async def test_a_worker_cut_off_past_its_lease_announces_itself_again_though_a_late_renewal_revived_it(
+    redis_client: aioredis.Redis, redis_url: str, redis_server: EmbeddedRedis, hosts: SimHosts
+) -> None:
+    # The renewals sent into the black hole are held, as a link's retransmissions are, and reach
+    # Redis when it heals: the first re-creates the lapsed lease and answers a connection the worker
+    # gave up, so Redis never tells the worker that its lease lapsed. It must know from its own side.
+    keys = Keys()
+    ledger = Ledger(redis_client, keys)
+    parts = urlsplit(redis_url)
+    async with fault_proxy(parts.hostname or "127.0.0.1", redis_server.port) as link:
+        worker_redis = open_redis(f"redis://:{parts.password}@127.0.0.1:{link.port}/0")
+        try:
+            async with running_agent(worker_redis, hosts.url("a"), fast_config("a")):
+                await wait_until(lambda: _online(ledger, 1), timeout=10)
+                link.blackhole()
+                await wait_until(lambda: _gone(redis_client, keys.live("a")), timeout=10)
+                link.heal()
+                await wait_until(lambda: _online(ledger, 2), timeout=10)
+                assert await redis_client.pttl(keys.live("a")) > 0
+        finally:
+            await worker_redis.aclose()
+
+
+async def _online(ledger: Ledger, n: int) -> bool:
+    return len(await events_of(ledger, WorkerOnline)) >= n
+
+
+async def _gone(redis: aioredis.Redis, key: str) -> bool:
+    return not await redis.exists(key)

@@ -180,6 +180,9 @@ class WorkerAgent:
         # Monotonic time until which the lease is known to hold (from the last renewal's sending).
         self._lease_until = 0.0
         self._lease_failing = False
+        # The lease lapsed since the ledger last heard this worker start a life: the reaper may have
+        # recorded it offline, so it announces itself again once it can (see _lease_loop).
+        self._lapsed = False
         self._last_ask = 0.0
         # Takes in a row that found the head moved since the gate looked.
         self._missed = 0
@@ -383,6 +386,11 @@ class WorkerAgent:
         if not taken.ok:
             self._evicted(taken.holder)
             return
+        if taken.lapsed or sent > self._lease_until:
+            # Redis says the lease was gone, or this renewal left after the time until which the
+            # lease was known to hold: it may have lapsed, and Redis's word for it may be lost (see
+            # _lease_loop). Announcing again when it had not is harmless; not announcing is not.
+            self._lapsed = True
         self._lease_until = sent + self.config.lease_ms / 1000
         if self._lease_failing:
             log.info("worker %s: its lease is renewed again", self.name)
@@ -435,11 +443,16 @@ class WorkerAgent:
                     self.leases.put(self.lease_info(), self.config.lease_ms), timeout
                 )
                 self._lease_renewed(taken, sent)
-                if taken.ok and taken.lapsed:
+                if taken.ok and self._lapsed:
                     # The lease expired (Redis or this process stalled past it): the reaper may
                     # have recorded this worker offline, so its life starts again in the ledger.
+                    # Redis's word for it (`lapsed`) may never come back: after a partition, a
+                    # renewal sent into it can arrive late, re-create the lease and answer a
+                    # connection already given up, and the renewal after it finds the lease there.
+                    # So what this worker saw counts too (_lease_renewed).
                     log.warning("worker %s: its lease had expired; announcing itself again", self.name)
                     await asyncio.wait_for(self._announce(), timeout * 4)
+                    self._lapsed = False
             except (RedisError, OSError, TimeoutError) as exc:
                 if not self._lease_failing:
                     log.warning(
