@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,14 @@ def spawn_worker(
     slots: int = 1,
     bench: bool = False,
     inbox: bool = False,
+    wrap: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """A `routeledger worker` process whose stderr goes to `log` (appended, one file per name),
     with the router's gate; `bench`: it benchmarks itself on joining, as a worker does by default.
 
     `inbox`: it appends to its own inbox (`--inbox`), as a worker under its ACL must.
+
+    `wrap` goes before the command: `ip netns exec NS` starts it on another network's side.
 
     `crash` is the worker's test hook (ROUTELEDGER_TEST_CRASH, POINT@N): it kills itself with
     SIGKILL at that point of its N-th task.
@@ -52,7 +56,7 @@ def spawn_worker(
     env.pop("ROUTELEDGER_TEST_CRASH", None)
     if crash is not None:
         env["ROUTELEDGER_TEST_CRASH"] = crash
-    argv = [sys.executable, "-m", "routeledger", "worker", "--backend", backend, "--id", name]
+    argv = [*wrap, sys.executable, "-m", "routeledger", "worker", "--backend", backend, "--id", name]
     argv += ["--slots", str(slots), "--redis-url", redis_url, "--bench" if bench else "--no-bench"]
     if inbox:
         argv.append("--inbox")
