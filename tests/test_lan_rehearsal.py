@@ -34,6 +34,7 @@ from events.event import (
     TaskDeadLettered,
     TaskFailed,
     TaskReclaimed,
+    WorkerOffline,
     WorkerOnline,
 )
 from events.keys import Keys
@@ -279,6 +280,7 @@ async def test_a_worker_partitioned_for_30_s_mid_generation_loses_its_task_to_th
             "network": net.network(),
             "tls": net.tls,
             "lease_ms": LEASE_MS,
+            "partitioned_after_claim_s": round((partitioned - claim.at) / 1000, 2),
             "partition_s": round((healed - partitioned) / 1000, 1),
             "reclaim_s": round((reclaims[0].at - partitioned) / 1000, 2) if reclaims else None,
             "taken_by_b_s": round((b_claims[0].at - partitioned) / 1000, 2) if b_claims else None,
@@ -289,6 +291,10 @@ async def test_a_worker_partitioned_for_30_s_mid_generation_loses_its_task_to_th
             "counted_twice": sum(1 for n in counted.values() if n > 1),
             "completions_of_partitioned_task": [(e.worker, e.duplicate) for e in completions],
             "dead_lettered": len(await events_of(net.ledger, TaskDeadLettered)),
+            "a_recorded_offline": any(
+                e.worker == "a" and partitioned <= e.at <= healed
+                for e in await events_of(net.ledger, WorkerOffline)
+            ),
         }
         print("\n" + json.dumps(figures))
     assert [(e.worker, e.duplicate) for e in completions if not e.duplicate] == [("b", False)]
@@ -301,6 +307,8 @@ async def test_a_worker_partitioned_for_30_s_mid_generation_loses_its_task_to_th
     assert figures["lost"] == 0 and figures["counted_twice"] == 0 and figures["dead_lettered"] == 0
     assert [e.task_id for e in a_after] == [_task(after[0]["id"])]
     assert reclaims[0].at < healed
+    # The reaper ended a's life in the ledger during the partition; a started a new one after it.
+    assert figures["a_recorded_offline"]
 
 
 def _task(answer_id: str) -> str:
