@@ -39,6 +39,7 @@ from events.event import (
 from projections.mention import Mention
 from projections.shift import HELD, WINDOWS, Folded, Shift, detect, fold_sample
 from projections.snapshot import (
+    CLOCK_WINDOW,
     DemandRow,
     FleetRow,
     LengthRow,
@@ -49,6 +50,7 @@ from projections.snapshot import (
     Stat,
     TaskRow,
     add_entry,
+    clock_skew_ms,
     fold,
     grade_mark,
 )
@@ -431,7 +433,7 @@ class Folder:
         demand = self.tables.demand.get(e.digest)
         if demand is None:
             demand = self.tables.demand[e.digest] = DemandRow(digest=e.digest)
-        demand.arrivals = fold(demand.arrivals, 1.0, e.at, self.tables.demand_half_life_s)
+        demand.arrivals = fold(demand.arrivals, 1.0, self._ledger_ms(e.at), self.tables.demand_half_life_s)
         self.dirty_demand.add(e.digest)
 
     def _claimed(self, e: TaskClaimed) -> None:
@@ -443,12 +445,24 @@ class Folder:
         fleet = self._fleet(e.worker)
         if self._entry_ms:
             fleet.clock_offset_ms = e.at - self._entry_ms
+        self._clock_sample(e.worker, e.at)
         self._in_flight.setdefault(e.worker, set()).add(e.task_id)
+
+    def _clock_sample(self, worker: str, at: int) -> None:
+        """One more offset of the worker's clock (its event's `at`) against the ledger's (the entry's
+        stream-id ms) into its fleet row's window, and the window's median as its clock skew."""
+        if not self._entry_ms:
+            return
+        row = self._fleet(worker)
+        row.clock_window = [*row.clock_window[-(CLOCK_WINDOW - 1) :], at - self._entry_ms]
+        row.clock_skew.value = clock_skew_ms(row.clock_window)
+        row.clock_skew.at = self._entry_ms
 
     def _completed(self, e: TaskCompleted) -> None:
         row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
         self._release(e.worker, e.task_id)
+        self._clock_sample(e.worker, e.at)
         if e.duplicate or row.completed_attempt is not None:
             row.duplicates += 1
             return
@@ -587,7 +601,7 @@ class Folder:
             if mark in row.graded:
                 return
             bisect.insort(row.graded, mark)
-        row.score = fold(row.score, e.score, e.at, self.tables.half_life_s)
+        row.score = fold(row.score, e.score, self._ledger_ms(e.at), self.tables.half_life_s)
         self.dirty_quality.add(key)
 
 
