@@ -542,15 +542,16 @@ class Folder:
             row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
             row.serves.value, row.serves.at = e.serves, e.at
         if row.wake_pending is not None:
-            # Woken: the wake took from its request to this WorkerOnline (a negative span, from
-            # skewed clocks, measures nothing).
-            measured = (e.at - row.wake_pending) / 1000.0
+            # Woken: the wake took from its request to this WorkerOnline, both on the ledger's
+            # clock (their stream ids): the two come from different machines' clocks (a negative
+            # span measures nothing).
+            measured = ((self._entry_ms or e.at) - row.wake_pending) / 1000.0
             if measured >= 0:
                 _stamp(row.wake_s, measured, e.at)
             row.wake_pending = None
 
     def _wake_requested(self, e: WakeRequested) -> None:
-        self._fleet(e.worker).wake_pending = e.at
+        self._fleet(e.worker).wake_pending = self._entry_ms or e.at
 
     def _wake_failed(self, e: WakeFailed) -> None:
         # It did not come online in time: whenever it does, that is no measure of a wake.

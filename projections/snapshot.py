@@ -211,9 +211,10 @@ class FleetRow(msgspec.Struct, kw_only=True, gc=False):
     # worker's clock) minus its stream id's ms (the ledger's). Stamped before it travels, an event's
     # offset is low by its transit (milliseconds; an inbox worker's also by the ingest's delay).
     clock_window: list[int] = msgspec.field(default_factory=list)
-    # A sleeping machine's wake: `at` of the WakeRequested not yet answered by a WorkerOnline (or
-    # given up with WakeFailed), in ledger order; and the last measured wake, seconds from the
-    # request to the WorkerOnline that followed it, stamped with that WorkerOnline's `at`.
+    # A sleeping machine's wake: the stream-id ms (the ledger's clock; `at` for an event folded
+    # outside the ledger) of the WakeRequested not yet answered by a WorkerOnline (or given up with
+    # WakeFailed), in ledger order; and the last measured wake, seconds from the request to the
+    # WorkerOnline that followed it on that clock, stamped with that WorkerOnline's `at`.
     wake_pending: int | None = None
     wake_s: Stamped = msgspec.field(default_factory=Stamped)
 

@@ -486,23 +486,27 @@ def _wakes(rows: dict[str, FleetRow], frames: Frames) -> None:
 
     def part(frame: pl.DataFrame, kind: int) -> pl.DataFrame:
         return frame.select(
-            "seq", "at", pl.col("worker").cast(pl.String), pl.lit(kind, dtype=pl.Int8).alias("kind")
+            "seq",
+            "at",
+            pl.when(pl.col("ms") > 0).then(pl.col("ms")).otherwise(pl.col("at")).alias("t"),
+            pl.col("worker").cast(pl.String),
+            pl.lit(kind, dtype=pl.Int8).alias("kind"),
         )
 
     parts = [part(requested, _REQUESTED), part(failed, _FAILED), part(online, _ONLINE)]
     events = pl.concat(parts).sort("seq")
     pending: dict[str, int | None] = {}
     best: dict[str, tuple[int, int, float]] = {}
-    for seq, at, worker, kind in events.iter_rows():
+    for seq, at, t, worker, kind in events.iter_rows():
         if kind == _REQUESTED:
-            pending[worker] = at
+            pending[worker] = t
         elif kind == _FAILED:
             pending[worker] = None
         else:
             since = pending.get(worker)
             if since is None:
                 continue
-            measured = (at - since) / 1000.0
+            measured = (t - since) / 1000.0
             if measured >= 0 and (worker not in best or (at, seq) >= best[worker][:2]):
                 best[worker] = (at, seq, measured)
             pending[worker] = None

@@ -340,7 +340,7 @@ class Frames:
         # win, with their objects in `reports`, indexed by the `ref` column.
         self.reports: list[Report] = []
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
-        self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
+        self._new_reports: dict[type[Event], tuple[list[int], list[int], list[Event]]] = {}
         self._pending = 0
         self._mentions: dict[str, list[Any]] = {name: [] for name in _MENTION_SCHEMA}
         # Per kind, the last `seq` of its parts, and the kinds whose parts are not in ledger order
@@ -445,10 +445,11 @@ class Frames:
         if kind in REPORT_KINDS:
             pending = self._new_reports.get(kind)
             if pending is None:
-                self._new_reports[kind] = (seqs, events)
+                self._new_reports[kind] = (seqs, ms, events)
             else:
                 pending[0].extend(seqs)
-                pending[1].extend(events)
+                pending[1].extend(ms)
+                pending[2].extend(events)
         else:
             # Columns are taken at once so that the chunk's event objects are dropped early.
             columns = self._columns.get(kind)
@@ -582,20 +583,20 @@ class Frames:
         if self._mentions["seq"]:
             self._append(MENTIONS, pl.DataFrame(self._mentions, schema=_MENTION_SCHEMA))
             self._mentions = {name: [] for name in _MENTION_SCHEMA}
-        for kind, (seqs, events) in self._new_reports.items():
+        for kind, (seqs, ms, events) in self._new_reports.items():
             self._add_reports(seqs, events, REPORT_KINDS[kind])
             if kind is WorkerOnline:
-                self._add_status(seqs, events)
+                self._add_status(seqs, ms, events)
         self._new_reports = {}
         self._pending = 0
         self._compact_reports()
 
-    def _add_status(self, seqs: list[int], events: list[Event]) -> None:
+    def _add_status(self, seqs: list[int], ms: list[int], events: list[Event]) -> None:
         online: list[WorkerOnline] = events  # type: ignore[assignment]
         frame = pl.DataFrame(
             {
                 "seq": seqs,
-                "ms": [0] * len(online),
+                "ms": ms,
                 "sq": [0] * len(online),
                 "at": [e.at for e in online],
                 "worker": [e.worker for e in online],

@@ -21,6 +21,7 @@ from events.event import (
     TaskFailed,
     TaskSubmitted,
     Timings,
+    WakeRequested,
     WorkerHeartbeat,
     WorkerOnline,
     now_ms,
@@ -485,6 +486,22 @@ async def test_one_odd_event_leaves_a_workers_clock_skew_alone_and_a_stepped_clo
     await projector.catch_up()
     skew = (await snapshot(redis_client, keys)).fleet["w1"].clock_skew
     assert isinstance(skew.value, int) and abs(skew.value - 90_000) < 5_000
+
+
+async def test_a_wake_is_measured_on_the_ledgers_clock_not_across_two_machines_clocks(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    # The waker asks on one machine's clock; the woken machine, 90 s ahead, answers on its own.
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            WakeRequested(at=now_ms(), worker="gpu", why="plan"),
+            WorkerOnline(at=now_ms() + 90_000, worker="gpu", slots=1),
+        ],
+    )
+    row = (await snapshot(redis_client, keys)).fleet["gpu"]
+    assert isinstance(row.wake_s.value, float) and 0 <= row.wake_s.value < 5
 
 
 async def test_demand_and_quality_from_a_clock_ahead_are_timed_by_the_ledger(
