@@ -525,6 +525,9 @@ class Folder:
         self._release_everywhere(e.task_id)
 
     # -- workers -------------------------------------------------------------------------------
+    # A worker's reports and its status are timed and ordered like samples (`_ledger_ms`): by the
+    # producer's `at`, never later than the ledger recorded it. A WorkerOffline the reaper dates by
+    # its clock then still ends a life a worker whose clock runs ahead began "in the future".
     def _status(self, row: FleetRow, status: str, at: int) -> None:
         if row.status_since is None or at >= row.status_since:
             row.status = status
@@ -536,18 +539,19 @@ class Folder:
 
     def _online(self, e: WorkerOnline) -> None:
         row = self._fleet(e.worker)
-        self._status(row, "online", e.at)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
+        at = self._ledger_ms(e.at)
+        self._status(row, "online", at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
         if row.wake_pending is not None:
             # Woken: the wake took from its request to this WorkerOnline, both on the ledger's
             # clock (their stream ids): the two come from different machines' clocks (a negative
             # span measures nothing).
             measured = ((self._entry_ms or e.at) - row.wake_pending) / 1000.0
             if measured >= 0:
-                _stamp(row.wake_s, measured, e.at)
+                _stamp(row.wake_s, measured, at)
             row.wake_pending = None
 
     def _wake_requested(self, e: WakeRequested) -> None:
@@ -559,27 +563,29 @@ class Folder:
 
     def _heartbeat(self, e: WorkerHeartbeat) -> None:
         row = self._fleet(e.worker)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
-        _stamp(row.loaded, list(e.loaded), e.at)
+        at = self._ledger_ms(e.at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
+        _stamp(row.loaded, list(e.loaded), at)
         # Stamped on its own (a WorkerChanged stamps `loaded` but carries no resources); in a ledger
         # of heartbeats only, both come from the newest heartbeat, as they always did.
-        _stamp(row.resources, resources_dict(e), e.at)
+        _stamp(row.resources, resources_dict(e), at)
 
     def _changed(self, e: WorkerChanged) -> None:
         """A heartbeat's facts without the machine's figures: those live in the lease only."""
         row = self._fleet(e.worker)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
-        _stamp(row.loaded, list(e.loaded), e.at)
+        at = self._ledger_ms(e.at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
+        _stamp(row.loaded, list(e.loaded), at)
 
     def _offline(self, e: WorkerOffline) -> None:
         row = self._fleet(e.worker)
-        self._status(row, "forgotten" if e.reason == "forgotten" else "offline", e.at)
+        self._status(row, "forgotten" if e.reason == "forgotten" else "offline", self._ledger_ms(e.at))
 
     # -- benchmarks and quality ----------------------------------------------------------------
     def _bench(self, e: BenchmarkResult) -> None:

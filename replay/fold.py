@@ -399,7 +399,13 @@ def _fleet(tables: Tables, frames: Frames) -> None:
         .otherwise(pl.lit("offline"))
         .alias("reason")
     )
-    status = pl.concat([frames.frame("online"), offline]).sort("at", "seq").group_by("worker").last()
+    # Timed as the live fold times them: `at` bounded by the ledger's clock (the online frame's is).
+    status = (
+        pl.concat([frames.frame("online"), offline.with_columns(ledger_ms_expr().alias("at"))])
+        .sort("at", "seq")
+        .group_by("worker")
+        .last()
+    )
     reports = frames.report_frame
     newest = reports.sort("at", "seq").group_by("worker").last()
     # Loaded models come from heartbeats and changes; resources from heartbeats only (a change

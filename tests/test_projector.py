@@ -23,6 +23,7 @@ from events.event import (
     Timings,
     WakeRequested,
     WorkerHeartbeat,
+    WorkerOffline,
     WorkerOnline,
     now_ms,
 )
@@ -502,6 +503,18 @@ async def test_a_wake_is_measured_on_the_ledgers_clock_not_across_two_machines_c
     )
     row = (await snapshot(redis_client, keys)).fleet["gpu"]
     assert isinstance(row.wake_s.value, float) and 0 <= row.wake_s.value < 5
+
+
+async def test_a_worker_90_s_ahead_that_dies_is_offline_when_the_reaper_says_so_by_its_own_clock(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await Ledger(redis_client, keys).append(WorkerOnline(at=now_ms() + 90_000, worker="w1", slots=1))
+    # Its lease expires later; the reaper dates the death by its own (true) clock.
+    await asyncio.sleep(0.01)
+    await fold_all(redis_client, keys, [WorkerOffline(at=now_ms(), worker="w1", reason="lease expired")])
+    row = (await snapshot(redis_client, keys)).fleet["w1"]
+    assert row.status == "offline"
+    assert row.status_since is not None and row.status_since <= now_ms()
 
 
 async def test_demand_and_quality_from_a_clock_ahead_are_timed_by_the_ledger(
