@@ -427,7 +427,7 @@ class Folder:
         if row.submitted_at is not None:
             return  # a repeated submission: the first one describes the task and counts as demand
         row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue
-        row.submitted_at = e.at
+        row.submitted_at = self._ledger_ms(e.at)
         row.pipeline_id = e.pipeline_id
         row.runtime_options = e.runtime_options
         demand = self.tables.demand.get(e.digest)
@@ -439,7 +439,7 @@ class Folder:
     def _claimed(self, e: TaskClaimed) -> None:
         row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
-        row.claimed_at = e.at
+        row.claimed_at = self._ledger_ms(e.at)
         if row.completed_attempt is None:
             row.worker = e.worker
         fleet = self._fleet(e.worker)
@@ -469,7 +469,7 @@ class Folder:
         t = e.timings
         row.completed_attempt = e.attempt
         row.worker = e.worker
-        row.finished_at = e.at
+        row.finished_at = self._ledger_ms(e.at)
         row.eval_count = t.eval_count
         row.prompt_eval_count = t.prompt_eval_count
         row.decode_tps = decode_tps(t)

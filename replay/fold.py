@@ -620,17 +620,17 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
         "digest",
         "domain",
         "queue",
-        pl.col("at").alias("submitted_at"),
+        ledger_ms_expr().alias("submitted_at"),
         "pipeline_id",
         "runtime_options",
     )
     last_claim = _first(clm, tid, last=True).select(
-        tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at")
+        tid, pl.col("worker").alias("claim_worker"), ledger_ms_expr().alias("claimed_at")
     )
     finished = done_counted.select(
         tid,
         pl.col("worker").alias("done_worker"),
-        pl.col("at").alias("finished_at"),
+        ledger_ms_expr().alias("finished_at"),
         "eval_count",
         "prompt_eval_count",
         decode_tps_expr().alias("decode_tps"),

@@ -22,9 +22,9 @@ from events.event import TaskClaimed, TaskCompleted, TaskExpired
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
-from projections.reader import snapshot
+from projections.reader import get_tasks, snapshot
 from sim.backends.hosts import SimHosts
-from tests.helpers import MODEL_DIGEST, make_test_fleet, wait_until, worker_process
+from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until, worker_process
 from tests.test_api_support import serving
 
 AHEAD_MS = 90_000
@@ -83,6 +83,7 @@ async def test_a_worker_90_s_ahead_changes_no_age_in_the_tables_and_only_it_is_f
         await projector.catch_up()
         now = await redis_ms(redis_client)
         snap = await snapshot(redis_client, keys, now_ms=now)
+        rows = await get_tasks(redis_client, keys, [e.task_id for e in await events_of(ledger, TaskClaimed)])
         async with serving(AppConfig(redis_url=redis_url)) as base, httpx.AsyncClient(base_url=base) as http:
             fleet = {w["id"]: w for w in (await http.get("/v1/fleet")).json()["workers"]}
             preview = (await http.get("/v1/route/preview", params={"model": "m", "tokens": 200})).json()
@@ -107,6 +108,11 @@ async def test_a_worker_90_s_ahead_changes_no_age_in_the_tables_and_only_it_is_f
         assert decode.n >= 1 and decode.updated_at is not None
         # Sample times are the ledger's: seconds old, neither 90 s in the future nor stale.
         assert 0 <= now - decode.updated_at < 30_000
+    # A task `a` ran is not claimed or finished 90 s from now in its row.
+    assert {r.worker for r in rows.values()} == {"a", "b"}
+    for r in rows.values():
+        assert r.claimed_at is not None and r.finished_at is not None
+        assert r.claimed_at <= r.finished_at <= now
     assert abs(snap.fleet["a"].clock_skew.value - AHEAD_MS) < 5_000  # type: ignore[operator]
     assert abs(snap.fleet["b"].clock_skew.value) < 5_000  # type: ignore[arg-type]
 
