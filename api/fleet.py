@@ -13,19 +13,15 @@ from api.schemas import BenchCreate
 from dispatch.benchmark import BenchPrompt, domains, on_demand, request_benchmark
 from dispatch.errors import DispatchError, ModelNotServedError
 from dispatch.lease import resources_of
+from dispatch.overview import clock_fields
 from dispatch.serving import catalog, embedding_only, holdings, served
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
-from events.event import now_ms
 from projections.snapshot import Stamped, Stat
 from router.choose import RouteQuery
 from router.errors import RouterError
 
 router = APIRouter(tags=["fleet"])
-
-# A worker whose clock is off the ledger's by more than this many seconds is flagged: its events'
-# `at` then mislead whoever reads them (the fold bounds sample times by the ledger's clock).
-CLOCK_SKEW_S = 5.0
 
 
 def _stamped(s: Stamped, now: int) -> dict[str, Any]:
@@ -34,12 +30,17 @@ def _stamped(s: Stamped, now: int) -> dict[str, Any]:
 
 @router.get("/v1/fleet")
 async def read_fleet(request: Request) -> JSON:
-    """Every known worker (live leases and the fleet table), and live slots per model."""
+    """Every known worker (live leases and the fleet table), and live slots per model.
+
+    Times and ages are on the ledger's clock (a lease's are read through the offset its worker
+    measured). `clock_skew_s`: the worker's clock minus the ledger's, the median of its recent
+    claims and completions; `clock_skewed`: past 5 s (null: no such event seen yet)."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
     evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
     rows = evidence.snapshot.fleet
-    now = now_ms()
+    # Ages on the ledger's clock; a lease's times (the worker's clock) are read on it too.
+    now = await gw.fleet.clock.now_ms()
     workers: list[dict[str, Any]] = []
     for name in sorted(set(leases) | set(rows)):
         info = leases.get(name)
@@ -49,13 +50,14 @@ async def read_fleet(request: Request) -> JSON:
         resources: dict[str, Any] | None
         if info is not None:
             status = "draining" if info.draining else "online"
-            since: int | None = info.since
+            since: int | None = info.on_ledger(info.since)
+            renewed = info.on_ledger(info.renewed_at)
             resources = {
                 "value": resources_of(info),
-                "at": info.renewed_at,
-                "age_s": max(0.0, (now - info.renewed_at) / 1000),
+                "at": renewed,
+                "age_s": max(0.0, (now - renewed) / 1000),
             }
-            seen: int | None = info.renewed_at
+            seen: int | None = renewed
         else:
             status = row.status if row is not None and row.status != "online" else "offline"
             since = row.status_since if row is not None else None
@@ -66,7 +68,7 @@ async def read_fleet(request: Request) -> JSON:
                 "id": name,
                 "status": status,
                 "since": since,
-                "lease_age_s": None if info is None else max(0.0, (now - info.renewed_at) / 1000),
+                "lease_age_s": None if seen is None or info is None else max(0.0, (now - seen) / 1000),
                 "slots": info.slots if info is not None else (row.slots.value if row is not None else None),
                 "in_flight": info.in_flight
                 if info is not None
@@ -77,18 +79,11 @@ async def read_fleet(request: Request) -> JSON:
                 "resources": resources,
                 "last_heartbeat": seen,
                 "seen_from": "lease" if info is not None else "ledger" if row is not None else None,
-                **_clock(row.clock_offset_ms if row is not None else None),
+                **clock_fields(row),
             }
         )
     capacity = {m.name: m.slots for m in catalog(leases)}
     return JSON({"workers": workers, "capacity": capacity, "projection": evidence.error or "ok"})
-
-
-def _clock(offset_ms: int | None) -> dict[str, Any]:
-    """The worker's clock minus the ledger's (from its newest claim), and whether it is off."""
-    if offset_ms is None:
-        return {"clock_offset_s": None, "clock_skewed": None}
-    return {"clock_offset_s": offset_ms / 1000, "clock_skewed": abs(offset_ms) / 1000 > CLOCK_SKEW_S}
 
 
 def _stat(s: Stat, now: int) -> dict[str, Any]:
@@ -103,7 +98,7 @@ async def stats(request: Request) -> JSON:
     evidence = await gw.retrying(lambda: gw.fleet.evidence(fresh=True))
     usage = await gw.retrying(lambda: gw.quotas.usage(request.app.state.api_keys))
     snap = evidence.snapshot
-    now = now_ms()
+    now = await gw.fleet.clock.now_ms()
     return JSON(
         {
             "checkpoint": snap.checkpoint,

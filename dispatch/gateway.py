@@ -47,7 +47,7 @@ from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import as_str
-from events.event import Event, TaskCancelled, TaskSubmitted, now_ms
+from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.errors import ProjectionError
@@ -282,11 +282,9 @@ class Gateway:
         fair-share round drawn from how many of the key's tasks are open. QueueFullError when the
         model's queue is at max_queue_depth."""
         patience = min(timeout_s or self.wait_timeout_s, self.max_queue_s) if waits else self.max_queue_s
-        req = msgspec.structs.replace(
-            req,
-            task_id=req.task_id or uuid.uuid4().hex,
-            deadline_ms=req.deadline_ms or now_ms() + int(patience * 1000),
-        )
+        # On the ledger's clock: the worker that takes the task judges it there, not by this API's.
+        deadline = req.deadline_ms or await self.fleet.clock.now_ms() + int(patience * 1000)
+        req = msgspec.structs.replace(req, task_id=req.task_id or uuid.uuid4().hex, deadline_ms=deadline)
         await self.retrying(self.memory.admit)
         if key is not None:
             task_id = req.task_id or ""

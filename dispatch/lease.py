@@ -74,6 +74,15 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     loaded_models: list[LoadedModel] = msgspec.field(default_factory=list)
     # What its backend's slots hold of earlier prompts, as far as it can tell (workers.slots).
     cache: list[SlotCache] = msgspec.field(default_factory=list)
+    # The worker's clock minus the ledger's (Redis TIME), in ms, as the worker last measured it
+    # (events.clock.LedgerClock); None: not measured. `since`, `renewed_at` and each running task's
+    # `started_at` are the worker's clock: `on_ledger` reads them on the ledger's.
+    ledger_offset_ms: int | None = None
+
+    def on_ledger(self, worker_ms: int) -> int:
+        """A time this lease gives (the worker's clock), on the ledger's clock: what an age or an
+        order across workers must use, so that a worker whose clock is off misleads no reader."""
+        return worker_ms - (self.ledger_offset_ms or 0)
 
 
 _encoder: Final = msgspec.msgpack.Encoder()

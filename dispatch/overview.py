@@ -18,8 +18,8 @@ from dispatch.memory import MemoryWatch, archive_info, read_memory
 from dispatch.queues import band_queues, requeued_count
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
+from events.clock import LedgerClock
 from events.codec import decode_rows
-from events.event import now_ms
 from events.keys import DIGEST_PREFIX_LEN, WORKERS_GROUP, Keys
 from events.ledger import Ledger, next_id
 from projections.errors import ProjectionError
@@ -50,11 +50,13 @@ def worker_row(
 ) -> dict[str, Any]:
     if info is not None:
         serving = {m.digest for m in served(info)}
+        # The lease's times are the worker's clock: read on the ledger's, as `now` is.
+        renewed = info.on_ledger(info.renewed_at)
         return {
             "id": name,
             "status": "draining" if info.draining else "online",
-            "since": info.since,
-            "lease_age_s": round(max(0.0, (now - info.renewed_at) / 1000), 2),
+            "since": info.on_ledger(info.since),
+            "lease_age_s": round(max(0.0, (now - renewed) / 1000), 2),
             "slots": info.slots,
             "busy": info.in_flight,
             "models": [
@@ -70,14 +72,15 @@ def worker_row(
                 {
                     "task_id": r.task_id,
                     "model": names.get(r.digest, r.digest[:DIGEST_PREFIX_LEN]),
-                    "started_at": r.started_at,
+                    "started_at": info.on_ledger(r.started_at),
                 }
                 for r in info.running
             ],
             # Liveness is the lease's: the ledger records no beats.
-            "last_heartbeat": info.renewed_at,
+            "last_heartbeat": renewed,
             "resources": resources_of(info),
             "seen_from": "lease",
+            **clock_fields(row),
         }
     inventory = row.inventory.value if row is not None and isinstance(row.inventory.value, dict) else {}
     loaded = row.loaded.value if row is not None and isinstance(row.loaded.value, list) else []
@@ -99,6 +102,7 @@ def worker_row(
         if row is not None and isinstance(row.resources.value, dict)
         else None,
         "seen_from": "ledger" if row is not None else None,
+        **clock_fields(row),
     }
 
 
@@ -139,9 +143,30 @@ async def _depth(redis: aioredis.Redis, queue: str) -> dict[str, int | None]:
     return {"queued": queued + again, "running": int(group.get("pending") or 0) - again}
 
 
+# A worker whose clock is off the ledger's by more than this is flagged (clock_skewed). Transit to
+# Redis adds milliseconds and NTP keeps clocks within milliseconds, so 5 s is no noise; it is half
+# the default lease, the shortest span the fleet times by a worker's own clock, so a skew that
+# could mislead a reader of its times is flagged. No table or age depends on it either way.
+CLOCK_SKEW_S: Final = 5.0
+
+
+def clock_fields(row: FleetRow | None) -> dict[str, Any]:
+    """A worker's clock against the ledger's, as the fleet surfaces show it: the robust estimate
+    (`clock_skew_s`, the median of its recent offsets, and the ledger time of the newest), whether
+    it is past CLOCK_SKEW_S, and the newest claim's offset alone (`clock_offset_s`)."""
+    skew = row.clock_skew.value if row is not None else None
+    offset = row.clock_offset_ms if row is not None else None
+    return {
+        "clock_skew_s": skew / 1000 if isinstance(skew, int) else None,
+        "clock_skew_at": row.clock_skew.at if row is not None else None,
+        "clock_skewed": abs(skew) / 1000 > CLOCK_SKEW_S if isinstance(skew, int) else None,
+        "clock_offset_s": None if offset is None else offset / 1000,
+    }
+
+
 async def fleet_state(redis: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     """Workers (live and known), models with capacity and queues, the projection's lag."""
-    now = now_ms()
+    now = await LedgerClock(redis).now_ms()
     leases = await live_workers(redis, keys)
     try:
         snap = await read_snapshot(redis, keys, now_ms=now)

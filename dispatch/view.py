@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import F_ID, F_TASK
 from dispatch.serving import embedding_only, resolve_models, served, served_models
+from events.clock import LedgerClock
 from events.codec import as_str
-from events.event import now_ms
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
 from events.scripts import ScriptDef
 from projections.errors import ProjectionError
@@ -140,7 +140,7 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
                 RunningTask(
                     task_id=r.task_id,
                     digest=r.digest,
-                    started_at_ms=r.started_at,
+                    started_at_ms=info.on_ledger(r.started_at),
                     domain=r.domain,
                     prompt_tokens=r.prompt_tokens,
                     max_tokens=r.max_tokens,
@@ -149,7 +149,7 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
                 if not r.answered
             ],
         )
-        for info in sorted(leases.values(), key=lambda i: (i.since, i.worker))
+        for info in sorted(leases.values(), key=lambda i: (i.on_ledger(i.since), i.worker))
         if not info.draining
     ]
 
@@ -237,6 +237,8 @@ class LiveView:
         self.handed_off: dict[str, int] = {}
         self.redis = redis
         self.keys = keys
+        # Ages (of samples, of queued entries, of running tasks) are read on the ledger's clock.
+        self.clock = LedgerClock(redis)
         self._leases = Cached(self._load_leases, leases_every_s)
         self._evidence = Cached(self._load_evidence, snapshot_every_s)
         self._backlog = _BACKLOG_DEF.bind(redis)
@@ -268,7 +270,7 @@ class LiveView:
         return found
 
     async def _load_evidence(self) -> Evidence:
-        now = now_ms()
+        now = await self.clock.now_ms()
         try:
             snap = await snapshot(self.redis, self.keys, now_ms=now)
             error = None
@@ -341,7 +343,7 @@ class LiveView:
     ) -> tuple[FleetView, Estimator, int, dict[str, LeaseInfo]]:
         """The FleetView for `digests` (every served model when None), the estimator, now, the leases."""
         snap, est = await self.estimates()
-        now = now_ms()
+        now = await self.clock.now_ms()
         live = leases if leases is not None else await self.leases()
         wanted = set(digests) if digests is not None else set(served_models(live).values())
         backlog = await self.backlogs(wanted)

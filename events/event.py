@@ -10,11 +10,13 @@ The ledger records sizes, token counts and digests of prompts and outputs, never
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, ClassVar, Final
 
 import msgspec
 from msgspec import Meta
+
+# The producer clock (events/clock.py): re-exported, every producer imports it from here.
+from events.clock import now_ms as now_ms
 
 # -- ranges -------------------------------------------------------------------------------------
 # Every number an event carries has a range the decoder enforces, so that a column of them fits a
@@ -58,11 +60,6 @@ def bounded_count(value: object, limit: int = MAX_COUNT) -> int | None:
     if not (0 <= value <= limit):  # also false for NaN
         return None
     return int(value)
-
-
-def now_ms() -> int:
-    """The producer clock, in milliseconds since the epoch."""
-    return time.time_ns() // 1_000_000
 
 
 class Event(

@@ -39,6 +39,7 @@ from events.event import (
 from projections.mention import Mention
 from projections.shift import HELD, WINDOWS, Folded, Shift, detect, fold_sample
 from projections.snapshot import (
+    CLOCK_WINDOW,
     DemandRow,
     FleetRow,
     LengthRow,
@@ -49,6 +50,7 @@ from projections.snapshot import (
     Stat,
     TaskRow,
     add_entry,
+    clock_skew_ms,
     fold,
     grade_mark,
 )
@@ -425,37 +427,49 @@ class Folder:
         if row.submitted_at is not None:
             return  # a repeated submission: the first one describes the task and counts as demand
         row.model, row.digest, row.domain, row.queue = e.model, e.digest, e.domain, e.queue
-        row.submitted_at = e.at
+        row.submitted_at = self._ledger_ms(e.at)
         row.pipeline_id = e.pipeline_id
         row.runtime_options = e.runtime_options
         demand = self.tables.demand.get(e.digest)
         if demand is None:
             demand = self.tables.demand[e.digest] = DemandRow(digest=e.digest)
-        demand.arrivals = fold(demand.arrivals, 1.0, e.at, self.tables.demand_half_life_s)
+        demand.arrivals = fold(demand.arrivals, 1.0, self._ledger_ms(e.at), self.tables.demand_half_life_s)
         self.dirty_demand.add(e.digest)
 
     def _claimed(self, e: TaskClaimed) -> None:
         row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
-        row.claimed_at = e.at
+        row.claimed_at = self._ledger_ms(e.at)
         if row.completed_attempt is None:
             row.worker = e.worker
         fleet = self._fleet(e.worker)
         if self._entry_ms:
             fleet.clock_offset_ms = e.at - self._entry_ms
+        self._clock_sample(e.worker, e.at)
         self._in_flight.setdefault(e.worker, set()).add(e.task_id)
+
+    def _clock_sample(self, worker: str, at: int) -> None:
+        """One more offset of the worker's clock (its event's `at`) against the ledger's (the entry's
+        stream-id ms) into its fleet row's window, and the window's median as its clock skew."""
+        if not self._entry_ms:
+            return
+        row = self._fleet(worker)
+        row.clock_window = [*row.clock_window[-(CLOCK_WINDOW - 1) :], at - self._entry_ms]
+        row.clock_skew.value = clock_skew_ms(row.clock_window)
+        row.clock_skew.at = self._entry_ms
 
     def _completed(self, e: TaskCompleted) -> None:
         row = self._task(e)
         row.attempts = max(row.attempts, e.attempt)
         self._release(e.worker, e.task_id)
+        self._clock_sample(e.worker, e.at)
         if e.duplicate or row.completed_attempt is not None:
             row.duplicates += 1
             return
         t = e.timings
         row.completed_attempt = e.attempt
         row.worker = e.worker
-        row.finished_at = e.at
+        row.finished_at = self._ledger_ms(e.at)
         row.eval_count = t.eval_count
         row.prompt_eval_count = t.prompt_eval_count
         row.decode_tps = decode_tps(t)
@@ -511,6 +525,9 @@ class Folder:
         self._release_everywhere(e.task_id)
 
     # -- workers -------------------------------------------------------------------------------
+    # A worker's reports and its status are timed and ordered like samples (`_ledger_ms`): by the
+    # producer's `at`, never later than the ledger recorded it. A WorkerOffline the reaper dates by
+    # its clock then still ends a life a worker whose clock runs ahead began "in the future".
     def _status(self, row: FleetRow, status: str, at: int) -> None:
         if row.status_since is None or at >= row.status_since:
             row.status = status
@@ -522,21 +539,23 @@ class Folder:
 
     def _online(self, e: WorkerOnline) -> None:
         row = self._fleet(e.worker)
-        self._status(row, "online", e.at)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
+        at = self._ledger_ms(e.at)
+        self._status(row, "online", at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
         if row.wake_pending is not None:
-            # Woken: the wake took from its request to this WorkerOnline (a negative span, from
-            # skewed clocks, measures nothing).
-            measured = (e.at - row.wake_pending) / 1000.0
+            # Woken: the wake took from its request to this WorkerOnline, both on the ledger's
+            # clock (their stream ids): the two come from different machines' clocks (a negative
+            # span measures nothing).
+            measured = ((self._entry_ms or e.at) - row.wake_pending) / 1000.0
             if measured >= 0:
-                _stamp(row.wake_s, measured, e.at)
+                _stamp(row.wake_s, measured, at)
             row.wake_pending = None
 
     def _wake_requested(self, e: WakeRequested) -> None:
-        self._fleet(e.worker).wake_pending = e.at
+        self._fleet(e.worker).wake_pending = self._entry_ms or e.at
 
     def _wake_failed(self, e: WakeFailed) -> None:
         # It did not come online in time: whenever it does, that is no measure of a wake.
@@ -544,27 +563,29 @@ class Folder:
 
     def _heartbeat(self, e: WorkerHeartbeat) -> None:
         row = self._fleet(e.worker)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
-        _stamp(row.loaded, list(e.loaded), e.at)
+        at = self._ledger_ms(e.at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
+        _stamp(row.loaded, list(e.loaded), at)
         # Stamped on its own (a WorkerChanged stamps `loaded` but carries no resources); in a ledger
         # of heartbeats only, both come from the newest heartbeat, as they always did.
-        _stamp(row.resources, resources_dict(e), e.at)
+        _stamp(row.resources, resources_dict(e), at)
 
     def _changed(self, e: WorkerChanged) -> None:
         """A heartbeat's facts without the machine's figures: those live in the lease only."""
         row = self._fleet(e.worker)
-        self._alive_at(row, e.at)
-        if _stamp(row.slots, e.slots, e.at):
-            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, e.at
-            row.serves.value, row.serves.at = e.serves, e.at
-        _stamp(row.loaded, list(e.loaded), e.at)
+        at = self._ledger_ms(e.at)
+        self._alive_at(row, at)
+        if _stamp(row.slots, e.slots, at):
+            row.inventory.value, row.inventory.at = {m.name: m.digest for m in e.inventory}, at
+            row.serves.value, row.serves.at = e.serves, at
+        _stamp(row.loaded, list(e.loaded), at)
 
     def _offline(self, e: WorkerOffline) -> None:
         row = self._fleet(e.worker)
-        self._status(row, "forgotten" if e.reason == "forgotten" else "offline", e.at)
+        self._status(row, "forgotten" if e.reason == "forgotten" else "offline", self._ledger_ms(e.at))
 
     # -- benchmarks and quality ----------------------------------------------------------------
     def _bench(self, e: BenchmarkResult) -> None:
@@ -587,7 +608,7 @@ class Folder:
             if mark in row.graded:
                 return
             bisect.insort(row.graded, mark)
-        row.score = fold(row.score, e.score, e.at, self.tables.half_life_s)
+        row.score = fold(row.score, e.score, self._ledger_ms(e.at), self.tables.half_life_s)
         self.dirty_quality.add(key)
 
 

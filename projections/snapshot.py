@@ -169,6 +169,17 @@ def grade_mark(grader: str, prompt_id: str) -> str:
     return f"{grader}/{prompt_id}"
 
 
+# Offsets a worker's clock estimate keeps: its median ignores up to four odd ones (a slow hop, a
+# completion appended late), and a clock that was stepped shows after five events.
+CLOCK_WINDOW: Final = 9
+
+
+def clock_skew_ms(window: list[int]) -> int | None:
+    """The estimate of a worker's clock offset from its recent offsets: their median (the upper
+    one of an even count, so that it is one of them); None when there are none."""
+    return sorted(window)[len(window) // 2] if window else None
+
+
 class Stamped(msgspec.Struct, kw_only=True, gc=False):
     """A reported value with the producer time it was reported at (ms); None value = unknown."""
 
@@ -193,9 +204,17 @@ class FleetRow(msgspec.Struct, kw_only=True, gc=False):
     # The worker's clock minus the ledger's (ms), from its newest TaskClaimed: the event's `at`
     # against its stream id's time. None: not seen claim anything.
     clock_offset_ms: int | None = None
-    # A sleeping machine's wake: `at` of the WakeRequested not yet answered by a WorkerOnline (or
-    # given up with WakeFailed), in ledger order; and the last measured wake, seconds from the
-    # request to the WorkerOnline that followed it, stamped with that WorkerOnline's `at`.
+    # The worker's clock minus the ledger's (ms), robustly: the median of `clock_window`, stamped
+    # with the stream-id ms of its newest sample (clock_skew_ms). None: no sample yet.
+    clock_skew: Stamped = msgspec.field(default_factory=Stamped)
+    # Its last CLOCK_WINDOW offsets, oldest first: each TaskClaimed's and TaskCompleted's `at` (the
+    # worker's clock) minus its stream id's ms (the ledger's). Stamped before it travels, an event's
+    # offset is low by its transit (milliseconds; an inbox worker's also by the ingest's delay).
+    clock_window: list[int] = msgspec.field(default_factory=list)
+    # A sleeping machine's wake: the stream-id ms (the ledger's clock; `at` for an event folded
+    # outside the ledger) of the WakeRequested not yet answered by a WorkerOnline (or given up with
+    # WakeFailed), in ledger order; and the last measured wake, seconds from the request to the
+    # WorkerOnline that followed it on that clock, stamped with that WorkerOnline's `at`.
     wake_pending: int | None = None
     wake_s: Stamped = msgspec.field(default_factory=Stamped)
 

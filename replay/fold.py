@@ -32,6 +32,7 @@ from projections.folder import (
 )
 from projections.shift import HELD, MIN_LONG_RUN, MIN_RATIO, WINDOWS, Folded, fold_sample
 from projections.snapshot import (
+    CLOCK_WINDOW,
     RECENT_SAMPLES,
     DemandRow,
     FleetRow,
@@ -42,6 +43,7 @@ from projections.snapshot import (
     Stamped,
     Stat,
     TaskRow,
+    clock_skew_ms,
 )
 from projections.status import TERMINAL_RANK
 from projections.store import DAY_MS, decode_task, oldest_live_day
@@ -370,7 +372,7 @@ def _quality(tables: Tables, quality: pl.DataFrame) -> None:
     valid = score.is_finite() & (score >= 0.0) & (score <= 1.0) & ~(pl.col("truncated") & (score < 1.0))
     keys = ["digest", "domain"]
     first = (prompt == "") | pl.struct(*keys, "grader", "prompt_id").is_first_distinct()
-    samples = quality.sort("seq").filter(valid).filter(first)
+    samples = quality.sort("seq").filter(valid).filter(first).with_columns(ledger_ms_expr().alias("at"))
     marks = (
         samples.filter(prompt != "")
         .group_by(keys)
@@ -383,7 +385,7 @@ def _quality(tables: Tables, quality: pl.DataFrame) -> None:
 
 def _demand(tables: Tables, submitted: pl.DataFrame) -> None:
     first = submitted.lazy().filter(pl.col("task_id").is_first_distinct())
-    samples = first.select("at", "digest", pl.lit(1.0).alias("x"))
+    samples = first.select(ledger_ms_expr().alias("at"), "digest", pl.lit(1.0).alias("x"))
     for digest, stat in _stat_rows(
         stats(samples, ["digest"], "x", tables.demand_half_life_s), ["digest"]
     ).items():
@@ -397,7 +399,13 @@ def _fleet(tables: Tables, frames: Frames) -> None:
         .otherwise(pl.lit("offline"))
         .alias("reason")
     )
-    status = pl.concat([frames.frame("online"), offline]).sort("at", "seq").group_by("worker").last()
+    # Timed as the live fold times them: `at` bounded by the ledger's clock (the online frame's is).
+    status = (
+        pl.concat([frames.frame("online"), offline.with_columns(ledger_ms_expr().alias("at"))])
+        .sort("at", "seq")
+        .group_by("worker")
+        .last()
+    )
     reports = frames.report_frame
     newest = reports.sort("at", "seq").group_by("worker").last()
     # Loaded models come from heartbeats and changes; resources from heartbeats only (a change
@@ -436,8 +444,34 @@ def _fleet(tables: Tables, frames: Frames) -> None:
     )
     for worker, offset in offsets.iter_rows():
         rows[worker].clock_offset_ms = offset
+    _clock_skews(rows, claimed, frames.frame("completed"))
     _wakes(rows, frames)
     tables.fleet = rows
+
+
+def _clock_skews(rows: dict[str, FleetRow], claimed: pl.DataFrame, completed: pl.DataFrame) -> None:
+    """Each worker's last CLOCK_WINDOW offsets (`at` minus stream-id ms) of its claims and
+    completions in ledger order, and their median, as the live fold keeps them (Folder._clock_sample)."""
+    part = [
+        f.filter(pl.col("ms") > 0).select(
+            "seq", "ms", pl.col("worker").cast(pl.String), (pl.col("at") - pl.col("ms")).alias("offset")
+        )
+        for f in (claimed, completed)
+    ]
+    windows = (
+        pl.concat(part)
+        .group_by("worker")
+        .agg(
+            pl.col("offset").sort_by("seq").tail(CLOCK_WINDOW).alias("window"),
+            pl.col("ms").sort_by("seq").last().alias("ms"),
+        )
+    )
+    for worker, window, ms in windows.iter_rows():
+        row = rows.get(worker)
+        if row is None:
+            row = rows[worker] = FleetRow(worker=worker)
+        row.clock_window = [int(x) for x in window]
+        row.clock_skew = Stamped(value=clock_skew_ms(row.clock_window), at=ms)
 
 
 # The order of a wake's events in `_wakes`, for ties of `seq` (none: one entry, one event).
@@ -458,23 +492,27 @@ def _wakes(rows: dict[str, FleetRow], frames: Frames) -> None:
 
     def part(frame: pl.DataFrame, kind: int) -> pl.DataFrame:
         return frame.select(
-            "seq", "at", pl.col("worker").cast(pl.String), pl.lit(kind, dtype=pl.Int8).alias("kind")
+            "seq",
+            "at",
+            pl.when(pl.col("ms") > 0).then(pl.col("ms")).otherwise(pl.col("at")).alias("t"),
+            pl.col("worker").cast(pl.String),
+            pl.lit(kind, dtype=pl.Int8).alias("kind"),
         )
 
     parts = [part(requested, _REQUESTED), part(failed, _FAILED), part(online, _ONLINE)]
     events = pl.concat(parts).sort("seq")
     pending: dict[str, int | None] = {}
     best: dict[str, tuple[int, int, float]] = {}
-    for seq, at, worker, kind in events.iter_rows():
+    for seq, at, t, worker, kind in events.iter_rows():
         if kind == _REQUESTED:
-            pending[worker] = at
+            pending[worker] = t
         elif kind == _FAILED:
             pending[worker] = None
         else:
             since = pending.get(worker)
             if since is None:
                 continue
-            measured = (at - since) / 1000.0
+            measured = (t - since) / 1000.0
             if measured >= 0 and (worker not in best or (at, seq) >= best[worker][:2]):
                 best[worker] = (at, seq, measured)
             pending[worker] = None
@@ -582,17 +620,17 @@ def task_frame(frames: Frames, counted: pl.LazyFrame, cutoff_ms: int | None = No
         "digest",
         "domain",
         "queue",
-        pl.col("at").alias("submitted_at"),
+        ledger_ms_expr().alias("submitted_at"),
         "pipeline_id",
         "runtime_options",
     )
     last_claim = _first(clm, tid, last=True).select(
-        tid, pl.col("worker").alias("claim_worker"), pl.col("at").alias("claimed_at")
+        tid, pl.col("worker").alias("claim_worker"), ledger_ms_expr().alias("claimed_at")
     )
     finished = done_counted.select(
         tid,
         pl.col("worker").alias("done_worker"),
-        pl.col("at").alias("finished_at"),
+        ledger_ms_expr().alias("finished_at"),
         "eval_count",
         "prompt_eval_count",
         decode_tps_expr().alias("decode_tps"),

@@ -327,6 +327,12 @@ def columns_of(kind: type[Event], events: Sequence[Event]) -> dict[str, list[Any
     return out
 
 
+def _ledger_ms(at: int, ms: int) -> int:
+    """A worker report's time as projections.folder takes it (Folder._ledger_ms): its `at`, no later
+    than its entry's stream-id ms. The report and online frames hold it in their `at` column."""
+    return min(at, ms) if ms else at
+
+
 class Frames:
     """Collects ledger chunks as columns; `frame(name)` is the whole kind as one frame."""
 
@@ -340,7 +346,7 @@ class Frames:
         # win, with their objects in `reports`, indexed by the `ref` column.
         self.reports: list[Report] = []
         self._report_frame = pl.DataFrame(schema=_REPORT_SCHEMA)
-        self._new_reports: dict[type[Event], tuple[list[int], list[Event]]] = {}
+        self._new_reports: dict[type[Event], tuple[list[int], list[int], list[Event]]] = {}
         self._pending = 0
         self._mentions: dict[str, list[Any]] = {name: [] for name in _MENTION_SCHEMA}
         # Per kind, the last `seq` of its parts, and the kinds whose parts are not in ledger order
@@ -445,10 +451,11 @@ class Frames:
         if kind in REPORT_KINDS:
             pending = self._new_reports.get(kind)
             if pending is None:
-                self._new_reports[kind] = (seqs, events)
+                self._new_reports[kind] = (seqs, ms, events)
             else:
                 pending[0].extend(seqs)
-                pending[1].extend(events)
+                pending[1].extend(ms)
+                pending[2].extend(events)
         else:
             # Columns are taken at once so that the chunk's event objects are dropped early.
             columns = self._columns.get(kind)
@@ -582,22 +589,22 @@ class Frames:
         if self._mentions["seq"]:
             self._append(MENTIONS, pl.DataFrame(self._mentions, schema=_MENTION_SCHEMA))
             self._mentions = {name: [] for name in _MENTION_SCHEMA}
-        for kind, (seqs, events) in self._new_reports.items():
-            self._add_reports(seqs, events, REPORT_KINDS[kind])
+        for kind, (seqs, ms, events) in self._new_reports.items():
+            self._add_reports(seqs, ms, events, REPORT_KINDS[kind])
             if kind is WorkerOnline:
-                self._add_status(seqs, events)
+                self._add_status(seqs, ms, events)
         self._new_reports = {}
         self._pending = 0
         self._compact_reports()
 
-    def _add_status(self, seqs: list[int], events: list[Event]) -> None:
+    def _add_status(self, seqs: list[int], ms: list[int], events: list[Event]) -> None:
         online: list[WorkerOnline] = events  # type: ignore[assignment]
         frame = pl.DataFrame(
             {
                 "seq": seqs,
-                "ms": [0] * len(online),
+                "ms": ms,
                 "sq": [0] * len(online),
-                "at": [e.at for e in online],
+                "at": [_ledger_ms(e.at, m) for e, m in zip(online, ms, strict=True)],
                 "worker": [e.worker for e in online],
                 "reason": ["online"] * len(online),
             },
@@ -605,14 +612,14 @@ class Frames:
         )
         self._append("online", frame)
 
-    def _add_reports(self, seqs: list[int], events: list[Event], kind: int) -> None:
+    def _add_reports(self, seqs: list[int], ms: list[int], events: list[Event], kind: int) -> None:
         base = len(self.reports)
         reports: list[Report] = events  # type: ignore[assignment]
         self.reports.extend(reports)
         frame = pl.DataFrame(
             {
                 "seq": seqs,
-                "at": [e.at for e in reports],
+                "at": [_ledger_ms(e.at, m) for e, m in zip(reports, ms, strict=True)],
                 "worker": [e.worker for e in reports],
                 "kind": [kind] * len(reports),
                 "ref": list(range(base, base + len(reports))),
@@ -623,7 +630,8 @@ class Frames:
 
     def _compact_reports(self) -> None:
         """Keep only each worker's newest report, newest report of loaded models (a heartbeat or a
-        change) and newest heartbeat (by producer clock, then order): the ones that can still win."""
+        change) and newest heartbeat (by producer clock bounded by the ledger's, then order): the
+        ones that can still win."""
         frame = self._report_frame
         if frame.height == 0:
             return

@@ -92,6 +92,8 @@ def fleet_table(o: dict[str, Any]) -> Table:
             for m in w["models"]
         )
         lease = "expired" if w["lease_age_s"] is None else f"renewed {w['lease_age_s']:.1f}s ago"
+        if w.get("clock_skewed"):
+            lease += f", clock {w['clock_skew_s']:+.0f}s off"
         t.add_row(
             w["id"],
             _status(w["status"]),

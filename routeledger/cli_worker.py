@@ -31,6 +31,7 @@ from dispatch.wake import (
     record_from_lease,
     write_record,
 )
+from events.clock import set_offset_ms
 from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
@@ -132,6 +133,10 @@ def worker(
             fail(exc.message)
     s = inst.settings
     setup_logging(s.log_level)
+    if s.clock_offset_ms:
+        # Every time this worker writes (events, its lease, results) comes from the shifted clock.
+        set_offset_ms(s.clock_offset_ms)
+        log.warning("this worker's clock is shifted by %+d ms (clock_offset_ms)", s.clock_offset_ms)
     serves = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
     cfg = WorkerConfig(
         name=name,

@@ -25,6 +25,8 @@ from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from routeledger.errors import ConfigError, NotRunningError
 
 ENV_PREFIX: Final = "ROUTELEDGER_"
+# The largest clock shift a test may ask a worker for: a day, far past any skew worth playing.
+MAX_CLOCK_OFFSET_MS: Final = 86_400_000
 
 
 def default_data_dir() -> Path:
@@ -81,6 +83,7 @@ class Settings(msgspec.Struct, kw_only=True):
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
     prefix_pricing: bool = True
     paced_streams: bool = True
+    clock_offset_ms: int = 0
 
 
 # What each setting means, for `config show` and the README's table.
@@ -151,6 +154,10 @@ FIELDS: Final[dict[str, str]] = {
     "paced_streams": (
         "place an answer streamed to its client where its reader finishes reading it first (first token, "
         "then no slower than 5.3 tok/s); false places every task where it finishes"
+    ),
+    "clock_offset_ms": (
+        "shift `routeledger worker`'s clock by this many ms (for tests playing a machine whose clock is "
+        "off; /v1/fleet flags such a worker, and no table or age depends on its clock)"
     ),
 }
 
@@ -258,6 +265,10 @@ def _validate(s: Settings) -> None:
         (s.dead_max_entries >= 1, f"dead_max_entries must be at least 1, got {s.dead_max_entries}"),
         (s.max_num_ctx >= 1, f"max_num_ctx must be at least 1, got {s.max_num_ctx}"),
         (bool(s.domains), "domains must name at least one domain"),
+        (
+            abs(s.clock_offset_ms) <= MAX_CLOCK_OFFSET_MS,
+            f"clock_offset_ms must be within a day either way, got {s.clock_offset_ms}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

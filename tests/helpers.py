@@ -133,14 +133,22 @@ async def redis_exists(redis: aioredis.Redis, key: str) -> bool:
 
 
 def worker_process(
-    redis_url: str, backend: str, name: str, *, slots: int = 1, lease_ms: int = 1500, heartbeat_ms: int = 300
+    redis_url: str,
+    backend: str,
+    name: str,
+    *,
+    slots: int = 1,
+    lease_ms: int = 1500,
+    heartbeat_ms: int = 300,
+    clock_offset_ms: int = 0,
 ) -> subprocess.Popen[bytes]:
-    """A real `routeledger worker` process (for tests that kill it)."""
+    """A real `routeledger worker` process (for tests that kill it, or shift its clock)."""
     env = {
         **os.environ,
         "ROUTELEDGER_LEASE_MS": str(lease_ms),
         "ROUTELEDGER_HEARTBEAT_MS": str(heartbeat_ms),
         "ROUTELEDGER_LOG_LEVEL": "warning",
+        "ROUTELEDGER_CLOCK_OFFSET_MS": str(clock_offset_ms),
     }
     return subprocess.Popen(
         [

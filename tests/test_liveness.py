@@ -152,7 +152,8 @@ async def test_the_fleet_api_shows_resources_and_last_seen_from_the_lease(
     assert set(row["resources"]) == {"value", "at", "age_s"}
     assert lease.resources.mem_total_bytes is not None
     assert row["resources"]["value"]["mem_total_bytes"] == lease.resources.mem_total_bytes
-    assert row["last_heartbeat"] == row["resources"]["at"] <= lease.renewed_at
+    # The lease's time, on the ledger's clock (through the offset its worker measured).
+    assert row["last_heartbeat"] == row["resources"]["at"] <= lease.on_ledger(lease.renewed_at)
     # None of it came from the ledger.
     assert not await events_of(ledger, WorkerHeartbeat)
 

@@ -21,7 +21,9 @@ from events.event import (
     TaskFailed,
     TaskSubmitted,
     Timings,
+    WakeRequested,
     WorkerHeartbeat,
+    WorkerOffline,
     WorkerOnline,
     now_ms,
 )
@@ -467,3 +469,66 @@ async def test_a_worker_whose_clock_runs_ahead_has_its_samples_timed_by_the_ledg
     assert age is not None and age > 86_000
     offset = snap.fleet["w1"].clock_offset_ms
     assert offset is not None and abs(offset - 86_400_000) < 60_000
+
+
+async def test_one_odd_event_leaves_a_workers_clock_skew_alone_and_a_stepped_clock_shows_within_five(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    def claim(i: int, ahead_ms: int) -> TaskClaimed:
+        return TaskClaimed(at=now_ms() + ahead_ms, task_id=f"t{i}", worker="w1", digest=D1, attempt=1)
+
+    # One claim stamped a minute off (a stalled write, a late retry) among true ones.
+    projector = await fold_all(redis_client, keys, [claim(i, 60_000 if i == 3 else 0) for i in range(6)])
+    skew = (await snapshot(redis_client, keys)).fleet["w1"].clock_skew
+    assert isinstance(skew.value, int) and abs(skew.value) < 5_000
+    assert skew.at is not None and skew.at <= now_ms()
+    # The machine's clock is stepped 90 s ahead: five events later the estimate says so.
+    await Ledger(redis_client, keys).append_many([claim(i, 90_000) for i in range(6, 11)])
+    await projector.catch_up()
+    skew = (await snapshot(redis_client, keys)).fleet["w1"].clock_skew
+    assert isinstance(skew.value, int) and abs(skew.value - 90_000) < 5_000
+
+
+async def test_a_wake_is_measured_on_the_ledgers_clock_not_across_two_machines_clocks(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    # The waker asks on one machine's clock; the woken machine, 90 s ahead, answers on its own.
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            WakeRequested(at=now_ms(), worker="gpu", why="plan"),
+            WorkerOnline(at=now_ms() + 90_000, worker="gpu", slots=1),
+        ],
+    )
+    row = (await snapshot(redis_client, keys)).fleet["gpu"]
+    assert isinstance(row.wake_s.value, float) and 0 <= row.wake_s.value < 5
+
+
+async def test_a_worker_90_s_ahead_that_dies_is_offline_when_the_reaper_says_so_by_its_own_clock(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await Ledger(redis_client, keys).append(WorkerOnline(at=now_ms() + 90_000, worker="w1", slots=1))
+    # Its lease expires later; the reaper dates the death by its own (true) clock.
+    await asyncio.sleep(0.01)
+    await fold_all(redis_client, keys, [WorkerOffline(at=now_ms(), worker="w1", reason="lease expired")])
+    row = (await snapshot(redis_client, keys)).fleet["w1"]
+    assert row.status == "offline"
+    assert row.status_since is not None and row.status_since <= now_ms()
+
+
+async def test_demand_and_quality_from_a_clock_ahead_are_timed_by_the_ledger(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    ahead = now_ms() + 86_400_000
+    await fold_all(
+        redis_client,
+        keys,
+        [
+            TaskSubmitted(at=ahead, task_id="t1", model="m", digest=D1, domain="code", queue="q"),
+            QualityScored(at=ahead, task_id="t1", digest=D1, domain="code", score=0.5, grader="ref"),
+        ],
+    )
+    snap = await snapshot(redis_client, keys)
+    for stat in (snap.demand[D1].arrivals, snap.quality[D1, "code"].score):
+        assert stat.n == 1 and stat.updated_at is not None and stat.updated_at <= now_ms()

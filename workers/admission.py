@@ -20,7 +20,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.view import LiveView, with_own, worker_views
-from events.event import now_ms
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, decide_take
 from router.plan import BacklogEntry, WorkerView
@@ -156,7 +155,8 @@ class RouterGate:
             placed = with_own(self.view.worker_views(leases), mine)
             views = worker_views({**leases, agent.name: mine}) if placed is None else placed
             self._views = (leases, me, views)
-        now = now_ms()
+        # The snapshot's ages and the queue entries' waits are the ledger's clock, not this machine's.
+        now = await self.view.clock.now_ms()
         params = self.params if agent.finishes and _one_band(backlog) else self._head_only
         decision = decide_take(agent.name, views, backlog, snap, est, now, params)
         self.last = decision

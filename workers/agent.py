@@ -40,6 +40,7 @@ from dispatch.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chu
 from dispatch.prefix import held_after, task_chain
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from dispatch.serving import embeds_only
+from events.clock import LedgerClock
 from events.codec import encode_fields
 from events.errors import RouteledgerError
 from events.event import (
@@ -212,6 +213,9 @@ class WorkerAgent:
         self.backend_ok = False
         self.running: dict[str, Running] = {}
         self.started_at = now_ms()
+        # The ledger's clock, for whatever this worker compares with a time another process wrote
+        # (a deadline, a submission, a sample's age); its lease says the offset to readers.
+        self.clock = LedgerClock(redis)
         self.stopping = asyncio.Event()
         self._cooldown_until = 0.0
         self._failures = 0
@@ -267,6 +271,7 @@ class WorkerAgent:
         """Run until `stopping` is set, then drain and leave."""
         await self._refresh_inventory(first=True)
         self.resources = read_resources()
+        await self.clock.sync()
         await self._take_lease()
         await self._announce()
         await self.queues.ensure_group(self.pinned)
@@ -379,6 +384,7 @@ class WorkerAgent:
             ],
             since=self.started_at,
             resources=self.resources,
+            ledger_offset_ms=self.clock.offset_ms,
         )
 
     def _lease_renewed(self, taken: LeaseTaken, sent: float) -> None:
@@ -633,6 +639,7 @@ class WorkerAgent:
                 return
             beat += 1
             try:
+                await self.clock.now_ms()  # measures the offset again when it is due
                 before = (self.backend_ok, self.inventory.routing())
                 await self._refresh_inventory()
                 self.resources = read_resources()
@@ -723,7 +730,8 @@ class WorkerAgent:
         entry = run.entry
         task = entry.task
         try:
-            if task.deadline_ms is not None and now_ms() > task.deadline_ms:
+            # The deadline is the submitting API's time: compared on the ledger's clock, not this one.
+            if task.deadline_ms is not None and await self.clock.now_ms() > task.deadline_ms:
                 await self._expire(run, task.deadline_ms)
                 return
             local = self.local_name(task.digest)
@@ -1015,8 +1023,8 @@ class WorkerAgent:
         first = True
         while not self.stopping.is_set():
             try:
-                snap = await snapshot(self.redis, self.keys)
-                now = now_ms()
+                now = await self.clock.now_ms()
+                snap = await snapshot(self.redis, self.keys, now_ms=now)
                 for model in self.serving():
                     recent = self._benched.get(model.digest)
                     if recent is not None and time.monotonic() - recent < PROBE_AFTER_S:
@@ -1170,7 +1178,8 @@ class WorkerAgent:
         """A task taken after its `deadline`: nobody waits for it any more, so it never runs."""
         entry = run.entry
         task = entry.task
-        late = now_ms() - deadline
+        now = await self.clock.now_ms()
+        late = now - deadline
         log.info(
             "task %s expired %.1fs before %s took it; not running it", task.task_id, late / 1000, self.name
         )
@@ -1181,7 +1190,7 @@ class WorkerAgent:
                 worker=self.name,
                 deadline=deadline,
                 entry_id=entry.entry_id,
-                waited_ms=max(0, now_ms() - task.submitted_at),
+                waited_ms=max(0, now - task.submitted_at),
             )
         )
         await self._settle(

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from dispatch.lease import Leases, decode_lease, live_workers, registered
 from dispatch.payload import F_ID
 from dispatch.queues import REQUEUED, TaskQueues
+from events.clock import LedgerClock
 from events.codec import as_str
 from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
@@ -93,6 +94,8 @@ class Reaper:
         self.keys = keys
         self.config = config
         self.ledger = Ledger(redis, keys)
+        # Queue entries' waits are stream ids (the ledger's clock): judged on that clock.
+        self.clock = LedgerClock(redis)
         self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self._seeded = False
         self.leases = Leases(redis, keys)
@@ -235,7 +238,7 @@ class Reaper:
                 log.info(
                     "task %s: handed off to %s, which gave it back; moved to the shared queue", ident, worker
                 )
-        cutoff = now_ms() - self.config.handoff_wait_ms
+        cutoff = await self.clock.now_ms() - self.config.handoff_wait_ms
         for entry_id, task_id in await self.queues.untaken(queue):
             if worker in live and int(entry_id.split("-")[0]) > cutoff:
                 break  # oldest first: the rest waited less
@@ -388,7 +391,8 @@ class Reaper:
         if last is None:
             return
         await self._forget_taken(queue, last)
-        cutoff = now_ms() - int(self.config.stall_after_s * 1000)
+        now = await self.clock.now_ms()
+        cutoff = now - int(self.config.stall_after_s * 1000)
         rows: Any = await self.redis.xrange(queue, next_id(last), f"{cutoff}-0", count=200)
         for raw_id, fields in rows:
             entry_id = as_str(raw_id)
@@ -396,7 +400,7 @@ class Reaper:
             if not await self.redis.sadd(self.keys.stalled, member):
                 continue
             report.stalled += 1
-            waited = now_ms() - int(entry_id.split("-")[0])
+            waited = now - int(entry_id.split("-")[0])
             task_id = as_str(fields.get(F_ID, b""))
             log.warning("task %s on %s has waited %.0fs and nobody took it", task_id, queue, waited / 1000)
             await self.ledger.append(
