@@ -255,3 +255,15 @@ def raw_name(redis: aioredis.Redis, name: str) -> str | bytes:
 def is_cluster(redis: object) -> bool:
     """Whether `redis` is a cluster client (typed as the plain client it stands in for)."""
     return isinstance(redis, RedisCluster)
+
+
+async def redis_clock_ms(redis: aioredis.Redis, key: str) -> int:
+    """Redis's clock (TIME) in ms, read on the server that holds `key`: on a cluster, that node's,
+    so that it compares with the ids of the stream `key` names."""
+    if is_cluster(redis):
+        cluster: Any = redis
+        reply: Any = await cluster.time(target_nodes=cluster.get_node_from_key(key))
+    else:
+        reply = await redis.time()
+    secs, micros = reply
+    return int(secs) * 1000 + int(micros) // 1000

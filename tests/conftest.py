@@ -109,7 +109,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def redis_backend(request: pytest.FixtureRequest) -> str:
-    """"single" (the session's Redis), or "cluster" for the cluster tier's second run."""
+    """ "single" (the session's Redis), or "cluster" for the cluster tier's second run."""
     return str(getattr(request, "param", "single"))
 
 
