@@ -39,7 +39,7 @@ from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, OptionsPolicy
 from dispatch.quota import ApiKey, named_keys
-from events.connection import redis_client
+from events.connection import is_cluster_url, redis_client
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
@@ -93,7 +93,7 @@ def create_app(config: AppConfig) -> FastAPI:
         client = redis_client(
             config.redis_url, socket_timeout=5, max_connections=config.redis_max_connections
         )
-        keys = Keys(config.prefix)
+        keys = Keys(config.prefix, cluster=is_cluster_url(config.redis_url))
         app.state.redis = client
         app.state.keys = keys
         app.state.gateway = Gateway(

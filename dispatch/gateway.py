@@ -47,6 +47,7 @@ from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import as_str
+from events.connection import raw_name
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
@@ -66,7 +67,6 @@ TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OS
 _FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
-_XREAD: Final = b"XREAD"
 # How often a reader of a task's output looks again for the workers that run it (dispatch.queues
 # run_writers) and for the live workers that might (see _Outputs).
 _LOOK_MS: Final = 500
@@ -113,6 +113,7 @@ class _Outputs:
         self.task_id = task_id
         self._workers = workers
         self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
+        self._xread = raw_name(redis, "XREAD")
         self.writers: list[str] = []
         # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
         self._names: dict[str, str] = {}
@@ -146,7 +147,7 @@ class _Outputs:
         if (time.monotonic() - self._looked) * 1000 >= _LOOK_MS:
             await self._look()
         reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
-            _XREAD,
+            self._xread,
             "COUNT",
             256,
             "BLOCK",

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from dispatch.errors import RedisMemoryFullError
 from events.codec import as_str
+from events.connection import is_cluster
 from events.keys import Keys
 
 # Share of maxmemory from which every surface warns.
@@ -125,6 +127,11 @@ def parse_info(info: dict[str, Any], now_ms: int | None = None) -> MemoryState:
 
 async def read_memory(redis: aioredis.Redis) -> MemoryState:
     """INFO memory now (one round trip; use a MemoryWatch where requests call it)."""
+    if is_cluster(redis):
+        # Each master has its own limit: the fullest one is the one that refuses writes first.
+        per_node: Any = await cast(Any, redis).info("memory", target_nodes=RedisCluster.PRIMARIES)
+        states = [parse_info(info) for info in per_node.values()]
+        return max(states, key=lambda s: (s.ratio or 0.0, s.used_bytes))
     info: dict[str, Any] = await redis.info("memory")
     return parse_info(info)
 

@@ -13,6 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from events.codec import decode_rows
+from events.connection import raw_name
 from events.event import (
     BenchmarkResult,
     Event,
@@ -30,7 +31,6 @@ from events.ledger import Ledger, RawEntry
 from projections.folder import decode_tps
 from projections.status import TaskStatus, fold_status
 
-_XREVRANGE: Final = b"XREVRANGE"
 SAMPLE_TYPES: Final = frozenset({b"TaskCompleted", b"BenchmarkResult"})
 _INCIDENT_TYPES: Final = frozenset({b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered"})
 TASK_TYPES: Final = frozenset(
@@ -262,7 +262,7 @@ class Recent:
 async def load_recent(redis: aioredis.Redis, keys: Keys, window: int = RECENT_WINDOW) -> tuple[Recent, str]:
     """Recent tasks and incidents from the newest `window` ledger entries, and the newest id read."""
     reply: Any = await redis.execute_command(  # type: ignore[no-untyped-call]
-        _XREVRANGE, keys.events, "+", "-", "COUNT", window
+        raw_name(redis, "XREVRANGE"), keys.events, "+", "-", "COUNT", window
     )
     rows: list[RawEntry] = [(row[0].decode(), row[1]) for row in reply]
     last = rows[0][0] if rows else "0-0"

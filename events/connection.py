@@ -12,6 +12,12 @@ TLS: a `rediss://` URL makes a TLS connection, and the files it trusts and prese
 URL's query, under the names redis-py reads there (`ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`).
 So one string carries everything a process needs to reach Redis: `up` hands it to its children in
 the environment, and a remote worker gets it in one `--redis-url`.
+
+Redis Cluster: a `redis+cluster://` (or `rediss+cluster://`) URL names one or more seed nodes,
+comma-separated (`redis+cluster://:secret@10.0.0.5:7000,10.0.0.6:7000`); the client learns the
+rest of the cluster from them and follows its slots through resharding and failover. The client is
+redis-py's RedisCluster, with the same rules as the plain one (no command sent twice, deadlines,
+keepalive). Its key layout is `Keys(cluster=True)` (events/keys.py): `Keys.for_client` picks it.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import os
 import socket
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -67,11 +74,42 @@ def with_tls_files(url: str, *, ca: str = "", cert: str = "", key: str = "") -> 
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+# URL schemes of a Redis Cluster (plain and TLS), and the plain scheme each stands for.
+CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (redis+cluster:// or rediss+cluster://)."""
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """The seed nodes, user name and password of a cluster URL; RedisUrlError, in words, for a
+    URL that names no node or a port that is not a number."""
+    netloc = urlsplit(url).netloc
+    userinfo, _, hosts = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    nodes: list[tuple[str, int]] = []
+    for item in filter(None, hosts.split(",")):
+        host, _, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+        if not host or not port.isdigit():
+            raise RedisUrlError(
+                f"the cluster URL's node {item!r} is not host:port: write "
+                "redis+cluster://[:password@]host:port[,host:port...]"
+            )
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise RedisUrlError(
+            "the cluster URL names no node: write redis+cluster://[:password@]host:port[,host:port...]"
+        )
+    return nodes, unquote(user) or None, unquote(password) if userinfo else None
+
+
 def check_tls(url: str) -> None:
     """Refuse, in words, a URL whose TLS settings cannot work, before any connection is tried."""
     parts = urlsplit(url)
     files = [(name, value) for name, value in parse_qsl(parts.query) if name in TLS_FILE_PARAMS]
-    if files and parts.scheme != "rediss":
+    if files and CLUSTER_SCHEMES.get(parts.scheme, parts.scheme) != "rediss":
         names = ", ".join(name for name, _ in files)
         raise RedisUrlError(
             f"the Redis URL names TLS files ({names}) but its scheme is {parts.scheme}://, which does "
@@ -138,6 +176,8 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
     - Commands are packed by hiredis (_HiredisPacking).
     """
     check_tls(url)
+    if is_cluster_url(url):
+        return _cluster_client(url, socket_timeout=socket_timeout, **options)
     client = aioredis.Redis.from_url(
         url,
         socket_connect_timeout=3,
@@ -152,3 +192,78 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
     pool = client.connection_pool
     pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
     return client
+
+
+def _cluster_client(url: str, *, socket_timeout: float, **options: Any) -> aioredis.Redis:
+    """A RedisCluster made by the rules of `redis_client`. MOVED and ASK redirections are followed
+    (the command was not run where it was refused); a connection error is not retried, but it
+    makes the client learn the cluster's layout again before its next command, so that a process
+    follows a failover without a restart. The cluster client serves every command routeledger
+    sends, with the same signatures, so it is typed as the plain client it stands in for: the
+    cluster tier of the tests runs the code base on it."""
+    nodes, username, password = cluster_nodes(url)
+    parts = urlsplit(url)
+    tls = dict(parse_qsl(parts.query))
+    ssl: dict[str, Any] = {}
+    if CLUSTER_SCHEMES[parts.scheme] == "rediss":
+        ssl = {"ssl": True, **{name: tls[name] for name in TLS_FILE_PARAMS if name in tls}}
+    client = RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+        username=username,
+        password=password,
+        socket_connect_timeout=3,
+        socket_timeout=socket_timeout,
+        socket_keepalive=True,
+        socket_keepalive_options=_KEEPALIVE,
+        health_check_interval=15,
+        retry=Retry(NoBackoff(), 0),
+        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        **ssl,
+        **options,
+    )
+    kwargs = client.nodes_manager.connection_kwargs
+    kwargs["connection_class"] = _PACKED.get(kwargs["connection_class"], kwargs["connection_class"])
+    return client  # type: ignore[return-value]
+
+
+class _RawName(str):
+    """A command name whose reply skips redis-py's response callbacks, for a cluster client (see
+    `raw_name`). Callbacks are looked up by name in a dict; this name hashes apart from the plain
+    one and equals only itself, so no callback is found, while everything that routes the command
+    (slot, node) reads it through str methods (lower, upper, split), which return plain strings."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        return hash((_RawName, str(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+
+def raw_name(redis: aioredis.Redis, name: str) -> str | bytes:
+    """The name to send command `name` under so that its reply comes back raw (no response
+    callback): bytes on a plain client, whose callbacks are keyed by str; a `_RawName` on a cluster
+    client, which routes by the name and needs a str. The hot reads (XRANGE, XREAD of the ledger
+    and of outputs) use it: a callback that builds a dict per entry costs more than decoding it."""
+    return _RawName(name) if is_cluster(redis) else name.encode()
+
+
+def is_cluster(redis: object) -> bool:
+    """Whether `redis` is a cluster client (typed as the plain client it stands in for)."""
+    return isinstance(redis, RedisCluster)
+
+
+async def redis_clock_ms(redis: aioredis.Redis, key: str) -> int:
+    """Redis's clock (TIME) in ms, read on the server that holds `key`: on a cluster, that node's,
+    so that it compares with the ids of the stream `key` names."""
+    if is_cluster(redis):
+        cluster: Any = redis
+        reply: Any = await cluster.time(target_nodes=cluster.get_node_from_key(key))
+    else:
+        reply = await redis.time()
+    secs, micros = reply
+    return int(secs) * 1000 + int(micros) // 1000

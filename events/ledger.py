@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from events.codec import as_str, decode_rows, encode_batch, encode_fields
+from events.connection import raw_name
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
@@ -57,10 +58,6 @@ _APPEND_MANY_DEF: Final = ScriptDef("append_many", _APPEND_MANY)
 # inputs (1,000 events take about 3 ms of server time).
 MAX_BATCH: Final = 2000
 
-# Commands sent with a bytes name skip redis-py's response callbacks: XRANGE's callback builds a
-# dict per entry, which costs more than decoding the event. Rows stay [id, [field, value, ...]].
-_XRANGE: Final = b"XRANGE"
-_XREAD: Final = b"XREAD"
 
 Entry = tuple[str, dict[bytes, bytes]]
 # A ledger entry with its id as a string and the flat [field, value, ...] list Redis sends.
@@ -90,12 +87,17 @@ class Ledger:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys | None = None, *, inbox: str | None = None) -> None:
         self.redis = redis
-        self.keys = keys or Keys()
+        self.keys = keys or Keys.for_client(redis)
         self.stream = self.keys.events
         # Where this process appends: the ledger, or (a worker under its own ACL) its inbox
         # (`Keys.inbox`), which the projector's ingest checks and moves into the ledger.
         self.appends_to = self.keys.inbox(inbox) if inbox else self.stream
         self._append_many = _APPEND_MANY_DEF.bind(redis)
+        # Reads sent under a raw name skip redis-py's response callbacks (events.connection.raw_name):
+        # XRANGE's callback builds a dict per entry, which costs more than decoding the event. Rows
+        # stay [id, [field, value, ...]].
+        self._xrange_name = raw_name(redis, "XRANGE")
+        self._xread = raw_name(redis, "XREAD")
 
     # -- appending ----------------------------------------------------------------------------
     async def append(self, event: Event) -> str:
@@ -144,7 +146,7 @@ class Ledger:
         return as_str(raw[0][0]) if raw else None
 
     async def _xrange(self, start: str, stop: str, count: int) -> list[Any]:
-        rows: list[Any] = await self._raw(_XRANGE, self.stream, start, stop, "COUNT", count)
+        rows: list[Any] = await self._raw(self._xrange_name, self.stream, start, stop, "COUNT", count)
         return rows
 
     async def _raw(self, *args: Any) -> Any:
@@ -228,7 +230,7 @@ class Ledger:
         self, after_id: str, count: int = 1000, block_ms: int | None = None
     ) -> list[RawEntry]:
         """Up to `count` undecoded entries strictly after `after_id`, waiting up to `block_ms` for one."""
-        args: list[Any] = [_XREAD, "COUNT", count]
+        args: list[Any] = [self._xread, "COUNT", count]
         if block_ms is not None:
             args += ["BLOCK", block_ms]
         reply: Any = await self._raw(*args, "STREAMS", self.stream, after_id)

@@ -47,6 +47,7 @@ from dispatch.benchmark import REFERENCE, prompt_by_id
 from dispatch.payload import F_TASK, decode_task
 from dispatch.queues import RESULT_TTL_MS
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
+from events.connection import raw_name
 from events.errors import UndecodableEntryError
 from events.event import (
     BenchmarkRequested,
@@ -192,7 +193,7 @@ class Ingest:
         dead_max_entries: int = DEAD_MAX_ENTRIES,
     ) -> None:
         self.redis = redis
-        self.keys = keys or Keys()
+        self.keys = keys or Keys.for_client(redis)
         self.batch = batch
         self.dead_max_entries = dead_max_entries
         self._move = redis.register_script(_MOVE)
@@ -216,8 +217,8 @@ class Ingest:
         if not names:
             return 0
         streams = {self.keys.inbox(n): self._cursors.get(n, "0-0") for n in names}
-        # A bytes command name skips redis-py's reply parsing: rows stay [id, [field, value, ...]].
-        args: list[Any] = [b"XREAD", "COUNT", self.batch]
+        # A raw command name skips redis-py's reply parsing: rows stay [id, [field, value, ...]].
+        args: list[Any] = [raw_name(self.redis, "XREAD"), "COUNT", self.batch]
         if block_ms:
             args += ["BLOCK", block_ms]
         reply: Any = await self.redis.execute_command(*args, "STREAMS", *streams, *streams.values())  # type: ignore[no-untyped-call]

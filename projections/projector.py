@@ -79,7 +79,7 @@ class Projector:
     ) -> None:
         self.redis = redis
         self.dead_max_entries = dead_max_entries
-        self.keys = keys or Keys()
+        self.keys = keys or Keys.for_client(redis)
         self.ledger = Ledger(redis, self.keys)
         self.half_life_s = half_life_s
         self.demand_half_life_s = demand_half_life_s

@@ -9,6 +9,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from events.codec import as_str
+from events.connection import redis_clock_ms
 from events.event import now_ms as clock_ms
 from events.keys import Keys
 from events.ledger import next_id
@@ -29,7 +30,7 @@ async def snapshot(redis: aioredis.Redis, keys: Keys | None = None, *, now_ms: i
 
     Before any projector ran there is no namespace: the snapshot is then empty (nothing is known).
     """
-    keys = keys or Keys()
+    keys = keys or Keys.for_client(redis)
     taken_at = clock_ms() if now_ms is None else now_ms
     ns = await store.current(redis, keys)
     if ns is None:
@@ -70,7 +71,7 @@ async def snapshot(redis: aioredis.Redis, keys: Keys | None = None, *, now_ms: i
 
 async def get_task(redis: aioredis.Redis, keys: Keys | None, task_id: str) -> TaskRow | None:
     """The tasks row of `task_id`, or None when the projection has not seen it (or it expired)."""
-    return (await get_tasks(redis, keys or Keys(), [task_id])).get(task_id)
+    return (await get_tasks(redis, keys or Keys.for_client(redis), [task_id])).get(task_id)
 
 
 async def get_tasks(redis: aioredis.Redis, keys: Keys, task_ids: Sequence[str]) -> dict[str, TaskRow]:
@@ -104,7 +105,7 @@ async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int
     it) less what the namespace folded; for the moment between an archive run's manifest and its
     trim it counts that segment twice. Raises NoProjectionError before the first projector ran.
     """
-    keys = keys or Keys()
+    keys = keys or Keys.for_client(redis)
     ns = await store.current(redis, keys)
     if ns is None:
         raise NoProjectionError("no projection yet: no projector has run against this Redis")
@@ -113,12 +114,11 @@ async def lag(redis: aioredis.Redis, keys: Keys | None = None) -> tuple[int, int
     pipe.hget(keys.table(ns, store.META), "folded")
     pipe.xlen(keys.events)
     pipe.hget(keys.archive, "events")
-    pipe.time()
-    cp_raw, folded_raw, length, archived, (secs, micros) = await pipe.execute()
+    cp_raw, folded_raw, length, archived = await pipe.execute()
+    server_ms = await redis_clock_ms(redis, keys.events)
     checkpoint = "0-0" if cp_raw is None else as_str(cp_raw)
     rows: Any = await redis.xrange(keys.events, next_id(checkpoint), "+", count=1)
     if not rows:
         return 0, 0
-    server_ms = int(secs) * 1000 + int(micros) // 1000
     behind = max(1, int(length) + int(archived or 0) - int(folded_raw or 0))
     return behind, max(0, server_ms - _ms(as_str(rows[0][0])))

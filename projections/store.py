@@ -34,13 +34,15 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 import hiredis
 import msgspec
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from events.codec import as_str
+from events.connection import is_cluster
 from events.keys import Keys
 from projections.errors import ProjectionError
 from projections.snapshot import (
@@ -486,10 +488,17 @@ def _hset_commands(key: str, fields: Iterator[tuple[str, bytes]]) -> Iterator[by
         yield packed
 
 
-async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes]) -> None:
-    """Send packed commands on one connection, as a pipeline, then read every reply."""
-    pool = redis.connection_pool
-    conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes], slot_key: str) -> None:
+    """Send packed commands on one connection, as a pipeline, then read every reply. Every key
+    they write shares `slot_key`'s slot: on a cluster, they go to the node that serves it."""
+    if is_cluster(redis):
+        node = cast(RedisCluster, redis).get_node_from_key(slot_key)
+        if node is None:
+            raise ProjectionError(f"no node of the cluster serves {slot_key} now; try again")
+        pool: Any = _NodePool(node)
+    else:
+        pool = redis.connection_pool
+    conn = await pool.get_connection()
     try:
         sent = 0
         for command in commands:
@@ -503,6 +512,19 @@ async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes]) -> None
         raise
     finally:
         await pool.release(conn)
+
+
+class _NodePool:
+    """One cluster node's connections, handed out like a pool's."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+
+    async def get_connection(self) -> Any:
+        return self.node.acquire_connection()
+
+    async def release(self, conn: Any) -> None:
+        self.node.release(conn)
 
 
 async def create(
@@ -526,6 +548,7 @@ async def create(
     await _send_packed(
         redis,
         chain.from_iterable(_hset_commands(keys.table(ns, c.name), iter(c.fields)) for c in changes),
+        keys.checkpoint(ns),
     )
     pipe = redis.pipeline(transaction=False)
     pipe.hset(keys.table(ns, META), mapping=_meta(tables, built_by))  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ async def ledger_frames(
     archive_dir: str | Path | None = None,
 ) -> dict[str, pl.DataFrame]:
     """The ledger (up to `until`, archive included) as one frame per event type present."""
-    history = History(redis, keys or Keys(), archive_dir)
+    history = History(redis, keys or Keys.for_client(redis), archive_dir)
     by_name = {t.__name__: t for t in EVENT_TYPES}
     buffers: dict[str, tuple[list[str], list[int], list[Event]]] = {}
     frames: dict[str, list[pl.DataFrame]] = {}

@@ -37,7 +37,7 @@ class History:
         self, redis: aioredis.Redis, keys: Keys | None = None, archive_dir: str | Path | None = None
     ) -> None:
         self.redis = redis
-        self.keys = keys or Keys()
+        self.keys = keys or Keys.for_client(redis)
         self.ledger = Ledger(redis, self.keys)
         self.archive_dir = Path(archive_dir) if archive_dir else None
         self._manifest: Manifest | None = None

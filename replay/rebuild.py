@@ -114,7 +114,9 @@ async def build(
     poison count. Task rows and marks of every day are there, those past retention included,
     unless `now_ms` is given: then those past retention at `now_ms` are left out before any row is
     made."""
-    frames, read, last_id, poison = await _read(redis, keys or Keys(), until, progress, chunk, archive_dir)
+    frames, read, last_id, poison = await _read(
+        redis, keys or Keys.for_client(redis), until, progress, chunk, archive_dir
+    )
     tables = fold_frames(frames, half_life_s, demand_half_life_s, task_retention_days, now_ms=now_ms)
     tables.checkpoint = last_id
     tables.folded = read
@@ -148,7 +150,7 @@ async def rebuild(
     """Rebuild every table into a new namespace and (unless `switch` is False) make it live.
     Task rows and marks go into their day shards, as the projector writes them; shards already
     past retention are not written (nor their rows made)."""
-    keys = keys or Keys()
+    keys = keys or Keys.for_client(redis)
     frames, read, last_id, poison = await _read(redis, keys, until, progress, READ_CHUNK, archive_dir)
     # Retention is judged at ledger time, as the projector judges it: the newest entry's ms.
     now_ms = store.ledger_ms(last_id)

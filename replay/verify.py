@@ -110,7 +110,7 @@ async def verify(
     """Rebuild in memory up to the live checkpoint, with the live half-lives and retention, and diff
     the two. The live task rows are every live day shard's (read whole: this is an offline tool);
     the rebuilt ones leave out what is past retention, as a rebuild's write would."""
-    keys = keys or Keys()
+    keys = keys or Keys.for_client(redis)
     ns = await store.current(redis, keys)
     if ns is None:
         raise NoProjectionError("nothing to verify: no projection is live (no projector has run)")

@@ -121,9 +121,9 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         )
     k = keys or Keys()
     queues = [
-        f"{k.prefix}q:{_HEX12}",
-        f"{k.prefix}q:{{{k.prefix}q:{_HEX12}}}:*",
-        f"{k.prefix}qb:{{{k.prefix}q:{_HEX12}}}",
+        f"{k.core}q:{_HEX12}",
+        f"{k.core}q:{{{k.core}q:{_HEX12}}}:*",
+        f"{k.core}qb:{{{k.core}q:{_HEX12}}}",
         k.pinned(name),
     ]
     rules = ["reset", "on", f">{password}", "resetchannels"]

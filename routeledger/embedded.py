@@ -12,6 +12,7 @@ is Redis 7 or newer: a remote worker's limits are Redis 7 ACLs (see routeledger/
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import re
@@ -23,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import redis
@@ -154,6 +156,8 @@ class EmbeddedRedis:
         maxmemory: int = 0,
         tls: ServerTls | None = None,
         client_certificate: ClientCertificate | None = None,
+        password: str | None = None,
+        cluster_node_timeout_ms: int = 0,
     ) -> None:
         self.data_dir = ensure_data_dir(Path(data_dir).resolve())
         self.bind = bind
@@ -173,7 +177,9 @@ class EmbeddedRedis:
         # client for a certificate signed by the same CA, and this one is presented by `url`.
         self.tls = tls
         self.client_certificate = client_certificate
-        self.password = self._load_password()
+        self.password = password or self._load_password()
+        # A node of a Redis Cluster when > 0: the milliseconds after which its peers hold it failed.
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
         self.process: subprocess.Popen[bytes] | None = None
         # 0: no limit (the tests' servers); `up` passes redis_maxmemory.
         self.maxmemory = maxmemory
@@ -236,6 +242,14 @@ class EmbeddedRedis:
             # without a word. At the limit writes fail instead, and the API refuses new work first.
             "maxmemory-policy noeviction",
         ]
+        if self.cluster_node_timeout_ms:
+            lines += [
+                "cluster-enabled yes",
+                f'cluster-config-file "{self.data_dir / "nodes.conf"}"',
+                f"cluster-node-timeout {self.cluster_node_timeout_ms}",
+                # A replica authenticates to its master with the cluster's one password.
+                f'masterauth "{self.password}"',
+            ]
         write_private(conf, "\n".join(lines) + "\n")
         return conf
 
@@ -367,3 +381,142 @@ def redis_or_embedded(url: str | None, prefix: str = "rl-") -> Iterator[str]:
             yield server.start()
         finally:
             server.stop()
+
+
+# Hash slots of a Redis Cluster.
+CLUSTER_SLOTS = 16384
+
+
+def _command(client: redis.Redis, *args: Any) -> Any:
+    """One command on a synchronous client (its execute_command is untyped)."""
+    return client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too."""
+    while True:
+        port = free_port()
+        if port + 10_000 < 65_536 and port_is_free("127.0.0.1", port + 10_000):
+            return port
+
+
+class EmbeddedCluster:
+    """A Redis Cluster of `masters` redis-server processes, each with `replicas` replicas, on free
+    loopback ports under `data_dir`, sharing one password: for tests and benchmarks. It is made
+    with CLUSTER commands (ADDSLOTSRANGE, MEET, REPLICATE), as `redis-cli --cluster create` makes
+    one, so that no other binary is needed."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        masters: int = 3,
+        replicas: int = 0,
+        binary: str | None = None,
+        node_timeout_ms: int = 1_000,
+    ) -> None:
+        self.data_dir = ensure_data_dir(Path(data_dir).resolve())
+        password = secrets.token_urlsafe(24)
+        self.nodes = [
+            EmbeddedRedis(
+                self.data_dir / f"node{i}",
+                port=_cluster_port(),
+                binary=binary,
+                password=password,
+                cluster_node_timeout_ms=node_timeout_ms,
+            )
+            for i in range(masters * (1 + replicas))
+        ]
+        self.masters = self.nodes[:masters]
+        self.password = password
+
+    @property
+    def url(self) -> str:
+        """redis+cluster:// naming every node as a seed, password included."""
+        seeds = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"redis+cluster://:{quote(self.password, safe='')}@{seeds}"
+
+    def _client(self, node: EmbeddedRedis) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=node.port, password=self.password, socket_timeout=5)
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start every node, assign the slots, join the nodes and their replicas, and wait until
+        every node says the cluster is ok; returns the URL."""
+        for node in self.nodes:
+            node.start()
+        clients = [self._client(node) for node in self.nodes]
+        try:
+            for epoch, client in enumerate(clients, start=1):
+                _command(client, "CLUSTER", "SET-CONFIG-EPOCH", epoch)
+            step = CLUSTER_SLOTS // len(self.masters)
+            for i, client in enumerate(clients[: len(self.masters)]):
+                last = CLUSTER_SLOTS - 1 if i == len(self.masters) - 1 else (i + 1) * step - 1
+                _command(client, "CLUSTER", "ADDSLOTS", *range(i * step, last + 1))
+            for node in self.nodes[1:]:
+                _command(clients[0], "CLUSTER", "MEET", "127.0.0.1", node.port)
+            self._wait(
+                lambda: all(
+                    len(_command(c, "CLUSTER", "NODES").splitlines()) == len(clients) for c in clients
+                ),
+                timeout,
+            )
+            ids = [_command(c, "CLUSTER", "MYID") for c in clients]
+            for i, client in enumerate(clients[len(self.masters) :]):
+                master = ids[i % len(self.masters)]
+                self._wait(functools.partial(self._knows, client, master), timeout)
+                _command(client, "CLUSTER", "REPLICATE", master)
+            self._wait(lambda: all(self._ok(c) for c in clients), timeout)
+        finally:
+            for client in clients:
+                client.close()
+        return self.url
+
+    @staticmethod
+    def _knows(client: redis.Redis, node_id: bytes | str) -> bool:
+        want = node_id.decode() if isinstance(node_id, bytes) else node_id
+        text = _command(client, "CLUSTER", "NODES")
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        return any(line.startswith(want) and "master" in line for line in text.splitlines())
+
+    @staticmethod
+    def _ok(client: redis.Redis) -> bool:
+        info = _command(client, "CLUSTER", "INFO")
+        info = info.decode() if isinstance(info, bytes) else str(info)
+        return "cluster_state:ok" in info
+
+    @staticmethod
+    def _wait(check: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise RedisStartError(f"the Redis Cluster did not form within {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every running node says the cluster is ok (after a failover, say)."""
+        clients = [self._client(node) for node in self.nodes if node.running]
+        try:
+            self._wait(lambda: all(self._ok(c) for c in clients), timeout)
+        finally:
+            for client in clients:
+                client.close()
+
+    def flush(self) -> None:
+        """Empty every master (their replicas follow), and restart any node a test killed."""
+        for node in self.nodes:
+            if not node.running:
+                node.restart()
+        self.wait_ok()
+        for node in self.nodes:
+            client = self._client(node)
+            try:
+                role = _command(client, "ROLE")[0]
+                if role in (b"master", "master"):
+                    client.flushall()
+                    client.script_flush()
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -21,7 +21,7 @@ import typer
 from redis.exceptions import AuthenticationError, RedisError
 from rich.console import Console
 
-from events.connection import redis_client
+from events.connection import is_cluster_url, redis_client
 from events.errors import RouteledgerError
 from events.keys import Keys
 from routeledger.config import Resolved, redis_url_for, resolve
@@ -72,7 +72,8 @@ async def redis_session(resolved: Resolved) -> AsyncIterator[aioredis.Redis]:
 
 
 def keys_for(resolved: Resolved) -> Keys:
-    return Keys(resolved.settings.prefix)
+    # `up` runs one server; a cluster is always named by the given URL.
+    return Keys(resolved.settings.prefix, cluster=is_cluster_url(resolved.settings.redis_url or ""))
 
 
 class Instance:

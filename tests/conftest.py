@@ -16,7 +16,7 @@ from events.connection import redis_client as redis_client_for
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.certs import ensure_server_tls, issue_client_certificate, server_names
-from routeledger.embedded import EmbeddedRedis, find_redis_server, redis_version
+from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server, redis_version
 from routeledger.errors import RedisBinaryNotFoundError
 
 # Property tests explore new cases on every developer run; CI replays a fixed set, so that a landing
@@ -89,10 +89,39 @@ def _flushed(server: EmbeddedRedis) -> str:
     return server.url
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    """One 3-master Redis Cluster for the whole session (the cluster tier), on free ports."""
+    cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3, binary=_binary())
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The cluster tier: a test marked cluster_tier that uses the session's Redis runs twice, on one
+    # server and on the cluster (its `redis_url`, `redis_client` and `keys` follow the parameter).
+    if "redis_backend" in metafunc.fixturenames and metafunc.definition.get_closest_marker("cluster_tier"):
+        metafunc.parametrize("redis_backend", ["single", "cluster"], indirect=True)
+
+
 @pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    """URL of the session's Redis, emptied for this test (restarted first if a test killed it)."""
-    return _flushed(redis_server)
+def redis_backend(request: pytest.FixtureRequest) -> str:
+    """ "single" (the session's Redis), or "cluster" for the cluster tier's second run."""
+    return str(getattr(request, "param", "single"))
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest, redis_backend: str) -> str:
+    """URL of the session's Redis (or, in the cluster tier, of its cluster), emptied for this test
+    (restarted first if a test killed it)."""
+    if redis_backend == "cluster":
+        cluster: EmbeddedCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        return cluster.url
+    return _flushed(request.getfixturevalue("redis_server"))
 
 
 @pytest.fixture
@@ -119,8 +148,9 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 
 @pytest.fixture
-def keys() -> Keys:
-    return Keys()
+def keys(redis_backend: str) -> Keys:
+    """The key layout of this test's Redis (the cluster layout in the cluster tier)."""
+    return Keys(cluster=redis_backend == "cluster")
 
 
 @pytest.fixture

@@ -115,10 +115,12 @@ async def running_agent(
         if kind == "openai"
         else OllamaBackend(url, timeout_s=60.0, idle_timeout_s=idle_timeout_s)
     )
-    agent = WorkerAgent(redis, keys or Keys(), backend, config, gate=gate)
+    agent = WorkerAgent(redis, keys or Keys.for_client(redis), backend, config, gate=gate)
     task = asyncio.create_task(agent.run())
     try:
-        await wait_until(lambda: redis_exists(redis, (keys or Keys()).live(config.name)), timeout=15)
+        await wait_until(
+            lambda: redis_exists(redis, (keys or Keys.for_client(redis)).live(config.name)), timeout=15
+        )
         yield agent
     finally:
         agent.stopping.set()
@@ -183,7 +185,7 @@ async def running_reaper(
     config = ReaperConfig(
         lease_ms=lease_ms, delivery_limit=delivery_limit, stall_after_s=stall_after_s, interval_s=0.1
     )
-    task = asyncio.create_task(Reaper(redis, Keys(), config).run(stop))
+    task = asyncio.create_task(Reaper(redis, Keys.for_client(redis), config).run(stop))
     try:
         yield
     finally:

@@ -31,6 +31,8 @@ from tests.helpers import (
 from workers.agent import Running, WorkerAgent
 from workers.backend import OllamaBackend
 
+pytestmark = pytest.mark.cluster_tier
+
 
 @pytest.fixture
 async def hosts() -> AsyncIterator[SimHosts]:
@@ -58,7 +60,7 @@ async def completed(ledger: Ledger, n: int) -> bool:
 async def test_a_worker_without_the_model_never_receives_its_task(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     async with (
         running_agent(redis_client, hosts.url("a"), fast_config("a")),
         running_agent(redis_client, hosts.url("c"), fast_config("c")),
@@ -69,7 +71,7 @@ async def test_a_worker_without_the_model_never_receives_its_task(
     assert {c.task_id for c in claims} == set(ids)
     assert {c.worker for c in claims} == {"a"}
     consumers = await redis_client.xinfo_consumers(
-        Keys().queue(make_test_fleet().model["m"].digest), "workers"
+        Keys.for_client(redis_client).queue(make_test_fleet().model["m"].digest), "workers"
     )
     assert [c["name"] for c in consumers] == [b"a"]
 
@@ -77,7 +79,7 @@ async def test_a_worker_without_the_model_never_receives_its_task(
 async def test_tasks_for_a_model_two_workers_hold_are_served_by_both_when_both_are_free(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     async with (
         running_agent(redis_client, hosts.url("a"), fast_config("a")),
         running_agent(redis_client, hosts.url("b"), fast_config("b")),
@@ -97,7 +99,7 @@ async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_wha
 ) -> None:
     from dispatch.errors import ModelNotServedError
 
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     async with running_agent(redis_client, hosts.url("c"), fast_config("c")):
         with pytest.raises(ModelNotServedError) as info:
             await submit(queues, model="m")
@@ -109,7 +111,7 @@ async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_wha
 async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_other_once(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     procs = {name: worker_process(redis_url, hosts.url(name), name) for name in ("a", "b")}
     try:
         await wait_until(lambda: _both_live(redis_client), timeout=30)
@@ -135,7 +137,9 @@ async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_othe
     assert [(r.task_id, r.owner) for r in reclaims] == [(task_id, claim.worker)]
     # Lease (1.5 s) + 2 s, plus the 1 s re-run itself.
     assert took < 1.5 + 2.0 + 1.0 + 1.0, f"took {took:.1f}s"
-    result = result_decoder.decode(await redis_client.hget(Keys().result(task_id), "result"))
+    result = result_decoder.decode(
+        await redis_client.hget(Keys.for_client(redis_client).result(task_id), "result")
+    )
     assert result.status == "completed" and result.worker == done[0].worker
 
 
@@ -144,11 +148,13 @@ async def _completed_task(ledger: Ledger, task_id: str) -> bool:
 
 
 async def _both_live(redis: aioredis.Redis) -> bool:
-    return bool(await redis.exists(Keys().live("a"))) and bool(await redis.exists(Keys().live("b")))
+    return bool(await redis.exists(Keys.for_client(redis).live("a"))) and bool(
+        await redis.exists(Keys.for_client(redis).live("b"))
+    )
 
 
 async def _has_output(redis: aioredis.Redis, task_id: str) -> bool:
-    return bool(await redis.exists(Keys().out(task_id)))
+    return bool(await redis.exists(Keys.for_client(redis).out(task_id)))
 
 
 async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalled_once(
@@ -157,8 +163,8 @@ async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalle
     from dispatch.payload import TaskMessage
     from events.event import TaskStalled
 
-    queues = TaskQueues(redis_client, Keys(), ledger)
-    queue = Keys().queue("f" * 64)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queue = Keys.for_client(redis_client).queue("f" * 64)
     await queues.enqueue(queue, TaskMessage(task_id="orphan", model="x", digest="f" * 64))
     async with running_reaper(redis_client, lease_ms=200, stall_after_s=1.0):
         await asyncio.sleep(2.5)  # more than 10 lease periods
@@ -172,7 +178,7 @@ async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalle
 async def test_a_live_worker_running_a_task_five_times_longer_than_its_lease_is_never_reaped(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     config = fast_config("a", lease_ms=600, heartbeat_ms=150)
     async with (
         running_reaper(redis_client, lease_ms=600),
@@ -192,7 +198,7 @@ async def test_a_live_worker_running_a_task_five_times_longer_than_its_lease_is_
 async def test_a_backend_fault_fails_the_run_with_its_kind_and_the_task_runs_elsewhere(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, fault: str, kind: str
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     hosts.set_faults("a", **{fault: 1.0})
     async with running_agent(redis_client, hosts.url("a"), fast_config("a"), idle_timeout_s=1.0):
         task_id = await submit(queues, max_tokens=60)
@@ -213,7 +219,7 @@ async def _failed(ledger: Ledger, task_id: str) -> bool:
 async def test_past_the_delivery_limit_a_failing_task_is_dead_lettered_with_the_reason(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     hosts.set_faults("a", error_rate=1.0)
     async with running_agent(
         redis_client, hosts.url("a"), fast_config("a", cooldown_s=0.05, delivery_limit=3)
@@ -224,13 +230,15 @@ async def test_past_the_delivery_limit_a_failing_task_is_dead_lettered_with_the_
     assert len(dead) == 1 and dead[0].attempts == 3 and "delivery limit 3" in dead[0].reason
     assert "http_5xx" in dead[0].reason
     assert len([f for f in await events_of(ledger, TaskFailed) if f.task_id == task_id]) == 3
-    letters = await redis_client.xrange(Keys().dead)
+    letters = await redis_client.xrange(Keys.for_client(redis_client).dead)
     assert [(row[1][b"id"], b"delivery limit 3" in row[1][b"reason"]) for row in letters] == [
         (task_id.encode(), True)
     ]
-    queue = Keys().queue(make_test_fleet().model["m"].digest)
+    queue = Keys.for_client(redis_client).queue(make_test_fleet().model["m"].digest)
     assert await redis_client.xlen(queue) == 0
-    result = result_decoder.decode(await redis_client.hget(Keys().result(task_id), "result"))
+    result = result_decoder.decode(
+        await redis_client.hget(Keys.for_client(redis_client).result(task_id), "result")
+    )
     assert result.status == "dead"
 
 
@@ -241,10 +249,12 @@ async def _dead(ledger: Ledger, task_id: str) -> bool:
 async def test_sigterm_drains_without_losing_or_repeating_a_task(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     proc = worker_process(redis_url, hosts.url("a"), "a")
     try:
-        await wait_until(lambda: redis_exists_key(redis_client, Keys().live("a")), timeout=30)
+        await wait_until(
+            lambda: redis_exists_key(redis_client, Keys.for_client(redis_client).live("a")), timeout=30
+        )
         ids = [await submit(queues, max_tokens=120) for _ in range(4)]  # 0.6 s each
         await wait_until(lambda: _claimed(ledger, 1), timeout=15)
         proc.send_signal(signal.SIGTERM)
@@ -272,7 +282,7 @@ async def _claimed(ledger: Ledger, n: int) -> bool:
 async def test_the_seed_fleet_completes_three_qwen_tasks_and_the_ledger_says_who_ran_each(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     async with SimHosts(load_fleet("seed"), time_scale=0.05, seed=11) as sim:
         async with (
             running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")),
@@ -297,7 +307,7 @@ async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entr
 ) -> None:
     """The false alarm: a run that finished (entry acknowledged and deleted) between the heartbeat's
     list of running entries and its XCLAIM is not "no longer ours"; an entry really taken back is."""
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     digest = "cd" * 32
     queue = keys.queue(digest)
@@ -330,7 +340,7 @@ async def test_a_task_cancelled_before_its_claim_returns_stops_at_its_first_toke
 ) -> None:
     # The claim's round trip (with its cancel check) is on its way while the backend is asked:
     # a cancel already there when the worker takes the task must still keep every word of it out.
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     task_id = "cancelled-before-its-claim"
     await redis_client.set(keys.cancel(task_id), b"1")
@@ -365,7 +375,7 @@ async def test_a_task_nobody_streams_writes_its_whole_text_in_its_done_chunk_alo
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     # Its reader then wakes once, for the chunk that also carries the result.
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
@@ -17,6 +18,8 @@ from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
+pytestmark = pytest.mark.cluster_tier
+
 
 async def result_status(redis: aioredis.Redis, task_id: str) -> str | None:
     result = await stored_result(redis, task_id)
@@ -24,7 +27,7 @@ async def result_status(redis: aioredis.Redis, task_id: str) -> str | None:
 
 
 async def has_output(redis: aioredis.Redis, task_id: str) -> bool:
-    return bool(await redis.exists(Keys().out(task_id)))
+    return bool(await redis.exists(Keys.for_client(redis).out(task_id)))
 
 
 async def test_a_waited_task_reports_its_result_worker_timings_and_routing(
@@ -62,7 +65,7 @@ async def test_a_queued_task_is_removed_when_cancelled_and_never_runs(
     assert again.status_code == 409 and again.json()["error"]["type"] == "conflict"
     assert after["status"] == "cancelled"
     assert missing.status_code == 404
-    assert await redis_client.xlen(Keys().queue(MODEL_DIGEST)) == 0
+    assert await redis_client.xlen(Keys.for_client(redis_client).queue(MODEL_DIGEST)) == 0
     (event,) = await events_of(ledger, TaskCancelled)
     assert event.task_id == task_id and not event.was_running
 

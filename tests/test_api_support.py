@@ -77,7 +77,7 @@ async def ghost_worker(redis: aioredis.Redis, name: str = "ghost") -> None:
     info = LeaseInfo(
         worker=name, token="t", slots=1, inventory=[ModelEntry(name="m:latest", digest=MODEL_DIGEST)]
     )
-    await Leases(redis, Keys()).put(info, 120_000)
+    await Leases(redis, Keys.for_client(redis)).put(info, 120_000)
 
 
 async def stored_result(redis: aioredis.Redis, task_id: str) -> Result | None:

@@ -31,6 +31,8 @@ from tests.test_projector import D1, D2, T0
 
 WORKERS = ["w1", "w2", "w3"]
 
+pytestmark = pytest.mark.cluster_tier
+
 
 def mixed_ledger(n: int, seed: int = 3) -> list[Event]:
     """`n` events of every type, on a few tasks, workers and digests, with varied timings."""

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.payload import Message
@@ -19,11 +20,13 @@ from router.choose import RouteQuery
 from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 
+pytestmark = pytest.mark.cluster_tier
+
 
 async def test_a_routed_submission_records_the_whole_decision_before_the_task_is_queued(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
@@ -49,7 +52,7 @@ async def test_a_routed_submission_records_the_whole_decision_before_the_task_is
 async def test_auto_picks_a_served_model_and_the_domain_is_classified_from_the_prompt(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
@@ -67,7 +70,7 @@ async def test_auto_picks_a_served_model_and_the_domain_is_classified_from_the_p
 async def test_the_preview_is_the_documented_json_best_first_with_sources(
     redis_url: str, redis_client: aioredis.Redis
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with (
             running_agent(redis_client, sim.url("a"), fast_config("a")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, benchset
@@ -32,6 +33,8 @@ from workers.reaper import Reaper, ReaperConfig
 
 DIGEST = "a" * 64
 OTHER = "b" * 64
+
+pytestmark = pytest.mark.cluster_tier
 
 
 async def _inbox(redis: aioredis.Redis, keys: Keys, worker: str, *events: Event) -> None:

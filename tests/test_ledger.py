@@ -17,6 +17,8 @@ from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from tests.factories import one_of_each
 
+pytestmark = pytest.mark.cluster_tier
+
 
 @pytest.fixture
 async def any_ledger(any_redis_url: str) -> AsyncIterator[Ledger]:

@@ -55,6 +55,8 @@ from workers.reaper import LEASE_EXPIRED, Reaper, ReaperConfig
 RL = (sys.executable, "-m", "routeledger")
 WORKER_EVENTS = (WorkerOnline, WorkerChanged, WorkerHeartbeat, WorkerOffline)
 
+pytestmark = pytest.mark.cluster_tier
+
 
 async def worker_events(ledger: Ledger) -> list[Event]:
     return [e async for _, e in ledger.read() if isinstance(e, WORKER_EVENTS)]
@@ -66,7 +68,7 @@ async def worker_events(ledger: Ledger) -> list[Event]:
 async def test_a_running_worker_appends_no_periodic_events_only_its_online_and_its_changes(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
             first = decode_lease(await redis_client.get(keys.live("a")))
@@ -83,7 +85,7 @@ async def test_a_running_worker_appends_no_periodic_events_only_its_online_and_i
 async def test_a_change_of_loaded_models_appends_exactly_one_change_event(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     queues = TaskQueues(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
@@ -105,7 +107,7 @@ async def test_a_change_of_loaded_models_appends_exactly_one_change_event(
 async def test_a_worker_whose_lease_lapsed_announces_itself_again_once(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
             await redis_client.delete(keys.live("a"))  # as if Redis or the process stalled past it
@@ -140,7 +142,7 @@ def test_liveness_has_news_only_when_inventory_loaded_or_serves_differ_from_what
 async def test_the_fleet_api_shows_resources_and_last_seen_from_the_lease(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     async with (
         fleet_and_api(redis_client, redis_url, workers=("a",)) as (base, _),
         httpx.AsyncClient(base_url=base) as http,
@@ -163,7 +165,7 @@ async def test_status_and_the_dashboard_overview_show_the_lease_s_resources_and_
 ) -> None:
     from dispatch.overview import overview
 
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             state = await overview(redis_client, keys)

@@ -87,6 +87,8 @@ SHARE_TOLERANCE_PP = 5.0
 # that held it back would leave it idle until the next news, a recheck of up to a second.
 STARVED_AFTER_S = 0.3
 
+pytestmark = pytest.mark.cluster_tier
+
 
 def idle_spells(start: int, claimed: dict[str, int], done: dict[str, int]) -> list[tuple[int, int]]:
     """A worker's idle intervals (ms) from `start` to its last claim: the gaps between its runs,
@@ -129,7 +131,7 @@ async def test_real_workers_and_the_simulator_share_tasks_alike_and_the_fast_pc_
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, tmp_path: Path
 ) -> None:
     fleet = parse_fleet(FLEET, "server-and-pc.toml")
-    keys = Keys()
+    keys = Keys.for_client(redis_client)
     plan = generate(fleet, "m", WorkloadSpec(load=LOAD, tasks=TASKS, seed=SEED))
     stop = asyncio.Event()
     projector = asyncio.create_task(

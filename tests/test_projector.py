@@ -40,6 +40,8 @@ D1 = "a" * 64
 D2 = "b" * 64
 T0 = 1_764_000_000_000
 
+pytestmark = pytest.mark.cluster_tier
+
 
 def timings(tokens: int = 100, tps: float = 50.0, **extra: int | None) -> Timings:
     return Timings(eval_count=tokens, eval_duration=int(tokens / tps * 1e9), **extra)

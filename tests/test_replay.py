@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events.connection import redis_client as redis_client_for
 from events.event import (
     BenchmarkResult,
     Event,
@@ -194,10 +195,12 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
 # What happens between two batches of the live projector.
 ACTIONS = st.lists(st.tuples(st.integers(1, 8), st.sampled_from(["go", "go", "go", "restart", "rebuild"])))
 
+pytestmark = pytest.mark.cluster_tier
+
 
 async def _live_against_rebuild(url: str, events: list[Event], actions: list[tuple[int, str]]) -> None:
-    redis = aioredis.Redis.from_url(url)
-    keys = Keys()
+    redis = redis_client_for(url)
+    keys = Keys.for_client(redis)
     try:
         await redis.flushall()
         await Ledger(redis, keys).append_many(events)

@@ -3,6 +3,7 @@ what is one's own, cancel by the task's index, and a dead letter that gives way 
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.payload import Message, Result, TaskMessage
@@ -20,6 +21,8 @@ from events.ledger import Ledger
 from tests.helpers import events_of
 
 DIGEST = "ab" * 32
+
+pytestmark = pytest.mark.cluster_tier
 
 
 def _task(n: int) -> TaskMessage:

@@ -34,6 +34,8 @@ from workers.agent import WorkerAgent
 from workers.backend import Inventory, OllamaBackend
 from workers.reaper import Reaper, ReaperConfig
 
+pytestmark = pytest.mark.cluster_tier
+
 
 @pytest.fixture
 async def hosts() -> AsyncIterator[SimHosts]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, RunningInfo
@@ -12,6 +13,8 @@ from projections.snapshot import DemandRow
 from tests.router_helpers import NOW, QWEN, backlog, snapshot, stat
 
 QWEN_ENTRY = ModelEntry(name="qwen3:8b", digest=QWEN)
+
+pytestmark = pytest.mark.cluster_tier
 
 
 def lease(name: str, *, since: int, **fields: object) -> LeaseInfo:
@@ -56,7 +59,7 @@ def test_a_worker_sees_itself_as_it_is_now_in_its_place_among_the_views_of_the_o
 
 
 async def test_the_views_of_one_read_of_the_leases_are_built_once(redis_client: aioredis.Redis) -> None:
-    view = LiveView(redis_client, Keys())
+    view = LiveView(redis_client, Keys.for_client(redis_client))
     first = {"a": lease("a", since=1)}
     assert view.worker_views(first) is view.worker_views(first)
     again = {"a": lease("a", since=1), "b": lease("b", since=2)}
@@ -64,7 +67,7 @@ async def test_the_views_of_one_read_of_the_leases_are_built_once(redis_client: 
 
 
 async def test_a_model_is_resolved_once_per_read_of_the_leases(redis_client: aioredis.Redis) -> None:
-    view = LiveView(redis_client, Keys())
+    view = LiveView(redis_client, Keys.for_client(redis_client))
     first = {"a": lease("a", since=1)}
     assert view.resolve("qwen3:8b", first) == {"qwen3:8b": QWEN}
     assert view.resolve("auto", first) is view.resolve("auto", first)
