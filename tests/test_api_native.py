@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
@@ -17,8 +16,6 @@ from tests.helpers import MODEL_DIGEST, events_of, wait_until
 from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result, stored_results
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-
-pytestmark = pytest.mark.cluster_tier
 
 
 async def result_status(redis: aioredis.Redis, task_id: str) -> str | None:
