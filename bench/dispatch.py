@@ -1,6 +1,7 @@
 """Dispatch throughput and added latency: submit → worker → completion, on zero-delay sim hosts.
 
-    python bench/dispatch.py [--tasks N] [--latency-samples M] [--workers 4] [--slots 4] [--profile] [--json]
+    python bench/dispatch.py [--tasks N] [--latency-samples M] [--workers 4] [--slots 4] [--profile]
+        [--redis-url URL] [--json]
 
 Everything runs on this machine as it would in production, as separate processes: an embedded
 Redis (AOF on), one `routeledger sim hosts` process with --time-scale 0 (answers at once, reports
@@ -44,6 +45,7 @@ from dispatch.lease import live_workers  # noqa: E402
 from dispatch.payload import Message  # noqa: E402
 from dispatch.queues import TaskQueues  # noqa: E402
 from dispatch.submit import TaskRequest, submit_task  # noqa: E402
+from events.connection import redis_client  # noqa: E402
 from events.keys import Keys  # noqa: E402
 from events.ledger import Ledger  # noqa: E402
 from routeledger.embedded import EmbeddedRedis  # noqa: E402
@@ -92,7 +94,7 @@ async def count_completed(ledger: Ledger, after: str) -> tuple[int, str]:
         n += sum(1 for _, fields in rows if b"TaskCompleted" in fields[1:2])
 
 
-async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int) -> float:
+async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int, limit_s: float = 300) -> float:
     leases = await live_workers(queues.redis, queues.keys)
     start_id = await ledger.last_id() or "0-0"
     msgs = [Message(role="user", content="Say something short.")]
@@ -111,8 +113,8 @@ async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int) -> float:
         done += n
         if n == 0:
             await asyncio.sleep(0.02)
-        if time.perf_counter() - t0 > 300:
-            raise SystemExit(f"only {done} of {tasks} tasks completed in 300 s")
+        if time.perf_counter() - t0 > limit_s:
+            raise SystemExit(f"only {done} of {tasks} tasks completed in {limit_s:.0f} s")
     return tasks / (time.perf_counter() - t0)
 
 
@@ -149,26 +151,27 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=3000)
-    parser.add_argument("--latency-samples", type=int, default=300)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--gate", choices=["router", "plain"], default="router")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
-    args = parser.parse_args()
-
+def measure(
+    url: str,
+    *,
+    workers: int,
+    slots: int,
+    tasks: int,
+    latency_samples: int,
+    redis_pid: int | None = None,
+    prof: Path | None = None,
+    limit_s: float = 300,
+) -> tuple[float, list[float], dict[str, float], dict[str, float]]:
+    """Run the fleet against the Redis (or Redis Cluster) at `url` and measure it: tasks/s, first
+    chunk latencies (ms), CPU ms per task by process kind, and PING round trips (ms). `redis_pid`
+    adds that server's CPU; `prof` runs the first worker under cProfile, writing there. A run
+    whose tasks do not all complete within `limit_s` raises SystemExit."""
     tmp = tempfile.TemporaryDirectory(prefix="rl-dispatch-")
     root = Path(tmp.name)
-    server = EmbeddedRedis(root / "redis")
-    url = server.start()
     fleet = root / "fleet.toml"
-    fleet.write_text(fleet_toml(args.workers, args.slots))
+    fleet.write_text(fleet_toml(workers, slots))
     env = {**os.environ, "ROUTELEDGER_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning")}
     procs: list[subprocess.Popen[bytes]] = []
-    prof = root / "worker.prof"
     try:
         sim = subprocess.Popen(
             rl("sim", "hosts", "--fleet-file", str(fleet), "--time-scale", "0", "--json"),
@@ -179,16 +182,14 @@ def main() -> None:
         assert sim.stdout is not None
         hosts = json.loads(sim.stdout.readline())["hosts"]
         for i, (name, backend) in enumerate(sorted(hosts.items())):
-            argv = rl(
-                "worker", "--backend", backend, "--id", name, "--slots", str(args.slots), "--redis-url", url
-            )
-            if args.profile and i == 0:
+            argv = rl("worker", "--backend", backend, "--id", name, "--slots", str(slots), "--redis-url", url)
+            if prof is not None and i == 0:
                 argv = [sys.executable, "-m", "cProfile", "-o", str(prof), *argv[1:]]
             procs.append(subprocess.Popen(argv, env=env))
 
         watched = {
             "workers": [psutil.Process(p.pid) for p in procs[1:]],
-            "redis": [psutil.Process(server.process.pid)],  # type: ignore[union-attr]
+            "redis": [psutil.Process(redis_pid)] if redis_pid is not None else [],
             # The backend stand-in and this submitter share the machine's cores with the rest.
             "sim": [psutil.Process(sim.pid)],
             "submitter": [psutil.Process()],
@@ -201,23 +202,23 @@ def main() -> None:
         rtt: dict[str, float] = {}
 
         async def run() -> tuple[float, list[float]]:
-            client = aioredis.Redis.from_url(url)
-            keys = Keys()
+            client = redis_client(url)
+            keys = Keys.for_client(client)
             ledger = Ledger(client, keys)
             queues = TaskQueues(client, keys, ledger)
             try:
-                await wait_live(client, keys, args.workers)
-                await throughput(queues, ledger, 50)  # warm-up: connections, models loaded
+                await wait_live(client, keys, workers)
+                await throughput(queues, ledger, 50, limit_s)  # warm-up: connections, models loaded
                 # Latency first: right after thousands of tasks Redis rewrites its AOF in the
                 # background, which adds over 10 ms to every task for a while.
-                lat = await first_chunk_latency(queues, args.latency_samples)
+                lat = await first_chunk_latency(queues, latency_samples)
                 # The machine's own floor under that latency, measured beside it.
                 rtt["busy"] = await ping_ms(client, 0.0)
                 rtt["idle"] = await ping_ms(client, 0.01)
                 before = cpu_s()
-                tps = await throughput(queues, ledger, args.tasks)
+                tps = await throughput(queues, ledger, tasks, limit_s)
                 after = cpu_s()
-                cpu.update({k: (after[k] - before[k]) * 1000 / args.tasks for k in after})
+                cpu.update({k: (after[k] - before[k]) * 1000 / tasks for k in after})
                 return tps, lat
             finally:
                 await client.aclose()
@@ -232,7 +233,43 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        server.stop()
+        tmp.cleanup()
+    return tps, lat, cpu, rtt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=3000)
+    parser.add_argument("--latency-samples", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--gate", choices=["router", "plain"], default="router")
+    parser.add_argument("--redis-url", help="a running Redis or Redis Cluster (default: an embedded one)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+
+    server: EmbeddedRedis | None = None
+    tmp = tempfile.TemporaryDirectory(prefix="rl-dispatch-redis-")
+    prof = Path(tmp.name) / "worker.prof"
+    try:
+        if args.redis_url:
+            url = args.redis_url
+        else:
+            server = EmbeddedRedis(Path(tmp.name) / "redis")
+            url = server.start()
+        tps, lat, cpu, rtt = measure(
+            url,
+            workers=args.workers,
+            slots=args.slots,
+            tasks=args.tasks,
+            latency_samples=args.latency_samples,
+            redis_pid=server.process.pid if server is not None and server.process else None,
+            prof=prof if args.profile else None,
+        )
+    finally:
+        if server is not None:
+            server.stop()
     p50, p99 = statistics.median(lat), pct(lat, 0.99)
     if not args.json:
         print(

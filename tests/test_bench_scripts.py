@@ -73,3 +73,43 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
     assert figures["idle_worker_redis_cmds_per_s"] == figures["idle_worker_redis_cmds_per_s_2"]
     for s in sizes:
         assert 0 < figures[f"decision_p50_us_{s}"] <= figures[f"decision_p99_us_{s}"]
+
+
+def test_the_cluster_benchmark_measures_one_redis_and_a_cluster_side_by_side_in_its_json_line() -> None:
+    # About 30 s: it starts one Redis, a 3-master cluster and a small fleet on each.
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "cluster.py"),
+            "--events",
+            "1000",
+            "--singles",
+            "50",
+            "--fold",
+            "500",
+            "--tasks",
+            "10",
+            "--rounds",
+            "1",
+            "--dispatch-limit-s",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "cluster"
+    for what in ("append", "single_append", "projector"):
+        assert figures[f"{what}_ratio_cluster_vs_single"] > 0
+        assert figures[f"{what}_ratio_cluster_vs_single"] == pytest.approx(
+            figures[f"{what}_eps_cluster"] / figures[f"{what}_eps_single"], rel=0.01
+        )
+    assert figures["dispatch_tasks_per_s_single"] > 0
+    # A cluster whose fleet did not finish its tasks has no figure, and says so (null), not zero.
+    assert "dispatch_ratio_cluster_vs_single" in figures
+    if figures["dispatch_tasks_per_s_cluster"] is None:
+        assert figures["dispatch_ratio_cluster_vs_single"] is None
+    else:
+        assert figures["dispatch_ratio_cluster_vs_single"] > 0
