@@ -22,6 +22,7 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import NoPermissionError, ResponseError
 
 from events.errors import ScriptLibraryError
@@ -67,7 +68,10 @@ class Script:
             # Queued on a pipeline: the client's mode is known by then (every process runs a
             # script on its own before it pipelines one).
             if _HAS_FUNCTIONS.get(self.redis):
-                return await client.fcall(name, len(keys), *keys, *args)
+                queued: Any = client.fcall(name, len(keys), *keys, *args)
+                # A cluster pipeline hands itself back, and awaiting it empties its queue
+                # (redis-py's ClusterPipeline.initialize): the call would be dropped unsent.
+                return queued if isinstance(queued, ClusterPipeline) else await queued
             return await self._eval(keys=keys, args=args, client=client)
         if _HAS_FUNCTIONS.get(self.redis, True):
             try:

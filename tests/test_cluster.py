@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from dispatch.errors import ModelNotServedError
 from dispatch.payload import Message
-from dispatch.queues import TaskQueues, parse_entry
+from dispatch.queues import _DEPTH_DEF, TaskQueues, parse_entry
 from dispatch.submit import Submitted, TaskRequest, submit_task
 from events import scripts
 from events.codec import as_str
@@ -227,3 +227,23 @@ async def test_the_fleet_carries_on_through_a_failover_of_the_ledgers_master_and
     finally:
         await redis.aclose()
         cluster.stop()
+
+
+async def test_a_script_queued_on_a_cluster_pipeline_is_sent_with_the_commands_around_it(
+    redis_cluster: EmbeddedCluster,
+) -> None:
+    redis_cluster.flush()
+    redis = redis_client(redis_cluster.url)
+    try:
+        keys = Keys.for_client(redis)
+        depth = _DEPTH_DEF.bind(redis)
+        queue = [keys.queue("d" * 64), keys.bands("d" * 64)]
+        await redis.xadd(queue[0], {"x": "1"})
+        assert await depth(keys=queue) == 1  # the first call learns that the server has functions
+        pipe = redis.pipeline(transaction=False)
+        pipe.set(keys.task("t1"), "1")
+        await depth(keys=queue, client=pipe)
+        pipe.exists(keys.task("t1"))
+        assert await pipe.execute() == [True, 1, 1]
+    finally:
+        await redis.aclose()
