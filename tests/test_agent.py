@@ -31,6 +31,8 @@ from tests.helpers import (
 from workers.agent import Running, WorkerAgent
 from workers.backend import OllamaBackend
 
+pytestmark = pytest.mark.cluster_tier
+
 
 @pytest.fixture
 async def hosts() -> AsyncIterator[SimHosts]:

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
@@ -16,6 +17,8 @@ from tests.helpers import MODEL_DIGEST, events_of, wait_until
 from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result, stored_results
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+pytestmark = pytest.mark.cluster_tier
 
 
 async def result_status(redis: aioredis.Redis, task_id: str) -> str | None:
