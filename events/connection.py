@@ -160,6 +160,19 @@ _PACKED: Final[dict[type[AbstractConnection], type[AbstractConnection]]] = {
 }
 
 
+def _settings(socket_timeout: float) -> dict[str, Any]:
+    """What every client routeledger makes is built with, plain or cluster (see `redis_client`)."""
+    return {
+        "socket_connect_timeout": 3,
+        "socket_timeout": socket_timeout,
+        "socket_keepalive": True,
+        "socket_keepalive_options": _KEEPALIVE,
+        "health_check_interval": 15,
+        "retry": Retry(NoBackoff(), 0),
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+    }
+
+
 def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> aioredis.Redis:
     """The one way routeledger's processes make a Redis client.
 
@@ -180,13 +193,7 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
         return _cluster_client(url, socket_timeout=socket_timeout, **options)
     client = aioredis.Redis.from_url(
         url,
-        socket_connect_timeout=3,
-        socket_timeout=socket_timeout,
-        socket_keepalive=True,
-        socket_keepalive_options=_KEEPALIVE,
-        health_check_interval=15,
-        retry=Retry(NoBackoff(), 0),
-        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        **_settings(socket_timeout),
         **options,
     )
     pool = client.connection_pool
@@ -211,13 +218,7 @@ def _cluster_client(url: str, *, socket_timeout: float, **options: Any) -> aiore
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
         username=username,
         password=password,
-        socket_connect_timeout=3,
-        socket_timeout=socket_timeout,
-        socket_keepalive=True,
-        socket_keepalive_options=_KEEPALIVE,
-        health_check_interval=15,
-        retry=Retry(NoBackoff(), 0),
-        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        **_settings(socket_timeout),
         **ssl,
         **options,
     )
