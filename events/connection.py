@@ -34,6 +34,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from redis.maint_notifications import MaintNotificationsConfig
 
 from events.errors import RedisUrlError
@@ -214,7 +215,7 @@ def _cluster_client(url: str, *, socket_timeout: float, **options: Any) -> aiore
     ssl: dict[str, Any] = {}
     if CLUSTER_SCHEMES[parts.scheme] == "rediss":
         ssl = {"ssl": True, **{name: tls[name] for name in TLS_FILE_PARAMS if name in tls}}
-    client = RedisCluster(
+    client = _Cluster(
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
         username=username,
         password=password,
@@ -225,6 +226,58 @@ def _cluster_client(url: str, *, socket_timeout: float, **options: Any) -> aiore
     kwargs = client.nodes_manager.connection_kwargs
     kwargs["connection_class"] = _PACKED.get(kwargs["connection_class"], kwargs["connection_class"])
     return client  # type: ignore[return-value]
+
+
+# Options that may come before STREAMS in XREAD/XREADGROUP, and how many values each takes.
+_STREAM_READ_OPTIONS: Final[dict[str, int]] = {"COUNT": 1, "BLOCK": 1, "NOACK": 0}
+
+
+def _word(arg: Any) -> str:
+    """An argument as an upper-case word, for matching a command's option names."""
+    if isinstance(arg, bytes):
+        return arg.decode("latin-1").upper()
+    return arg.upper() if isinstance(arg, str) else ""
+
+
+def _streams_keys(args: tuple[Any, ...], start: int) -> tuple[Any, ...] | None:
+    """The stream names of an XREAD (`start` 0) or XREADGROUP (`start` 3, after GROUP g c): the
+    first half of what follows STREAMS. None for a form this does not know, which is then left to
+    redis-py."""
+    i = start
+    while i < len(args):
+        word = _word(args[i])
+        if word == "STREAMS":
+            rest = args[i + 1 :]
+            return rest[: len(rest) // 2] if rest and len(rest) % 2 == 0 else None
+        if word not in _STREAM_READ_OPTIONS:
+            return None
+        i += 1 + _STREAM_READ_OPTIONS[word]
+    return None
+
+
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, which finds the keys of the commands routeledger sends most
+    without asking a node. redis-py knows the keys of most commands from their position, but for
+    those whose keys move (FCALL, FCALL_RO, XREAD, XREADGROUP) it sends COMMAND GETKEYS to a node
+    before every call: a second round trip for each script, each claim and each ledger read."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        name = _word(command)
+        keys: tuple[Any, ...] | None = None
+        if name in ("FCALL", "FCALL_RO") and len(args) >= 2:
+            keys = tuple(args[2 : 2 + int(args[1])])
+        elif name == "XREADGROUP":
+            keys = _streams_keys(args, 3)
+        elif name == "XREAD":
+            keys = _streams_keys(args, 0)
+        if not keys:
+            # A function with no keys may run anywhere; redis-py picks a slot, as it does for any
+            # form this does not read.
+            return await super()._determine_slot(command, *args)
+        slots = {self.keyslot(key) for key in keys}
+        if len(slots) != 1:
+            raise RedisClusterException(f"{command} - all keys must map to the same key slot")
+        return slots.pop()
 
 
 class _RawName(str):

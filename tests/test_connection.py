@@ -15,7 +15,7 @@ from events.connection import redis_client as open_redis
 from events.connection import with_tls_files
 from events.errors import RedisUrlError
 from routeledger.certs import ensure_server_tls
-from routeledger.embedded import EmbeddedRedis
+from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 
 POOLED = 5
 
@@ -123,3 +123,51 @@ def test_a_client_packs_a_command_in_one_piece_as_hiredis_does() -> None:
     conn = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
     args: Any = ("XADD", "s", "*", "a", "b" * 10_000, "n", 3)
     assert conn.pack_command(*args) == [hiredis.pack_command(args)]
+
+
+def _masters(cluster: EmbeddedCluster) -> list[redis.Redis]:
+    return [redis.Redis(port=node.port, password=cluster.password) for node in cluster.masters]
+
+
+def _getkeys_calls(cluster: EmbeddedCluster) -> int:
+    """How many COMMAND GETKEYS the cluster's masters have served since their stats were reset."""
+    total = 0
+    for node in _masters(cluster):
+        try:
+            stats: Any = node.info("commandstats")
+        finally:
+            node.close()
+        total += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return total
+
+
+async def test_a_cluster_client_routes_scripts_and_stream_reads_without_asking_a_node_for_their_keys(
+    redis_cluster: EmbeddedCluster,
+) -> None:
+    redis_cluster.flush()
+    client = open_redis(redis_cluster.url)
+    try:
+        await client.function_load(
+            "#!lua name=rl_keys_test\n"
+            "redis.register_function('rl_keys_test_get',"
+            " function(keys, args) return redis.call('GET', keys[1]) end)",
+            replace=True,
+        )
+        await client.set("{t}a", "1")
+        await client.xadd("{t}s1", {"f": "v"}, id="1-1")
+        await client.xadd("{t}s2", {"f": "v"}, id="1-1")
+        await client.xgroup_create("{t}s1", "g", id="0")
+        for node in _masters(redis_cluster):
+            node.config_resetstat()
+            node.close()
+        assert await client.fcall("rl_keys_test_get", 1, "{t}a") == b"1"
+        read: Any = await client.xread({"{t}s1": "0", "{t}s2": "0"}, count=1)
+        taken: Any = await client.xreadgroup("g", "c", {"{t}s1": ">"}, count=1, block=10)
+        assert len(read) == 2 and len(taken) == 1
+        assert _getkeys_calls(redis_cluster) == 0
+        # Keys in two slots are still refused, as redis-py refuses them, before anything is sent.
+        with pytest.raises(redis.RedisClusterException, match="same key slot"):
+            await client.xread({"{t}s1": "0", "{u}s2": "0"})
+    finally:
+        await client.function_delete("rl_keys_test")
+        await client.aclose()
