@@ -11,9 +11,9 @@ directories, and measures on each, in the same run:
 - projector: a fresh projector folding a ledger of N events (its catch-up), events/s;
 - dispatch: bench/dispatch.py's fleet (sim hosts, workers as processes) running T tasks, tasks/s.
 
-Each figure is the median of R rounds. On a cluster the ledger is one stream in one slot, so its
-appends and folds go to one node, as on one Redis; what spreads (outputs, results, projections,
-quotas) costs extra round trips to other nodes. The last line is JSON:
+Each figure is the median of R rounds; the rounds alternate between the two. On a cluster the
+ledger is one stream in one slot, so its appends and folds go to one node, as on one Redis; what
+spreads (outputs, results, projections, quotas) costs extra round trips to other nodes. The last line is JSON:
 {"bench": "cluster", "append_ratio_cluster_vs_single": ..., "projector_ratio_cluster_vs_single": ...,
 "dispatch_ratio_cluster_vs_single": ..., ...}
 """
@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 # This folder's scripts are named like the packages they measure: without it off the path, `import
@@ -94,14 +93,6 @@ async def fold_rate(url: str, events: list[Event]) -> float:
         await client.aclose()
 
 
-def median_of(rounds: int, flush: Callable[[], None], once: Callable[[], float]) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        flush()
-        out.append(once())
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=50_000, help="events appended per round")
@@ -136,19 +127,24 @@ def main() -> None:
 
             asyncio.run(go())
 
-        for name, url, flush in (
-            ("single", single_url, flush_single),
-            ("cluster", cluster.url, cluster.flush),
-        ):
-            appended: list[tuple[float, float]] = []
-            for _ in range(args.rounds):
+        targets = (("single", single_url, flush_single), ("cluster", cluster.url, cluster.flush))
+        figures = {
+            name: {"append_batched": [], "append_single": [], "projector": [], "dispatch": []}
+            for name, _url, _flush in targets
+        }
+        dispatch_failed: set[str] = set()
+        # Rounds alternate between the two, so that a slow spell of a shared machine falls on both.
+        for _ in range(args.rounds):
+            for name, url, flush in targets:
+                mine = figures[name]
                 flush()
-                appended.append(
-                    asyncio.run(append_rates(url, events[: args.events], args.batch, args.singles))
-                )
-            fold = median_of(args.rounds, flush, lambda u=url: asyncio.run(fold_rate(u, events[: args.fold])))  # type: ignore[misc]
-            tasks_per_s: list[float] = []
-            for _ in range(args.rounds):
+                batched, one = asyncio.run(append_rates(url, events[: args.events], args.batch, args.singles))
+                mine["append_batched"].append(batched)
+                mine["append_single"].append(one)
+                flush()
+                mine["projector"].append(asyncio.run(fold_rate(url, events[: args.fold])))
+                if name in dispatch_failed:
+                    continue
                 flush()
                 try:
                     tps, _lat, _cpu, _rtt = dispatch_bench.measure(
@@ -162,14 +158,10 @@ def main() -> None:
                 except SystemExit as exc:
                     # Reported as no figure (null in the JSON line), not as a rate of zero.
                     print(f"dispatch on {name}: {exc}", file=sys.stderr)
-                    break
-                tasks_per_s.append(tps)
-            figures[name] = {
-                "append_batched": [a for a, _ in appended],
-                "append_single": [s for _, s in appended],
-                "projector": fold,
-                "dispatch": tasks_per_s,
-            }
+                    dispatch_failed.add(name)
+                    mine["dispatch"].clear()
+                    continue
+                mine["dispatch"].append(tps)
     finally:
         cluster.stop()
         single.stop()
