@@ -107,6 +107,7 @@ def create_app(config: AppConfig) -> FastAPI:
             prefix_pricing=config.prefix_pricing,
             paced_streams=config.paced_streams,
         )
+        app.state.gateway.on_lost = lambda _task_id: metrics.tasks_lost.inc()
         try:
             yield
         finally:

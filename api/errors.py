@@ -23,6 +23,7 @@ from dispatch.errors import (
     RequestRefusedError,
     TaskFailedError,
     TaskFinishedError,
+    TaskLostError,
     TaskNotFoundError,
     TaskTimeoutError,
 )
@@ -168,6 +169,14 @@ class UnavailableError(ApiError):
     type = "unavailable"
 
 
+class LostTaskError(ApiError):
+    """Raised when an accepted task was lost by Redis (a failover) before it ran; the client should
+    submit it again."""
+
+    status = 503
+    type = "task_lost"
+
+
 class MemoryFullError(ApiError):
     """Raised when Redis is too close to its memory limit to take new work; accepted work goes on."""
 
@@ -192,9 +201,14 @@ _ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
     TaskTimeoutError: WaitTimeoutError,
     RedisUnavailableError: UnavailableError,
     RedisMemoryFullError: MemoryFullError,
+    TaskLostError: LostTaskError,
 }
 # Seconds a client is told to wait before trying again, per condition.
-_RETRY_AFTER: Final[dict[type[DispatchError], str]] = {RedisUnavailableError: "2", RedisMemoryFullError: "30"}
+_RETRY_AFTER: Final[dict[type[DispatchError], str]] = {
+    RedisUnavailableError: "2",
+    RedisMemoryFullError: "30",
+    TaskLostError: "1",
+}
 
 
 def answer(exc: DispatchError) -> ApiError:

@@ -97,6 +97,12 @@ class Metrics:
         self.archive_error = Gauge(
             "routeledger_archive_error", "1 when the archiver's last run failed", registry=r
         )
+        self.tasks_lost = Counter(
+            "routeledger_tasks_lost",
+            "accepted tasks this API found gone from Redis with no outcome while a client waited"
+            " (a failover lost them); each client was answered 503 task_lost",
+            registry=r,
+        )
         self.events = Counter(
             "routeledger_ledger_events",
             "ledger events seen by this API since it started",

@@ -69,6 +69,11 @@ class TaskTimeoutError(DispatchError):
     """Raised when a task did not finish within the time its caller waits for it."""
 
 
+class TaskLostError(DispatchError):
+    """Raised when a task that was acknowledged is gone from Redis with no outcome (a failover lost
+    the writes that queued it); the caller should submit it again."""
+
+
 class RedisUnavailableError(DispatchError):
     """Raised when Redis cannot be reached within the retry budget; the caller should try again later."""
 

@@ -17,8 +17,8 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -28,6 +28,7 @@ from dispatch.errors import (
     RedisUnavailableError,
     TaskFailedError,
     TaskFinishedError,
+    TaskLostError,
     TaskNotFoundError,
     TaskTimeoutError,
 )
@@ -61,8 +62,17 @@ log = logging.getLogger("routeledger.gateway")
 
 T = TypeVar("T")
 
-# Errors that mean "Redis is not there right now", as opposed to a command Redis refused.
-TRANSIENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# Errors that mean "Redis is not there right now", as opposed to a command Redis refused. A cluster
+# answers CLUSTERDOWN (no master serves the slot: a failover is under way) and TRYAGAIN (a slot is
+# moving) without running the command.
+TRANSIENT: Final = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ConnectionError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+)
 # The pause after a try that found Redis away, doubled after each further one (up to 0.5 s).
 _FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
@@ -70,6 +80,12 @@ _BLOCK_MS: Final = 2000
 # How often a reader of a task's output looks again for the workers that run it (dispatch.queues
 # run_writers) and for the live workers that might (see _Outputs).
 _LOOK_MS: Final = 500
+# A waiting reader that has seen no output for this long checks that its task is still in Redis (see
+# Gateway._still_there); right away after a read failed (a failover may have lost the task).
+_LOST_CHECK_S: Final = 2.0
+# Pause before reading a task's output again after a read failed: Redis is away (restarting, or a
+# cluster promoting a replica), and the client waits until its own deadline anyway.
+_READ_PAUSE_S: Final = 0.25
 
 
 async def _registered(outputs: _Outputs) -> set[str]:
@@ -184,6 +200,44 @@ class _Outputs:
         return out
 
 
+class _Watch:
+    """A waiting client's reads of its task's output: read failures are waited out until the
+    client's deadline (a read is safe to repeat, and Redis may be promoting a replica), and a task
+    that shows nothing for a while, or after a failure, is checked to be still there
+    (Gateway.still_there), so that a lost one ends the wait with TaskLostError."""
+
+    def __init__(self, gateway: Gateway, outputs: _Outputs) -> None:
+        self.gateway = gateway
+        self.outputs = outputs
+        self._checked = time.monotonic()
+
+    async def read(self, block_ms: int) -> list[tuple[Chunk, Result | None]]:
+        try:
+            got = await self.outputs.read(block_ms)
+        except TRANSIENT as exc:
+            log.info("reading the output of task %s failed (%s); reading it again", self.outputs.task_id, exc)
+            await asyncio.sleep(_READ_PAUSE_S)
+            self._checked = -float("inf")
+            return []
+        if got:
+            self._checked = time.monotonic()
+            return got
+        if time.monotonic() - self._checked >= _LOST_CHECK_S:
+            try:
+                there = await self.gateway.still_there(self.outputs.task_id)
+            except TRANSIENT:
+                await asyncio.sleep(_READ_PAUSE_S)
+                return []
+            self._checked = time.monotonic()
+            if not there:
+                raise TaskLostError(
+                    f"task {self.outputs.task_id} was accepted but Redis no longer has it: a failover"
+                    " lost the writes that queued it before they reached a replica",
+                    hint="submit the request again",
+                )
+        return []
+
+
 class Gateway:
     """Submission, waiting, relaying and cancelling, over one Redis connection pool."""
 
@@ -221,6 +275,9 @@ class Gateway:
         self.keyed = keyed
         # A key's task stays open (counted against max_queued) until settled, or this long at most.
         self.quotas = Quotas(redis, keys, open_ttl_s=max_queue_s + wait_timeout_s)
+        # Tasks found lost while their clients waited (_still_there), and who else is told (metrics).
+        self.lost = 0
+        self.on_lost: Callable[[str], None] | None = None
 
     # -- resilience -----------------------------------------------------------------------------
     async def retrying(self, op: Callable[[], Awaitable[T]]) -> T:
@@ -355,7 +412,7 @@ class Gateway:
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
         """Block on the task's output stream until it ends, then return its result."""
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        outputs = _Outputs(self.redis, self.keys, task_id, self.workers)
+        watch = _Watch(self, _Outputs(self.redis, self.keys, task_id, self.workers))
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -363,7 +420,7 @@ class Gateway:
                     f"task {task_id} did not finish within {timeout_s or self.wait_timeout_s:.0f}s",
                     hint=f"it is still queued or running: GET /v1/tasks/{task_id}",
                 )
-            for chunk, carried in await outputs.read(min(_BLOCK_MS, left_ms)):
+            for chunk, carried in await watch.read(min(_BLOCK_MS, left_ms)):
                 if chunk.done:
                     result = carried or await self.result(task_id)
                     if result is not None:
@@ -383,7 +440,7 @@ class Gateway:
         letter, an expiry: its chunk has no run nonce) ends the stream whichever run it follows.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        outputs = _Outputs(self.redis, self.keys, task_id, self.workers)
+        watch = _Watch(self, _Outputs(self.redis, self.keys, task_id, self.workers))
         followed: tuple[int, str] | None = None
         relayed = False
         calls = 0
@@ -392,7 +449,7 @@ class Gateway:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise TaskTimeoutError(f"task {task_id} did not finish in time")
-            for chunk, carried in await outputs.read(min(_BLOCK_MS, left_ms)):
+            for chunk, carried in await watch.read(min(_BLOCK_MS, left_ms)):
                 run = (chunk.attempt, chunk.run)
                 settled = chunk.done and not chunk.run
                 if not settled:
@@ -437,6 +494,22 @@ class Gateway:
                         yield result.tool_calls[calls:]
                     yield result
                     return
+
+    async def still_there(self, task_id: str) -> bool:
+        """Whether the task is still in Redis: its lookup hash (written with its queue entry and its
+        TaskSubmitted, in one script, and kept for as long as its result) or its outcome. Both gone
+        while a client waits means the writes that acknowledged it were lost: a replica promoted
+        before they reached it (replication is asynchronous), or Redis restarted without them.
+        Nothing will ever run or answer it, so the waiting client is told (TaskLostError) rather
+        than left waiting until its deadline; `lost` counts it, and the log names it."""
+        exists: Any = await self.redis.exists(self.keys.task(task_id))
+        if exists or await self.result(task_id) is not None:
+            return True
+        self.lost += 1
+        log.warning("task %s was acknowledged but is gone from Redis with no outcome: lost", task_id)
+        if self.on_lost is not None:
+            self.on_lost(task_id)
+        return False
 
     # -- cancelling -------------------------------------------------------------------------------
     async def cancel(self, task_id: str) -> dict[str, Any]:

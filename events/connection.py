@@ -30,10 +30,11 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 from redis.maint_notifications import MaintNotificationsConfig
 
@@ -140,6 +141,17 @@ class _HiredisPacking:
             return [hiredis.pack_command(args)]
         except (TypeError, UnicodeError):
             return super().pack_command(*args)  # type: ignore[misc,no-any-return]
+
+    async def _send_packed_command(self, command: Any) -> None:
+        # A cluster client that learns the layout again (after a node failed) closes the
+        # connections of the nodes it had, including one another task is still setting up; redis-py
+        # then writes to a writer that is gone and an AttributeError reaches the caller. It is a
+        # connection that closed: say so, so that callers treat it as Redis being away.
+        writer: Any = getattr(self, "_writer", None)
+        if writer is None:
+            raise RedisConnectionError("the connection was closed while a command was being sent")
+        writer.writelines(command)
+        await writer.drain()
 
 
 class _Tcp(_HiredisPacking, Connection):
@@ -255,11 +267,33 @@ def _streams_keys(args: tuple[Any, ...], start: int) -> tuple[Any, ...] | None:
     return None
 
 
+class _Pipeline(ClusterPipeline):
+    """redis-py's cluster pipeline, which makes its client learn the cluster's layout again after a
+    node failed under it, as a single command does. redis-py does so only before a retry, and
+    routeledger's clients never retry: a process whose commands to a failed master's slots went
+    through pipelines (multi-key EXISTS, DEL and MGET are pipelines on a cluster) kept sending them
+    to the dead node after a replica had taken its place."""
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except RedisCluster.ERRORS_ALLOW_RETRY:
+            relearn_layout(self.cluster_client)
+            raise
+
+
 class _Cluster(RedisCluster):
     """redis-py's cluster client, which finds the keys of the commands routeledger sends most
-    without asking a node. redis-py knows the keys of most commands from their position, but for
-    those whose keys move (FCALL, FCALL_RO, XREAD, XREADGROUP) it sends COMMAND GETKEYS to a node
-    before every call: a second round trip for each script, each claim and each ledger read."""
+    without asking a node, and whose pipelines follow a failover (_Pipeline).
+
+    redis-py knows the keys of most commands from their position, but for those whose keys move
+    (FCALL, FCALL_RO, XREAD, XREADGROUP) it sends COMMAND GETKEYS to a node before every call: a
+    second round trip for each script, each claim and each ledger read."""
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # refused there, in redis-py's words
+        return _Pipeline(self, transaction)  # type: ignore[abstract]
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         name = _word(command)
@@ -304,6 +338,14 @@ def raw_name(redis: aioredis.Redis, name: str) -> str | bytes:
     client, which routes by the name and needs a str. The hot reads (XRANGE, XREAD of the ledger
     and of outputs) use it: a callback that builds a dict per entry costs more than decoding it."""
     return _RawName(name) if is_cluster(redis) else name.encode()
+
+
+def relearn_layout(redis: object) -> None:
+    """Make a cluster client learn the cluster's layout again before its next command: for a
+    command sent to a node directly (not through the client's routing), which failed or was
+    redirected because the node no longer serves the slot. Nothing on a plain client."""
+    if isinstance(redis, RedisCluster):
+        redis._initialize = True
 
 
 def is_cluster(redis: object) -> bool:

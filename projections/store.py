@@ -40,9 +40,12 @@ import hiredis
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, MovedError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from events.codec import as_str
-from events.connection import is_cluster
+from events.connection import is_cluster, relearn_layout
 from events.keys import Keys
 from projections.errors import ProjectionError
 from projections.snapshot import (
@@ -506,9 +509,12 @@ async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes], slot_ke
             sent += 1
         for _ in range(sent):
             await conn.read_response()
-    except BaseException:
+    except BaseException as exc:
         # Replies may still be on their way: the connection cannot be reused.
         await conn.disconnect()
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | MovedError | ClusterDownError):
+            # Sent to the node directly: the client learns of a failover only if told.
+            relearn_layout(redis)
         raise
     finally:
         await pool.release(conn)

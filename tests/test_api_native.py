@@ -139,3 +139,26 @@ async def test_a_hundred_concurrent_streams_all_complete_each_with_its_own_text(
     assert len({text for _, text in got}) >= 95
     submitted = await events_of(ledger, TaskSubmitted)
     assert len(submitted) == 100 and len(await events_of(ledger, TaskRouted)) == 100
+
+
+async def test_a_waiting_client_whose_accepted_task_redis_lost_is_answered_503_and_the_loss_is_counted(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    await ghost_worker(redis_client)
+    keys = Keys.for_client(redis_client)
+    async with serving(AppConfig(redis_url=redis_url)) as base, httpx.AsyncClient(base_url=base) as http:
+        waiting = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, timeout=30))
+
+        async def submitted() -> bool:
+            return bool(await events_of(ledger, TaskSubmitted))
+
+        await wait_until(submitted, timeout=10)
+        (task,) = await events_of(ledger, TaskSubmitted)
+        # What a failover leaves of a task whose writes never reached the promoted replica: nothing.
+        await redis_client.delete(keys.task(task.task_id), keys.queue(MODEL_DIGEST), keys.events)
+        answer = await asyncio.wait_for(waiting, 10)
+        metrics = (await http.get("/metrics")).text
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "task_lost"
+    assert answer.headers["retry-after"] == "1"
+    assert "routeledger_tasks_lost_total 1.0" in metrics

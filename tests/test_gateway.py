@@ -3,12 +3,13 @@ the text of two runs."""
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.errors import TaskFailedError
+from dispatch.errors import TaskFailedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
 from dispatch.payload import (
     Chunk,
@@ -167,3 +168,24 @@ async def test_a_relay_reads_the_own_output_of_the_worker_holding_the_task_and_n
     assert [item async for item in relay] == ["The sky", done]
     assert await Gateway(redis_client, keys).result("t9") == done
     assert await redis_client.exists(keys.out("t9")) == 0
+
+
+async def test_a_client_waiting_on_a_task_redis_lost_is_told_so_within_seconds_and_the_loss_counted(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await ghost_worker(redis_client)
+    gateway = Gateway(redis_client, keys)
+    seen: list[str] = []
+    gateway.on_lost = seen.append
+    kept = await gateway.submit(TaskRequest(model="m", messages=[Message(role="user", content="kept")]))
+    lost = await gateway.submit(TaskRequest(model="m", messages=[Message(role="user", content="lost")]))
+    waiting = asyncio.create_task(gateway.wait(lost.task_id, timeout_s=30))
+    # A task that is only slow to start is waited for until its deadline, never called lost.
+    with pytest.raises(TaskTimeoutError):
+        await gateway.wait(kept.task_id, timeout_s=2.5)
+    assert not waiting.done()
+    # What a failover leaves of a task whose writes never reached the promoted replica: nothing.
+    await redis_client.delete(keys.task(lost.task_id), lost.queue)
+    with pytest.raises(TaskLostError, match="no longer has it"):
+        await asyncio.wait_for(waiting, 5)
+    assert seen == [lost.task_id] and gateway.lost == 1
