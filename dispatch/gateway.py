@@ -56,7 +56,7 @@ from projections.errors import ProjectionError
 from projections.index import Found, task_events
 from projections.reader import get_task
 from projections.snapshot import TaskRow
-from projections.status import TaskStatus, settle
+from projections.status import TaskStatus, is_terminal, settle
 
 log = logging.getLogger("routeledger.gateway")
 
@@ -590,6 +590,14 @@ class Gateway:
         )
         if not info and row is None and result is None:
             raise TaskNotFoundError(f"no task {task_id}", hint="task records expire 24 h after they finish")
+        if not info and result is None and row is not None and not is_terminal(row.status):
+            # The tables saw it submitted, but Redis has neither its record (kept for as long as
+            # its outcome) nor an outcome: a failover lost the writes that queued it.
+            raise TaskLostError(
+                f"task {task_id} was accepted but Redis no longer has it: a failover lost the writes"
+                " that queued it before they reached a replica",
+                hint="submit the request again",
+            )
         status = task_status(row, result)
         if result is not None:
             await self._charge(task_id, result, info.get(b"key", b""))

@@ -28,6 +28,7 @@ from events.event import TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from events.scripts import load_library
+from projections.projector import Projector
 from tests.helpers import MODEL_DIGEST, events_of
 from tests.reliability.proxy import redis_proxy
 from tests.test_api_support import ghost_worker
@@ -189,3 +190,23 @@ async def test_a_client_waiting_on_a_task_redis_lost_is_told_so_within_seconds_a
     with pytest.raises(TaskLostError, match="no longer has it"):
         await asyncio.wait_for(waiting, 5)
     assert seen == [lost.task_id] and gateway.lost == 1
+
+
+async def test_looking_up_a_task_the_tables_saw_submitted_but_redis_lost_says_it_was_lost(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    await ghost_worker(redis_client)
+    gateway = Gateway(redis_client, keys)
+    sub = await gateway.submit(
+        TaskRequest(model="m", messages=[Message(role="user", content="hi")]), waits=False
+    )
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    await projector.catch_up()
+    await projector.release()
+    assert (await gateway.view(sub.task_id))["status"] in ("submitted", "queued")
+    # A failover that lost the task takes its record, queue entry and TaskSubmitted; the tables, on
+    # other nodes of a cluster (or folded before it), still hold its row.
+    await redis_client.delete(keys.task(sub.task_id), sub.queue)
+    with pytest.raises(TaskLostError, match="no longer has it"):
+        await gateway.view(sub.task_id)
