@@ -232,13 +232,16 @@ async def test_a_kill_at_each_step_then_a_rerun_loses_nothing_and_counts_nothing
     ids = await stream_ids(redis_client, keys)
     where = ["--redis-url", redis_url, "--archive-dir", str(tmp_path / "archive")]
     run = ["archive", "--hot-window", "0", "--segment-entries", "300", *where]
+    # The killed run's archiver lease outlives it and the rerun waits it out: the shortest lease
+    # (3 s, against 10 s by default) keeps that wait short.
+    lease = {"ROUTELEDGER_LEASE_MS": "3000"}
 
-    killed = await asyncio.to_thread(rl, *run, env={TEST_CRASH_ENV: f"{point}@2"})
+    killed = await asyncio.to_thread(rl, *run, env={**lease, TEST_CRASH_ENV: f"{point}@2"})
     assert killed.returncode == -9, killed.stderr
     history = History(redis_client, keys, tmp_path / "archive")
     assert await ids_of(history) == [i.encode() for i in ids]
 
-    rerun = await asyncio.to_thread(rl, *run, "--json")
+    rerun = await asyncio.to_thread(rl, *run, "--json", env=lease)
     assert rerun.returncode == 0, rerun.stderr
     assert await ledger.length() == 0
     manifest = segment.load_manifest(tmp_path / "archive")
