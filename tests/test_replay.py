@@ -264,7 +264,7 @@ def test_a_completion_the_ledger_holds_before_its_runtime_options_submission_cou
 DATED = st.lists(st.tuples(st.integers(0, 30 * DAY), EVENTS), min_size=5, max_size=40)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(dated=DATED, retention=st.integers(0, 25))
 def test_a_fold_that_leaves_out_rows_past_retention_keeps_exactly_the_rows_a_write_would_keep(
     dated: list[tuple[int, Event]], retention: int
