@@ -67,10 +67,23 @@ def _plain(function: str) -> str:
 
 
 def defined_scripts() -> set[str]:
-    """The scripts events/scripts.py loads as functions, by their plain names."""
+    """The scripts events/scripts.py loads as functions, by their plain names: those its library
+    holds, and every `ScriptDef("name", ...)` in the packages (one in a module the library does not
+    import is found all the same)."""
     for module in scripts._MODULES:
         importlib.import_module(module)
-    return {_plain(name) for name in scripts._DEFINED}
+    found = {_plain(name) for name in scripts._DEFINED}
+    for _module, tree in _modules():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "ScriptDef"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.add(str(node.args[0].value))
+    return found
 
 
 def _modules() -> Iterable[tuple[str, ast.Module]]:
@@ -105,16 +118,20 @@ def registered_scripts() -> set[str]:
 
 
 def registered_bodies() -> dict[str, str | None]:
-    """The body of each registered script (the module's constant it names); None where the
-    argument is no name or literal of the module, so that the script cannot be told by its body."""
+    """The body of each registered script (the module's constant it names, or a literal); None
+    where the argument is not one, so that the script cannot be told by its body."""
     bodies: dict[str, str | None] = {}
     for name, arg in _registrations().items():
         module = name.split(":", 1)[0]
         body: Any = None
-        if isinstance(arg, ast.Name):
-            body = getattr(importlib.import_module(module), arg.id, None)
-        elif isinstance(arg, ast.Constant):
+        if isinstance(arg, ast.Constant):
             body = arg.value
+        else:
+            # A name of the module, or a dotted one (`store._APPLY`) read from there.
+            parts = ast.unparse(arg).split(".")
+            body = importlib.import_module(module)
+            for part in parts if all(p.isidentifier() for p in parts) else ["?"]:
+                body = getattr(body, part, None)
         bodies[name] = body if isinstance(body, str) else None
     return bodies
 
