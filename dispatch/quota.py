@@ -18,6 +18,7 @@ completion came) is dropped from the open set once it is older than the longest 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import QuotaExceededError
 from events.codec import as_str
+from events.connection import is_cluster
 from events.keys import Keys
 
 # Settled tasks of one key in a row put its next one in a later fair-share round.
@@ -224,8 +226,12 @@ class Quotas:
         return bool(reply)
 
     async def settle_all(self, charges: Sequence[tuple[str, str, int]]) -> None:
-        """`settle` each (key name, task id, tokens), in one round trip."""
+        """`settle` each (key name, task id, tokens), in one round trip; on a cluster, each in a call of
+        its own, all at once (a cluster pipeline refuses a script sent by its hash, EVALSHA)."""
         if not charges:
+            return
+        if is_cluster(self.redis):
+            await asyncio.gather(*(self.settle(name, task_id, tokens) for name, task_id, tokens in charges))
             return
         pipe = self.redis.pipeline(transaction=False)
         for name, task_id, tokens in charges:

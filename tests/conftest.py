@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,55 @@ from events.ledger import Ledger
 from routeledger.certs import ensure_server_tls, issue_client_certificate, server_names
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server, redis_version
 from routeledger.errors import RedisBinaryNotFoundError
+from tests.cluster_coverage import TierRun
 
 # Property tests explore new cases on every developer run; CI replays a fixed set, so that a landing
 # is decided by the code, not by the draw.
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# Every Lua script and MULTI of the code base must run on the cluster tier's cluster: recorded as the
+# tests run, checked at the end of a session that ran the tier whole (tests/cluster_coverage.py).
+_tier = TierRun()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _tier.start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Generator[None, None, None]:
+    _tier.collected(items)  # before -k, -m and the like deselect any
+    return (yield)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _tier.collected(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    _tier.entering(item)
+    try:
+        return (yield)
+    finally:
+        _tier.left()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _tier.reported(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _tier.verdict() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _tier.lines:
+        terminalreporter.write_line(line)
 
 
 def _binary() -> str:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, chunk_decoder, result_decoder
+from dispatch.payload import Message, Result, chunk_decoder, result_decoder
 from dispatch.queues import TaskQueues, parse_entry
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
@@ -20,6 +20,7 @@ from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
 from tests.helpers import (
+    MODEL_DIGEST,
     events_of,
     fast_config,
     make_test_fleet,
@@ -388,3 +389,25 @@ async def test_a_task_nobody_streams_writes_its_whole_text_in_its_done_chunk_alo
     chunk = chunk_decoder.decode(fields[b"c"])
     result = result_decoder.decode(fields[b"r"])
     assert chunk.done and chunk.text and chunk.text == result.text
+
+
+async def test_a_result_stored_by_a_run_that_died_before_counting_it_is_counted_once_by_the_next_run(
+    redis_client: aioredis.Redis, ledger: Ledger
+) -> None:
+    keys = Keys.for_client(redis_client)
+    queues = TaskQueues(redis_client, keys, ledger)
+    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")], max_tokens=8)
+    task_id = (await submit_task(queues, request, digest=MODEL_DIGEST)).task.task_id
+    # A run stored the task's result and died before appending its TaskCompleted (the entry stays).
+    first = Result(task_id=task_id, status="completed", worker="a", attempt=1, text="first", run="r0")
+    assert await queues.close_run(first)
+    async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
+        async with running_agent(redis_client, sim.url("a"), fast_config("a")):
+            await wait_until(lambda: _completed_task(ledger, task_id), timeout=20)
+    # The next run finds the result unlogged and takes the ledger record over: one counting
+    # completion, and the first run's result stays the task's.
+    done = [e for e in await events_of(ledger, TaskCompleted) if e.task_id == task_id]
+    assert [e.duplicate for e in done] == [False]
+    stored = await redis_client.hgetall(keys.result(task_id))
+    assert (stored[b"taken"], stored[b"logged"]) == (b"1", b"1")
+    assert result_decoder.decode(stored[b"result"]).text == "first"

@@ -1,19 +1,19 @@
-"""What runs on a Redis Cluster: a failover of the ledger's master under a working fleet, and every
-Lua script of the code base with the cluster-tier suite that reaches it.
+"""What runs on a Redis Cluster: a failover of the ledger's master under a working fleet, and the
+check that every Lua script and MULTI of the code base runs on the cluster tier's cluster.
 
-A script that touches keys in two slots fails on a cluster (CROSSSLOT) but passes on one Redis, so a
-new script must be run by a suite of the cluster tier (`pytest.mark.cluster_tier`, which runs a
-module on one Redis and on a 3-master cluster). The inventory below is taken from the source: the
-scripts defined through events/scripts.py (loaded as one function library) and every
-`register_script(...)` call in the packages. A script missing from ON_CLUSTER and NOT_YET fails
-this module, so it cannot come in unseen.
+A script (or a MULTI) that touches keys in two slots fails on a cluster (CROSSSLOT) but passes on
+one Redis, so each must run in a test of the cluster tier (`pytest.mark.cluster_tier`, which runs a
+module's tests on one Redis and again on a 3-master cluster). tests/cluster_coverage.py records, as
+the tests run, what ran on a cluster client, and a session that ran the tier whole fails when a
+script or MULTI site of its inventory (taken from the source) never ran there. The tests below keep
+the inventory and the record honest: the inventory finds the known scripts, and the record holds
+what a cluster ran, not what was only queued or what failed.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
-import importlib
 import json
 import os
 import signal
@@ -25,14 +25,15 @@ from typing import Any, cast
 
 import pytest
 import redis as syncredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from dispatch.errors import ModelNotServedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
+from dispatch.modelcard import ModelCard, publish_cards
 from dispatch.payload import Message
 from dispatch.queues import _DEPTH_DEF, TaskQueues, parse_entry
+from dispatch.quota import Quotas
 from dispatch.submit import Submitted, TaskRequest, submit_task
-from events import scripts
 from events.codec import as_str
 from events.connection import redis_client
 from events.event import TaskCompleted, TaskSubmitted
@@ -40,93 +41,123 @@ from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tests import cluster_coverage
+from tests.cluster_coverage import RECORD, Record, TierRun
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import ghost_worker
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
-PACKAGES = ("api", "dispatch", "events", "pipelines", "projections", "replay", "routeledger", "workers")
-
-# Script -> (the cluster-tier suite that runs it, the code path by which that suite reaches it). The
-# suites were found by reading them, not by recording their calls.
-ON_CLUSTER: dict[str, tuple[str, str]] = {
-    "append_many": ("test_ledger.py", "Ledger.append_many"),
-    "submit": ("test_take.py", "TaskQueues.submit"),
-    "take": ("test_take.py", "TaskQueues.take"),
-    "take_given": ("test_take_given.py", "TaskQueues.take_given"),
-    "finish": ("test_take.py", "TaskQueues.finish"),
-    "requeue": ("test_take.py", "TaskQueues.requeue"),
-    "cancel_queued": ("test_take.py", "TaskQueues.cancel_queued"),
-    "result_once": ("test_take.py", "TaskQueues.record_result"),
-    "close_run": ("test_take.py", "TaskQueues.close_run"),
-    "lease": ("test_liveness.py", "Leases.put"),
-    "prune_workers": ("test_ingest.py", "Leases.prune"),
-    "backlog": ("test_take_given.py", "the router gate's QueueView.backlogs_and_cursors"),
-    "untaken": ("test_liveness.py", "the Reaper's sweep"),
-    "hand_back": ("test_liveness.py", "the Reaper's sweep"),
-    "hand_back_requeued": ("test_liveness.py", "the Reaper's sweep"),
-    "revive": ("test_liveness.py", "the Reaper's sweep"),
-    "keep": ("test_one_dispatch.py", "worker processes renewing what they hold"),
-    "take_over": ("test_one_dispatch.py", "worker processes taking a run's output log"),
-    "projections.ingest:_MOVE": ("test_ingest.py", "Ingest"),
-    "projections.store:_APPLY": ("test_projector.py", "the projector's NamespaceWriter.apply"),
-    "projections.store:_ADOPT": ("test_projector.py", "Projector.start"),
-    "projections.projector:RENEW_LEASE": ("test_projector.py", "Projector.acquire"),
-    "projections.projector:RELEASE_LEASE": ("test_projector.py", "Projector.release"),
-    "events.singleton:RENEW_LEASE": ("test_projector.py", "the singleton lease"),
-    "events.singleton:RELEASE_LEASE": ("test_projector.py", "the singleton lease"),
-    "dispatch.quota:_ADMIT": ("test_take_given.py", "Quotas.admit"),
-    "projections.projector:_FIELD_OF": ("test_projector.py", "Projector._charge"),
-}
-# Scripts that no cluster-tier suite reaches yet: each is a known gap, listed so that it is seen.
-NOT_YET: dict[str, str] = {
-    "release_lease": "a worker's lease given up at a clean stop (Leases.release)",
-    "depth": "TaskQueues.depth (status and overview)",
-    "dispatch.quota:_SETTLE": "Quotas.settle / settle_all, a completion charged to its key",
-}
+TESTS = Path(__file__).resolve().parent
 
 
-def defined_scripts() -> set[str]:
-    """The scripts events/scripts.py loads as functions, by their plain names."""
-    for module in scripts._MODULES:
-        importlib.import_module(module)
-    # A function's name is its plain name and a hash of its body: `rl_<name>_<hash>`.
-    return {name.removeprefix("rl_").rsplit("_", 1)[0] for name in scripts._DEFINED}
+def test_the_inventory_finds_the_known_scripts_and_multi_sites_of_the_code_base() -> None:
+    defined = cluster_coverage.defined_scripts()
+    assert {"append_many", "submit", "take", "finish", "lease", "release_lease", "depth"} <= defined
+    assert len(defined) >= 20
+    registered = cluster_coverage.registered_scripts()
+    assert {
+        "dispatch.quota:_ADMIT",
+        "dispatch.quota:_SETTLE",
+        "projections.store:_APPLY",
+        "projections.projector:RENEW_LEASE",
+        "events.singleton:RENEW_LEASE",
+    } <= registered
+    # Each registered script is known by its body, so that a call is told from another's.
+    bodies = cluster_coverage.registered_bodies()
+    assert set(bodies) == registered
+    assert all(body is not None and "redis.call" in body for body in bodies.values())
+    assert "dispatch.modelcard:publish_cards" in cluster_coverage.multi_sites()
+    tier = {p.name for p in cluster_coverage.tier_modules()}
+    assert {"test_take.py", "test_liveness.py", "test_projector.py", "test_ledger.py"} <= tier
+    assert "test_cluster.py" not in tier and "test_quota.py" not in tier
 
 
-def registered_scripts() -> set[str]:
-    """Every `register_script(NAME)` in the packages, as `module:NAME`, but the one in
-    events/scripts.py that binds the defined scripts."""
-    found: set[str] = set()
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "register_script"
-                    and module != "events.scripts"
-                ):
-                    arg = node.args[0]
-                    found.add(f"{module}:{arg.id if isinstance(arg, ast.Name) else ast.unparse(arg)}")
-    return found
+def test_a_multi_site_is_any_transaction_a_pipeline_or_a_client_makes_named_by_its_function() -> None:
+    source = """
+async def plain(r): r.pipeline()
+async def explicit(r): r.pipeline(transaction=True)
+async def positional(r): r.pipeline(True)
+async def unknown(r, t): r.pipeline(transaction=t)
+async def batch(r): r.pipeline(transaction=False)
+async def key(keys, p): keys.pipeline(p)
+class Store:
+    async def swap(self, r):
+        async def inner(pipe): pipe.multi()
+        await r.transaction(inner)
+"""
+    sites = cluster_coverage._Sites("m")
+    sites.visit(ast.parse(source))
+    assert sites.found == {
+        "m:plain",
+        "m:explicit",
+        "m:positional",
+        "m:unknown",
+        "m:Store.swap.<locals>.inner",
+        "m:Store.swap",
+    }
 
 
-def test_every_lua_script_in_the_code_base_is_listed_with_the_cluster_suite_that_runs_it() -> None:
-    inventory = defined_scripts() | registered_scripts()
-    listed = set(ON_CLUSTER) | set(NOT_YET)
-    assert not set(ON_CLUSTER) & set(NOT_YET)
-    assert inventory - listed == set(), "new scripts: add each to ON_CLUSTER (with its suite) or NOT_YET"
-    assert listed - inventory == set(), "scripts listed here that the code no longer has"
+def test_the_check_fails_naming_what_never_ran_on_the_cluster_and_is_skipped_for_part_of_the_tier() -> None:
+    record = Record()
+    record.scripts = cluster_coverage.defined_scripts() | cluster_coverage.registered_scripts()
+    record.scripts.discard("depth")
+    record.multi = cluster_coverage.multi_sites()
+    tier = {TESTS / "test_take.py", TESTS / "test_view.py"}
+    run = TierRun(record=record, tier=tier, modules=set(tier), counted={"a", "b"}, ran={"a", "b"})
+    assert run.verdict() is False
+    assert "add a cluster-tier test that reaches depth" in "\n".join(run.lines)
+    record.scripts.add("depth")
+    assert run.verdict() is True and "every Lua script" in run.lines[0]
+    # Part of the tier: a module not collected, a test deselected, a test failed.
+    for part in (
+        TierRun(record=record, tier=tier, modules={TESTS / "test_take.py"}, counted={"a"}, ran={"a"}),
+        TierRun(record=record, tier=tier, modules=set(tier), counted={"a", "b"}, ran={"a"}),
+        TierRun(record=record, tier=tier, modules=set(tier), counted={"a"}, ran={"a"}, failed={"a"}),
+    ):
+        record.scripts.discard("depth")
+        assert part.verdict() is True
+        assert len(part.lines) == 1 and "check skipped" in part.lines[0]
 
 
-def test_each_suite_named_for_a_script_runs_on_the_cluster_tier() -> None:
-    for script, (suite, _path) in ON_CLUSTER.items():
-        text = (TESTS / suite).read_text()
-        assert "pytestmark = pytest.mark.cluster_tier" in text, (
-            f"{script}: {suite} is not in the cluster tier"
-        )
+async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_or_refused(
+    redis_cluster: EmbeddedCluster,
+) -> None:
+    redis_cluster.flush()
+    redis = redis_client(redis_cluster.url)
+    try:
+        keys = Keys.for_client(redis)
+        depth = _DEPTH_DEF.bind(redis)
+        queue = [keys.queue("d" * 64), keys.bands("d" * 64)]
+        assert await depth(keys=queue) == 0  # the first call learns that the server has functions
+        before = RECORD.scripts
+        with RECORD.recording() as record:
+            # Keys in two slots: refused (the cluster client will not send it), so not recorded.
+            with pytest.raises(RedisClusterException, match="same key slot"):
+                await depth(keys=[keys.queue("d" * 64), "elsewhere"])
+            assert record.scripts == set()
+            # Queued, then dropped unsent (awaiting a cluster pipeline empties its queue).
+            pipe = redis.pipeline(transaction=False)
+            await depth(keys=queue, client=pipe)
+            await pipe
+            assert await pipe.execute() == []
+            assert record.scripts == set()
+            # Queued and sent with the pipeline.
+            pipe = redis.pipeline(transaction=False)
+            await depth(keys=queue, client=pipe)
+            assert await pipe.execute() == [0]
+            assert record.scripts == {"depth"}
+            # A script registered by a module of the code base, called on its own.
+            await Quotas(redis, keys, open_ttl_s=60).settle("ann", "t1", 5)
+            assert record.scripts == {"depth", "dispatch.quota:_SETTLE"}
+            # A MULTI: recorded by the function that made it, once executed.
+            unsent = redis.pipeline(transaction=True)
+            unsent.set(keys.task("t1"), "1")
+            assert record.multi == set()
+            await publish_cards(redis, keys, "w", {"d" * 64: ModelCard(template="t")})
+            assert record.multi == {"dispatch.modelcard:publish_cards"}
+        # The session's record is put back as it was, whatever was recorded within.
+        assert RECORD.scripts is before and not RECORD.active
+    finally:
+        await redis.aclose()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, Leases
@@ -25,6 +26,8 @@ from router.plan import WorkerView
 from router.prefix import SlotCache, block_hashes, chain_of, marks_of
 from tests.router_helpers import NOW, QWEN, busy, estimator, snapshot, speed_row, view
 from workers.reaper import Reaper, ReaperConfig
+
+pytestmark = pytest.mark.cluster_tier
 
 DIGEST = QWEN
 

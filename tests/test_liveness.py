@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.gateway import Gateway
-from dispatch.lease import LeaseInfo, Leases, decode_lease
+from dispatch.lease import LeaseInfo, Leases, decode_lease, registered
 from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.recent import load_recent
@@ -240,6 +240,21 @@ async def test_a_clean_shutdown_says_goodbye_itself_and_the_reaper_adds_nothing(
     await projector.catch_up()
     await Reaper(redis_client, keys, ReaperConfig(lease_ms=1500)).sweep()
     assert [e.reason for e in await events_of(ledger, WorkerOffline)] == ["shutdown"]
+
+
+async def test_a_lease_is_given_up_only_by_the_process_whose_token_holds_it(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    leases = Leases(redis_client, keys)
+    assert (await leases.put(LeaseInfo(worker="a", token="mine", slots=1), 60_000)).ok
+    # A process that stops after another took its name over leaves that one's lease alone.
+    assert not await leases.release("a", "older")
+    assert await redis_client.exists(keys.live("a")) and await registered(redis_client, keys) == ["a"]
+    assert await leases.release("a", "mine")
+    assert not await redis_client.exists(keys.live("a")) and await registered(redis_client, keys) == []
+    # A lease that lapsed before the stop: the name still leaves the registry.
+    await redis_client.sadd(keys.workers, "b")
+    assert await leases.release("b", "mine") and await registered(redis_client, keys) == []
 
 
 # -- TaskRouted -----------------------------------------------------------------------------------

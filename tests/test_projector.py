@@ -12,6 +12,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.quota import ApiKey, Quotas
+from dispatch.submit import TaskRequest, submit_task
 from events.event import (
     BenchmarkResult,
     Event,
@@ -534,3 +538,37 @@ async def test_demand_and_quality_from_a_clock_ahead_are_timed_by_the_ledger(
     snap = await snapshot(redis_client, keys)
     for stat in (snap.demand[D1].arrivals, snap.quality[D1, "code"].score):
         assert stat.n == 1 and stat.updated_at is not None and stat.updated_at <= now_ms()
+
+
+async def test_completions_are_charged_to_their_keys_once_whoever_settles_them_first(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    quotas = Quotas(redis_client, keys, open_ttl_s=3600)
+    ann, bob = ApiKey(name="ann", key="a"), ApiKey(name="bob", key="b")
+    queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+    for task_id, key in [("t1", ann), ("t2", ann), ("t3", bob), ("t4", None)]:
+        if key is not None:
+            await quotas.admit(key, task_id, 0)
+        req = TaskRequest(
+            model="m",
+            messages=[Message(role="user", content=task_id)],
+            task_id=task_id,
+            key=key.name if key is not None else None,
+        )
+        await submit_task(queues, req, digest=D1)
+    # The API handed t1's outcome to its client before the projector folded it: charged there.
+    assert await quotas.settle("ann", "t1", 40)
+    tokens = {"t1": 40, "t2": 60, "t3": 25, "t4": 10}
+    await fold_all(redis_client, keys, [completed(t, "w1", timings=timings(n)) for t, n in tokens.items()])
+    usage = {u.name: u for u in await quotas.usage([ann, bob])}
+    assert (usage["ann"].tokens_today, usage["ann"].tokens_total, usage["ann"].queued) == (100, 100, 0)
+    assert (usage["bob"].tokens_today, usage["bob"].queued) == (25, 0)
+    # A projector that takes over folds the same completions again: each is charged once all the same.
+    ns = await store.current(redis_client, keys)
+    assert ns is not None
+    await redis_client.delete(keys.checkpoint(ns))
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    await projector.catch_up()
+    again = {u.name: u.tokens_total for u in await quotas.usage([ann, bob])}
+    assert again == {"ann": 100, "bob": 25}

@@ -15,6 +15,7 @@ from dispatch.queues import (
     REQUEUED,
     TaskQueues,
 )
+from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskSubmitted
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
@@ -191,3 +192,29 @@ async def test_a_worker_the_plan_gave_task_k_takes_the_head_if_at_most_k_minus_1
     assert (await queues.take(queue, "w3", expected=second, slack=1)).entry_id == ""
     # A decision about an entry behind the head is never taken for the head.
     assert (await queues.take(queue, "w3", expected="9999999999999-0", slack=3)).entry_id == ""
+
+
+async def test_a_models_depth_counts_the_entries_of_its_plain_queue_and_of_every_band_queue(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    queues = TaskQueues(redis_client, keys)
+    assert await queues.depth(DIGEST) == 0
+    # Priority 0 in round 0 joins the plain queue; the others join band queues of the model.
+    for name, priority, share_round in [("plain", 0, 0), ("high", 9, 0), ("late", 0, 2), ("low", -3, 0)]:
+        req = TaskRequest(
+            model="m",
+            messages=[Message(role="user", content=name)],
+            task_id=name,
+            priority=priority,
+            share_round=share_round,
+        )
+        await submit_task(queues, req, digest=DIGEST)
+    assert await redis_client.zcard(keys.bands(DIGEST)) == 3
+    assert await queues.depth(DIGEST) == 4
+    # A taken entry is still held until it is finished; a finished one is gone.
+    high = keys.band_queue(DIGEST, 9, 0)
+    taken = await queues.take(high, "w1")
+    assert await queues.depth(DIGEST) == 4
+    assert await queues.finish(high, taken.entry_id, "w1") == 1
+    assert await queues.depth(DIGEST) == 3
+    assert await queues.depth("cd" * 32) == 0  # another model's
