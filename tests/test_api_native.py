@@ -96,7 +96,7 @@ async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
                 async for line in response.aiter_lines():
                     if '"content":"' in line and '"content":""' not in line:
                         break  # the first real piece: now hang up
-        await wait_until(lambda: _is(redis_client, task_id, "cancelled"), timeout=5)
+        await wait_until(lambda: _is(redis_client, task_id, "cancelled"), timeout=15)
     (event,) = await events_of(ledger, TaskCancelled)
     assert event.task_id == task_id and event.was_running
 
