@@ -274,6 +274,8 @@ class _Pipeline(ClusterPipeline):
     through pipelines (multi-key EXISTS, DEL and MGET are pipelines on a cluster) kept sending them
     to the dead node after a replica had taken its place."""
 
+    __slots__ = ()
+
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
         try:
             return await super().execute(raise_on_error, allow_redirections)
@@ -291,9 +293,10 @@ class _Cluster(RedisCluster):
     second round trip for each script, each claim and each ledger read."""
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
-        if shard_hint:
-            return super().pipeline(transaction, shard_hint)  # refused there, in redis-py's words
-        return _Pipeline(self, transaction)  # type: ignore[abstract]
+        # Made by redis-py's own method (whatever wraps it), then given _Pipeline's execute.
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = _Pipeline  # type: ignore[type-abstract]
+        return pipe
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         name = _word(command)

@@ -215,12 +215,16 @@ def tier_modules(tests: Path = TESTS) -> set[Path]:
 # -- the record ----------------------------------------------------------------------------------
 
 
+# Modules whose frames stand between a call site and redis-py: the client routeledger builds on it.
+_CLIENT_MODULES: Final = frozenset({__name__, "redis", "events.connection"})
+
+
 def _caller() -> FrameType | None:
-    """The innermost frame outside redis-py and this module."""
+    """The innermost frame outside redis-py, routeledger's client of it and this module."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module != __name__ and module != "redis" and not module.startswith("redis."):
+        if module not in _CLIENT_MODULES and not module.startswith("redis."):
             return frame
         frame = frame.f_back
     return None
