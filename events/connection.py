@@ -31,11 +31,18 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    ConnectionPool,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from events.errors import RedisUrlError
@@ -166,6 +173,57 @@ class _Unix(_HiredisPacking, UnixDomainSocketConnection):
     pass
 
 
+class _Pool(ConnectionPool):
+    """redis-py's pool without what routeledger never uses on every checkout: the OpenTelemetry
+    connection counts (four awaited recorder calls per command, with no meter configured) and the
+    release event (it serves streaming credential providers' re-authentication). About a sixth of
+    a worker's CPU per task went there (bench/api.py --profile). The checkout is the same: a pooled
+    connection is checked for a server that closed it (ensure_connection), and a connection that
+    asked to reconnect is closed at release. Nothing awaits between taking a connection off the
+    list and marking it used, so the asyncio lock is not needed for that."""
+
+    async def get_connection(
+        self, command_name: Any = None, *keys: Any, **options: Any
+    ) -> AbstractConnection:
+        connection: AbstractConnection = self.get_available_connection()  # type: ignore[no-untyped-call]
+        try:
+            await self.ensure_connection(connection)
+        except BaseException:
+            await self.release(connection)
+            raise
+        return connection
+
+    async def release(self, connection: AbstractConnection) -> None:
+        self._in_use_connections.remove(connection)
+        if connection.should_reconnect():  # type: ignore[no-untyped-call]
+            await connection.disconnect()
+        self._available_connections.append(connection)
+
+
+class _Client(aioredis.Redis):
+    """redis-py's client with a command path for a client that never retries (`_settings`): the
+    same steps (a pooled connection, send, parse, a connection that failed is closed before the
+    error reaches the caller) without the retry loop's closures and the OpenTelemetry timing of
+    every command, which routeledger does not configure."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if self.single_connection_client:
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        pool = self.connection_pool
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            return await self._send_command_parse_response(conn, args[0], *args, **options)  # type: ignore[no-untyped-call]
+        except _CLOSES_CONNECTION as error:
+            await conn.disconnect(error=error, failure_count=1)
+            raise
+        finally:
+            await pool.release(conn)
+
+
+# The errors after which redis-py's retry closes the connection (Retry's supported errors).
+_CLOSES_CONNECTION: Final = (RedisConnectionError, RedisTimeoutError, socket.timeout)
+
+
 _PACKED: Final[dict[type[AbstractConnection], type[AbstractConnection]]] = {
     Connection: _Tcp,
     SSLConnection: _Tls,
@@ -199,18 +257,17 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
       at checkout (see the module's docstring).
     - A `rediss://` URL is TLS, with the files in its query (see the module's docstring); they are
       checked here, so that a missing one is named rather than failing the first command.
-    - Commands are packed by hiredis (_HiredisPacking).
+    - Commands are packed by hiredis (_HiredisPacking), and the pool skips redis-py's
+      per-checkout telemetry (_Pool).
     """
     check_tls(url)
     if is_cluster_url(url):
         return _cluster_client(url, socket_timeout=socket_timeout, **options)
-    client = aioredis.Redis.from_url(
-        url,
-        **_settings(socket_timeout),
-        **options,
-    )
-    pool = client.connection_pool
+    pool = _Pool.from_url(url, **_settings(socket_timeout), **options)
     pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
+    client = _Client(connection_pool=pool)
+    # The client owns the pool it was given here, as from_url's would: closing one closes both.
+    client.auto_close_connection_pool = True
     return client
 
 
