@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import pytest
@@ -29,6 +29,7 @@ from tests.helpers import (
     wait_until,
     worker_process,
 )
+from workers.admission import Admission, Gate, PlainPull, RouterGate
 from workers.agent import Running, WorkerAgent
 from workers.backend import OllamaBackend
 
@@ -411,3 +412,51 @@ async def test_a_result_stored_by_a_run_that_died_before_counting_it_is_counted_
     stored = await redis_client.hgetall(keys.result(task_id))
     assert (stored[b"taken"], stored[b"logged"]) == (b"1", b"1")
     assert result_decoder.decode(stored[b"result"]).text == "first"
+
+
+class _CountingGate:
+    """A gate that records when the worker asks it, and whether it admitted anything."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate, self.asks = gate, list[tuple[float, bool]]()
+
+    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+        admission = await self.gate.admit(agent, queues)
+        self.asks.append((time.monotonic(), admission.queue is not None))
+        return admission
+
+    def idle_asks_soon_after_a_take(self, within_s: float) -> int:
+        """Asks that found nothing to take within `within_s` of one that did."""
+        takes = [at for at, took in self.asks if took]
+        return sum(1 for at, took in self.asks if not took and any(0 <= at - t < within_s for t in takes))
+
+
+@pytest.mark.parametrize(("kind", "slots"), [("plain", 1), ("router", 4)])
+async def test_a_worker_that_took_the_only_waiting_task_waits_without_asking_its_gate_again(
+    redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, kind: str, slots: int
+) -> None:
+    keys = Keys.for_client(redis_client)
+    queues = TaskQueues(redis_client, keys, ledger)
+    inner: Gate = PlainPull(redis_client, keys) if kind == "plain" else RouterGate(redis_client, keys)
+    gate = _CountingGate(inner)
+    # An idle worker asks again every block_ms; an ask that follows a take sooner than half of it
+    # was made because of the take.
+    config = fast_config("a", block_ms=3_000, slots=slots)
+    async with running_agent(redis_client, hosts.url("a"), config, gate=gate):
+        await wait_until(lambda: _asked(gate))
+        for n in range(1, 4):
+            await submit(queues, max_tokens=4)
+            await wait_until(lambda n=n: completed(ledger, n), timeout=5)
+        # Tasks queued while the worker takes another (after its gate looked) are taken at once,
+        # not after a block_ms.
+        for n in range(5, 15, 2):
+            started = time.monotonic()
+            await asyncio.gather(submit(queues, max_tokens=4), submit(queues, max_tokens=4))
+            await wait_until(lambda n=n: completed(ledger, n), timeout=5)
+            assert time.monotonic() - started < 2.5
+    assert sum(took for _, took in gate.asks) == 13
+    assert gate.idle_asks_soon_after_a_take(1.5) == 0
+
+
+async def _asked(gate: _CountingGate) -> bool:
+    return bool(gate.asks)

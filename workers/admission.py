@@ -54,6 +54,11 @@ class Admission(msgspec.Struct, kw_only=True):
     task_id: str = ""
     # Each queue looked at -> the id of its last entry (an XREAD from it wakes on the next new one).
     cursors: dict[str, str] = msgspec.field(default_factory=dict)
+    # The id of the entry admitted when it was the only one waiting in every queue looked at (nothing
+    # re-queued, nothing behind it), else ''. Once the worker has taken exactly that entry, nothing
+    # is left to decide on: it waits on `cursors`, which wake it on anything queued since the look,
+    # instead of reading the backlog again only to find it empty.
+    alone: str = ""
 
 
 class Gate(Protocol):
@@ -74,20 +79,30 @@ def _one_band(backlog: dict[str, list[BacklogEntry]]) -> bool:
     return all(len({e.queue for e in q}) <= 1 for q in backlog.values())
 
 
+def _alone(backlog: dict[str, list[BacklogEntry]]) -> str:
+    """The entry id of the only entry waiting in `backlog`; '' when there are more, or none."""
+    waiting = [e for q in backlog.values() for e in q]
+    return waiting[0].entry_id if len(waiting) == 1 else ""
+
+
 class PlainPull:
-    """Take the head of whichever queue waited longest (the behaviour before the router's gate)."""
+    """Take the head of whichever queue waited longest (the behaviour before the router's gate).
+    It reads each queue's head and the entry behind it, no more: the heads decide, and the second
+    tells whether the head is the only one waiting (Admission.alone)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.view = LiveView(redis, keys)
         self.keys = keys
 
     async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
-        backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues))
+        backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues), 2)
         heads = [(q[0].enqueued_at_ms, d) for d, q in backlog.items() if q]
         if not heads:
             return Admission(cursors=cursors)
         _, digest = min(heads)
-        return Admission(queue=backlog[digest][0].queue or self.keys.queue(digest), cursors=cursors)
+        return Admission(
+            queue=backlog[digest][0].queue or self.keys.queue(digest), cursors=cursors, alone=_alone(backlog)
+        )
 
 
 class RouterGate:
@@ -186,4 +201,5 @@ class RouterGate:
             entry_id=decision.entry_id,
             slack=slack,
             cursors=cursors,
+            alone=_alone(backlog),
         )

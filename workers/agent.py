@@ -146,7 +146,7 @@ class Running(msgspec.Struct, kw_only=True):
 
 
 class Wait(msgspec.Struct, kw_only=True):
-    """Nothing was taken: what to wait on before asking again."""
+    """What to wait on before asking again: nothing was taken, or what was taken was all that waited."""
 
     # Queue -> the id of its last entry (an XREAD from it wakes on the next new one).
     cursors: dict[str, str]
@@ -531,6 +531,9 @@ class WorkerAgent:
 
     # -- the loops -------------------------------------------------------------------------------
     async def _consume_loop(self) -> None:
+        # A wait kept from a take that emptied the queues while it filled the last slot: once a
+        # slot is free, it wakes at once on anything queued since (no need to ask the gate first).
+        kept: Wait | None = None
         while not self.stopping.is_set():
             if self.free_slots == 0 or not self.backend_ok or not self.may_take():
                 self._slot_freed.clear()
@@ -538,8 +541,10 @@ class WorkerAgent:
                     await asyncio.wait_for(self._slot_freed.wait(), self.config.block_ms / 1000)
                 continue
             try:
-                wait = await self._take_one()
-                if wait is not None:
+                wait, kept = kept or await self._take_one(), None
+                if wait is not None and self.free_slots == 0:
+                    kept = wait
+                elif wait is not None:
                     await self._wait_for_work(wait)
             except (RedisError, OSError) as exc:
                 log.warning("Redis unavailable while taking work (%s); retrying", exc)
@@ -587,6 +592,9 @@ class WorkerAgent:
             self.expects_work = True
             self._last_shared_take = time.monotonic()
             self._start(self.pinned if admission.ahead else admission.queue, taken)
+            if admission.alone and taken.entry_id == admission.alone:
+                # It was the only task waiting when the gate looked: wait for what came since.
+                return Wait(cursors=cursors)
             return None
         # The head moved since the gate looked (another worker took it, or it was cancelled): the
         # decision was about a task that is not there; ask again, pausing a little if it repeats.
