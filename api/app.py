@@ -34,6 +34,7 @@ from api.errors import (
     surface_of,
 )
 from api.metrics import CONTENT_TYPE, Metrics
+from api.schemas import hot_schemas
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
@@ -146,6 +147,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.include_router(fleet.router)
     app.include_router(pipelines.router)
     app.include_router(dashboard.router)
+    _hot_schemas(app)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> JSON:
@@ -199,6 +201,22 @@ def create_app(config: AppConfig) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE)
 
     return app
+
+
+def _hot_schemas(app: FastAPI) -> None:
+    """The OpenAPI document with the hot routes' bodies (msgspec types, api.schemas) beside the
+    pydantic ones: their routes name them by reference only."""
+
+    made = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            # FastAPI's own document (which it keeps as app.openapi_schema), completed once.
+            made().setdefault("components", {}).setdefault("schemas", {}).update(hot_schemas())
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _error_response(request: Request, exc: ApiError) -> Response:

@@ -13,6 +13,7 @@ from api.common import (
     check_messages,
     encode,
     gateway,
+    read_body,
     sse,
     stream,
     submit,
@@ -21,7 +22,7 @@ from api.common import (
     waited,
 )
 from api.errors import NATIVE, ApiError, BadRequestError, NotFoundError, render
-from api.schemas import TaskCreate
+from api.schemas import TaskCreate, request_body
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
 from dispatch.payload import Thought
@@ -56,9 +57,10 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
     )
 
 
-@router.post("/v1/tasks", status_code=202)
-async def create_task(body: TaskCreate, request: Request) -> Response:
+@router.post("/v1/tasks", status_code=202, openapi_extra=request_body(TaskCreate))
+async def create_task(request: Request) -> Response:
     """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
+    body = await read_body(request, TaskCreate)
     check_messages(request, len(body.messages or []))
     gw = gateway(request)
     sub = await submit(

@@ -15,10 +15,10 @@ from typing import Any, Final
 from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
-from api.common import JSON, Answer, check_messages, encode, gateway, stream, submit, task_answer
+from api.common import JSON, Answer, check_messages, encode, gateway, read_body, stream, submit, task_answer
 from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
 from api.pipelines import pipeline_answer, refuse_unsupported
-from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
+from api.schemas import OllamaChat, OllamaGenerate, OllamaShow, request_body
 from api.tools import check_tools, ollama_calls
 from dispatch.lease import LeaseInfo, LoadedModel
 from dispatch.modelcard import details, facts, read_card
@@ -210,8 +210,9 @@ async def _loaded(request: Request, model: str, key: str) -> JSON:
     return JSON({"model": model, "created_at": rfc3339(), key: empty, "done": True, "done_reason": "load"})
 
 
-@router.post("/api/chat")
-async def chat(body: OllamaChat, request: Request) -> Response:
+@router.post("/api/chat", openapi_extra=request_body(OllamaChat))
+async def chat(request: Request) -> Response:
+    body = await read_body(request, OllamaChat)
     messages = [m.to_message() for m in body.messages or []]
     check_messages(request, len(messages))
     if not messages:

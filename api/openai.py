@@ -23,6 +23,7 @@ from api.common import (
     encode,
     finish_reason,
     gateway,
+    read_body,
     sse,
     sse_error,
     stream,
@@ -33,7 +34,7 @@ from api.common import (
 )
 from api.errors import OPENAI, BadRequestError, model_not_found
 from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
-from api.schemas import ChatCompletionCreate, CompletionCreate
+from api.schemas import ChatCompletionCreate, CompletionCreate, request_body
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
 from dispatch.payload import Result, Thought
 from dispatch.serving import catalog
@@ -134,8 +135,9 @@ def _model(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "routeledger", **extra}
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionCreate, request: Request) -> Response:
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionCreate))
+async def chat_completions(request: Request) -> Response:
+    body = await read_body(request, ChatCompletionCreate)
     _single(body.n)
     check_messages(request, len(body.messages))
     messages = [m.to_message() for m in body.messages]

@@ -150,3 +150,40 @@ async def test_with_keys_configured_a_missing_or_wrong_key_is_refused(
     assert isinstance(oll.json()["error"], str)
     assert right.status_code == 200 and probe.status_code == 200
     assert await ledger.length() == before
+
+
+async def test_a_body_of_the_wrong_shape_is_a_422_naming_the_field_in_each_surfaces_shape(
+    http: httpx.AsyncClient, ledger: Ledger
+) -> None:
+    before = await ledger.length()
+    bad = [{"role": 5, "content": "hi"}]
+    native = await http.post("/v1/tasks", json={"model": "m", "messages": bad})
+    oai = await http.post("/v1/chat/completions", json={"model": "m", "messages": bad})
+    oll = await http.post("/api/chat", json={"model": "m", "messages": bad, "stream": False})
+    assert (native.status_code, oai.status_code, oll.status_code) == (422, 422, 422)
+    assert native.json()["error"]["type"] == "validation_error"
+    assert native.json()["error"]["message"].startswith("body.messages[0].role: Expected `str`")
+    assert oai.json()["error"]["param"] == "messages[0].role"
+    assert "messages[0].role" in oll.json()["error"]
+    assert await ledger.length() == before
+
+
+async def test_the_hot_routes_bodies_are_described_in_the_openapi_document(http: httpx.AsyncClient) -> None:
+    doc = (await http.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    for path, name in (
+        ("/v1/tasks", "TaskCreate"),
+        ("/v1/chat/completions", "ChatCompletionCreate"),
+        ("/api/chat", "OllamaChat"),
+    ):
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{name}"}
+        assert schemas[name]["properties"]["messages"]
+    assert schemas["ChatMessage"]["required"] == ["role"]
+    assert schemas["TaskCreate"]["properties"]["priority"] == {
+        "type": "integer",
+        "minimum": -1000,
+        "maximum": 1000,
+        "default": 0,
+    }
