@@ -33,6 +33,7 @@ from api.errors import (
     render,
     surface_of,
 )
+from api.hotpath import HotPath
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import hot_schemas
 from dispatch.errors import DispatchError
@@ -126,6 +127,8 @@ def create_app(config: AppConfig) -> FastAPI:
         allow_runtime_options=config.allow_runtime_options,
         max_num_ctx=config.max_num_ctx,
     )
+    # Innermost: the hot routes, past FastAPI's routing (api.hotpath), behind the guard and the shell.
+    app.add_middleware(HotPath, fastapi=app)
     # The shell is inside the guard (added first): its page loads only under an allowed host name,
     # and without a key (a browser cannot send one with a page load; the shell holds no data).
     app.add_middleware(dashboard.Shell)
