@@ -128,7 +128,7 @@ def create_app(config: AppConfig) -> FastAPI:
         max_num_ctx=config.max_num_ctx,
     )
     # Innermost: the hot routes, past FastAPI's routing (api.hotpath), behind the guard and the shell.
-    app.add_middleware(HotPath, fastapi=app)
+    app.add_middleware(HotPath, fastapi=app, routers=(native.router, openai.router, ollama.router))
     # The shell is inside the guard (added first): its page loads only under an allowed host name,
     # and without a key (a browser cannot send one with a page load; the shell holds no data).
     app.add_middleware(dashboard.Shell)

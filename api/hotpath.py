@@ -13,10 +13,11 @@ document and for any path this lane does not know.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from fastapi import FastAPI
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -29,22 +30,22 @@ HOT_ROUTES: Final = frozenset(
 class HotPath:
     """ASGI middleware, innermost of the app's own: serves HOT_ROUTES, passes everything else on."""
 
-    def __init__(self, app: ASGIApp, *, fastapi: FastAPI) -> None:
+    def __init__(self, app: ASGIApp, *, fastapi: FastAPI, routers: Sequence[APIRouter]) -> None:
         self.app = app
         self.fastapi = fastapi
-        # Found on the first request: the routers are included after the middleware is added.
-        self._routes: dict[tuple[str, str], APIRoute] | None = None
-
-    def routes(self) -> dict[tuple[str, str], APIRoute]:
-        if self._routes is None:
-            self._routes = {
-                (method, route.path): route
-                for route in self.fastapi.routes
-                if isinstance(route, APIRoute)
-                for method in route.methods or ()
-                if (method, route.path) in HOT_ROUTES
-            }
-        return self._routes
+        # From the routers as declared (included without a prefix): FastAPI keeps an included
+        # router as an internal wrapper, not as its routes.
+        self.routes = {
+            (method, route.path): route
+            for router in routers
+            for route in router.routes
+            if isinstance(route, APIRoute)
+            for method in route.methods or ()
+            if (method, route.path) in HOT_ROUTES
+        }
+        missing = HOT_ROUTES - set(self.routes)
+        if missing:
+            raise ValueError(f"no endpoint for the hot routes {sorted(missing)}")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -52,7 +53,7 @@ class HotPath:
             root: str = scope.get("root_path", "")
             if root and path.startswith(root):
                 path = path[len(root) :]
-            route = self.routes().get((scope["method"], path))
+            route = self.routes.get((scope["method"], path))
             if route is not None:
                 await self._serve(route, scope, receive, send)
                 return
