@@ -8,6 +8,7 @@ late or twice.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
@@ -609,18 +610,28 @@ T = TypeVar("T")
 
 # Sent again after a connection failure: only calls that are safe to repeat go through resend.
 _RESEND_TRIES: Final = 3
+# What a sending that may be repeated fails with.
+_RESENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
+# The pause before the second sending (each later one waits twice as long, at most 0.5 s).
+_FIRST_PAUSE_S: Final = 0.05
 
 
 async def resend(op: Callable[[], Awaitable[T]]) -> T:
     """`op`, sent again (up to _RESEND_TRIES in all, after short pauses) when the connection fails or
     times out. The client itself never repeats a command (routeledger.runtime turns its retries
-    off), so a repeat happens only here, for operations whose repetition is harmless."""
+    off), so a repeat happens only here, for operations whose repetition is harmless.
+
+    The first sending is a plain call: tenacity's retrying loop cost more CPU than the command it
+    wrapped (a task's acknowledgement), so it is built only once a sending has failed."""
+    try:
+        return await op()
+    except _RESENT:
+        pass
+    await asyncio.sleep(_FIRST_PAUSE_S)
     async for attempt in AsyncRetrying(
-        stop=stop_after_attempt(_RESEND_TRIES),
-        wait=wait_exponential(multiplier=0.05, max=0.5),
-        retry=retry_if_exception_type(
-            (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
-        ),
+        stop=stop_after_attempt(_RESEND_TRIES - 1),
+        wait=wait_exponential(multiplier=2 * _FIRST_PAUSE_S, max=0.5),
+        retry=retry_if_exception_type(_RESENT),
         reraise=True,
     ):
         with attempt:
