@@ -34,6 +34,7 @@ from dispatch.payload import (
     result_decoder,
 )
 from events.codec import as_str, encode_batch, encode_fields
+from events.connection import send_all
 from events.event import Event, TaskDeadLettered, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
 from events.ledger import LUA_APPEND_BLOB, Ledger
@@ -616,6 +617,10 @@ _RESENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, Time
 _FIRST_PAUSE_S: Final = 0.05
 
 
+def _flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
+    return [part for item in fields.items() for part in item]
+
+
 async def resend(op: Callable[[], Awaitable[T]]) -> T:
     """`op`, sent again (up to _RESEND_TRIES in all, after short pauses) when the connection fails or
     times out. The client itself never repeats a command (routeledger.runtime turns its retries
@@ -1079,21 +1084,20 @@ class TaskQueues:
         mark, close = counts, done is not None
         rounds = 0
         while True:
-            pipe = self.redis.pipeline(transaction=False)
-            for event in left:
-                pipe.xadd(self.ledger.appends_to, encode_fields(event))  # type: ignore[arg-type]
+            commands: list[tuple[Any, ...]] = [
+                ("XADD", self.ledger.appends_to, "*", *_flat(encode_fields(event))) for event in left
+            ]
             # After a refusal the mark waits for a round in which no event is outstanding.
             with_rest = rounds == 0 or not left
             if mark and with_rest:
-                pipe.hset(self.result_key(task_id), "logged", "1")
+                commands.append(("HSET", self.result_key(task_id), "logged", "1"))
             if close and with_rest:
                 out_key = self.out_key(task_id)
-                fields = {b"c": encode_chunk(done)}  # type: ignore[arg-type]
-                if carried is not None:
-                    fields[b"r"] = encode_result(carried)
-                pipe.xadd(out_key, fields)  # type: ignore[arg-type]
-                pipe.pexpire(out_key, OUTPUT_TTL_MS)
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
+                chunk = (b"c", encode_chunk(done))  # type: ignore[arg-type]
+                carry = (b"r", encode_result(carried)) if carried is not None else ()
+                commands.append(("XADD", out_key, "*", *chunk, *carry))
+                commands.append(("PEXPIRE", out_key, OUTPUT_TTL_MS))
+            replies = await send_all(self.redis, commands)
             failed = [r for r in replies if isinstance(r, Exception)]
             if not failed:
                 return

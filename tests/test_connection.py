@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from events.connection import redis_client as open_redis
-from events.connection import with_tls_files
+from events.connection import send_all, with_tls_files
 from events.errors import RedisUrlError
 from routeledger.certs import ensure_server_tls
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
@@ -171,3 +171,33 @@ async def test_a_cluster_client_routes_scripts_and_stream_reads_without_asking_a
     finally:
         await client.function_delete("rl_keys_test")
         await client.aclose()
+
+
+@pytest.mark.parametrize("kind", ["single", "cluster"])
+async def test_commands_sent_together_each_get_their_reply_and_a_refused_one_stops_none_of_the_others(
+    kind: str, fresh_server: EmbeddedRedis, redis_cluster: EmbeddedCluster
+) -> None:
+    if kind == "cluster":
+        redis_cluster.flush()
+    client = open_redis(fresh_server.url if kind == "single" else redis_cluster.url)
+    try:
+        await client.set("{t}text", "not a number")
+        replies = await send_all(
+            client,
+            [
+                ("XADD", "{t}s", "*", "f", b"\x00v"),
+                ("INCR", "{t}text"),
+                ("HSET", "{t}h", "logged", "1"),
+                ("PEXPIRE", "{t}h", 60_000),
+            ],
+        )
+        rows = await client.xrange("{t}s")
+        logged = await client.hget("{t}h", "logged")
+        # The connection is left in step: the next command reads its own reply.
+        pong = await client.ping()
+    finally:
+        await client.aclose()
+    assert isinstance(replies[0], bytes) and rows[0][0] == replies[0]
+    assert isinstance(replies[1], redis.ResponseError) and "not an integer" in str(replies[1])
+    assert replies[2:] == [1, 1]
+    assert rows[0][1] == {b"f": b"\x00v"} and logged == b"1" and pong is True
