@@ -393,10 +393,13 @@ class _RawName(str):
         return self is not other
 
 
-async def send_all(redis: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:
+async def send_all(
+    redis: aioredis.Redis, commands: Sequence[Sequence[Any]], *, raise_on_error: bool = False
+) -> list[Any]:
     """`commands` sent in one write on one connection and their replies read in order, as a
-    non-transactional pipeline with `raise_on_error=False` does: a command Redis refused has its
-    error in its place, and the others still ran. Replies are raw (no response callbacks).
+    non-transactional pipeline does: a command Redis refused has its error in its place, and the
+    others still ran; with `raise_on_error` the first such error is raised once every reply is in.
+    Replies are raw (no response callbacks).
 
     On routeledger's own client this skips redis-py's pipeline object (its command stack, its
     Python packing, the retry loop and the telemetry): the hot path's closing writes cost three
@@ -406,7 +409,7 @@ async def send_all(redis: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> 
         pipe = redis.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
-        return await pipe.execute(raise_on_error=False)
+        return await pipe.execute(raise_on_error=raise_on_error)
     pool = redis.connection_pool
     conn = await pool.get_connection()  # type: ignore[no-untyped-call]
     try:
@@ -417,12 +420,15 @@ async def send_all(redis: aioredis.Redis, commands: Sequence[Sequence[Any]]) -> 
                 replies.append(await conn.read_response())
             except ResponseError as refused:
                 replies.append(refused)
-        return replies
     except _CLOSES_CONNECTION as error:
         await conn.disconnect(error=error, failure_count=1)
         raise
     finally:
         await pool.release(conn)
+    first = next((r for r in replies if isinstance(r, ResponseError)), None)
+    if raise_on_error and first is not None:
+        raise first
+    return replies
 
 
 def raw_name(redis: aioredis.Redis, name: str) -> str | bytes:

@@ -201,3 +201,17 @@ async def test_commands_sent_together_each_get_their_reply_and_a_refused_one_sto
     assert isinstance(replies[1], redis.ResponseError) and "not an integer" in str(replies[1])
     assert replies[2:] == [1, 1]
     assert rows[0][1] == {b"f": b"\x00v"} and logged == b"1" and pong is True
+
+
+async def test_commands_sent_together_raise_the_first_refusal_when_asked_once_every_reply_is_in(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url)
+    try:
+        await client.set("text", "x")
+        with pytest.raises(redis.ResponseError, match="not an integer"):
+            await send_all(client, [("INCR", "text"), ("SET", "after", "1")], raise_on_error=True)
+        after = await client.get("after")
+    finally:
+        await client.aclose()
+    assert after == b"1"

@@ -42,6 +42,7 @@ from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueue
 from dispatch.serving import embeds_only
 from events.clock import LedgerClock
 from events.codec import encode_fields
+from events.connection import send_all
 from events.errors import RouteledgerError
 from events.event import (
     Event,
@@ -843,7 +844,7 @@ class WorkerAgent:
 
         async def flush(final: Chunk | None = None) -> None:
             await run.settle_claim()
-            pipe = self.redis.pipeline(transaction=False)
+            commands: list[tuple[Any, ...]] = []
             if buffer or unsent_calls or unsent_thoughts:
                 piece = Chunk(
                     attempt=entry.attempt,
@@ -852,12 +853,12 @@ class WorkerAgent:
                     tool_calls=list(unsent_calls) or None,
                     thinking="".join(unsent_thoughts),
                 )
-                pipe.xadd(out_key, {b"c": encode_chunk(piece)})
+                commands.append(("XADD", out_key, "*", "c", encode_chunk(piece)))
             if final is not None:
-                pipe.xadd(out_key, {b"c": encode_chunk(final)})
-            pipe.pexpire(out_key, OUTPUT_TTL_MS)
+                commands.append(("XADD", out_key, "*", "c", encode_chunk(final)))
+            commands.append(("PEXPIRE", out_key, OUTPUT_TTL_MS))
             try:
-                await pipe.execute()
+                await send_all(self.redis, commands, raise_on_error=True)
             except ResponseError as exc:
                 if final is not None or not is_oom(exc):
                     raise
