@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -394,3 +395,48 @@ async def test_a_run_request_that_fails_says_how_in_the_kind_the_worker_acts_on(
     assert info.value.kind == kind
     assert info.value.retryable
     assert text
+
+
+async def test_what_one_read_of_the_backend_brings_is_handed_on_joined_by_kind_and_in_order() -> None:
+    lines = [
+        {"message": {"role": "assistant", "content": "", "thinking": "hm"}},
+        {"message": {"role": "assistant", "content": "", "thinking": "m."}},
+        {"message": {"role": "assistant", "content": "Hel"}},
+        {"message": {"role": "assistant", "content": "lo"}},
+        {
+            "message": {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+            }
+        },
+        {"message": {"role": "assistant", "content": "!"}},
+        {
+            "message": {"role": "assistant", "content": ""},
+            "done": True,
+            "done_reason": "stop",
+            "eval_count": 4,
+        },
+    ]
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    backend = OllamaBackend(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        items = [item async for item in backend.generate(_task(), "m")]
+    finally:
+        await backend.aclose()
+        server.close()
+    assert items[:2] == [Thought("hmm."), "Hello"] and items[3] == "!"
+    assert isinstance(items[2], list) and [(c.name, c.arguments) for c in items[2]] == [("f", "{}")]
+    assert isinstance(items[4], Generated) and items[4].timings.eval_count == 4

@@ -181,3 +181,23 @@ async def test_an_answer_without_length_or_chunks_ends_where_its_connection_does
             await streams.aclose()
     assert twice == [[b'{"a": 1}', b'{"b": 2}']] * 2
     assert len(accepted) == 2
+
+
+async def test_lines_that_arrive_in_one_read_come_as_one_batch_and_later_ones_in_the_next() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        # Three chunks (a line each, the last split across two) in one write, then the rest later.
+        writer.write(head + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a\n", b"b\n", b"c", b"c\n")))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"2\r\nd\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with serving(handler) as (url, _):
+        streams = LineStreams(url, 5.0)
+        try:
+            batches = [batch async for batch in streams.batches("/p", {}, "m")]
+        finally:
+            await streams.aclose()
+    assert batches == [[b"a", b"b", b"cc"], [b"d"]]

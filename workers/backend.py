@@ -164,9 +164,11 @@ class LineStreams:
     def __init__(self, url: str, idle_timeout_s: float) -> None:
         self._pool = Http1Pool(url.rstrip("/"), connect_timeout_s=5.0, read_timeout_s=idle_timeout_s)
 
-    async def lines(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[bytes, None]:
-        """Each non-blank line of the answer to POST `body` (as JSON) at `path`; BackendError for an
-        HTTP error status. Closing the iterator early closes the connection."""
+    async def batches(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[list[bytes], None]:
+        """The non-blank lines of the answer to POST `body` (as JSON) at `path`, as they arrive: one
+        list for each read (a backend that answers at once sends many lines in one, and each step
+        through these generators costs more than parsing a line); BackendError for an HTTP error
+        status. Closing the iterator early closes the connection."""
         answer = await self._pool.post(path, msgspec.json.encode(body), _NDJSON_HEADERS)
         try:
             if answer.status >= 400:
@@ -176,13 +178,23 @@ class LineStreams:
                 if rest:
                     chunk = rest + chunk
                 *whole, rest = chunk.split(b"\n")
-                for line in whole:
-                    if line.strip():
-                        yield line
+                batch = [line for line in whole if line.strip()]
+                if batch:
+                    yield batch
             if rest.strip():
-                yield rest
+                yield [rest]
         finally:
             await answer.aclose()
+
+    async def lines(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[bytes, None]:
+        """Each non-blank line of the answer (see `batches`)."""
+        batches = self.batches(path, body, model)
+        try:
+            async for batch in batches:
+                for line in batch:
+                    yield line
+        finally:
+            await batches.aclose()
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -214,6 +226,17 @@ def _options(task: TaskMessage) -> dict[str, Any]:
 
 
 _line_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def _join(out: list[str | Thought | list[ToolCall]], item: str | Thought) -> None:
+    """Add text or thinking to `out`, joined to the last item when that is of the same kind."""
+    last = out[-1] if out else None
+    if isinstance(item, str) and isinstance(last, str):
+        out[-1] = last + item
+    elif isinstance(item, Thought) and isinstance(last, Thought):
+        out[-1] = Thought(last.text + item.text)
+    else:
+        out.append(item)
 
 
 def _call_id() -> str:
@@ -591,37 +614,52 @@ class OllamaBackend:
         final: Generated | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                lines = self.streams.lines(path, body, local_name)
+                batches = self.streams.batches(path, body, local_name)
                 try:
-                    async for line in lines:
-                        data = _line_decoder.decode(line)
-                        if "error" in data:
-                            raise BackendError("http_5xx", str(data["error"]), retryable=True)
-                        piece = data.get(key)
-                        text = piece.get("content", "") if isinstance(piece, dict) else (piece or "")
-                        # Chat thinks in `message.thinking`, generate in a top-level `thinking`.
-                        thought = piece.get("thinking") if isinstance(piece, dict) else data.get("thinking")
-                        if isinstance(thought, str) and thought:
-                            started = True
-                            yield Thought(thought)
-                        if text:
-                            started = True
-                            yield text
-                        if isinstance(piece, dict) and piece.get("tool_calls"):
-                            started = True
-                            calls = _ollama_calls(piece["tool_calls"])
-                            if task.parallel_tool_calls is False:
-                                # Ollama reads no `parallel_tool_calls`: one call is all the client takes.
-                                calls = calls[: max(0, 1 - called)]
-                            called += len(calls)
-                            if calls:
-                                yield calls
-                        if data.get("done"):
-                            final = Generated(
-                                timings=_ollama_timings(data), done_reason=data.get("done_reason")
+                    async for batch in batches:
+                        # What one read brought, in order, with neighbouring pieces of one kind
+                        # joined: one step for the caller per read, not per token.
+                        out: list[str | Thought | list[ToolCall]] = []
+                        failure: Exception | None = None
+                        for line in batch:
+                            try:
+                                data = _line_decoder.decode(line)
+                            except Exception as exc:
+                                failure = exc
+                                break
+                            if "error" in data:
+                                failure = BackendError("http_5xx", str(data["error"]), retryable=True)
+                                break
+                            piece = data.get(key)
+                            text = piece.get("content", "") if isinstance(piece, dict) else (piece or "")
+                            # Chat thinks in `message.thinking`, generate in a top-level `thinking`.
+                            thought = (
+                                piece.get("thinking") if isinstance(piece, dict) else data.get("thinking")
                             )
+                            if isinstance(thought, str) and thought:
+                                _join(out, Thought(thought))
+                            if text:
+                                _join(out, text)
+                            if isinstance(piece, dict) and piece.get("tool_calls"):
+                                calls = _ollama_calls(piece["tool_calls"])
+                                if task.parallel_tool_calls is False:
+                                    # Ollama reads no `parallel_tool_calls`: one call is all the client takes.
+                                    calls = calls[: max(0, 1 - called)]
+                                called += len(calls)
+                                if calls:
+                                    out.append(calls)
+                            if data.get("done"):
+                                final = Generated(
+                                    timings=_ollama_timings(data), done_reason=data.get("done_reason")
+                                )
+                        # What came before a failure in the same read is the caller's all the same.
+                        for item in out:
+                            started = True
+                            yield item
+                        if failure is not None:
+                            raise failure
                 finally:
-                    await lines.aclose()
+                    await batches.aclose()
                 # The body was read to its end, so the connection went back to the pool.
                 if final is not None:
                     yield final

@@ -128,10 +128,14 @@ class _Connection(asyncio.Protocol):
         return self.status
 
     async def chunks(self, timeout_s: float) -> AsyncIterator[bytes]:
-        """The answer's body as it arrives (de-chunked), until it is complete."""
+        """The answer's body as it arrives (de-chunked), until it is complete: what arrived since
+        the last look in one piece (a backend that answers at once sends many HTTP chunks in one
+        read, and each piece handed on costs a step through every generator above)."""
         while True:
             while self._body:
-                yield self._body.popleft()
+                piece = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
+                self._body.clear()
+                yield piece
             if self._complete:
                 return
             if self.error is not None:
