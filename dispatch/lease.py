@@ -177,6 +177,11 @@ class Leases:
         """Write `info` as `info.worker`'s lease unless another process (token) holds it."""
         return self.taken(await self._lease(**self._call(info, ttl_ms)))
 
+    def put_command(self, info: LeaseInfo, ttl_ms: int) -> tuple[Any, ...] | None:
+        """The same write as one command to send with others (Script.command); None when it must
+        be queued on a pipeline (put_in)."""
+        return self._lease.command(**self._call(info, ttl_ms))
+
     async def put_in(self, pipe: Pipeline, info: LeaseInfo, ttl_ms: int) -> None:
         """The same write, queued on `pipe` (its reply, read with `taken`, says what it did)."""
         await self._lease(**self._call(info, ttl_ms), client=pipe)

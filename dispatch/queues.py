@@ -33,7 +33,7 @@ from dispatch.payload import (
     queue_fields,
     result_decoder,
 )
-from events.codec import as_str, encode_batch, encode_fields
+from events.codec import as_str, encode_batch, encode_flat
 from events.connection import send_all
 from events.event import Event, TaskDeadLettered, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
@@ -617,10 +617,6 @@ _RESENT: Final = (RedisConnectionError, RedisTimeoutError, ConnectionError, Time
 _FIRST_PAUSE_S: Final = 0.05
 
 
-def _flat(fields: Mapping[bytes, bytes]) -> list[bytes]:
-    return [part for item in fields.items() for part in item]
-
-
 async def resend(op: Callable[[], Awaitable[T]]) -> T:
     """`op`, sent again (up to _RESEND_TRIES in all, after short pauses) when the connection fails or
     times out. The client itself never repeats a command (routeledger.runtime turns its retries
@@ -1085,7 +1081,7 @@ class TaskQueues:
         rounds = 0
         while True:
             commands: list[tuple[Any, ...]] = [
-                ("XADD", self.ledger.appends_to, "*", *_flat(encode_fields(event))) for event in left
+                ("XADD", self.ledger.appends_to, "*", *encode_flat(event)) for event in left
             ]
             # After a refusal the mark waits for a round in which no event is outstanding.
             with_rest = rounds == 0 or not left

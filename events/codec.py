@@ -61,6 +61,12 @@ def encode_fields(event: Event) -> dict[bytes, bytes]:
     return {TYPE: kind, VERSION: version, DATA: data}
 
 
+def encode_flat(event: Event) -> list[bytes]:
+    """An event as one stream entry's names and values in turn: an XADD's arguments after its id."""
+    kind, version, data = encode_event(event)
+    return [TYPE, kind, VERSION, version, DATA, data]
+
+
 def decode_data(entry_id: str, kind: bytes | None, data: bytes | None) -> Event:
     """Decode an entry's `data`, checking it against the envelope's `type`."""
     if data is None or kind is None:

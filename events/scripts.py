@@ -82,6 +82,14 @@ class Script:
                 _HAS_FUNCTIONS[self.redis] = False
         return await self._eval(keys=keys, args=args)
 
+    def command(self, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        """The call as one command to send with others (events.connection.send_all), once the
+        client is known to run functions (it has run a script on its own); else None: queue it
+        on a pipeline instead."""
+        if not _HAS_FUNCTIONS.get(self.redis):
+            return None
+        return ("FCALL", self.definition.function, len(keys), *keys, *args)
+
     async def _fcall(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         name = self.definition.function
         call: Any = self.redis.fcall

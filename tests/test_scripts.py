@@ -10,6 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.lease import LeaseInfo, Leases
+from events.connection import redis_client as open_redis
+from events.connection import send_all
 from events.errors import ScriptLibraryError
 from events.keys import Keys
 from events.scripts import LIBRARY, library_code, load_library
@@ -71,3 +73,25 @@ async def test_a_user_that_may_not_load_the_library_is_told_to_start_an_admin_pr
     finally:
         await worker.aclose()
         await redis_client.execute_command("ACL", "DELUSER", "w")
+
+
+async def test_a_script_becomes_a_command_to_send_with_others_only_once_its_client_runs_functions(
+    any_redis_url: str,
+) -> None:
+    client = open_redis(any_redis_url)
+    try:
+        leases = Leases(client, Keys())
+        info = LeaseInfo(worker="a", token="t1", slots=1)
+        assert leases.put_command(info, 5000) is None
+        await leases.put(info, 5000)
+        command = leases.put_command(info, 5000)
+        version = int(str((await client.info("server"))["redis_version"]).split(".")[0])
+        if version < 7:
+            # Redis 6.2 has no functions: the script stays a pipelined EVALSHA.
+            assert command is None
+            return
+        assert command is not None and command[:2] == ("FCALL", leases._lease.definition.function)
+        (reply,) = await send_all(client, [command])
+        assert Leases.taken(reply).ok
+    finally:
+        await client.aclose()

@@ -41,7 +41,7 @@ from dispatch.prefix import held_after, task_chain
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from dispatch.serving import embeds_only
 from events.clock import LedgerClock
-from events.codec import encode_fields
+from events.codec import encode_fields, encode_flat
 from events.connection import send_all
 from events.errors import RouteledgerError
 from events.event import (
@@ -758,26 +758,35 @@ class WorkerAgent:
             # One round trip: the lease that now lists this task, the claim, and the cancel check.
             # The lease goes first: a worker woken by the TaskClaimed reads it up to date. It is on
             # its way while the backend is asked, and done before anything of the run is written.
-            pipe = self.redis.pipeline(transaction=False)
             sent = time.monotonic()
-            if self.eager_lease:
-                await self.leases.put_in(pipe, self.lease_info(), self.config.lease_ms)
-            pipe.xadd(
-                self.ledger.appends_to,
-                encode_fields(  # type: ignore[arg-type]
-                    TaskClaimed(
-                        task_id=task.task_id,
-                        worker=self.name,
-                        digest=task.digest,
-                        attempt=entry.attempt,
-                        queue=entry.queue,
-                        entry_id=entry.entry_id,
-                        in_flight=len(self.running),
-                    )
-                ),
+            claimed = TaskClaimed(
+                task_id=task.task_id,
+                worker=self.name,
+                digest=task.digest,
+                attempt=entry.attempt,
+                queue=entry.queue,
+                entry_id=entry.entry_id,
+                in_flight=len(self.running),
             )
-            pipe.exists(self.keys.cancel(task.task_id))
-            claim = _Claim(self, asyncio.ensure_future(pipe.execute()), sent, task.task_id)
+            cancel_key = self.keys.cancel(task.task_id)
+            commands: list[tuple[Any, ...]] = []
+            lease = (
+                self.leases.put_command(self.lease_info(), self.config.lease_ms) if self.eager_lease else None
+            )
+            if not self.eager_lease or lease is not None:
+                if lease is not None:
+                    commands.append(lease)
+                commands.append(("XADD", self.ledger.appends_to, "*", *encode_flat(claimed)))
+                commands.append(("EXISTS", cancel_key))
+                replies = send_all(self.redis, commands, raise_on_error=True)
+            else:
+                # The lease script cannot be sent as a plain command yet (events.scripts.Script.command).
+                pipe = self.redis.pipeline(transaction=False)
+                await self.leases.put_in(pipe, self.lease_info(), self.config.lease_ms)
+                pipe.xadd(self.ledger.appends_to, encode_fields(claimed))  # type: ignore[arg-type]
+                pipe.exists(cancel_key)
+                replies = pipe.execute()
+            claim = _Claim(self, asyncio.ensure_future(replies), sent, task.task_id)
             run.claim = claim
             await self._generate(run, local)
             self._failures = 0
