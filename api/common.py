@@ -11,6 +11,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 from fastapi import Request
 from redis.exceptions import RedisError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from api.auth import API_KEY, MODEL_KEY, TASK_KEY
@@ -38,6 +39,8 @@ _msgpack: Final = msgspec.msgpack.Encoder()
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 # msgspec names where a value failed as "... - at `$.messages[0].role`".
 _AT: Final = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_INDEX: Final = re.compile(r"\[(\d+)\]")
+_MISSING: Final = re.compile(r"missing required field `([^`]+)`")
 
 B = TypeVar("B", bound=msgspec.Struct)
 
@@ -64,7 +67,13 @@ async def read_body(request: Request, kind: type[B]) -> B:
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind, strict=False)
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # As FastAPI answered a body it could not read (the client is gone; the status is logged).
+        raise BadRequestError("There was an error parsing the body") from None
+    if not raw.strip():
+        raise UnprocessableError("body: Field required", hint="see the schema at /docs")
     try:
         return decoder.decode(raw)  # type: ignore[no-any-return]
     except msgspec.ValidationError as exc:
@@ -72,8 +81,12 @@ async def read_body(request: Request, kind: type[B]) -> B:
         _well_formed(raw)
         text = str(exc)
         at = _AT.search(text)
-        param = at.group("path") if at is not None else ""
+        # `messages[0].role` as FastAPI named it (`messages.0.role`), down to a missing field.
+        param = _INDEX.sub(r".\1", at.group("path")) if at is not None else ""
         message = text[: at.start()] if at is not None else text
+        missing = _MISSING.search(message)
+        if missing is not None:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
         raise UnprocessableError(
             f"body.{param}: {message}" if param else f"body: {message}",
             hint="see the schema at /docs",

@@ -397,7 +397,7 @@ async def test_a_run_request_that_fails_says_how_in_the_kind_the_worker_acts_on(
     assert text
 
 
-async def test_what_one_read_of_the_backend_brings_is_handed_on_joined_by_kind_and_in_order() -> None:
+async def test_what_one_read_of_the_backend_brings_is_handed_on_piece_by_piece_in_order() -> None:
     lines = [
         {"message": {"role": "assistant", "content": "", "thinking": "hm"}},
         {"message": {"role": "assistant", "content": "", "thinking": "m."}},
@@ -437,6 +437,7 @@ async def test_what_one_read_of_the_backend_brings_is_handed_on_joined_by_kind_a
     finally:
         await backend.aclose()
         server.close()
-    assert items[:2] == [Thought("hmm."), "Hello"] and items[3] == "!"
-    assert isinstance(items[2], list) and [(c.name, c.arguments) for c in items[2]] == [("f", "{}")]
-    assert isinstance(items[4], Generated) and items[4].timings.eval_count == 4
+    # Piece by piece (a run counts its pieces as tokens), in order, all from one read.
+    assert items[:4] == [Thought("hm"), Thought("m."), "Hel", "lo"] and items[5] == "!"
+    assert isinstance(items[4], list) and [(c.name, c.arguments) for c in items[4]] == [("f", "{}")]
+    assert isinstance(items[6], Generated) and items[6].timings.eval_count == 4

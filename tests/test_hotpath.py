@@ -83,3 +83,25 @@ def test_a_lane_whose_routers_lack_a_hot_route_refuses_to_start() -> None:
     app = create_app(AppConfig(redis_url="redis://127.0.0.1:1"))
     with pytest.raises(ValueError, match="/api/chat"):
         HotPath(app, fastapi=app, routers=(native.router, openai.router, APIRouter()))
+
+
+async def test_a_client_gone_before_its_body_arrived_is_a_400_not_a_server_error() -> None:
+    lane, _ = _lane()
+    scope: Scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await lane(scope, receive, send)
+    assert sent[0]["status"] == 400

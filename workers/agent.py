@@ -542,6 +542,9 @@ class WorkerAgent:
                     await asyncio.wait_for(self._slot_freed.wait(), self.config.block_ms / 1000)
                 continue
             try:
+                if kept is not None and self._pinned_cursor is None:
+                    # Something was handed back to the pinned stream meanwhile (it wakes no read).
+                    kept = None
                 wait, kept = kept or await self._take_one(), None
                 if wait is not None and self.free_slots == 0:
                     kept = wait

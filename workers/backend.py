@@ -228,17 +228,6 @@ def _options(task: TaskMessage) -> dict[str, Any]:
 _line_decoder = msgspec.json.Decoder(dict[str, Any])
 
 
-def _join(out: list[str | Thought | list[ToolCall]], item: str | Thought) -> None:
-    """Add text or thinking to `out`, joined to the last item when that is of the same kind."""
-    last = out[-1] if out else None
-    if isinstance(item, str) and isinstance(last, str):
-        out[-1] = last + item
-    elif isinstance(item, Thought) and isinstance(last, Thought):
-        out[-1] = Thought(last.text + item.text)
-    else:
-        out.append(item)
-
-
 def _call_id() -> str:
     """An id for a call the backend named none for (OpenAI's spelling: `call_` and 24 hex digits)."""
     return f"call_{secrets.token_hex(12)}"
@@ -617,8 +606,8 @@ class OllamaBackend:
                 batches = self.streams.batches(path, body, local_name)
                 try:
                     async for batch in batches:
-                        # What one read brought, in order, with neighbouring pieces of one kind
-                        # joined: one step for the caller per read, not per token.
+                        # What one read brought, in order, piece by piece (a run counts its pieces
+                        # as tokens: a cancelled run is charged by them).
                         out: list[str | Thought | list[ToolCall]] = []
                         failure: Exception | None = None
                         for line in batch:
@@ -637,9 +626,9 @@ class OllamaBackend:
                                 piece.get("thinking") if isinstance(piece, dict) else data.get("thinking")
                             )
                             if isinstance(thought, str) and thought:
-                                _join(out, Thought(thought))
+                                out.append(Thought(thought))
                             if text:
-                                _join(out, text)
+                                out.append(text)
                             if isinstance(piece, dict) and piece.get("tool_calls"):
                                 calls = _ollama_calls(piece["tool_calls"])
                                 if task.parallel_tool_calls is False:
