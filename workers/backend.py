@@ -606,19 +606,10 @@ class OllamaBackend:
                 batches = self.streams.batches(path, body, local_name)
                 try:
                     async for batch in batches:
-                        # What one read brought, in order, piece by piece (a run counts its pieces
-                        # as tokens: a cancelled run is charged by them).
-                        out: list[str | Thought | list[ToolCall]] = []
-                        failure: Exception | None = None
                         for line in batch:
-                            try:
-                                data = _line_decoder.decode(line)
-                            except Exception as exc:
-                                failure = exc
-                                break
+                            data = _line_decoder.decode(line)
                             if "error" in data:
-                                failure = BackendError("http_5xx", str(data["error"]), retryable=True)
-                                break
+                                raise BackendError("http_5xx", str(data["error"]), retryable=True)
                             piece = data.get(key)
                             text = piece.get("content", "") if isinstance(piece, dict) else (piece or "")
                             # Chat thinks in `message.thinking`, generate in a top-level `thinking`.
@@ -626,27 +617,24 @@ class OllamaBackend:
                                 piece.get("thinking") if isinstance(piece, dict) else data.get("thinking")
                             )
                             if isinstance(thought, str) and thought:
-                                out.append(Thought(thought))
+                                started = True
+                                yield Thought(thought)
                             if text:
-                                out.append(text)
+                                started = True
+                                yield text
                             if isinstance(piece, dict) and piece.get("tool_calls"):
+                                started = True
                                 calls = _ollama_calls(piece["tool_calls"])
                                 if task.parallel_tool_calls is False:
                                     # Ollama reads no `parallel_tool_calls`: one call is all the client takes.
                                     calls = calls[: max(0, 1 - called)]
                                 called += len(calls)
                                 if calls:
-                                    out.append(calls)
+                                    yield calls
                             if data.get("done"):
                                 final = Generated(
                                     timings=_ollama_timings(data), done_reason=data.get("done_reason")
                                 )
-                        # What came before a failure in the same read is the caller's all the same.
-                        for item in out:
-                            started = True
-                            yield item
-                        if failure is not None:
-                            raise failure
                 finally:
                     await batches.aclose()
                 # The body was read to its end, so the connection went back to the pool.
