@@ -22,6 +22,7 @@ keepalive). Its key layout is `Keys(cluster=True)` (events/keys.py): `Keys.for_c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import Sequence
@@ -150,16 +151,46 @@ class _HiredisPacking:
         except (TypeError, UnicodeError):
             return super().pack_command(*args)  # type: ignore[misc,no-any-return]
 
-    async def _send_packed_command(self, command: Any) -> None:
-        # A cluster client that learns the layout again (after a node failed) closes the
-        # connections of the nodes it had, including one another task is still setting up; redis-py
-        # then writes to a writer that is gone and an AttributeError reaches the caller. It is a
-        # connection that closed: say so, so that callers treat it as Redis being away.
-        writer: Any = getattr(self, "_writer", None)
-        if writer is None:
-            raise RedisConnectionError("the connection was closed while a command was being sent")
-        writer.writelines(command)
-        await writer.drain()
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        """redis-py's, with the write's deadline only where the write can wait. redis-py wraps every
+        write in `asyncio.wait_for`, which makes a task and a timer per command and sends the
+        command one turn of the event loop later; but a write waits only when the socket's buffer
+        is over its high-water mark, and the bytes are handed to the socket before any wait. So the
+        deadline (`socket_timeout`) is set only when something is left in the buffer; otherwise
+        `drain` returns at once (it still raises for a connection that was lost). What follows a
+        failed or timed-out write is redis-py's: the connection is closed, and the error says why."""
+        if not self.is_connected:  # type: ignore[attr-defined]
+            await self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
+        if check_health:
+            await self.check_health()  # type: ignore[attr-defined]
+        try:
+            if isinstance(command, str):
+                command = command.encode()
+            if isinstance(command, bytes):
+                command = [command]
+            # A cluster client that learns the layout again (after a node failed) closes the
+            # connections of the nodes it had, including one another task is still setting up;
+            # redis-py then writes to a writer that is gone and an AttributeError reaches the caller.
+            # It is a connection that closed: say so, so that callers treat it as Redis being away.
+            writer: Any = getattr(self, "_writer", None)
+            if writer is None:
+                raise RedisConnectionError("the connection was closed while a command was being sent")
+            writer.writelines(command)
+            if writer.transport.get_write_buffer_size():
+                await asyncio.wait_for(writer.drain(), self.socket_timeout)  # type: ignore[attr-defined]
+            else:
+                await writer.drain()
+        except TimeoutError:
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as e:
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            err_no, errmsg = ("UNKNOWN", e.args[0]) if len(e.args) == 1 else (e.args[0], e.args[1])
+            raise RedisConnectionError(f"Error {err_no} while writing to socket. {errmsg}.") from e
+        except BaseException:
+            # Part of the command may have been sent: the connection cannot be used again.
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise
 
 
 class _Tcp(_HiredisPacking, Connection):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -215,3 +218,51 @@ async def test_commands_sent_together_raise_the_first_refusal_when_asked_once_ev
     finally:
         await client.aclose()
     assert after == b"1"
+
+
+async def test_a_command_is_sent_and_answered_without_a_task_or_a_timer_of_its_own(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url)
+    loop = asyncio.get_running_loop()
+    made: list[object] = []
+    before = loop.get_task_factory()
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        made.append(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    try:
+        await client.ping()  # connected before counting: connecting may make its own
+        loop.set_task_factory(counting)
+        for i in range(20):
+            await client.set(f"k{i}", i)
+        await send_all(client, [("GET", "k1"), ("GET", "k2")])
+    finally:
+        loop.set_task_factory(before)
+        await client.aclose()
+    assert made == []
+
+
+async def test_a_write_that_cannot_be_handed_to_a_stalled_redis_fails_at_its_deadline_and_closes_its_connection(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url, socket_timeout=0.5)
+    assert fresh_server.process is not None
+    pid = fresh_server.process.pid
+    try:
+        await client.ping()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            # Far more than the socket buffers on both sides take: the write has to wait.
+            with pytest.raises(redis.TimeoutError, match="writing"):
+                await client.set("big", b"x" * 64_000_000)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The half-sent command's connection was closed, not handed out again: the next one works.
+        assert await client.ping() is True
+    finally:
+        await client.aclose()
+    assert 0.4 < waited < 5
