@@ -244,7 +244,7 @@ async def test_a_command_is_sent_and_answered_without_a_task_or_a_timer_of_its_o
     assert made == []
 
 
-async def test_a_write_that_cannot_be_handed_to_a_stalled_redis_fails_at_its_deadline_and_closes_its_connection(
+async def test_a_write_a_stalled_redis_cannot_take_fails_at_its_deadline_and_closes_its_connection(
     fresh_server: EmbeddedRedis,
 ) -> None:
     client = open_redis(fresh_server.url, socket_timeout=0.5)
