@@ -318,15 +318,16 @@ class LiveView:
         (the id of its last entry: an XREAD from it wakes on the next new one), keyed by queue name."""
         wanted = sorted(set(digests))
         plain = str(band_order(0, 0))
-        replies: list[Any] = await asyncio.gather(
-            *(
-                self._backlog(
-                    keys=[self.keys.queue(d), self.keys.bands(d)],
-                    args=[WORKERS_GROUP, depth, REQUEUED_CONSUMER, plain],
-                )
-                for d in wanted
+        reads = [
+            self._backlog(
+                keys=[self.keys.queue(d), self.keys.bands(d)],
+                args=[WORKERS_GROUP, depth, REQUEUED_CONSUMER, plain],
             )
-        )
+            for d in wanted
+        ]
+        # One model's read is awaited as it is: gather would wrap it in a task of its own, a turn of
+        # the event loop later, for nothing to run beside it.
+        replies: list[Any] = [await reads[0]] if len(reads) == 1 else await asyncio.gather(*reads)
         backlog: dict[str, list[BacklogEntry]] = {}
         cursors: dict[str, str] = {}
         for digest, (names, marks, found) in zip(wanted, replies, strict=True):
