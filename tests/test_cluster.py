@@ -279,6 +279,9 @@ async def test_a_client_that_reaches_a_failed_masters_slots_only_through_pipelin
         keys = ["{p}a", "{p}b"]
         await redis.set(keys[0], "1")
         node: Any = redis.get_node_from_key(keys[0])  # type: ignore[attr-defined]
+        # Replication is asynchronous: without this wait the SET may die with its master, and
+        # the promoted replica would answer 0 although the client did reach it.
+        await asyncio.to_thread(_replica_of, cluster, node.port)
         next(n for n in cluster.masters if n.port == node.port).kill()
         killed = time.monotonic()
         answered: int | None = None
