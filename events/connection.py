@@ -295,7 +295,11 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
     check_tls(url)
     if is_cluster_url(url):
         return _cluster_client(url, socket_timeout=socket_timeout, **options)
-    pool = _Pool.from_url(url, **_settings(socket_timeout), **options)
+    settings = _settings(socket_timeout)
+    if urlsplit(url).scheme == "unix":
+        # A local socket has no TCP keepalive (redis-py refuses the options for one).
+        del settings["socket_keepalive"], settings["socket_keepalive_options"]
+    pool = _Pool.from_url(url, **settings, **options)
     pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
     client = _Client(connection_pool=pool)
     # The client owns the pool it was given here, as from_url's would: closing one closes both.

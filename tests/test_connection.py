@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -18,7 +20,7 @@ from events.connection import redis_client as open_redis
 from events.connection import send_all, with_tls_files
 from events.errors import RedisUrlError
 from routeledger.certs import ensure_server_tls
-from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
+from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server
 
 POOLED = 5
 
@@ -266,3 +268,32 @@ async def test_a_write_a_stalled_redis_cannot_take_fails_at_its_deadline_and_clo
     finally:
         await client.aclose()
     assert 0.4 < waited < 5
+
+
+@pytest.fixture
+def unix_socket(tmp_path: Path) -> Iterator[Path]:
+    """A redis-server of this test's own that listens on a unix socket only; the socket's path."""
+    path = tmp_path / "redis.sock"
+    server = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--unixsocket", str(path), "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(250):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        yield path
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+async def test_a_unix_socket_url_makes_a_client_that_works(unix_socket: Path) -> None:
+    client = open_redis(f"unix://{unix_socket}")
+    try:
+        await client.set("k", "v")
+        value = await client.get("k")
+    finally:
+        await client.aclose()
+    assert value == b"v"
