@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/task_events.py
 	$(BIN)/python bench/backend_client.py
+	$(BIN)/python bench/roundtrip.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

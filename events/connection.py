@@ -23,6 +23,7 @@ keepalive). Its key layout is `Keys(cluster=True)` (events/keys.py): `Keys.for_c
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
+from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
+from redis._parsers.socket import SERVER_CLOSED_CONNECTION_ERROR
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import (
     AbstractConnection,
@@ -42,6 +45,7 @@ from redis.asyncio.connection import (
 )
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.client import EMPTY_RESPONSE, NEVER_DECODE
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -161,7 +165,12 @@ class _HiredisPacking:
         failed or timed-out write is redis-py's: the connection is closed, and the error says why."""
         if not self.is_connected:  # type: ignore[attr-defined]
             await self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
-        if check_health:
+        if (
+            check_health
+            and self.health_check_interval  # type: ignore[attr-defined]
+            and asyncio.get_running_loop().time() > self.next_health_check
+        ):
+            # check_health's own test, made here: the coroutine it makes costs more than the test.
             await self.check_health()  # type: ignore[attr-defined]
         try:
             if isinstance(command, str):
@@ -192,6 +201,62 @@ class _HiredisPacking:
             await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise
 
+    async def read_reply(self, disable_decoding: bool = False) -> Any:
+        """One reply, as redis-py's `read_response` reads it with the connection's own deadline
+        (`socket_timeout`), without its layers: the reply is taken from hiredis's reader and the
+        socket read only while the reader lacks data. Those layers (the parser's and the
+        connection's read_response, the client's parse_response) and the checkout's retry wrapper
+        were about half of what a round trip cost the client above a bare protocol's floor
+        (bench/roundtrip.py: 55-59 us against a floor of 41, 48-51 us without them). What it does
+        on failure is redis-py's: a read that
+        timed out or failed closes the connection and raises redis-py's TimeoutError or
+        ConnectionError; an error reply is raised, and one that says the server cannot serve (a
+        ConnectionError, such as LOADING) closes the connection first. A connection with another
+        parser, and a push message, take redis-py's own path."""
+        parser: Any = self._parser  # type: ignore[attr-defined]
+        reader: Any = getattr(parser, "_reader", None)
+        if type(parser) is not _AsyncHiredisParser or reader is None or not parser._connected:
+            return await self.read_response(disable_decoding=disable_decoding)  # type: ignore[attr-defined]
+        reply = reader.gets(False) if disable_decoding else reader.gets()
+        if reply is NOT_ENOUGH_DATA:
+            stream: asyncio.StreamReader = self._reader  # type: ignore[attr-defined]
+            size: int = parser._read_size
+            try:
+                async with asyncio.timeout(self.socket_timeout):  # type: ignore[attr-defined]
+                    while reply is NOT_ENOUGH_DATA:
+                        data = await stream.read(size)
+                        if not data:
+                            raise RedisConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
+                        reader.feed(data)
+                        reply = reader.gets(False) if disable_decoding else reader.gets()
+            except TimeoutError:
+                await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+                raise RedisTimeoutError(f"Timeout reading from {self._host_error()}") from None  # type: ignore[attr-defined]
+            except OSError as e:
+                await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+                raise RedisConnectionError(
+                    f"Error while reading from {self._host_error()} : {e.args}"  # type: ignore[attr-defined]
+                ) from None
+            except BaseException:
+                await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+                raise
+        if self.health_check_interval:  # type: ignore[attr-defined]
+            self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval  # type: ignore[attr-defined]
+        if isinstance(reply, ResponseError):
+            raise reply
+        if isinstance(reply, RedisConnectionError):
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise reply
+        if isinstance(reply, list) and reply and isinstance(reply[0], RedisConnectionError):
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise reply[0]
+        # Typed None by redis-py; hiredis's PushNotification class where it has one.
+        push: Any = getattr(parser, "_hiredis_PushNotificationType", None)
+        if push is not None and isinstance(reply, push):
+            await parser.handle_push_response(reply)  # type: ignore[no-untyped-call]
+            return await self.read_reply(disable_decoding)
+        return reply
+
 
 class _Tcp(_HiredisPacking, Connection):
     pass
@@ -219,7 +284,14 @@ class _Pool(ConnectionPool):
     ) -> AbstractConnection:
         connection: AbstractConnection = self.get_available_connection()  # type: ignore[no-untyped-call]
         try:
-            await self.ensure_connection(connection)
+            # ensure_connection's checks, called only when one fails: its connect() of a connected
+            # connection still goes through the retry object.
+            try:
+                stale = not connection.is_connected or await connection.can_read()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                stale = True
+            if stale:
+                await self.ensure_connection(connection)
         except BaseException:
             await self.release(connection)
             raise
@@ -244,12 +316,36 @@ class _Client(aioredis.Redis):
         pool = self.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            return await self._send_command_parse_response(conn, args[0], *args, **options)  # type: ignore[no-untyped-call]
+            if not isinstance(conn, _HiredisPacking) or _is_himport(args[0]):
+                return await self._send_command_parse_response(conn, args[0], *args, **options)  # type: ignore[no-untyped-call]
+            # redis-py's parse_response, on the lean read (_HiredisPacking.read_reply).
+            await conn.send_packed_command(conn.pack_command(*args))
+            try:
+                reply = await conn.read_reply(NEVER_DECODE in options)
+            except ResponseError:
+                if EMPTY_RESPONSE in options:
+                    return options[EMPTY_RESPONSE]
+                raise
+            callback = self.response_callbacks.get(args[0])
+            if callback is None:
+                return reply
+            for option in (NEVER_DECODE, EMPTY_RESPONSE, "keys"):
+                options.pop(option, None)
+            value = callback(reply, **options)
+            return await value if inspect.isawaitable(value) else value
         except _CLOSES_CONNECTION as error:
             await conn.disconnect(error=error, failure_count=1)
             raise
         finally:
             await pool.release(conn)
+
+
+_HIMPORT: Final = ("HIMPORT", b"HIMPORT")
+
+
+def _is_himport(name: str | bytes) -> bool:
+    """Whether a command is HIMPORT, whose sending depends on the connection (redis-py's own path)."""
+    return name[:7].upper() in _HIMPORT
 
 
 # The errors after which redis-py's retry closes the connection (Retry's supported errors).
@@ -452,7 +548,7 @@ async def send_all(
         replies: list[Any] = []
         for _ in commands:
             try:
-                replies.append(await conn.read_response())
+                replies.append(await conn.read_reply())
             except ResponseError as refused:
                 replies.append(refused)
     except _CLOSES_CONNECTION as error:

@@ -111,3 +111,17 @@ def test_the_cluster_benchmark_measures_one_redis_and_a_cluster_side_by_side_in_
     single, cluster = figures["dispatch_tasks_per_s_single"], figures["dispatch_tasks_per_s_cluster"]
     assert single is not None and cluster is not None and single > 0 and cluster > 0
     assert figures["dispatch_ratio_cluster_vs_single"] == pytest.approx(cluster / single, rel=0.02)
+
+
+def test_the_roundtrip_benchmark_prints_each_clients_cpu_per_round_trip_in_its_json_line() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "roundtrip.py"), "--commands", "200", "--rounds", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    clients = ("routeledger_us", "redis_py_us", "floor_us", "floor_no_deadline_us")
+    assert list(figures) == ["bench", *clients] and figures["bench"] == "roundtrip"
+    assert all(figures[name] > 0 for name in clients)

@@ -270,6 +270,88 @@ async def test_a_write_a_stalled_redis_cannot_take_fails_at_its_deadline_and_clo
     assert 0.4 < waited < 5
 
 
+async def test_a_read_past_its_deadline_fails_naming_the_server_and_the_next_command_works(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url, socket_timeout=0.5)
+    assert fresh_server.process is not None
+    pid = fresh_server.process.pid
+    try:
+        await client.set("k", "v")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(redis.TimeoutError, match=f"reading from 127.0.0.1:{fresh_server.port}"):
+                await client.get("k")
+            waited = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The connection whose reply never came was closed: the next command does not read it.
+        assert await client.get("k") == b"v"
+    finally:
+        await client.aclose()
+    assert 0.4 < waited < 5
+
+
+async def test_a_refused_command_raises_its_error_and_its_connection_stays_in_step(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url)
+    try:
+        await client.set("text", "x")
+        before = await client.client_id()
+        with pytest.raises(redis.ResponseError, match="not an integer"):
+            await client.incr("text")
+        after = await client.client_id()
+        value = await client.get("text")
+    finally:
+        await client.aclose()
+    # The same connection answered before and after the refusal, and read its own replies.
+    assert before == after and value == b"x"
+
+
+async def test_a_connection_the_server_closes_during_a_read_fails_as_a_connection_error(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url)
+    killer = open_redis(fresh_server.url)
+    try:
+        waiting = asyncio.ensure_future(client.blpop(["nothing"], timeout=5))
+        for _ in range(100):
+            if any(c.get("cmd") == "blpop" for c in await killer.client_list()):
+                break
+            await asyncio.sleep(0.02)
+        await killer.client_kill_filter(_type="normal", skipme=True)
+        with pytest.raises(redis.ConnectionError):
+            await waiting
+        # A fresh connection serves the next command.
+        assert await client.ping() is True
+    finally:
+        await client.aclose()
+        await killer.aclose()
+
+
+async def test_replies_go_through_redis_pys_callbacks_and_per_command_options(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url, decode_responses=True)
+    try:
+        await client.xadd("s", {"f": "v"})
+        await client.xgroup_create("s", "g", id="0")
+        await client.hset("h", mapping={"a": "1"})
+        await client.set("k", "v")
+        groups = await client.xinfo_groups("s")
+        fields = await client.hgetall("h")
+        none = await client.mget([])  # no keys: redis-py answers [] for Redis's refusal
+        dumped = await client.dump("k")  # never decoded, even on a decoding client
+        exists = await client.exists("k", "missing")
+    finally:
+        await client.aclose()
+    assert groups[0]["name"] == "g" and groups[0]["consumers"] == 0
+    assert fields == {"a": "1"} and none == [] and exists == 1
+    assert isinstance(dumped, bytes) and dumped.startswith(b"\x00")
+
+
 @pytest.fixture
 def unix_socket(tmp_path: Path) -> Iterator[Path]:
     """A redis-server of this test's own that listens on a unix socket only; the socket's path."""

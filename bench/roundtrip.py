@@ -1,0 +1,166 @@
+"""What one Redis round trip costs a routeledger process's CPU, beside what it must cost.
+
+    python bench/roundtrip.py [--commands N] [--rounds R] [--json]
+
+Every routed request makes about ten round trips to Redis (bench/api.py counts the commands), so
+the client's own cost per round trip is a large part of each process's CPU per request. This
+script sends the same command (an XADD to a capped stream, as an event write is) one at a time, N
+times, through each of:
+
+- routeledger: the client every routeledger process makes (events.connection.redis_client);
+- redis-py: redis-py's own asyncio client, with hiredis, on the same URL;
+- floor: a bare asyncio protocol that writes the packed command and reads the reply with hiredis,
+  with a deadline per read as routeledger keeps (asyncio.timeout);
+- floor, no deadline: the same without it.
+
+and prints the client's CPU time (user + system, this process only) per round trip, the median of
+R rounds, the rounds alternating between the clients. The processes run on uvloop, as
+routeledger's do. With two CPUs or more, Redis is pinned to one and this process to another, so
+that neither waits for the other's core.
+
+The last line is JSON:
+{"bench": "roundtrip", "routeledger_us": ..., "redis_py_us": ..., "floor_us": ...,
+ "floor_no_deadline_us": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import hiredis
+import psutil
+import redis.asyncio as aioredis
+import uvloop
+from redis._parsers.hiredis import NOT_ENOUGH_DATA
+
+from events.connection import redis_client
+from routeledger.embedded import find_redis_server, free_port
+
+COMMAND = ("XADD", "bench:s", "MAXLEN", "~", "1000", "*", "type", "bench", "v", "x" * 64)
+WARM_UP = 500
+
+
+class _Floor(asyncio.Protocol):
+    """One command at a time: the reply's future, resolved when hiredis has a whole reply."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader()
+        self.waiting: asyncio.Future[Any] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        reply = self.reader.gets()
+        if reply is not NOT_ENOUGH_DATA and self.waiting is not None:
+            self.waiting.set_result(reply)
+
+
+async def _cpu_us(call: Callable[[], Awaitable[Any]], n: int) -> float:
+    for _ in range(WARM_UP):
+        await call()
+    started = time.process_time()
+    for _ in range(n):
+        await call()
+    return (time.process_time() - started) / n * 1e6
+
+
+async def measure(url: str, port: int, n: int, rounds: int) -> dict[str, list[float]]:
+    ours = redis_client(url)
+    theirs = aioredis.Redis.from_url(url)
+    loop = asyncio.get_running_loop()
+    transport, floor = await loop.create_connection(_Floor, "127.0.0.1", port)
+    packed = hiredis.pack_command(COMMAND)
+
+    async def by_floor() -> Any:
+        floor.waiting = loop.create_future()
+        transport.write(packed)
+        async with asyncio.timeout(10):
+            return await floor.waiting
+
+    async def by_floor_no_deadline() -> Any:
+        floor.waiting = loop.create_future()
+        transport.write(packed)
+        return await floor.waiting
+
+    async def by_ours() -> Any:
+        return await ours.execute_command(*COMMAND)
+
+    async def by_redis_py() -> Any:
+        return await theirs.execute_command(*COMMAND)
+
+    calls = {
+        "routeledger": by_ours,
+        "redis_py": by_redis_py,
+        "floor": by_floor,
+        "floor_no_deadline": by_floor_no_deadline,
+    }
+    got: dict[str, list[float]] = {name: [] for name in calls}
+    try:
+        for _ in range(rounds):
+            for name, call in calls.items():
+                got[name].append(await _cpu_us(call, n))
+    finally:
+        transport.close()
+        await ours.aclose()
+        await theirs.aclose()
+    return got
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commands", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rl-roundtrip-") as tmp:
+        server = subprocess.Popen(
+            [find_redis_server(), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) >= 2:
+                psutil.Process(server.pid).cpu_affinity([cpus[0]])
+                os.sched_setaffinity(0, {cpus[1]})
+            for _ in range(250):
+                if _answers(port):
+                    break
+                time.sleep(0.02)
+            got = uvloop.run(measure(f"redis://127.0.0.1:{port}/0", port, args.commands, args.rounds))
+        finally:
+            server.terminate()
+            server.wait(10)
+    medians = {name: statistics.median(values) for name, values in got.items()}
+    if not args.json:
+        print(
+            "client CPU per round trip (XADD, one at a time; "
+            f"median of {args.rounds} rounds of {args.commands}):"
+        )
+        for name, values in got.items():
+            spread = ", ".join(f"{v:.1f}" for v in values)
+            print(f"  {name:<18} {medians[name]:6.1f} us   ({spread})")
+    print(json.dumps({"bench": "roundtrip", **{f"{k}_us": round(v, 1) for k, v in medians.items()}}))
+
+
+def _answers(port: int) -> bool:
+    """Whether Redis on `port` answers PING yet."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
