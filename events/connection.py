@@ -137,6 +137,68 @@ def check_tls(url: str) -> None:
             )
 
 
+class _DeadlineError(Exception):
+    """Raised when a Redis read waited past its connection's deadline (set on the read's stream)."""
+
+
+class _ReadDeadlines:
+    """The deadlines of one event loop's Redis reads, kept by one timer at the nearest of them
+    rather than a timer of each read's own. `asyncio.timeout` per read (a Timeout object, a timer
+    pushed onto the loop's heap and cancelled, the task's cancellation bookkeeping) cost about 8 us
+    of a round trip's 41 on a bare protocol (bench/roundtrip.py, "floor" against "floor, no
+    deadline"); here a read costs a dict entry. A read past its deadline has `_DeadlineError` set
+    on its stream, which wakes it with the error; its connection is then closed, as after any
+    failed read, so the stream is not read again."""
+
+    __slots__ = ("_at", "_loop", "_reads", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._reads: dict[asyncio.StreamReader, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = float("inf")
+
+    def start(self, stream: asyncio.StreamReader, timeout: float) -> None:
+        deadline = self._loop.time() + timeout
+        self._reads[stream] = deadline
+        if deadline < self._at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._at = deadline
+            self._timer = self._loop.call_at(deadline, self._check)
+
+    def stop(self, stream: asyncio.StreamReader) -> None:
+        self._reads.pop(stream, None)
+
+    def _check(self) -> None:
+        self._timer, self._at = None, float("inf")
+        now = self._loop.time()
+        nearest = float("inf")
+        for stream, deadline in list(self._reads.items()):
+            if deadline <= now:
+                del self._reads[stream]
+                stream.set_exception(_DeadlineError())
+            elif deadline < nearest:
+                nearest = deadline
+        if nearest < float("inf"):
+            self._at = nearest
+            self._timer = self._loop.call_at(nearest, self._check)
+
+
+# The running loop's read deadlines: one entry, since a process runs one loop at a time (a test
+# suite runs one after another: a new loop gets a new one).
+_DEADLINES: list[tuple[asyncio.AbstractEventLoop, _ReadDeadlines]] = []
+
+
+def _read_deadlines() -> _ReadDeadlines:
+    loop = asyncio.get_running_loop()
+    if _DEADLINES and _DEADLINES[0][0] is loop:
+        return _DEADLINES[0][1]
+    deadlines = _ReadDeadlines(loop)
+    _DEADLINES[:] = [(loop, deadlines)]
+    return deadlines
+
+
 class _HiredisPacking:
     """Commands packed into the Redis protocol by hiredis (C) instead of redis-py's Python loop,
     which the asyncio client uses even where hiredis is installed: for an event's XADD of 40
@@ -203,16 +265,16 @@ class _HiredisPacking:
 
     async def read_reply(self, disable_decoding: bool = False) -> Any:
         """One reply, as redis-py's `read_response` reads it with the connection's own deadline
-        (`socket_timeout`), without its layers: the reply is taken from hiredis's reader and the
-        socket read only while the reader lacks data. Those layers (the parser's and the
-        connection's read_response, the client's parse_response) and the checkout's retry wrapper
-        were about half of what a round trip cost the client above a bare protocol's floor
-        (bench/roundtrip.py: 55-59 us against a floor of 41, 48-51 us without them). What it does
-        on failure is redis-py's: a read that
-        timed out or failed closes the connection and raises redis-py's TimeoutError or
-        ConnectionError; an error reply is raised, and one that says the server cannot serve (a
-        ConnectionError, such as LOADING) closes the connection first. A connection with another
-        parser, and a push message, take redis-py's own path."""
+        (`socket_timeout`, kept by _ReadDeadlines), without its layers: the reply is taken from
+        hiredis's reader and the socket read only while the reader lacks data. Those layers (the
+        parser's and the connection's read_response, the client's parse_response) and the
+        checkout's retry wrapper were about half of what a round trip cost the client above a bare
+        protocol's floor (bench/roundtrip.py: 55-59 us against a floor of 41, 48-51 us without
+        them). What it does on failure is redis-py's: a read that timed out or failed closes the
+        connection and raises redis-py's TimeoutError or ConnectionError; an error reply is
+        raised, and one that says the server cannot serve (a ConnectionError, such as LOADING)
+        closes the connection first. A connection with another parser, and a push message, take
+        redis-py's own path."""
         parser: Any = self._parser  # type: ignore[attr-defined]
         reader: Any = getattr(parser, "_reader", None)
         if type(parser) is not _AsyncHiredisParser or reader is None or not parser._connected:
@@ -221,15 +283,18 @@ class _HiredisPacking:
         if reply is NOT_ENOUGH_DATA:
             stream: asyncio.StreamReader = self._reader  # type: ignore[attr-defined]
             size: int = parser._read_size
+            timeout: float | None = self.socket_timeout  # type: ignore[attr-defined]
+            deadlines = None if timeout is None else _read_deadlines()
+            if deadlines is not None:
+                deadlines.start(stream, timeout)  # type: ignore[arg-type]
             try:
-                async with asyncio.timeout(self.socket_timeout):  # type: ignore[attr-defined]
-                    while reply is NOT_ENOUGH_DATA:
-                        data = await stream.read(size)
-                        if not data:
-                            raise RedisConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
-                        reader.feed(data)
-                        reply = reader.gets(False) if disable_decoding else reader.gets()
-            except TimeoutError:
+                while reply is NOT_ENOUGH_DATA:
+                    data = await stream.read(size)
+                    if not data:
+                        raise RedisConnectionError(SERVER_CLOSED_CONNECTION_ERROR)
+                    reader.feed(data)
+                    reply = reader.gets(False) if disable_decoding else reader.gets()
+            except _DeadlineError:
                 await self.disconnect(nowait=True)  # type: ignore[attr-defined]
                 raise RedisTimeoutError(f"Timeout reading from {self._host_error()}") from None  # type: ignore[attr-defined]
             except OSError as e:
@@ -240,6 +305,9 @@ class _HiredisPacking:
             except BaseException:
                 await self.disconnect(nowait=True)  # type: ignore[attr-defined]
                 raise
+            finally:
+                if deadlines is not None:
+                    deadlines.stop(stream)
         if self.health_check_interval:  # type: ignore[attr-defined]
             self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval  # type: ignore[attr-defined]
         if isinstance(reply, ResponseError):

@@ -234,16 +234,26 @@ async def test_a_command_is_sent_and_answered_without_a_task_or_a_timer_of_its_o
         made.append(coro)
         return asyncio.Task(coro, loop=loop, **kwargs)
 
+    timers: list[float] = []
+    call_at = loop.call_at
+
+    def timing(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        timers.append(when)
+        return call_at(when, callback, *args, **kwargs)
+
     try:
         await client.ping()  # connected before counting: connecting may make its own
         loop.set_task_factory(counting)
+        loop.call_at = timing  # type: ignore[method-assign]
         for i in range(20):
             await client.set(f"k{i}", i)
         await send_all(client, [("GET", "k1"), ("GET", "k2")])
     finally:
         loop.set_task_factory(before)
+        del loop.call_at  # type: ignore[method-assign]
         await client.aclose()
-    assert made == []
+    # Every read's deadline is kept by the one timer the first read set (events.connection._ReadDeadlines).
+    assert made == [] and timers == []
 
 
 async def test_a_write_a_stalled_redis_cannot_take_fails_at_its_deadline_and_closes_its_connection(
@@ -379,3 +389,34 @@ async def test_a_unix_socket_url_makes_a_client_that_works(unix_socket: Path) ->
     finally:
         await client.aclose()
     assert value == b"v"
+
+
+async def test_reads_with_different_deadlines_each_fail_at_their_own_and_not_at_anothers(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    patient = open_redis(fresh_server.url, socket_timeout=5.0)
+    hasty = open_redis(fresh_server.url, socket_timeout=0.5)
+    assert fresh_server.process is not None
+    pid = fresh_server.process.pid
+    try:
+        await patient.set("k", "v")
+        await hasty.ping()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # The patient read starts first: the hasty one's nearer deadline must still be kept.
+            slow = asyncio.ensure_future(patient.get("k"))
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            with pytest.raises(redis.TimeoutError, match="reading from"):
+                await hasty.get("k")
+            waited = time.monotonic() - started
+            assert not slow.done()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Redis is back well within the patient read's deadline: it gets its reply.
+        assert await slow == b"v"
+        assert await hasty.get("k") == b"v"
+    finally:
+        await patient.aclose()
+        await hasty.aclose()
+    assert 0.4 < waited < 2.5
