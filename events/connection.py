@@ -26,6 +26,7 @@ import asyncio
 import inspect
 import os
 import socket
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -167,12 +168,19 @@ class _ReadDeadlines:
             self._at = deadline
             self._timer = self._loop.call_at(deadline, self._check)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
     def stop(self, stream: asyncio.StreamReader) -> None:
         self._reads.pop(stream, None)
 
     def _check(self) -> None:
         self._timer, self._at = None, float("inf")
-        now = self._loop.time()
+        # uvloop's clock and timers move in whole milliseconds: a timer may fire just short of the
+        # deadline it was set for, and set again for what is left it would fire at once, over and
+        # over, until the clock ticks. A deadline less than a millisecond away counts as passed.
+        now = self._loop.time() + _DEADLINE_SLACK_S
         nearest = float("inf")
         for stream, deadline in list(self._reads.items()):
             if deadline <= now:
@@ -185,17 +193,18 @@ class _ReadDeadlines:
             self._timer = self._loop.call_at(nearest, self._check)
 
 
-# The running loop's read deadlines: one entry, since a process runs one loop at a time (a test
-# suite runs one after another: a new loop gets a new one).
-_DEADLINES: list[tuple[asyncio.AbstractEventLoop, _ReadDeadlines]] = []
+_DEADLINE_SLACK_S: Final = 0.001
+
+# Each thread's running loop's read deadlines: one entry per thread, since a thread runs one loop
+# at a time (a test suite runs one after another: a new loop gets a new one).
+_DEADLINES = threading.local()
 
 
 def _read_deadlines() -> _ReadDeadlines:
     loop = asyncio.get_running_loop()
-    if _DEADLINES and _DEADLINES[0][0] is loop:
-        return _DEADLINES[0][1]
-    deadlines = _ReadDeadlines(loop)
-    _DEADLINES[:] = [(loop, deadlines)]
+    deadlines: _ReadDeadlines | None = getattr(_DEADLINES, "current", None)
+    if deadlines is None or deadlines.loop is not loop:
+        deadlines = _DEADLINES.current = _ReadDeadlines(loop)
     return deadlines
 
 
@@ -308,6 +317,10 @@ class _HiredisPacking:
             finally:
                 if deadlines is not None:
                     deadlines.stop(stream)
+            if stream.exception() is not None:
+                # The deadline passed in the turn the reply's last bytes came in: the reply stands,
+                # but the stream keeps the error for every later read, so the connection goes.
+                await self.disconnect(nowait=True)  # type: ignore[attr-defined]
         if self.health_check_interval:  # type: ignore[attr-defined]
             self.next_health_check = asyncio.get_running_loop().time() + self.health_check_interval  # type: ignore[attr-defined]
         if isinstance(reply, ResponseError):

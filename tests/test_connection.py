@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import hiredis
 import pytest
 import redis
+import uvloop
 
+from events import connection
 from events.connection import redis_client as open_redis
 from events.connection import send_all, with_tls_files
 from events.errors import RedisUrlError
@@ -23,6 +26,8 @@ from routeledger.certs import ensure_server_tls
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server
 
 POOLED = 5
+# Reads the uvloop test lets run past their deadlines, one after another.
+READS = 20
 
 
 async def test_after_a_redis_restart_no_command_fails_on_a_connection_the_dead_server_closed(
@@ -420,3 +425,61 @@ async def test_reads_with_different_deadlines_each_fail_at_their_own_and_not_at_
         await patient.aclose()
         await hasty.aclose()
     assert 0.4 < waited < 2.5
+
+
+async def test_a_reply_that_comes_in_as_its_deadline_passes_leaves_the_next_command_in_step(
+    fresh_server: EmbeddedRedis,
+) -> None:
+    client = open_redis(fresh_server.url, socket_timeout=0.2, max_connections=1)
+
+    async def stall() -> None:
+        await asyncio.sleep(0.02)
+        time.sleep(0.4)  # noqa: ASYNC251  the loop stalls: the reply and the deadline are due together
+
+    try:
+        stalling = asyncio.ensure_future(stall())
+        # Redis answers nil after 0.1 s, while the loop is stalled past the 0.2 s deadline.
+        try:
+            late: Any = await client.blpop(["nothing"], timeout=0.1)
+        except redis.TimeoutError as exc:
+            late = exc
+        await stalling
+        counted = await client.incr("counter")
+        stored = await client.get("counter")
+    finally:
+        await client.aclose()
+    assert late is None or isinstance(late, redis.TimeoutError)
+    assert counted == 1 and stored == b"1"
+
+
+def test_on_uvloop_a_read_past_its_deadline_is_failed_by_one_look_not_a_spin(
+    fresh_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looks: list[float] = []
+    check = connection._ReadDeadlines._check
+
+    def counted(self: connection._ReadDeadlines) -> None:
+        looks.append(time.monotonic())
+        check(self)
+
+    monkeypatch.setattr(connection._ReadDeadlines, "_check", counted)
+
+    async def wait_past_deadlines() -> int:
+        client = open_redis(fresh_server.url, socket_timeout=0.05)
+        timed_out = 0
+        try:
+            await client.ping()
+            for _ in range(READS):
+                # Redis would answer after 1 s: each read fails at its 50 ms deadline.
+                with contextlib.suppress(redis.TimeoutError):
+                    await client.blpop(["nothing"], timeout=1)
+                    continue
+                timed_out += 1
+        finally:
+            await client.aclose()
+        return timed_out
+
+    # uvloop's clock and timers move in whole milliseconds, as the processes run.
+    assert uvloop.run(wait_past_deadlines()) == READS
+    # One look per read, and a spare few (a look may find the deadline a moment ahead).
+    assert READS <= len(looks) <= READS + 5
