@@ -14,9 +14,9 @@ times, through each of:
 - floor, no deadline: the same without it.
 
 and prints the client's CPU time (user + system, this process only) per round trip, the median of
-R rounds, the rounds alternating between the clients. The processes run on uvloop, as
-routeledger's do. With two CPUs or more, Redis is pinned to one and this process to another, so
-that neither waits for the other's core.
+R rounds, the rounds alternating between the clients, against an embedded Redis (AOF on, as
+`routeledger up` runs it). The processes run on uvloop, as routeledger's do. With two CPUs or more,
+Redis is pinned to one and this process to another, so that neither waits for the other's core.
 
 The last line is JSON:
 {"bench": "roundtrip", "routeledger_us": ..., "redis_py_us": ..., "floor_us": ...,
@@ -29,12 +29,11 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import hiredis
@@ -44,7 +43,7 @@ import uvloop
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
 from events.connection import redis_client
-from routeledger.embedded import find_redis_server, free_port
+from routeledger.embedded import EmbeddedRedis
 
 COMMAND = ("XADD", "bench:s", "MAXLEN", "~", "1000", "*", "type", "bench", "v", "x" * 64)
 WARM_UP = 500
@@ -73,11 +72,14 @@ async def _cpu_us(call: Callable[[], Awaitable[Any]], n: int) -> float:
     return (time.process_time() - started) / n * 1e6
 
 
-async def measure(url: str, port: int, n: int, rounds: int) -> dict[str, list[float]]:
+async def measure(url: str, server: EmbeddedRedis, n: int, rounds: int) -> dict[str, list[float]]:
     ours = redis_client(url)
     theirs = aioredis.Redis.from_url(url)
     loop = asyncio.get_running_loop()
-    transport, floor = await loop.create_connection(_Floor, "127.0.0.1", port)
+    transport, floor = await loop.create_connection(_Floor, "127.0.0.1", server.port)
+    floor.waiting = loop.create_future()
+    transport.write(hiredis.pack_command(("AUTH", server.password)))
+    await floor.waiting
     packed = hiredis.pack_command(COMMAND)
 
     async def by_floor() -> Any:
@@ -121,25 +123,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="rl-roundtrip-") as tmp:
-        server = subprocess.Popen(
-            [find_redis_server(), "--port", str(port), "--save", "", "--appendonly", "no", "--dir", tmp],
-            stdout=subprocess.DEVNULL,
-        )
+        server = EmbeddedRedis(Path(tmp) / "redis")
+        url = server.start()
         try:
+            assert server.process is not None
             cpus = sorted(os.sched_getaffinity(0))
             if len(cpus) >= 2:
-                psutil.Process(server.pid).cpu_affinity([cpus[0]])
+                psutil.Process(server.process.pid).cpu_affinity([cpus[0]])
                 os.sched_setaffinity(0, {cpus[1]})
-            for _ in range(250):
-                if _answers(port):
-                    break
-                time.sleep(0.02)
-            got = uvloop.run(measure(f"redis://127.0.0.1:{port}/0", port, args.commands, args.rounds))
+            got = uvloop.run(measure(url, server, args.commands, args.rounds))
         finally:
-            server.terminate()
-            server.wait(10)
+            server.stop()
     medians = {name: statistics.median(values) for name, values in got.items()}
     if not args.json:
         print(
@@ -150,16 +145,6 @@ def main() -> None:
             spread = ", ".join(f"{v:.1f}" for v in values)
             print(f"  {name:<18} {medians[name]:6.1f} us   ({spread})")
     print(json.dumps({"bench": "roundtrip", **{f"{k}_us": round(v, 1) for k, v in medians.items()}}))
-
-
-def _answers(port: int) -> bool:
-    """Whether Redis on `port` answers PING yet."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":
