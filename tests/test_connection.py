@@ -30,6 +30,17 @@ POOLED = 5
 READS = 20
 
 
+@contextlib.contextmanager
+def stopped(server: EmbeddedRedis) -> Iterator[None]:
+    """`server` frozen (SIGSTOP) for the block, as a machine that stopped answering is; then resumed."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
 async def test_after_a_redis_restart_no_command_fails_on_a_connection_the_dead_server_closed(
     fresh_server: EmbeddedRedis,
 ) -> None:
@@ -265,19 +276,14 @@ async def test_a_write_a_stalled_redis_cannot_take_fails_at_its_deadline_and_clo
     fresh_server: EmbeddedRedis,
 ) -> None:
     client = open_redis(fresh_server.url, socket_timeout=0.5)
-    assert fresh_server.process is not None
-    pid = fresh_server.process.pid
     try:
         await client.ping()
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(fresh_server):
             started = time.monotonic()
             # Far more than the socket buffers on both sides take: the write has to wait.
             with pytest.raises(redis.TimeoutError, match="writing"):
                 await client.set("big", b"x" * 64_000_000)
             waited = time.monotonic() - started
-        finally:
-            os.kill(pid, signal.SIGCONT)
         # The half-sent command's connection was closed, not handed out again: the next one works.
         assert await client.ping() is True
     finally:
@@ -289,18 +295,13 @@ async def test_a_read_past_its_deadline_fails_naming_the_server_and_the_next_com
     fresh_server: EmbeddedRedis,
 ) -> None:
     client = open_redis(fresh_server.url, socket_timeout=0.5)
-    assert fresh_server.process is not None
-    pid = fresh_server.process.pid
     try:
         await client.set("k", "v")
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(fresh_server):
             started = time.monotonic()
             with pytest.raises(redis.TimeoutError, match=f"reading from 127.0.0.1:{fresh_server.port}"):
                 await client.get("k")
             waited = time.monotonic() - started
-        finally:
-            os.kill(pid, signal.SIGCONT)
         # The connection whose reply never came was closed: the next command does not read it.
         assert await client.get("k") == b"v"
     finally:
@@ -401,13 +402,10 @@ async def test_reads_with_different_deadlines_each_fail_at_their_own_and_not_at_
 ) -> None:
     patient = open_redis(fresh_server.url, socket_timeout=5.0)
     hasty = open_redis(fresh_server.url, socket_timeout=0.5)
-    assert fresh_server.process is not None
-    pid = fresh_server.process.pid
     try:
         await patient.set("k", "v")
         await hasty.ping()
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(fresh_server):
             # The patient read starts first: the hasty one's nearer deadline must still be kept.
             slow = asyncio.ensure_future(patient.get("k"))
             await asyncio.sleep(0.05)
@@ -416,8 +414,6 @@ async def test_reads_with_different_deadlines_each_fail_at_their_own_and_not_at_
                 await hasty.get("k")
             waited = time.monotonic() - started
             assert not slow.done()
-        finally:
-            os.kill(pid, signal.SIGCONT)
         # Redis is back well within the patient read's deadline: it gets its reply.
         assert await slow == b"v"
         assert await hasty.get("k") == b"v"
