@@ -78,6 +78,9 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # (events.clock.LedgerClock); None: not measured. `since`, `renewed_at` and each running task's
     # `started_at` are the worker's clock: `on_ledger` reads them on the ledger's.
     ledger_offset_ms: int | None = None
+    # How long the lease holds without a renewal (the worker's setting): the reaper judges the
+    # worker's running entries by it, not by its own; None: a worker from before this field.
+    lease_ms: int | None = None
 
     def on_ledger(self, worker_ms: int) -> int:
         """A time this lease gives (the worker's clock), on the ledger's clock: what an age or an

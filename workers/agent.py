@@ -386,6 +386,7 @@ class WorkerAgent:
             since=self.started_at,
             resources=self.resources,
             ledger_offset_ms=self.clock.offset_ms,
+            lease_ms=self.config.lease_ms,
         )
 
     def _lease_renewed(self, taken: LeaseTaken, sent: float) -> None:

@@ -306,6 +306,9 @@ class Reaper:
         leases is one it let go of without acknowledging: its run failed while Redis was down, or a
         kill -9 of Redis lost the acknowledgement from the AOF. Left alone it would wait for the
         worker's next restart. An entry the worker's lease still lists as running is left alone.
+        The lease is the longer of the worker's own (which its heartbeats are shorter than) and this
+        reaper's: a reaper set shorter than its workers would otherwise take a run that has not yet
+        reached the worker's lease record (it is listed from the next heartbeat) from a live worker.
         """
         idle = 2 * self.config.lease_ms
         batch = await self.ledger.pending(queue, consumer=owner, min_idle_ms=idle, count=100)
@@ -315,8 +318,12 @@ class Reaper:
         running: set[str] = set()
         if raw is not None:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                running = {r.task_id for r in decode_lease(raw).running}
+                info = decode_lease(raw)
+                running = {r.task_id for r in info.running}
+                idle = 2 * max(self.config.lease_ms, info.lease_ms or 0)
         for pending in batch:
+            if pending.idle_ms < idle:
+                continue
             fields = await self.queues.entry(queue, pending.entry_id)
             if fields is not None and as_str(fields.get(F_ID, b"")) in running:
                 continue

@@ -1,0 +1,68 @@
+"""The reaper's rule for a live worker's entries: judged by the longer of its lease and the worker's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from dispatch.lease import LeaseInfo, Leases
+from dispatch.payload import TaskMessage
+from dispatch.queues import TaskQueues
+from events.event import TaskReclaimed
+from events.keys import WORKERS_GROUP, Keys
+from events.ledger import Ledger
+from tests.helpers import MODEL_DIGEST, events_of
+from workers.reaper import Reaper, ReaperConfig
+
+pytestmark = pytest.mark.cluster_tier
+
+REAPER_LEASE_MS = 100
+
+
+async def _taken_by_a_live_worker(
+    redis: aioredis.Redis, keys: Keys, ledger: Ledger, worker_lease_ms: int | None
+) -> tuple[str, str]:
+    """A task taken by live worker `w` whose lease record does not list it yet (a plain-gate
+    worker lists a run from its next heartbeat); (queue, entry id)."""
+    queues = TaskQueues(redis, keys, ledger)
+    queue = keys.queue(MODEL_DIGEST)
+    await queues.enqueue(queue, TaskMessage(task_id="t", model="m", digest=MODEL_DIGEST))
+    await redis.sadd(keys.queues, queue)
+    info = LeaseInfo(worker="w", token="tok", slots=1, lease_ms=worker_lease_ms)
+    assert (await Leases(redis, keys).put(info, 60_000)).ok
+    taken = await queues.take(queue, "w")
+    assert taken.entry_id
+    return queue, taken.entry_id
+
+
+async def _pending_for(redis: aioredis.Redis, queue: str, consumer: str) -> int:
+    summary = await redis.xpending(queue, WORKERS_GROUP)
+    names = (consumer, consumer.encode())
+    return sum(int(c["pending"]) for c in summary.get("consumers") or [] if c["name"] in names)
+
+
+async def test_a_live_workers_run_is_not_taken_by_a_reaper_whose_lease_is_shorter_than_the_workers(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queue, _ = await _taken_by_a_live_worker(redis_client, keys, ledger, worker_lease_ms=1500)
+    await asyncio.sleep(3 * REAPER_LEASE_MS / 1000)  # past two of the reaper's leases, within the worker's
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=REAPER_LEASE_MS)).sweep()
+    assert report.reclaimed == 0
+    assert await events_of(ledger, TaskReclaimed) == []
+    assert await _pending_for(redis_client, queue, "w") == 1
+
+
+@pytest.mark.parametrize("worker_lease_ms", [None, REAPER_LEASE_MS])
+async def test_an_entry_a_live_worker_let_go_is_reclaimed_after_two_of_the_longer_lease(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, worker_lease_ms: int | None
+) -> None:
+    # None: a worker from before leases carried their length is judged by the reaper's own.
+    queue, entry_id = await _taken_by_a_live_worker(redis_client, keys, ledger, worker_lease_ms)
+    await asyncio.sleep(3 * REAPER_LEASE_MS / 1000)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=REAPER_LEASE_MS)).sweep()
+    assert report.reclaimed == 1
+    reclaims = await events_of(ledger, TaskReclaimed)
+    assert [(r.task_id, r.owner, r.old_entry) for r in reclaims] == [("t", "w", entry_id)]
+    assert await _pending_for(redis_client, queue, "w") == 0
