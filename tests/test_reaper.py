@@ -11,7 +11,7 @@ from dispatch.lease import LeaseInfo, Leases
 from dispatch.payload import TaskMessage
 from dispatch.queues import TaskQueues
 from events.event import TaskReclaimed
-from events.keys import WORKERS_GROUP, Keys
+from events.keys import Keys
 from events.ledger import Ledger
 from tests.helpers import MODEL_DIGEST, events_of
 from workers.reaper import Reaper, ReaperConfig
@@ -29,18 +29,11 @@ async def _taken_by_a_live_worker(
     queues = TaskQueues(redis, keys, ledger)
     queue = keys.queue(MODEL_DIGEST)
     await queues.enqueue(queue, TaskMessage(task_id="t", model="m", digest=MODEL_DIGEST))
-    await redis.sadd(keys.queues, queue)
     info = LeaseInfo(worker="w", token="tok", slots=1, lease_ms=worker_lease_ms)
     assert (await Leases(redis, keys).put(info, 60_000)).ok
     taken = await queues.take(queue, "w")
     assert taken.entry_id
     return queue, taken.entry_id
-
-
-async def _pending_for(redis: aioredis.Redis, queue: str, consumer: str) -> int:
-    summary = await redis.xpending(queue, WORKERS_GROUP)
-    names = (consumer, consumer.encode())
-    return sum(int(c["pending"]) for c in summary.get("consumers") or [] if c["name"] in names)
 
 
 async def test_a_live_workers_run_is_not_taken_by_a_reaper_whose_lease_is_shorter_than_the_workers(
@@ -51,7 +44,7 @@ async def test_a_live_workers_run_is_not_taken_by_a_reaper_whose_lease_is_shorte
     report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=REAPER_LEASE_MS)).sweep()
     assert report.reclaimed == 0
     assert await events_of(ledger, TaskReclaimed) == []
-    assert await _pending_for(redis_client, queue, "w") == 1
+    assert len(await ledger.pending(queue, consumer="w")) == 1
 
 
 @pytest.mark.parametrize("worker_lease_ms", [None, REAPER_LEASE_MS])
@@ -65,4 +58,4 @@ async def test_an_entry_a_live_worker_let_go_is_reclaimed_after_two_of_the_longe
     assert report.reclaimed == 1
     reclaims = await events_of(ledger, TaskReclaimed)
     assert [(r.task_id, r.owner, r.old_entry) for r in reclaims] == [("t", "w", entry_id)]
-    assert await _pending_for(redis_client, queue, "w") == 0
+    assert await ledger.pending(queue, consumer="w") == []

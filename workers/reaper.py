@@ -320,7 +320,8 @@ class Reaper:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 info = decode_lease(raw)
                 running = {r.task_id for r in info.running}
-                idle = 2 * max(self.config.lease_ms, info.lease_ms or 0)
+                if info.lease_ms is not None:  # None: a worker from before records carried it
+                    idle = 2 * max(self.config.lease_ms, info.lease_ms)
         for pending in batch:
             if pending.idle_ms < idle:
                 continue
