@@ -6,18 +6,29 @@ One decision is what the API does for a request with model=auto (rank every mode
 the plan of its queue, score each model's utility) plus one worker's gate check. The fits of the
 snapshot (the two-way speed fit, the pooled tables) are built once per snapshot, as the API and
 the workers do, and the estimates a decision reads are cached with them (per snapshot). The
-first decision on a new snapshot also computes those estimates: reported as `cold_*`. The last
-line is JSON: {"bench": "router", "decision_p50_us": ..., "decision_p99_us": ..., ...}.
+first decision on a new snapshot also computes those estimates: reported as `cold_*`.
+
+A request that names its model costs the API less than that, and more than the decision: the
+decision for that model alone, the ledger's record of it (TaskRouted, its compact breakdown
+encoded as the submission sends it) and the whole breakdown the task's lookup hash keeps (JSON).
+Each is timed apart, for the model the most workers hold: `named_*`, `record_*`, `breakdown_*`.
+`--workers 1 --models 1 --backlog 0` is `bench/api.py`'s fleet. The last line is JSON:
+{"bench": "router", "decision_p50_us": ..., "decision_p99_us": ..., ...}.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 # This script is named like the package it measures: its own folder goes last on the path, behind
 # the project's root, so that `import router` finds the package and `import scale` the script
@@ -27,8 +38,46 @@ sys.path = [str(HERE.parent), *(p for p in sys.path if Path(p or ".").resolve() 
 
 from scale import decision_times  # noqa: E402
 
-from router.estimate import build_estimator  # noqa: E402
-from sim.random_fleet import NOW_MS, FleetShape, random_fleet  # noqa: E402
+from dispatch.submit import routed_event  # noqa: E402
+from events.codec import encode_batch  # noqa: E402
+from router.choose import STORED_CANDIDATES, RouteQuery, decide  # noqa: E402
+from router.estimate import Estimator, build_estimator  # noqa: E402
+from router.plan import FleetView  # noqa: E402
+from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet  # noqa: E402
+
+
+def _p50_us(step: Callable[[int], object], count: int) -> float:
+    """Median microseconds of `step(i)` for i in 0 … count-1, the collector off."""
+    times: list[float] = []
+    gc.disable()
+    try:
+        for i in range(count):
+            t = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - t) * 1e6)
+    finally:
+        gc.enable()
+    return statistics.median(times)
+
+
+def named_request_costs(
+    fleet: FleetView, models: dict[str, str], est: Estimator, count: int, rng: random.Random
+) -> dict[str, float]:
+    """Median microseconds of what the API does per request naming its model (the one the most
+    workers hold): the decision, its TaskRouted encoded for the ledger, its stored breakdown."""
+    model = max(models, key=lambda name: (len(fleet.holders(models[name])), name))
+    queries = [
+        RouteQuery(model=model, domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
+        for i in range(count)
+    ]
+    decisions = [decide(q, models, fleet, est, NOW_MS) for q in queries]
+    return {
+        "named": _p50_us(lambda i: decide(queries[i], models, fleet, est, NOW_MS), count),
+        "record": _p50_us(lambda i: encode_batch([routed_event("t", "q", decisions[i])]), count),
+        "breakdown": _p50_us(
+            lambda i: msgspec.json.encode(decisions[i].to_dict(top=STORED_CANDIDATES)), count
+        ),
+    }
 
 
 def main() -> None:
@@ -48,11 +97,16 @@ def main() -> None:
     rng = random.Random(2)
     cold50, cold99 = decision_times(fleet, digests, est, args.decisions, rng=rng, cold=True)
     p50, p99 = decision_times(fleet, digests, est, args.decisions, rng=rng)
+    named = named_request_costs(fleet, digests, est, args.decisions, rng)
     if not args.json:
         print(f"snapshot fits (once per snapshot): {fit_us:,.0f} us")
         print(f"{args.workers} workers x {args.models} models, backlog {args.backlog}:")
         print(f"  decision p50 {p50:,.0f} us, p99 {p99:,.0f} us (estimates cached per snapshot)")
         print(f"  first decision on a snapshot p50 {cold50:,.0f} us, p99 {cold99:,.0f} us")
+        print(
+            f"  a request naming its model, p50: decision {named['named']:,.0f} us, its ledger record "
+            f"{named['record']:,.0f} us, its stored breakdown {named['breakdown']:,.0f} us"
+        )
     figures = {
         "bench": "router",
         "decision_p50_us": round(p50, 1),
@@ -60,6 +114,7 @@ def main() -> None:
         "cold_decision_p50_us": round(cold50, 1),
         "cold_decision_p99_us": round(cold99, 1),
         "snapshot_fit_us": round(fit_us, 1),
+        **{f"{name}_p50_us": round(us, 1) for name, us in named.items()},
     }
     print(json.dumps(figures))
 

@@ -125,3 +125,32 @@ def test_the_roundtrip_benchmark_prints_each_clients_cpu_per_round_trip_in_its_j
     clients = ("routeledger_us", "redis_py_us", "floor_us", "floor_no_deadline_us")
     assert list(figures) == ["bench", *clients] and figures["bench"] == "roundtrip"
     assert all(figures[name] > 0 for name in clients)
+
+
+def test_the_router_benchmark_times_a_named_models_decision_and_both_its_encodings_apart() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "router.py"),
+            "--workers",
+            "3",
+            "--models",
+            "2",
+            "--backlog",
+            "4",
+            "--decisions",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert any(line.strip().startswith("a request naming its model, p50: decision") for line in lines)
+    figures = json.loads(lines[-1])
+    named = ("named_p50_us", "record_p50_us", "breakdown_p50_us")
+    assert figures["bench"] == "router" and all(figures[name] > 0 for name in named)
+    # The named model's decision ranks one model's holders; `auto` ranks every model's, and adds
+    # a gate check.
+    assert figures["named_p50_us"] < figures["decision_p50_us"]
