@@ -13,6 +13,7 @@ from router.choose import (
     STORED_CANDIDATES,
     ChooseParams,
     RouteQuery,
+    _short,
     choose_model,
     classify_domain,
     decide,
@@ -286,6 +287,34 @@ def test_a_large_well_measured_quality_gap_does_win_over_latency() -> None:
     choice = choose_model(RouteQuery(domain="general"), MODELS, fv, est, NOW)
     assert choice.model == "elyza-jp-8b"
     assert choice.candidates[1].baseline and choice.candidates[1].model == "qwen3:8b"
+
+
+def _four_digits(x: float) -> float | int:
+    """What the ledger record keeps of a number, by its definition: the "4g" format read back."""
+    r = float(f"{x:.4g}")
+    return int(r) if r.is_integer() and abs(r) < 2**31 else r
+
+
+@settings(max_examples=3000)
+@given(
+    x=st.floats(allow_nan=False)
+    | st.builds(
+        lambda digits, half, exp: (digits + half) * 10.0**exp,
+        st.integers(1000, 9999),
+        st.sampled_from([0.0, 0.5, 0.4999999999, 0.5000000001, 0.9999999999999]),
+        st.integers(-30, 30),
+    )
+    | st.builds(
+        lambda exp, near: 10.0**exp * near,
+        st.integers(-300, 300),
+        st.sampled_from([1.0, 1 - 1e-16, 1 + 1e-15]),
+    )
+)
+def test_a_recorded_number_keeps_four_significant_digits_exactly_as_the_4g_format_rounds_them(
+    x: float,
+) -> None:
+    kept = _short(x)
+    assert kept == _four_digits(x) and type(kept) is type(_four_digits(x))
 
 
 def test_the_auto_breakdown_shows_each_models_quality_with_its_n_and_interval() -> None:
