@@ -139,7 +139,7 @@ def test_the_router_benchmark_times_a_named_models_decision_and_both_its_encodin
             "--backlog",
             "4",
             "--decisions",
-            "50",
+            "200",
         ],
         capture_output=True,
         text=True,
