@@ -19,7 +19,6 @@ Each is timed apart, for the model the most workers hold: `named_*`, `record_*`,
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -36,7 +35,7 @@ import msgspec
 HERE = Path(__file__).resolve().parent
 sys.path = [str(HERE.parent), *(p for p in sys.path if Path(p or ".").resolve() != HERE), str(HERE)]
 
-from scale import decision_times  # noqa: E402
+from scale import decision_times, times_us  # noqa: E402
 
 from dispatch.submit import routed_event  # noqa: E402
 from events.codec import encode_batch  # noqa: E402
@@ -44,20 +43,6 @@ from router.choose import STORED_CANDIDATES, RouteQuery, decide  # noqa: E402
 from router.estimate import Estimator, build_estimator  # noqa: E402
 from router.plan import FleetView  # noqa: E402
 from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet  # noqa: E402
-
-
-def _p50_us(step: Callable[[int], object], count: int) -> float:
-    """Median microseconds of `step(i)` for i in 0 … count-1, the collector off."""
-    times: list[float] = []
-    gc.disable()
-    try:
-        for i in range(count):
-            t = time.perf_counter()
-            step(i)
-            times.append((time.perf_counter() - t) * 1e6)
-    finally:
-        gc.enable()
-    return statistics.median(times)
 
 
 def named_request_costs(
@@ -71,13 +56,12 @@ def named_request_costs(
         for i in range(count)
     ]
     decisions = [decide(q, models, fleet, est, NOW_MS) for q in queries]
-    return {
-        "named": _p50_us(lambda i: decide(queries[i], models, fleet, est, NOW_MS), count),
-        "record": _p50_us(lambda i: encode_batch([routed_event("t", "q", decisions[i])]), count),
-        "breakdown": _p50_us(
-            lambda i: msgspec.json.encode(decisions[i].to_dict(top=STORED_CANDIDATES)), count
-        ),
+    steps: dict[str, Callable[[int], object]] = {
+        "named": lambda i: decide(queries[i], models, fleet, est, NOW_MS),
+        "record": lambda i: encode_batch([routed_event("t", "q", decisions[i])]),
+        "breakdown": lambda i: msgspec.json.encode(decisions[i].to_dict(top=STORED_CANDIDATES)),
     }
+    return {name: statistics.median(times_us(step, count)) for name, step in steps.items()}
 
 
 def main() -> None:

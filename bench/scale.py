@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,26 @@ from workers.config import WorkerConfig
 WARMUP = 5
 
 
+def times_us(
+    step: Callable[[int], object], count: int, before: Callable[[], object] | None = None
+) -> list[float]:
+    """Microseconds of `step(i)` for i in 0 … count-1, sorted, the collector off; `before()`, when
+    given, runs untimed ahead of each step."""
+    times: list[float] = []
+    gc.disable()
+    try:
+        for i in range(count):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - t) * 1e6)
+    finally:
+        gc.enable()
+    times.sort()
+    return times
+
+
 def decision_times(
     fleet: FleetView,
     models: dict[str, str],
@@ -87,20 +108,16 @@ def decision_times(
     new snapshot); `gate`: the gate's parameters (RouterGate's: size-aware)."""
     # Workers with a free slot get past the gate's first checks; a fleet without one asks them all.
     free = [w.name for w in fleet.workers if len(w.running) < w.slots] or [w.name for w in fleet.workers]
-    times: list[float] = []
-    gc.disable()
-    try:
-        for i in range(decisions):
-            if cold:
-                est.clear_cache()
-            query = RouteQuery(model="auto", domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
-            t = time.perf_counter()
-            decide(query, models, fleet, est, NOW_MS)
-            should_take(free[i % len(free)], fleet, est, NOW_MS, gate)
-            times.append((time.perf_counter() - t) * 1e6)
-    finally:
-        gc.enable()
-    times.sort()
+    queries = [
+        RouteQuery(model="auto", domain=DOMAINS[i % 3], prompt_tokens=rng.randint(20, 2000))
+        for i in range(decisions)
+    ]
+
+    def step(i: int) -> None:
+        decide(queries[i], models, fleet, est, NOW_MS)
+        should_take(free[i % len(free)], fleet, est, NOW_MS, gate)
+
+    times = times_us(step, decisions, est.clear_cache if cold else None)
     return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
 
 

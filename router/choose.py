@@ -840,9 +840,9 @@ def _short(x: float) -> float | int:
         return 0
     # round() and the "4g" format both round the exact binary value at one decimal place, so they
     # agree wherever that place is the same; log10 can misplace it by one only within a few ulps
-    # of a power of ten, where both give the power itself. Half the format's cost: a routed
-    # request's ledger record (`to_record`) calls this for every number it keeps.
-    # At the top of the float range round() would overflow where the format gives inf.
+    # of a power of ten, where both give the power itself. At the top of the float range round()
+    # would overflow where the format gives inf. Half the format's cost: a routed request's
+    # ledger record (`to_record`) calls this for every number it keeps.
     r = round(x, 3 - math.floor(math.log10(abs(x)))) if abs(x) < 1e300 else float(f"{x:.4g}")
     return int(r) if r.is_integer() and abs(r) < 2**31 else r
 
