@@ -207,6 +207,8 @@ def task_answer(request: Request, sub: Submitted, timeout_s: float | None = None
 
     async def whole() -> Result:
         result = await waited(request, gw, sub.task_id, timeout_s)
+        if result.refused:
+            raise BadRequestError(f"the backend refused task {result.task_id}: {result.error}")
         if result.status != "completed":
             raise GenerationError(f"task {result.task_id} {result.status}: {result.error or 'no answer'}")
         return result

@@ -103,6 +103,8 @@ async def _embed(request: Request, req: TaskRequest) -> Embedded:
         raise
     results = await _waited(request, gw, subs)
     for r in results:
+        if r.refused:
+            raise BadRequestError(f"the backend refused task {r.task_id}: {r.error}")
         if r.status != "completed":
             raise GenerationError(f"task {r.task_id} {r.status}: {r.error or 'no answer'}")
         if r.embeddings is None:

@@ -25,6 +25,7 @@ from dispatch.errors import (
     TaskFinishedError,
     TaskLostError,
     TaskNotFoundError,
+    TaskRefusedError,
     TaskTimeoutError,
 )
 from dispatch.lease import LeaseInfo
@@ -198,6 +199,7 @@ _ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
     TaskNotFoundError: NotFoundError,
     TaskFinishedError: ConflictError,
     TaskFailedError: GenerationError,
+    TaskRefusedError: BadRequestError,
     TaskTimeoutError: WaitTimeoutError,
     RedisUnavailableError: UnavailableError,
     RedisMemoryFullError: MemoryFullError,

@@ -1,19 +1,22 @@
-"""What a run's backend request costs the worker: httpx's streaming client, an httpcore pool and the
-worker's own HTTP/1.1 client (workers.backend.LineStreams over workers.http1), side by side on one
-zero-delay sim host.
+"""What a run's backend request costs the worker, and whether it survives a server's keep-alive
+timeout: the worker's httpx client (workers.backend: `backend_client` with `open_stream`),
+httpx with its default settings, and aiohttp (when installed), side by side.
 
-    python bench/backend_client.py [--requests 300] [--rounds 5] [--tokens 16] [--json]
+    python bench/backend_client.py [--requests 200] [--rounds 3] [--gaps 20] [--real] [--json]
 
-Each request is what a run sends: a streamed /api/chat of `--tokens` output tokens (NDJSON, one line
-per token), every line decoded. The two clients take turns, round by round, on one machine of
-`routeledger sim hosts --time-scale 0` (answers at once): CPU time of this process per request
-(the worker's own cost) and wall time per request, medians over rounds.
+Each request is a streamed chat of a few output tokens, every line decoded. The target is one
+machine of `routeledger sim hosts --time-scale 0` (Ollama's NDJSON, answers at once), or with
+`--real` a real llama-server (OpenAI's SSE; tests/real/llama.py builds it once per machine).
 
-The last line is JSON (cpu_ratio: httpcore's CPU over httpx's; http1_cpu_ratio: the worker's
-client's over httpcore's):
-{"bench": "backend_client", "httpx_cpu_ms": ..., "httpcore_cpu_ms": ..., "cpu_ratio": ...,
- "httpx_wall_ms": ..., "httpcore_wall_ms": ..., "http1_cpu_ms": ..., "http1_wall_ms": ...,
- "http1_cpu_ratio": ...}
+- CPU: CPU time of this process per request (the worker's own cost), and wall time per request,
+  medians over rounds, the clients taking turns.
+- reliability (`--gaps N`, real server only): N requests per client, each after an idle pause drawn
+  from 4.8-5.2 s, around the 5 s after which llama-server (cpp-httplib) closes an idle kept-alive
+  connection: the requests that failed. The race the worker used to lose ("Server disconnected
+  without sending a response").
+
+The last line is JSON: {"bench": "backend_client", "<client>_cpu_ms": ..., "<client>_wall_ms": ...,
+"<client>_failed": ..., "requests": ..., "gaps": ...}
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -33,11 +37,10 @@ from typing import Any
 # The project this script sits in, ahead of any installed copy.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpcore
 import httpx
 import msgspec
 
-from workers.backend import LineStreams
+from workers.backend import backend_client, open_stream
 
 FLEET = """
 name = "client-bench"
@@ -51,125 +54,162 @@ decode_tps = 100.0
 """
 
 _decoder = msgspec.json.Decoder(dict[str, Any])
+Call = Callable[[], Awaitable[int]]
 
 
-async def with_httpx(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
-    n = 0
-    async with client.stream("POST", "/api/chat", json=body) as resp:
-        async for line in resp.aiter_lines():
-            if line.strip():
-                _decoder.decode(line)
-                n += 1
-    return n
+def _lines(data: bytes, sse: bool) -> list[bytes]:
+    out = []
+    for line in data.split(b"\n"):
+        line = line.strip()
+        if sse:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            line = line[5:]
+        if line:
+            out.append(line)
+    return out
 
 
-async def with_httpcore(pool: httpcore.AsyncConnectionPool, url: str, body: dict[str, Any]) -> int:
-    """What the worker sent its requests through before workers.http1: straight to httpcore."""
-    content = msgspec.json.encode(body)
-    headers = [
-        (b"Content-Type", b"application/json"),
-        (b"Accept", b"application/x-ndjson"),
-        (b"Content-Length", str(len(content)).encode()),
-    ]
-    n = 0
-    async with pool.stream("POST", url + "/api/chat", headers=headers, content=content) as resp:
-        rest = b""
-        async for chunk in resp.aiter_stream():
-            *whole, rest = (rest + chunk).split(b"\n")
-            for line in whole:
-                if line.strip():
+def _request(sse: bool, tokens: int) -> tuple[str, dict[str, Any]]:
+    messages = [{"role": "user", "content": "Say something."}]
+    if sse:
+        body = {"model": "m", "stream": True, "messages": messages, "max_tokens": tokens}
+        return "/v1/chat/completions", body
+    return "/api/chat", {"model": "m", "stream": True, "messages": messages}
+
+
+def httpx_call(client: httpx.AsyncClient, path: str, body: dict[str, Any], sse: bool, worker: bool) -> Call:
+    async def call() -> int:
+        n, rest = 0, b""
+        if worker:
+            resp = await open_stream(
+                client, path, body, "text/event-stream" if sse else "application/x-ndjson"
+            )
+        else:
+            resp = await client.send(client.build_request("POST", path, json=body), stream=True)
+        try:
+            async for chunk in resp.aiter_bytes():
+                *whole, rest = (rest + chunk).split(b"\n")
+                for line in _lines(b"\n".join(whole), sse):
                     _decoder.decode(line)
                     n += 1
-    return n
+        finally:
+            await resp.aclose()
+        return n
+
+    return call
 
 
-async def with_http1(streams: LineStreams, body: dict[str, Any]) -> int:
-    n = 0
-    async for line in streams.lines("/api/chat", body, "m"):
-        _decoder.decode(line)
-        n += 1
-    return n
+def aiohttp_call(session: Any, url: str, body: dict[str, Any], sse: bool) -> Call:
+    async def call() -> int:
+        n, rest = 0, b""
+        async with session.post(url, json=body) as resp:
+            async for chunk in resp.content.iter_any():
+                *whole, rest = (rest + chunk).split(b"\n")
+                for line in _lines(b"\n".join(whole), sse):
+                    _decoder.decode(line)
+                    n += 1
+        return n
+
+    return call
 
 
-async def timed(call: Callable[[], Awaitable[int]], requests: int) -> tuple[float, float]:
+async def timed(call: Call, requests: int) -> tuple[float, float]:
     """(CPU ms, wall ms) per request over `requests` requests."""
     cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(requests):
         await call()
-    return (
-        (time.process_time() - cpu) * 1000 / requests,
-        (time.perf_counter() - wall) * 1000 / requests,
-    )
+    return (time.process_time() - cpu) * 1000 / requests, (time.perf_counter() - wall) * 1000 / requests
 
 
-async def measure(url: str, requests: int, rounds: int) -> dict[str, float]:
-    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "Say something."}]}
-    names = ("httpx", "core", "http1")
-    figures: dict[str, list[float]] = {f"{n}_{k}": [] for n in names for k in ("cpu", "wall")}
-    async with httpx.AsyncClient(base_url=url) as client:
-        streams = LineStreams(url, 60.0)
-        pool = httpcore.AsyncConnectionPool(max_connections=64, max_keepalive_connections=32)
-        calls: dict[str, Callable[[], Awaitable[int]]] = {
-            "httpx": lambda: with_httpx(client, body),
-            "core": lambda: with_httpcore(pool, url, body),
-            "http1": lambda: with_http1(streams, body),
-        }
+async def gapped(call: Call, count: int, rng: random.Random) -> int:
+    """Requests each after an idle pause around a 5 s keep-alive timeout; how many failed."""
+    failed = 0
+    for _ in range(count):
+        await asyncio.sleep(rng.uniform(4.8, 5.2))
         try:
-            lines = [await call() for call in calls.values()]
-            if len(set(lines)) != 1 or lines[0] == 0:
-                raise SystemExit(f"the clients read different answers: {lines} lines")
-            for _ in range(rounds):
-                for name, call in calls.items():
-                    cpu, wall = await timed(call, requests)
-                    figures[f"{name}_cpu"].append(cpu)
-                    figures[f"{name}_wall"].append(wall)
-        finally:
-            await streams.aclose()
-            await pool.aclose()
-    med = {k: statistics.median(v) for k, v in figures.items()}
-    ratios = [c / h for c, h in zip(figures["core_cpu"], figures["httpx_cpu"], strict=True)]
-    own = [c / h for c, h in zip(figures["http1_cpu"], figures["core_cpu"], strict=True)]
-    return {
-        "httpx_cpu_ms": round(med["httpx_cpu"], 3),
-        "httpcore_cpu_ms": round(med["core_cpu"], 3),
-        "cpu_ratio": round(statistics.median(ratios), 3),
-        "httpx_wall_ms": round(med["httpx_wall"], 3),
-        "httpcore_wall_ms": round(med["core_wall"], 3),
-        "http1_cpu_ms": round(med["http1_cpu"], 3),
-        "http1_wall_ms": round(med["http1_wall"], 3),
-        "http1_cpu_ratio": round(statistics.median(own), 3),
+            await call()
+        except Exception:  # every failure counts, whatever the client calls it
+            failed += 1
+    return failed
+
+
+async def measure(url: str, sse: bool, tokens: int, requests: int, rounds: int, gaps: int) -> dict[str, Any]:
+    path, body = _request(sse, tokens)
+    worker = backend_client(url, 60.0)
+    default = httpx.AsyncClient(base_url=url, timeout=60.0)
+    calls: dict[str, Call] = {
+        "worker_httpx": httpx_call(worker, path, body, sse, worker=True),
+        "default_httpx": httpx_call(default, path, body, sse, worker=False),
     }
+    session = None
+    try:
+        import aiohttp
+
+        session = aiohttp.ClientSession()
+        calls["default_aiohttp"] = aiohttp_call(session, url + path, body, sse)
+    except ImportError:
+        pass
+    figures: dict[str, Any] = {}
+    try:
+        counts = [await call() for call in calls.values()]
+        if len(set(counts)) != 1 or counts[0] == 0:
+            raise SystemExit(f"the clients read different answers: {counts} lines")
+        spent: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, call in calls.items():
+                spent[name].append(await timed(call, requests))
+        for name, pairs in spent.items():
+            figures[f"{name}_cpu_ms"] = round(statistics.median(c for c, _ in pairs), 3)
+            figures[f"{name}_wall_ms"] = round(statistics.median(w for _, w in pairs), 3)
+        if gaps:
+            runs = await asyncio.gather(
+                *(gapped(call, gaps, random.Random(i)) for i, call in enumerate(calls.values()))
+            )
+            for name, failed in zip(calls, runs, strict=True):
+                figures[f"{name}_failed"] = failed
+    finally:
+        await worker.aclose()
+        await default.aclose()
+        if session is not None:
+            await session.close()
+    return figures
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=300, help="requests per client per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=16, help="output tokens (NDJSON lines) per answer")
+    ap.add_argument("--requests", type=int, default=200, help="requests per client per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16, help="output tokens per answer")
+    ap.add_argument("--gaps", type=int, default=0, help="requests after an idle pause, per client (--real)")
+    ap.add_argument("--real", action="store_true", help="a real llama-server instead of a sim host")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rl-client-") as tmp:
-        fleet = Path(tmp) / "fleet.toml"
-        fleet.write_text(FLEET.format(tokens=args.tokens))
-        argv = [sys.executable, "-m", "routeledger", "sim", "hosts", "--fleet-file", str(fleet)]
-        sim = subprocess.Popen([*argv, "--time-scale", "0", "--json"], stdout=subprocess.PIPE)
-        try:
-            assert sim.stdout is not None
-            url = next(iter(json.loads(sim.stdout.readline())["hosts"].values()))
-            figures = asyncio.run(measure(url, args.requests, args.rounds))
-        finally:
-            sim.terminate()
-            sim.wait(30)
+        if args.real:
+            from tests.real.llama import fast_server, model_path
+
+            server = fast_server(model_path(), Path(tmp))
+            with server:
+                figures = asyncio.run(
+                    measure(server.url, True, args.tokens, args.requests, args.rounds, args.gaps)
+                )
+        else:
+            fleet = Path(tmp) / "fleet.toml"
+            fleet.write_text(FLEET.format(tokens=args.tokens))
+            argv = [sys.executable, "-m", "routeledger", "sim", "hosts", "--fleet-file", str(fleet)]
+            sim = subprocess.Popen([*argv, "--time-scale", "0", "--json"], stdout=subprocess.PIPE)
+            try:
+                assert sim.stdout is not None
+                url = next(iter(json.loads(sim.stdout.readline())["hosts"].values()))
+                figures = asyncio.run(measure(url, False, args.tokens, args.requests, args.rounds, 0))
+            finally:
+                sim.terminate()
+                sim.wait(30)
+    figures.update(requests=args.requests, rounds=args.rounds, gaps=args.gaps, real=args.real)
     if not args.json:
-        f = figures
-        print(
-            f"httpx: {f['httpx_cpu_ms']:.3f} ms CPU, {f['httpx_wall_ms']:.3f} ms wall per request;"
-            f" httpcore pool: {f['httpcore_cpu_ms']:.3f} ms CPU, {f['httpcore_wall_ms']:.3f} ms"
-            f" wall; CPU ratio {f['cpu_ratio']:.2f}; the worker's client (workers.http1):"
-            f" {f['http1_cpu_ms']:.3f} ms CPU, {f['http1_wall_ms']:.3f} ms wall, CPU ratio to httpcore"
-            f" {f['http1_cpu_ratio']:.2f} (medians of {args.rounds} rounds of"
-            f" {args.requests} requests, {args.tokens} tokens each)"
-        )
+        for key, value in figures.items():
+            print(f"{key}: {value}")
     print(json.dumps({"bench": "backend_client", **figures}))
 
 

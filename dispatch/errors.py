@@ -65,6 +65,12 @@ class TaskFailedError(DispatchError):
     re-run after its streamed output had started."""
 
 
+class TaskRefusedError(DispatchError):
+    """Raised when a task's backend refused the request itself (a 4xx, or a 501 for what its server
+    cannot do, such as embeddings from a llama-server started without --embeddings): the client
+    asked for something that machine cannot serve, and asking again would not help."""
+
+
 class TaskTimeoutError(DispatchError):
     """Raised when a task did not finish within the time its caller waits for it."""
 

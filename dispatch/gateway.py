@@ -30,6 +30,7 @@ from dispatch.errors import (
     TaskFinishedError,
     TaskLostError,
     TaskNotFoundError,
+    TaskRefusedError,
     TaskTimeoutError,
 )
 from dispatch.lease import LeaseInfo
@@ -253,7 +254,7 @@ class Gateway:
         max_queue_depth: int | None = None,
         keyed: bool = False,
         prefix_pricing: bool = True,
-        paced_streams: bool = True,
+        paced_streams: bool = False,
     ) -> None:
         self.redis = redis
         # Tasks carry their prompt's chain (router.prefix), which the plan prices.
@@ -479,6 +480,8 @@ class Gateway:
                     if result is None:
                         continue  # the done chunk of a run whose result is not written yet
                     await self._charge(task_id, result)
+                    if result.refused:
+                        raise TaskRefusedError(f"the backend refused task {task_id}: {result.error}")
                     if result.status != "completed":
                         raise TaskFailedError(
                             f"task {task_id} {result.status}: {result.error or chunk.error}"

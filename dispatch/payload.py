@@ -221,6 +221,9 @@ class Result(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     thinking: str = ""
     # An `embed` task's vectors, one per input in order, each packed by `pack_vector`.
     embeddings: list[bytes] | None = None
+    # The backend refused the request itself (a 4xx, or a 501 for what its server cannot do): no
+    # rerun could answer it, and the API answers the client with its own error (a 400).
+    refused: bool = False
 
 
 # What a relay yields of a task's output, in order: thinking, text pieces and tool calls as they

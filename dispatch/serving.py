@@ -30,12 +30,20 @@ def served(info: LeaseInfo) -> list[ModelEntry]:
 
 
 def names_model(entry: ModelEntry, model: str) -> bool:
-    """Whether `model` (a name, an alias without `:latest`, or a 12+ digit digest prefix) names `entry`."""
+    """Whether `model` (a name, an alias without `:latest`, a GGUF file's name or path, or a 12+
+    digit digest prefix) names `entry`."""
     if entry.name == model:
         return True
     # `qwen3` means `qwen3:latest`, as Ollama reads it.
     if ":" not in model and entry.name == f"{model}:latest":
         return True
+    # A model served from a GGUF file is named by the file's base name without `.gguf`
+    # (workers.backend.short_name): its file name or path, as its server was started, names it too.
+    base = model.replace("\\", "/").rsplit("/", 1)[-1]
+    if base != model or base.lower().endswith(".gguf"):
+        stem = base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+        if stem and entry.name == stem:
+            return True
     return len(model) >= 12 and entry.digest.startswith(model)
 
 
@@ -86,12 +94,18 @@ def capabilities(digest: str, leases: dict[str, LeaseInfo]) -> list[str]:
 
 
 def lacks(digest: str, capability: str, leases: dict[str, LeaseInfo]) -> bool:
-    """Whether every live holder of `digest` reports capabilities without `capability`. A holder
-    that reports none (its backend cannot say) may have it: then the model does not lack it."""
-    reported = [
-        entry.capabilities for info in leases.values() for entry in served(info) if entry.digest == digest
-    ]
-    return bool(reported) and all(caps is not None and capability not in caps for caps in reported)
+    """Whether every live holder of `digest` reports capabilities without `capability`, or was seen
+    to refuse it (`ModelEntry.lacks`). A holder that reports none (its backend cannot say) and
+    refused nothing may have it: then the model does not lack it."""
+    held = [entry for info in leases.values() for entry in served(info) if entry.digest == digest]
+    return bool(held) and all(entry_lacks(entry, capability) for entry in held)
+
+
+def entry_lacks(entry: ModelEntry, capability: str) -> bool:
+    """Whether one holder's entry says the model cannot do `capability`."""
+    if entry.lacks and capability in entry.lacks:
+        return True
+    return entry.capabilities is not None and capability not in entry.capabilities
 
 
 def describe_fleet(leases: dict[str, LeaseInfo]) -> str:

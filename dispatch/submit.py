@@ -357,7 +357,12 @@ def _cannot_embed(
         message = f"no model the live fleet serves reports the embedding capability ({can})"
     else:
         reported = ", ".join(capabilities(candidates[model], leases))
-        message = f"model {model!r} cannot embed (its holders report capabilities: {reported}); {can}"
+        said = (
+            f"its holders report capabilities: {reported}"
+            if reported
+            else "its holders' servers refused to embed with it (llama-server needs --embeddings)"
+        )
+        message = f"model {model!r} cannot embed ({said}); {can}"
     return CapabilityMissingError(
         message,
         hint="send the request to a model whose capabilities include embedding (/api/show lists them)",

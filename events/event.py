@@ -141,6 +141,9 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, 
     context_length: Count | None = None
     # When the backend last changed its copy (Ollama's /api/tags `modified_at`, RFC 3339).
     modified_at: str | None = None
+    # Capabilities the backend was seen to refuse for this model (a 501 to an embedding request:
+    # llama-server started without --embeddings), learned by the worker; None: none refused.
+    lacks: list[str] | None = None
 
 
 # -- tasks -------------------------------------------------------------------------------------

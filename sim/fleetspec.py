@@ -152,6 +152,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     # False: the OpenAI-compatible API sends no `usage` in a stream even when asked (some servers
     # do not), so a client must count the output itself.
     openai_usage: bool = True
+    # False: the OpenAI-compatible API answers every /v1/embeddings request 501 Not Implemented,
+    # as llama-server started without --embeddings does.
+    openai_embeddings: bool = True
     # Stretches of time with speed multiplied by a factor (overlapping ones multiply).
     slowdown: list[Slowdown] = msgspec.field(default_factory=list)
     # Bytes of GPU memory: a loaded model larger than this reports only this much as `size_vram` in

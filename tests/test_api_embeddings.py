@@ -10,6 +10,7 @@ sim.backends.embedding); `plain` has not. The hosts run at time scale 0 unless a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from typing import Any
@@ -28,6 +29,7 @@ from events.event import (
     BenchmarkResult,
     ModelEntry,
     QualityScored,
+    TaskClaimed,
     TaskCompleted,
     TaskFailed,
     TaskRouted,
@@ -341,3 +343,51 @@ def test_a_model_is_costed_as_an_embedding_model_when_its_holders_say_so_or_it_h
     snap.speed[("ollama", mixed)] = SpeedRow(worker="ollama", digest=mixed, embed_tps=sample)
     # `mixed` says it completes: its embeddings are no evidence that it only embeds.
     assert embedding_models(leases, snap) == {said, silent}
+
+
+# A chat model on one machine whose OpenAI-compatible server was started without embeddings
+# (llama-server without --embeddings answers 501).
+CHAT_ONLY = """
+name = "chat-only"
+[model."smol"]
+output = { dist = "fixed", mean = 10 }
+
+[[worker]]
+name = "a"
+slots = 1
+openai_embeddings = false
+[worker.models."smol"]
+decode_tps = 200.0
+prompt_tps = 5000.0
+load_s = 0.0
+"""
+
+
+async def test_a_server_that_cannot_embed_is_the_clients_error_at_once_and_the_next_is_refused_early(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    fleet = parse_fleet(CHAT_ONLY, "chat-only.toml")
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=fleet, kind="openai") as (base, _):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            first = await http.post("/v1/embeddings", json={"model": "smol:latest", "input": "hello"})
+            # The API reads leases at most 0.5 s old: past that, it knows.
+            await asyncio.sleep(0.6)
+            claims = len(await events_of(ledger, TaskClaimed))
+            ollama_shape = await http.post("/api/embed", json={"model": "smol:latest", "input": "hello"})
+            again = await http.post("/v1/embeddings", json={"model": "smol:latest", "input": "again"})
+            chat = await http.post(
+                "/v1/chat/completions",
+                json={"model": "smol:latest", "messages": [{"role": "user", "content": "hi"}]},
+            )
+        failed = await events_of(ledger, TaskFailed)
+        after = len(await events_of(ledger, TaskClaimed))
+    # The first: the server's 501, in the client's shape, with its words; nothing retried.
+    assert first.status_code == 400, first.text
+    assert "does not support embeddings" in first.json()["error"]["message"]
+    assert [(e.kind, e.retryable) for e in failed] == [("unsupported", False)]
+    # Learned before that answer came: the next ones are refused at submission, in each shape.
+    assert ollama_shape.status_code == 400 and "cannot embed" in ollama_shape.json()["error"]
+    assert again.status_code == 400 and "cannot embed" in again.json()["error"]["message"]
+    assert "--embeddings" in again.json()["error"]["message"]
+    assert after == claims + 1  # only the chat was claimed after the first refusal
+    assert chat.status_code == 200

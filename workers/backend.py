@@ -28,7 +28,13 @@ Every failure becomes a BackendError with a kind:
 | http_5xx | yes | the backend answered with a server error |
 | model_missing | yes | the backend does not have the model (another worker may) |
 | bad_request | no | the backend rejected the request itself (4xx) |
+| unsupported | no | the backend cannot do this for the model (501: llama-server without --embeddings) |
 | protocol | yes | the backend sent something that is not its protocol |
+
+Every request goes through httpx, on kept-alive connections that are not reused after
+`KEEPALIVE_EXPIRY_S` idle (below the 5 s after which llama.cpp's server closes them), and a request
+that meets a connection the server closed before answering is sent again on a fresh one: a stale
+connection never surfaces as a task's failure.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
 
 import httpcore
 import httpx
@@ -51,8 +58,18 @@ from dispatch.lease import LoadedModel
 from dispatch.modelcard import ModelCard
 from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
-from workers.errors import BackendError, HttpError
-from workers.http1 import Http1Pool
+from workers.errors import BackendError
+
+log = logging.getLogger("routeledger.worker")
+
+# A kept-alive connection idle longer than this is not reused. llama.cpp's server (cpp-httplib)
+# closes one after 5 s, httpx's default expiry is 5 s too: the two raced, and the first request
+# after an idle gap met a closed socket ("Server disconnected without sending a response").
+KEEPALIVE_EXPIRY_S: Final = 2.0
+# A request whose connection was closed before any answer came is sent again on a fresh connection
+# this many times: the server never read it (a kept-alive socket it had closed), so nothing ran twice.
+STALE_RETRIES: Final = 2
+_STALE: Final = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 class Generated(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,6 +117,14 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class Refusing(Protocol):
+    """A backend that learns from its server's refusals what a model cannot do (OpenAIBackend):
+    its next inventory lists the capability in the model's `lacks`."""
+
+    def refused(self, local_name: str, capability: str) -> None: ...
+
+
 def _timeout(idle_timeout_s: float) -> httpx.Timeout:
     return httpx.Timeout(connect=5.0, read=idle_timeout_s, write=30.0, pool=30.0)
 
@@ -124,13 +149,6 @@ def _classify(exc: Exception, started: bool) -> BackendError:
     ):
         kind = "disconnect" if started else "unreachable"
         return BackendError(kind, str(exc) or "connection closed", retryable=True)
-    if isinstance(exc, HttpError):
-        if exc.kind == "connect":
-            return BackendError("unreachable", str(exc), retryable=True)
-        if exc.kind == "timeout":
-            return BackendError("timeout", str(exc), retryable=True)
-        kind = "disconnect" if started else "unreachable"
-        return BackendError(kind, str(exc), retryable=True)
     if isinstance(exc, msgspec.DecodeError | ValueError):
         return BackendError("protocol", str(exc), retryable=True)
     return BackendError("protocol", f"{type(exc).__name__}: {exc}", retryable=True)
@@ -146,35 +164,78 @@ def _raise_status(status: int, raw: bytes, model: str) -> None:
     """The BackendError of an answer with HTTP status `status` (400 or more) and body `raw`."""
     body = raw.decode(errors="replace")[:500]
     try:
-        message = str(msgspec.json.decode(body).get("error", body))
+        said: Any = msgspec.json.decode(body).get("error", body)
     except (msgspec.DecodeError, AttributeError):
-        message = body
+        said = body
+    # Ollama says {"error": "..."}; OpenAI-compatible servers {"error": {"message": "...", ...}}.
+    message = str(said.get("message", said) if isinstance(said, dict) else said)
     if status == 404:
         raise BackendError("model_missing", f"{model}: {message}", retryable=True)
+    if status == 501:
+        # Not implemented for this model or server (llama-server without --embeddings): asking
+        # again, here or after a pause, gets the same answer.
+        raise BackendError("unsupported", f"HTTP 501: {message}", retryable=False)
     if status >= 500:
         raise BackendError("http_5xx", f"HTTP {status}: {message}", retryable=True)
     raise BackendError("bad_request", f"HTTP {status}: {message}", retryable=False)
 
 
-class LineStreams:
-    """POSTs of JSON whose answer is read line by line (Ollama's NDJSON), over kept-alive
-    connections to one backend: every run's request, so it goes through the leanest client that
-    does the job (workers.http1), not httpx or httpcore (bench/backend_client.py measures all three)."""
+def backend_client(
+    url: str, idle_timeout_s: float, headers: dict[str, str] | None = None
+) -> httpx.AsyncClient:
+    """The httpx client an adapter talks to its backend through (see the module's note on kept-alive
+    connections)."""
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=_timeout(idle_timeout_s),
+        headers=headers or {},
+        limits=httpx.Limits(
+            max_connections=64, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_EXPIRY_S
+        ),
+    )
 
-    def __init__(self, url: str, idle_timeout_s: float) -> None:
-        self._pool = Http1Pool(url.rstrip("/"), connect_timeout_s=5.0, read_timeout_s=idle_timeout_s)
+
+async def open_stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], accept: str
+) -> httpx.Response:
+    """POST `body` as JSON at `path` and return the answer once its head came, its body unread. A
+    connection that closes before any answer is a stale kept-alive one the server had closed: the
+    request goes again on a fresh connection (STALE_RETRIES times)."""
+    request = client.build_request(
+        "POST",
+        path,
+        content=msgspec.json.encode(body),
+        headers={"Content-Type": "application/json", "Accept": accept},
+    )
+    for attempt in range(STALE_RETRIES + 1):
+        try:
+            return await client.send(request, stream=True)
+        except _STALE as exc:
+            if attempt == STALE_RETRIES:
+                raise
+            log.debug(
+                "%s%s: the connection closed before an answer (%s); sending again", client.base_url, path, exc
+            )
+    raise AssertionError("unreachable")
+
+
+class LineStreams:
+    """POSTs of JSON whose answer is read line by line (Ollama's NDJSON), over the adapter's httpx
+    client (kept-alive connections, stale ones replaced: `open_stream`)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
 
     async def batches(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[list[bytes], None]:
         """The non-blank lines of the answer to POST `body` (as JSON) at `path`, as they arrive: one
-        list for each read (a backend that answers at once sends many lines in one, and each step
-        through these generators costs more than parsing a line); BackendError for an HTTP error
-        status. Closing the iterator early closes the connection."""
-        answer = await self._pool.post(path, msgspec.json.encode(body), _NDJSON_HEADERS)
+        list for each read (a backend that answers at once sends many lines in one); BackendError
+        for an HTTP error status. Closing the iterator early closes the connection."""
+        answer = await open_stream(self._client, path, body, "application/x-ndjson")
         try:
-            if answer.status >= 400:
-                _raise_status(answer.status, await answer.read(), model)
+            if answer.status_code >= 400:
+                _raise_status(answer.status_code, await answer.aread(), model)
             rest = b""
-            async for chunk in answer.chunks():
+            async for chunk in answer.aiter_bytes():
                 if rest:
                     chunk = rest + chunk
                 *whole, rest = chunk.split(b"\n")
@@ -196,12 +257,6 @@ class LineStreams:
         finally:
             await batches.aclose()
 
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-
-
-_NDJSON_HEADERS: Final = [(b"Content-Type", b"application/json"), (b"Accept", b"application/x-ndjson")]
-
 
 async def _post_json(
     client: httpx.AsyncClient, path: str, body: dict[str, Any], model: str, timeout_s: float
@@ -209,9 +264,12 @@ async def _post_json(
     """POST `body` and decode the JSON answer, every failure a BackendError of its kind."""
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.post(path, json=body)
-            await _raise_for_status(resp, model)
-            return _line_decoder.decode(resp.content)
+            resp = await open_stream(client, path, body, "application/json")
+            try:
+                await _raise_for_status(resp, model)
+                return _line_decoder.decode(await resp.aread())
+            finally:
+                await resp.aclose()
     except BackendError:
         raise
     except Exception as exc:
@@ -475,13 +533,8 @@ class OllamaBackend:
     def __init__(self, url: str, *, timeout_s: float = 300.0, idle_timeout_s: float = 120.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=_timeout(idle_timeout_s),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-        )
-        # Runs' requests: the hot path, on a pool of its own.
-        self.streams = LineStreams(self.url, idle_timeout_s)
+        self.client = backend_client(self.url, idle_timeout_s)
+        self.streams = LineStreams(self.client)
         # digest -> what its /api/show says (`_Shown`: None where the backend did not answer with
         # one), asked once a digest.
         self._shown: dict[str, _Shown] = {}
@@ -676,7 +729,6 @@ class OllamaBackend:
 
     async def aclose(self) -> None:
         await self.client.aclose()
-        await self.streams.aclose()
 
 
 def _vectors(raw: Any, inputs: int) -> list[bytes]:
@@ -721,6 +773,43 @@ def _cached_tokens(usage: dict[str, Any]) -> int | None:
     return _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
 
 
+def _decode_ns(first: int | None, last: int | None, tokens: int | None) -> int | None:
+    """Decode time of `tokens` tokens streamed from `first` to `last` (ns, the worker's clock): the
+    first token came at `first`, so `last - first` spans tokens - 1 of them; scaled to all."""
+    if first is None or last is None or last <= first or tokens is None or tokens < 2:
+        return None
+    return min(round((last - first) * tokens / (tokens - 1)), MAX_NS)
+
+
+def _with_server_timings(timings: Timings, server: dict[str, Any]) -> Timings:
+    """`timings` with what the server measured itself, where it said (llama-server's `timings`:
+    `prompt_n` tokens evaluated in `prompt_ms`, `cache_n` more its cache held, `predicted_n`
+    generated in `predicted_ms`): its clock, not the worker's, which also counts the network and
+    the wait for a busy slot."""
+    prompt_n = _int_or_none(server.get("prompt_n"))
+    cache_n = _int_or_none(server.get("cache_n"))
+    predicted_n = _int_or_none(server.get("predicted_n"))
+    prompt_ns = _ms_as_ns(server.get("prompt_ms"))
+    predicted_ns = _ms_as_ns(server.get("predicted_ms"))
+    changes: dict[str, Any] = {}
+    if prompt_n is not None and prompt_ns is not None:
+        cached = cache_n or 0
+        changes.update(
+            prompt_eval_count=prompt_n + cached,
+            prompt_eval_cached_count=cached,
+            prompt_eval_duration=prompt_ns,
+        )
+    if predicted_n is not None and predicted_ns is not None:
+        changes.update(eval_count=predicted_n, eval_duration=predicted_ns, counted=None)
+    return msgspec.structs.replace(timings, **changes) if changes else timings
+
+
+def _ms_as_ns(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return None
+    return _ns_or_none(round(value * 1e6))
+
+
 def _ollama_timings(data: dict[str, Any]) -> Timings:
     return Timings(
         prompt_eval_count=_int_or_none(data.get("prompt_eval_count")),
@@ -734,15 +823,48 @@ def _ollama_timings(data: dict[str, Any]) -> Timings:
 
 
 def openai_digest(model_id: str) -> str:
-    """OpenAI-compatible servers name models but do not report digests: derive a stable one."""
+    """The identity of a model an OpenAI-compatible server names but says nothing else of: its name's."""
     return hashlib.sha256(f"openai-compatible:{model_id}".encode()).hexdigest()
+
+
+def weights_digest(file_name: str, meta: dict[str, Any]) -> str | None:
+    """The identity of a GGUF a server describes (llama-server's /v1/models `meta`): its file name
+    and what the weights are (parameters, bytes, vocabulary, training context, width), not the path
+    it was started from, so the same file on two machines is one model. None when `meta` lacks
+    the parameter count or the size."""
+    facts = {k: meta.get(k) for k in ("n_params", "size", "n_vocab", "n_ctx_train", "n_embd")}
+    if not isinstance(facts["n_params"], int) or not isinstance(facts["size"], int):
+        return None
+    key = msgspec.json.encode({"file": file_name, **facts})
+    return hashlib.sha256(b"gguf:" + key).hexdigest()
+
+
+def short_name(model_id: str) -> str:
+    """The name a model is shown and asked for by: a server's alias as it is, a file path's base
+    name without `.gguf` (llama-server names a model by the path it was started with)."""
+    base = model_id.replace("\\", "/").rsplit("/", 1)[-1]
+    if base != model_id or base.lower().endswith(".gguf"):
+        base = base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+    return base or model_id
+
+
+def _parameter_size(n: Any) -> str | None:
+    """A parameter count as Ollama writes it (`135M`, `8.2B`)."""
+    if not isinstance(n, int) or n <= 0:
+        return None
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
 
 
 class OpenAIBackend:
     """An OpenAI-compatible server: /v1/models and streaming /v1/chat/completions (SSE).
 
-    Such servers report token counts (`usage`) but not durations, so the worker measures them:
-    prompt time until the first token, decode time from the first token to the last.
+    A server that reports its own timings (llama-server's `timings`: prompt and predicted tokens
+    and milliseconds, and the prompt tokens its cache held) is taken at its word. Others report
+    token counts (`usage`) but no durations, so the worker measures them: prompt time until the
+    first token, decode time from the first token to the last.
 
     A server that sends no `usage` (or no `completion_tokens` in it) still streams its output:
     the output tokens are then counted as the streamed pieces that carry text, and the timings say
@@ -750,6 +872,10 @@ class OpenAIBackend:
     exact there; a server that batches several tokens into a chunk is undercounted (its speed
     looks lower than it is, never higher), and a token that decodes to no text (a lone special or
     partial character) is not counted.
+
+    Identity: where the server describes the weights (llama-server's `meta`), the digest comes from
+    them (`weights_digest`) and the name is the alias or the file's base name (`short_name`); the
+    server's own id is kept to send back to it.
     """
 
     kind = "openai"
@@ -760,19 +886,75 @@ class OpenAIBackend:
         self.url = url.rstrip("/").removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=_timeout(idle_timeout_s), headers=headers)
+        self.client = backend_client(self.url, idle_timeout_s, headers)
+        # Our name for a model -> the server's id for it.
+        self._ids: dict[str, str] = {}
+        # Our name -> capabilities the server refused it (learned from its answers).
+        self._refused: dict[str, set[str]] = {}
+        # The server's id -> the file its /props names (asked once, where the id is an alias).
+        self._files: dict[str, str | None] = {}
 
     async def inventory(self) -> Inventory:
         try:
             resp = await self.client.get("/v1/models", timeout=10.0)
             await _raise_for_status(resp, "*")
+            listed: Any = resp.json().get("data", [])
         except Exception as exc:
             raise _classify(exc, started=False) from None
-        models = [
-            ModelEntry(name=m["id"], digest=openai_digest(m["id"])) for m in resp.json().get("data", [])
-        ]
+        models: list[ModelEntry] = []
+        ids: dict[str, str] = {}
+        for m in listed if isinstance(listed, list) else []:
+            ident = m.get("id") if isinstance(m, dict) else None
+            if not isinstance(ident, str) or not ident:
+                continue
+            entry = await self._entry(ident, m.get("meta"))
+            ids[entry.name] = ident
+            models.append(entry)
+        self._ids = ids
         # The protocol cannot say what is loaded: unknown, not "nothing is loaded".
         return Inventory(models=models, loaded=[], loaded_known=False)
+
+    async def _entry(self, ident: str, meta: Any) -> ModelEntry:
+        name = short_name(ident)
+        refused = sorted(self._refused.get(name, ())) or None
+        if not isinstance(meta, dict):
+            return ModelEntry(name=name, digest=openai_digest(ident), lacks=refused)
+        file_name = ident.replace("\\", "/").rsplit("/", 1)[-1]
+        if file_name == ident and not ident.lower().endswith(".gguf"):
+            # An alias (`--alias`): the file is named by /props, if the server says.
+            file_name = await self._file_of(ident) or ident
+        digest = weights_digest(file_name, meta) or openai_digest(ident)
+        return ModelEntry(
+            name=name,
+            digest=digest,
+            size=bounded_count(meta.get("size")),
+            parameter_size=_parameter_size(meta.get("n_params")),
+            quantization=_text(meta.get("ftype")),
+            format="gguf",
+            context_length=bounded_count(meta.get("n_ctx_train")),
+            lacks=refused,
+        )
+
+    async def _file_of(self, ident: str) -> str | None:
+        if ident not in self._files:
+            path = None
+            try:
+                resp = await self.client.get("/props", timeout=10.0)
+                if resp.status_code == 200:
+                    raw: Any = resp.json()
+                    found = raw.get("model_path") if isinstance(raw, dict) else None
+                    path = found.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(found, str) else None
+            except (httpx.HTTPError, ValueError):
+                return None  # asked again at the next inventory
+            self._files[ident] = path or None
+        return self._files[ident]
+
+    def refused(self, local_name: str, capability: str) -> None:
+        """The server refused `capability` for the model: the next inventory says it lacks it."""
+        self._refused.setdefault(local_name, set()).add(capability)
+
+    def _server_id(self, local_name: str) -> str:
+        return self._ids.get(local_name, local_name)
 
     async def generate(
         self, task: TaskMessage, local_name: str
@@ -788,7 +970,7 @@ class OpenAIBackend:
         else:
             messages = openai_messages(task.messages)
         body: dict[str, Any] = {
-            "model": local_name,
+            "model": self._server_id(local_name),
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -815,13 +997,15 @@ class OpenAIBackend:
         first: int | None = None
         last: int | None = None
         usage: dict[str, Any] = {}
+        server: dict[str, Any] = {}
         reason: str | None = None
         done_at: int | None = None
         pieces = 0
         streamed_calls = _CallsBeingStreamed()
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                resp = await open_stream(self.client, "/v1/chat/completions", body, "text/event-stream")
+                try:
                     await _raise_for_status(resp, local_name)
                     async for line in resp.aiter_lines():
                         if not line.startswith("data:"):
@@ -833,6 +1017,9 @@ class OpenAIBackend:
                         data = _line_decoder.decode(payload)
                         if data.get("usage"):
                             usage = data["usage"]
+                        if isinstance(data.get("timings"), dict):
+                            # llama-server's own figures, on its last chunk.
+                            server = data["timings"]
                         for choice in data.get("choices") or []:
                             delta = choice.get("delta") or {}
                             text = delta.get("content") or ""
@@ -864,19 +1051,19 @@ class OpenAIBackend:
                         counted = None
                         if eval_count is None and pieces > 0:
                             eval_count, counted = pieces, "stream"
-                        yield Generated(
-                            timings=Timings(
-                                prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
-                                prompt_eval_cached_count=_cached_tokens(usage),
-                                prompt_eval_duration=(first - t0) if first else None,
-                                eval_count=eval_count,
-                                eval_duration=(last - first) if first and last and last > first else None,
-                                total_duration=done_at - t0,
-                                counted=counted,
-                            ),
-                            done_reason=reason,
+                        timings = Timings(
+                            prompt_eval_count=_int_or_none(usage.get("prompt_tokens")),
+                            prompt_eval_cached_count=_cached_tokens(usage),
+                            prompt_eval_duration=(first - t0) if first else None,
+                            eval_count=eval_count,
+                            eval_duration=_decode_ns(first, last, eval_count),
+                            total_duration=done_at - t0,
+                            counted=counted,
                         )
+                        yield Generated(timings=_with_server_timings(timings, server), done_reason=reason)
                         return
+                finally:
+                    await resp.aclose()
             raise BackendError("disconnect", "the stream ended without [DONE]", retryable=True)
         except BackendError:
             raise
@@ -887,14 +1074,19 @@ class OpenAIBackend:
         """/v1/embeddings: every input in one request, as floats; `truncate` and `keep_alive` are
         Ollama's and not sent. The duration is the request's wall time (the server reports none)."""
         body: dict[str, Any] = {
-            "model": local_name,
+            "model": self._server_id(local_name),
             "input": list(task.inputs or []),
             "encoding_format": "float",
         }
         if task.dimensions is not None:
             body["dimensions"] = task.dimensions
         t0 = time.perf_counter_ns()
-        data = await _post_json(self.client, "/v1/embeddings", body, local_name, self.timeout_s)
+        try:
+            data = await _post_json(self.client, "/v1/embeddings", body, local_name, self.timeout_s)
+        except BackendError as exc:
+            if exc.kind == "unsupported":
+                self.refused(local_name, "embedding")
+            raise
         wall = time.perf_counter_ns() - t0
         items = data.get("data")
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):

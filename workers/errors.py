@@ -21,13 +21,3 @@ class WorkerNameTakenError(RouteledgerError):
 
 class TaskCancelledError(RouteledgerError):
     """Raised inside a run when the client withdrew the task."""
-
-
-class HttpError(RouteledgerError):
-    """Raised when a backend connection fails or its answer breaks HTTP/1.1; `kind` says which:
-    connect (no connection), timeout (nothing arrived in time), closed (the backend closed the
-    connection before the answer's end), protocol (the answer is not HTTP/1.1)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind

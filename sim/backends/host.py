@@ -524,6 +524,11 @@ class MachineApp:
             await respond(send, 200, ollama_embeddings(done))
 
     async def _v1_embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.machine.spec.openai_embeddings:
+            # llama-server's own answer when it was started without --embeddings.
+            message = "This server does not support embeddings. Start it with `--embeddings`"
+            await respond(send, 501, openai_error(message, 501))
+            return
         try:
             req = decode_body(await read_body(receive), OpenAIEmbeddingsRequest)
         except BadRequestError as exc:
