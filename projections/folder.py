@@ -88,6 +88,17 @@ EMBED: Final = "embed"
 MAX_DECODE_TPS: Final = 10_000.0
 # Prompt processing is batched and far faster than decoding; only nonsense is above this.
 MAX_PROMPT_TPS: Final = 1_000_000.0
+# A measurement must be long enough to be one (design rule 14). A run that decoded fewer tokens
+# is no decode-speed sample: its time is dominated by per-request overhead and the first token's
+# share, and on a machine whose CPU is shared out in slices (a throttled laptop, a cgroup quota)
+# a short answer fits in one slice and reads several times faster than the machine is. Real
+# llama.cpp servers held to a quarter of a core measured 59-99 tok/s on 8-21 token answers
+# against 23 on 128.
+MIN_DECODE_TOKENS: Final = 32
+# Likewise for the prompt: a run that evaluated fewer prompt tokens (the cached ones took no time
+# and do not count) is no prompt-speed sample. llama-server's prompt cache leaves 1-24 of a
+# chat's tokens to evaluate, whose rates spread from 2.6 to 144 tok/s on one steady server.
+MIN_PROMPT_TOKENS: Final = 32
 # No model writes a million tokens in one answer; a larger count is a broken report, and one such
 # value would swamp the length table's mean.
 MAX_OUTPUT_TOKENS: Final = 1_000_000
@@ -119,6 +130,23 @@ def _rate(count: int | None, duration_ns: int | None, cap: float) -> float | Non
 def decode_tps(t: Timings) -> float | None:
     """Decode tokens per second, or None when unknown or absurd."""
     return _rate(t.eval_count, t.eval_duration, MAX_DECODE_TPS)
+
+
+def decode_sample(t: Timings) -> float | None:
+    """The run's decode speed as a sample of the machine's: None when it decoded fewer than
+    MIN_DECODE_TOKENS tokens (or the rate is unknown or absurd)."""
+    if t.eval_count is None or t.eval_count < MIN_DECODE_TOKENS:
+        return None
+    return decode_tps(t)
+
+
+def prompt_sample_tps(t: Timings) -> float | None:
+    """The run's prompt speed as a sample: None when it evaluated fewer than MIN_PROMPT_TOKENS
+    (cached tokens are not evaluated), or the rate is unknown or absurd."""
+    evaluated = t.evaluated_prompt_tokens()
+    if evaluated is None or evaluated < MIN_PROMPT_TOKENS:
+        return None
+    return prompt_tps(t)
 
 
 def prompt_tps(t: Timings) -> float | None:
@@ -339,11 +367,16 @@ class Folder:
         cold: bool | None = None,
         kind: str = "chat",
     ) -> None:
-        decode, prompt, load, ttft = decode_tps(t), prompt_tps(t), cold_load_s(t, cold), ttft_s(ttft_ms)
+        decode, prompt, load, ttft = (
+            decode_sample(t),
+            prompt_sample_tps(t),
+            cold_load_s(t, cold),
+            ttft_s(ttft_ms),
+        )
         embed = None
         if kind == EMBED:
             # Reading the input is all an embedding does: its rate is a field of its own.
-            embed, decode, prompt, ttft = prompt, None, None, None
+            embed, decode, prompt, ttft = prompt_tps(t), None, None, None
         if decode is None and prompt is None and load is None and ttft is None and embed is None:
             return
         h = self.tables.half_life_s

@@ -25,6 +25,8 @@ from projections.folder import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TPS,
     MAX_SAMPLE_BYTES_PER_TOKEN,
+    MIN_DECODE_TOKENS,
+    MIN_PROMPT_TOKENS,
     MIN_SAMPLE_BYTES_PER_TOKEN,
     MIN_UNKNOWN_LOAD_S,
     NS_PER_S,
@@ -218,12 +220,14 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
     # An embedding's prompt rate is its embedding rate, and it has no decode, prompt or TTFT
     # sample (Folder._speed_sample).
     embed = pl.col("kind").fill_null("") == EMBED
-    decode = pl.when(~embed).then(decode_tps_expr())
+    # Only runs long enough to be measurements (projections.folder.decode_sample, prompt_sample_tps).
+    decode = pl.when(~embed & (pl.col("eval_count") >= MIN_DECODE_TOKENS)).then(decode_tps_expr())
     # The evaluated tokens only (Timings.evaluated_prompt_tokens): cached ones took no time.
     cached = pl.min_horizontal(
         pl.col("prompt_eval_cached_count").fill_null(0).clip(lower_bound=0), pl.col("prompt_eval_count")
     )
-    prompt = _rate_of(pl.col("prompt_eval_count") - cached, pl.col("prompt_eval_duration"), MAX_PROMPT_TPS)
+    evaluated = pl.col("prompt_eval_count") - cached
+    prompt = _rate_of(evaluated, pl.col("prompt_eval_duration"), MAX_PROMPT_TPS)
     ttft = pl.when(~embed).then(pl.col("ttft_ms"))
     ld = pl.col("load_duration")
     cold = pl.col("cold")
@@ -235,7 +239,7 @@ def _speed(tables: Tables, counted: pl.LazyFrame, bench: pl.DataFrame) -> None:
         "worker",
         "digest",
         decode.alias("decode_tps"),
-        pl.when(~embed).then(prompt).alias("prompt_tps"),
+        pl.when(~embed & (evaluated >= MIN_PROMPT_TOKENS)).then(prompt).alias("prompt_tps"),
         pl.when(embed).then(prompt).alias("embed_tps"),
         pl.when((ld > 0) & real_load).then(ld / NS_PER_S).alias("load_s"),
         pl.when(ttft.is_finite() & (ttft > 0)).then(ttft / 1000.0).alias("ttft_s"),

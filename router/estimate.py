@@ -52,7 +52,11 @@ DEFAULT_IMAGE_TOKENS: Final = 576
 class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     """Prior strengths (in samples) and the defaults at the end of every prior chain."""
 
-    k_speed: float = 1.0
+    # A speed prior is worth a tenth of a sample: one answer of MIN_DECODE_TOKENS or more on
+    # one machine varies by a few percent, while the prior (the model's speed on other machines)
+    # can be off by the whole gap between machines (7.3x in the story). At 1.0, three benchmark
+    # answers on a machine 3x slower than its peer still read 26% fast.
+    k_speed: float = 0.1
     k_length: float = 2.0
     k_quality: float = 2.0
     default_decode_tps: float = 20.0

@@ -57,7 +57,7 @@ size = {TALKER_SIZE}
 context_length = 40960
 template = '{TEMPLATE}'
 parameters = '''{PARAMETERS}'''
-output = {{ dist = "fixed", mean = 20 }}
+output = {{ dist = "fixed", mean = 30 }}
 
 [model."plain"]
 quantization = ""
@@ -363,21 +363,21 @@ async def test_thinking_tokens_count_in_the_completions_output_and_the_length_an
         answer = await ollama.AsyncClient(host=base).chat(model="talker", messages=HI, think=True)
         events = await ledger(redis_client)
     assert answer.message.thinking and answer.message.content
-    # The answer's 20 tokens and its 10 of thinking, as the backend counts them.
-    assert answer.eval_count == 30
+    # The answer's 30 tokens and its 15 of thinking, as the backend counts them.
+    assert answer.eval_count == 45
     (completed,) = [e for e in events if isinstance(e, TaskCompleted)]
-    assert completed.timings.eval_count == 30
+    assert completed.timings.eval_count == 45
     folder = Folder(Tables())
     for event in events:
         folder.apply(event)
     (length,) = folder.tables.length.values()
-    assert (length.output_tokens.n, length.output_tokens.sum) == (1, 30.0)
+    assert (length.output_tokens.n, length.output_tokens.sum) == (1, 45.0)
     if kind == "ollama":
         # Decode speed is the backend's eval_count over its eval_duration, thinking included.
         (speed,) = folder.tables.speed.values()
         t = completed.timings
         assert t.eval_duration is not None
-        assert speed.decode_tps.sum == pytest.approx(30 / (t.eval_duration / 1e9))
+        assert speed.decode_tps.sum == pytest.approx(45 / (t.eval_duration / 1e9))
 
 
 def test_a_model_card_too_large_is_kept_without_its_model_info() -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -203,17 +204,46 @@ async def test_a_benchmark_run_counts_once_though_it_is_also_a_completed_task(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
     events: list[Event] = [
-        BenchmarkResult(at=T0, bench_id="b1", task_id="x", worker="w1", digest=D1, timings=timings(tokens=8)),
-        completed("x", "w1", bench_id="b1", timings=timings(tokens=8)),
+        BenchmarkResult(
+            at=T0, bench_id="b1", task_id="x", worker="w1", digest=D1, timings=timings(tokens=128)
+        ),
+        completed("x", "w1", bench_id="b1", timings=timings(tokens=128)),
     ]
     await fold_all(redis_client, keys, events)
     snap = await snapshot(redis_client, keys)
     assert snap.speed["w1", D1].decode_tps.n == 1
-    assert snap.length == {}  # one-word benchmark answers say nothing of output length
+    assert snap.length == {}  # benchmark answers are cut where the benchmark says: no output length
     row = await get_task(redis_client, keys, "x")
     assert row is not None and row.status == "completed"
     rebuilt, _ = await build(redis_client, keys)
     assert rebuilt.speed["w1", D1].decode_tps.n == 1 and rebuilt.length == {}
+
+
+async def test_a_run_too_short_to_measure_is_no_speed_sample_live_or_rebuilt(
+    redis_client: aioredis.Redis, keys: Keys
+) -> None:
+    # A burst of 8 tokens reads 46 tok/s on a machine that makes 11 over 128 (a quarter of a
+    # core); a prompt whose cache held all but 1 of its 41 tokens says nothing of prompt speed.
+    short = timings(tokens=8, tps=46.0, prompt_eval_count=41, prompt_eval_cached_count=40)
+    short = Timings(**{**msgspec.structs.asdict(short), "prompt_eval_duration": 25_000_000})
+    long = Timings(
+        eval_count=128, eval_duration=int(128 / 11.0 * 1e9), prompt_eval_count=110, prompt_eval_duration=10**9
+    )
+    events: list[Event] = [
+        completed("a", "w1", timings=short),
+        completed("b", "w1", timings=long),
+        BenchmarkResult(at=T0, bench_id="b1", task_id="bench-b1-0", worker="w1", digest=D1, timings=short),
+        completed("bench-b1-0", "w1", bench_id="b1", timings=short),
+    ]
+    await fold_all(redis_client, keys, events)
+    live = (await snapshot(redis_client, keys)).speed["w1", D1]
+    rebuilt, _ = await build(redis_client, keys)
+    for row in (live, rebuilt.speed["w1", D1]):
+        assert row.decode_tps.n == 1 and row.decode_tps.mean == pytest.approx(11.0)
+        assert row.prompt_tps.n == 1 and row.prompt_tps.mean == pytest.approx(110.0)
+    # The short task's own record still says what it did.
+    task = await get_task(redis_client, keys, "a")
+    assert task is not None and task.eval_count == 8
 
 
 async def test_an_absurd_value_skips_its_field_and_the_rest_of_the_event_still_counts(

@@ -86,7 +86,9 @@ def test_a_backend_that_cannot_list_is_judged_by_its_first_token_and_the_load_le
     assert warmth.after(MODEL_DIGEST, None, _first_token(100, 6.1), alone=False)[0] is None
 
 
-async def _submit(queues: TaskQueues, max_tokens: int = 10) -> None:
+async def _submit(queues: TaskQueues, max_tokens: int = 40) -> None:
+    # 40 tokens: the test fleet's whole answer, and long enough to be a speed sample
+    # (projections.folder.MIN_DECODE_TOKENS).
     await submit_task(
         queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")], max_tokens=max_tokens)
     )
@@ -164,7 +166,7 @@ async def test_a_server_sending_no_usage_yields_decode_samples_from_counted_toke
         done = await _run_tasks(redis_client, ledger, 3)
         digest = agent.serving()[0].digest
     assert {e.timings.counted for e in done} == {"stream"}
-    assert {e.timings.eval_count for e in done} == {10}
+    assert {e.timings.eval_count for e in done} == {40}
     snap = await snapshot(redis_client, Keys())
     row = snap.speed["b", digest]
     assert row.decode_tps.n == 3 and row.counted_n == 3
