@@ -1,10 +1,18 @@
-"""Benchmarks for every holder: the shipped prompt set, requests to pinned queues, reference grading.
+"""Benchmarks for every holder: the shipped prompt set, requests to each worker's background stream,
+reference grading.
 
 Design rule 4: measure every machine, when it is awake. A worker benchmarks itself when it comes
 online, when it gains a model, and whenever one of its (worker, digest) speed rows has fewer than
-`min_samples` samples or only stale ones. `routeledger bench run` sends the prompt set to every
-live holder, never only to the current winner. Speed comes from the runs (BenchmarkResult); quality
-is graded from the same answers but recorded separately (QualityScored), at its own time.
+`min_samples` samples or only stale ones. Speed is measured with the set's speed prompts, whose
+answers run long (design rule 14: a measurement must be long enough to be one; the answers are cut
+at SPEED_MAX_TOKENS); quality with its graded prompts, whose short answers are no speed samples.
+`routeledger bench run` sends both to every live holder, never only to the current winner. Speed
+comes from the runs (BenchmarkResult); grades are recorded separately (QualityScored), at their own
+time.
+
+Benchmark and grading tasks go to the worker's background stream (`Keys.background`): the lowest
+priority on its worker, started only while no user work waits for the worker's models, one at a
+time, and given up (handed back for later) when user work comes (workers.agent).
 
 Grading, per (digest, domain): quality belongs to the model, and a grade of a fixed digest stays
 true, so each shipped prompt is graded once per digest (a prompt asked again at temperature 0 gets
@@ -38,7 +46,7 @@ from projections.snapshot import Snapshot, grade_mark
 BENCH_MIN_SAMPLES: Final = 3
 BENCH_STALE_AFTER_S: Final = 7 * 86_400.0
 # A machine that looks slower than its long run (projections.shift) and has had no sample for this
-# long is probed with PROBE_PROMPTS short prompts on its pinned stream, so that it can be seen fast
+# long is probed with PROBE_PROMPTS speed prompts on its background stream, so that it can be seen fast
 # again: nothing else is sent to a machine that looks slow. Each probe's samples restart the wait,
 # so probes are at most PROBE_PROMPTS per PROBE_AFTER_S per (worker, model).
 PROBE_AFTER_S: Final = 120.0
@@ -51,6 +59,9 @@ PROBE_PROMPTS: Final = CONFIRM
 GRADE_MAX_TOKENS: Final = 1024
 # Prompts one scheduled grading request sends (then the next batch once these are folded).
 GRADE_BATCH: Final = 3
+# The token budget of a speed benchmark's answer: long enough that its rate is the machine's, not
+# the request's overhead or one slice of a shared CPU (128 tokens: 3.5 s at 37 tok/s, 11 s at 12).
+SPEED_MAX_TOKENS: Final = 128
 # Prompts one embedding benchmark embeds at once: a batch long enough that reading it, not the
 # request's own overhead, is what its time measures.
 EMBED_BENCH_INPUTS: Final = 16
@@ -75,8 +86,17 @@ class BenchPrompt(msgspec.Struct, frozen=True, kw_only=True):
         return any(re.search(pattern, text) for pattern in self.expect)
 
 
+class SpeedPrompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One shipped speed prompt: its answer runs long, and is never graded."""
+
+    id: str
+    prompt: str
+    max_tokens: int = SPEED_MAX_TOKENS
+
+
 class _Set(msgspec.Struct):
     prompt: list[BenchPrompt]
+    speed: list[SpeedPrompt] = msgspec.field(default_factory=list)
 
 
 def parse_benchset(text: str, source: str = "benchset.toml") -> list[BenchPrompt]:
@@ -95,10 +115,31 @@ def parse_benchset(text: str, source: str = "benchset.toml") -> list[BenchPrompt
 
 
 @cache
+def _shipped() -> _Set:
+    text = (resources.files("dispatch") / "benchset.toml").read_text(encoding="utf-8")
+    try:
+        return msgspec.toml.decode(text, type=_Set)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BenchSetError(f"benchset.toml is not a valid benchmark set: {exc}") from None
+
+
+@cache
 def benchset() -> tuple[BenchPrompt, ...]:
-    """The prompt set shipped in dispatch/benchset.toml (package data)."""
+    """The graded prompts shipped in dispatch/benchset.toml (package data)."""
     text = (resources.files("dispatch") / "benchset.toml").read_text(encoding="utf-8")
     return tuple(parse_benchset(text))
+
+
+@cache
+def speed_prompts() -> tuple[SpeedPrompt, ...]:
+    """The speed prompts shipped in dispatch/benchset.toml."""
+    return tuple(_shipped().speed)
+
+
+def pick_speed(count: int, start: int = 0) -> list[SpeedPrompt]:
+    """`count` speed prompts, rotating from `start`."""
+    pool = speed_prompts()
+    return [pool[(start + i) % len(pool)] for i in range(count)]
 
 
 def prompt_by_id(prompt_id: str) -> BenchPrompt | None:
@@ -136,15 +177,18 @@ async def request_benchmark(
     count: int = 3,
     reason: str = "manual",
     start: int = 0,
-    prompts: Sequence[BenchPrompt] | None = None,
+    prompts: Sequence[BenchPrompt | SpeedPrompt] | None = None,
     embed: bool = False,
 ) -> str:
-    """Queue `count` benchmark prompts (or exactly `prompts`) on `worker`'s pinned stream; returns
-    the bench id. `embed`: the model is an embedding model, so each of the `count` tasks embeds a
-    batch of `EMBED_BENCH_INPUTS` prompts (a sample of its embedding rate; nothing to grade)."""
+    """Queue `count` speed prompts (or exactly `prompts`: graded ones, speed ones or both) on
+    `worker`'s background stream; returns the bench id. `embed`: the model is an embedding model,
+    so each of the `count` tasks embeds a batch of `EMBED_BENCH_INPUTS` prompts (a sample of its
+    embedding rate; nothing to grade)."""
     bench_id = uuid.uuid4().hex[:16]
-    queue = queues.keys.pinned(worker)
-    chosen = list(prompts) if prompts is not None else pick(domain, count, start)
+    queue = queues.keys.background(worker)
+    chosen: list[BenchPrompt | SpeedPrompt] = (
+        list(prompts) if prompts is not None else list(pick_speed(count, start))
+    )
     count = len(chosen)
     for i, prompt in enumerate(chosen):
         if embed:
@@ -157,7 +201,7 @@ async def request_benchmark(
                     digest=digest,
                     kind=EMBED,
                     inputs=batch,
-                    domain=prompt.domain,
+                    domain=domain,
                     prompt_tokens=sum(estimate_tokens(text) for text in batch),
                     bench_id=bench_id,
                 ),
@@ -168,7 +212,7 @@ async def request_benchmark(
             model=model,
             digest=digest,
             messages=[Message(role="user", content=prompt.prompt)],
-            domain=prompt.domain,
+            domain=prompt.domain if isinstance(prompt, BenchPrompt) else domain,
             max_tokens=prompt.max_tokens,
             options={"temperature": 0},
             bench_id=bench_id,

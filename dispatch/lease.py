@@ -32,6 +32,9 @@ class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Its backend has answered (the slot is free; the run still writes what it made): the plan
     # leaves it out, while the fleet's overview and the reaper still see it.
     answered: bool = False
+    # A benchmark or grading answer, which the worker gives up for user work (workers.agent): the
+    # plan counts its slot as free.
+    background: bool = False
 
 
 class LoadedModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

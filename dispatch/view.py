@@ -146,7 +146,7 @@ def worker_views(leases: dict[str, LeaseInfo]) -> list[WorkerView]:
                     max_tokens=r.max_tokens,
                 )
                 for r in info.running
-                if not r.answered
+                if not r.answered and not r.background
             ],
         )
         for info in sorted(leases.values(), key=lambda i: (i.on_ledger(i.since), i.worker))

@@ -119,6 +119,16 @@ class Keys:
         # Tasks pinned to one worker: benchmarks and explicit pins (group `workers`).
         return f"{self.core}q:w:{worker}"
 
+    def background(self, worker: str) -> str:
+        # A worker's own benchmark and grading tasks (group `workers`): the lowest priority it has,
+        # taken only while no user work waits for it, and given up when user work comes.
+        return f"{self.core}q:bg:{worker}"
+
+    def background_worker(self, queue: str) -> str | None:
+        # The worker whose background stream `queue` is (None: not one).
+        head = f"{self.core}q:bg:"
+        return queue[len(head) :] if queue.startswith(head) else None
+
     def pinned_worker(self, queue: str) -> str | None:
         # The worker whose pinned stream `queue` is (None: not a pinned stream).
         head = f"{self.core}q:w:"

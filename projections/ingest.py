@@ -437,7 +437,8 @@ class Ingest:
             case TaskExpired():
                 return _expired(worker, event, held)
             case BenchmarkResult() | QualityScored():
-                return _graded_run(worker, self.keys.pinned(worker), event, claims, graded)
+                own = (self.keys.background(worker), self.keys.pinned(worker))
+                return _graded_run(worker, own, event, claims, graded)
         return None
 
 
@@ -513,7 +514,7 @@ def _open_run(claims: dict[str, list[Claim]], task_id: str, worker: str, attempt
 
 def _graded_run(
     worker: str,
-    pinned: str,
+    own: tuple[str, ...],
     e: BenchmarkResult | QualityScored,
     claims: dict[str, list[Claim]],
     graded: set[str],
@@ -526,8 +527,9 @@ def _graded_run(
         return f"{kind}: no claim by {worker} of benchmark task {e.task_id}"
     if all(c.digest != e.digest for c in runs):
         return f"{kind} for model {e.digest[:12]}, but {worker} claimed {e.task_id} for another model"
-    if all(c.queue != pinned for c in runs):
-        return f"{kind}: benchmark task {e.task_id} did not come from {worker}'s pinned queue"
+    if all(c.queue not in own for c in runs):
+        # Its own background stream (its pinned one, before benchmarks had a stream of their own).
+        return f"{kind}: benchmark task {e.task_id} did not come from {worker}'s own queues"
     if isinstance(e, QualityScored):
         if e.grader != REFERENCE:
             return f"a worker grades only with the reference check, not {e.grader!r}"

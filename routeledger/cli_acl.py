@@ -125,6 +125,7 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         f"{k.core}q:{{{k.core}q:{_HEX12}}}:*",
         f"{k.core}qb:{{{k.core}q:{_HEX12}}}",
         k.pinned(name),
+        k.background(name),
     ]
     rules = ["reset", "on", f">{password}", "resetchannels"]
     # The queues are read-only here (XREAD of them with the ledger in one command is matched by
@@ -150,8 +151,8 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     rules += [f"+{c}" for c in WORKER_COMMANDS]
     # Read and write: a key a function is given must be both (Redis cannot tell which it needs).
     rules.append("(" + " ".join([*(f"~{q}" for q in queues), *(f"+{c}" for c in QUEUE_COMMANDS)]) + ")")
-    # Its own pinned queue takes its benchmark requests.
-    rules.append(f"(~{k.pinned(name)} +xadd)")
+    # Its own background queue takes its benchmark and grading requests.
+    rules.append(f"(~{k.background(name)} +xadd)")
     # It lists its inbox, and may take no other worker's off the list (the ingest reads only it).
     rules.append(f"(~{k.inboxes} +sadd)")
     # The same for its sleeper record.

@@ -10,16 +10,20 @@ import redis.asyncio as aioredis
 import typer
 from rich.table import Table
 
-from dispatch.benchmark import domains, on_demand, request_benchmark
+from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
 from dispatch.lease import live_workers
 from dispatch.payload import EMBED, Message
 from dispatch.queues import TaskQueues, read_result
 from dispatch.serving import embedding_only, holdings
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import TaskRequest, preview_request, submit_task
+from dispatch.view import LiveView
+from events.errors import RouteledgerError
 from events.event import BenchmarkResult, QualityScored
 from events.ledger import Ledger
+from projections.folder import decode_sample, prompt_tps
 from projections.reader import snapshot
 from routeledger.runtime import Instance, command, console, fail
+from router.choose import RouteQuery
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True
@@ -41,11 +45,15 @@ def bench_run(
     model: Annotated[str | None, typer.Option(help="Only this model (name or digest prefix).")] = None,
     worker: Annotated[str | None, typer.Option(help="Only this worker.")] = None,
     domain: Annotated[str, typer.Option(help="Domain of the prompt set.")] = "general",
-    count: Annotated[int, typer.Option(min=1, help="Prompts per (worker, model).")] = 3,
+    count: Annotated[
+        int, typer.Option(min=1, help="Speed prompts, and graded prompts, per (worker, model).")
+    ] = 3,
     wait: Annotated[bool, typer.Option(help="Wait for the results and print them.")] = True,
     wait_s: Annotated[float, typer.Option("--timeout", help="Seconds to wait.")] = 600.0,
 ) -> None:
-    """Send the domain's prompt set to every live holder (never only the current winner)."""
+    """Send speed prompts and the domain's graded prompts to every live holder (never only the
+    current winner); print each one's measured speed, the speed the router now uses for it, and
+    its pass rate."""
     if domain not in domains():
         fail(f"no shipped prompts for domain {domain!r}; domains: {', '.join(domains())}")
     keys = inst.keys
@@ -62,22 +70,37 @@ def bench_run(
         snap = await snapshot(client, keys)
         sent = {}
         embedders = embedding_only(leases)
+        expected = {}
         for name, local, digest in targets:
-            # Prompts the model has not been graded on first: each answer is then a new grade too.
+            embed = digest in embedders
+            # Speed prompts (answers long enough to measure), then the graded prompts the model
+            # has not been graded on first: each answer is then a new grade too.
+            prompts: list[BenchPrompt | SpeedPrompt] | None = (
+                None if embed else [*pick_speed(count), *on_demand(snap, digest, domain, count)]
+            )
             bench_id = await request_benchmark(
                 queues,
                 worker=name,
                 model=local,
                 digest=digest,
                 domain=domain,
-                prompts=on_demand(snap, digest, domain, count),
-                embed=digest in embedders,
+                count=count,
+                prompts=prompts,
+                embed=embed,
             )
             sent[bench_id] = (name, local)
-            console.print(f"sent {count} {domain} prompts to {name} for {local} (bench {bench_id})")
+            expected[bench_id] = count if embed else 2 * count
+            what = "embedding" if embed else f"speed and {count} {domain}"
+            console.print(f"sent {count} {what} prompts to {name} for {local} (bench {bench_id})")
         if not wait:
             return []
-        return await _collect(ledger, start, sent, count, wait_s)
+        rows = await _collect(ledger, start, sent, expected, wait_s)
+        # The speed the router uses for each holder now (the preview's field), once the projector
+        # has folded the runs: the figure that decides, beside the runs' own.
+        view = LiveView(client, keys)
+        for row in rows:
+            row["router"] = await _router_tps(view, row["digest"], row["worker"])
+        return rows
 
     rows = inst.run(go)
     if rows:
@@ -86,33 +109,53 @@ def bench_run(
             "worker",
             "model",
             "runs",
-            "decode tok/s (median; embedding models: embed)",
+            "speed samples",
+            "decode tok/s (median of samples; embedding models: embed)",
+            "tok/s the router uses",
             "reference pass rate",
         ):
             table.add_column(col)
         for r in rows:
-            table.add_row(r["worker"], r["model"], str(r["runs"]), f"{r['tps']:.1f}", r["quality"])
+            used = "unknown" if r["router"] is None else f"{r['router']:.1f}"
+            table.add_row(
+                r["worker"],
+                r["model"],
+                str(r["runs"]),
+                str(r["samples"]),
+                f"{r['tps']:.1f}",
+                used,
+                r["quality"],
+            )
         console.print(table)
 
 
 async def _collect(
-    ledger: Ledger, start: str, sent: dict[str, tuple[str, str]], count: int, wait_s: float
+    ledger: Ledger,
+    start: str,
+    sent: dict[str, tuple[str, str]],
+    expected: dict[str, int],
+    wait_s: float,
 ) -> list[dict[str, Any]]:
+    """Each bench's runs as they come: its speed samples (the runs long enough to be one, as the
+    projector folds them: projections.folder.decode_sample) and its grades."""
+    runs: dict[str, int] = dict.fromkeys(sent, 0)
+    digests: dict[str, str] = {}
     speeds: dict[str, list[float]] = {b: [] for b in sent}
     grades: dict[str, list[float]] = {b: [] for b in sent}
     cursor = start
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    while loop.time() < deadline and any(len(v) < count for v in speeds.values()):
+    while loop.time() < deadline and any(runs[b] < expected[b] for b in sent):
         async for entry_id, event in ledger.read(cursor):
             cursor = entry_id
             if isinstance(event, BenchmarkResult) and event.bench_id in speeds:
-                t = event.timings
-                if t.eval_count and t.eval_duration:
-                    speeds[event.bench_id].append(t.eval_count / (t.eval_duration / 1e9))
-                elif event.kind == EMBED and t.prompt_eval_count and t.prompt_eval_duration:
-                    # An embedding model's benchmark: its embedding rate.
-                    speeds[event.bench_id].append(t.prompt_eval_count / (t.prompt_eval_duration / 1e9))
+                runs[event.bench_id] += 1
+                digests[event.bench_id] = event.digest
+                # An embedding model's benchmark: its embedding rate.
+                embed = event.kind == EMBED
+                rate = prompt_tps(event.timings) if embed else decode_sample(event.timings)
+                if rate is not None:
+                    speeds[event.bench_id].append(rate)
             elif isinstance(event, QualityScored) and event.bench_id in grades:
                 grades[event.bench_id].append(event.score)
         await asyncio.sleep(0.2)
@@ -124,12 +167,32 @@ async def _collect(
             {
                 "worker": name,
                 "model": local,
-                "runs": len(tps),
+                "digest": digests.get(bench_id, ""),
+                "runs": runs[bench_id],
+                "samples": len(tps),
                 "tps": tps[len(tps) // 2] if tps else float("nan"),
                 "quality": f"{sum(g) / len(g):.2f} of {len(g)}" if g else "not graded yet",
             }
         )
     return rows
+
+
+async def _router_tps(view: LiveView, digest: str, worker: str) -> float | None:
+    """The decode (or embedding) speed the router uses for `worker` on `digest` now."""
+    if not digest:
+        return None
+    try:
+        out = await preview_request(view, RouteQuery(model=digest))
+    except RouteledgerError:
+        return None
+    candidates = out.get("candidates")
+    for candidate in candidates if isinstance(candidates, list) else []:
+        if isinstance(candidate, dict) and candidate.get("worker") == worker:
+            fields = candidate.get("fields") or {}
+            field = fields.get("decode_tps") or fields.get("embed_tps")
+            if isinstance(field, dict) and isinstance(field.get("value"), int | float):
+                return float(field["value"])
+    return None
 
 
 @bench_app.command("judge")

@@ -175,6 +175,20 @@ def worker_process(
 
 
 @contextlib.asynccontextmanager
+async def running_projector(redis: aioredis.Redis, *, lease_ms: int = 2000) -> AsyncIterator[None]:
+    """The projector, folding the ledger into the tables until the block ends."""
+    from projections.projector import Projector
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(Projector(redis, Keys(), lease_ms=lease_ms).run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@contextlib.asynccontextmanager
 async def running_reaper(
     redis: aioredis.Redis, *, lease_ms: int = 1500, delivery_limit: int = 3, stall_after_s: float = 600.0
 ) -> AsyncIterator[None]:

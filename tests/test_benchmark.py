@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 
 from dispatch.benchmark import (
     GRADE_MAX_TOKENS,
+    SPEED_MAX_TOKENS,
     benchset,
     domains,
     grade,
@@ -16,19 +17,29 @@ from dispatch.benchmark import (
     pick,
     prompt_by_id,
     request_benchmark,
+    speed_prompts,
     ungraded,
 )
 from dispatch.lease import live_workers
 from dispatch.queues import TaskQueues
 from dispatch.serving import holdings
-from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskCompleted
+from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskClaimed, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.folder import decode_sample
 from projections.projector import Projector
 from projections.reader import snapshot
 from projections.snapshot import FleetRow, QualityRow, Snapshot, SpeedRow, Stamped, grade_mark
 from sim.backends.hosts import SimHosts
-from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.helpers import (
+    MODEL_DIGEST,
+    events_of,
+    fast_config,
+    make_test_fleet,
+    running_agent,
+    running_projector,
+    wait_until,
+)
 from tests.router_helpers import stat
 
 
@@ -41,26 +52,36 @@ def test_the_shipped_prompt_set_covers_every_domain_and_its_answers_pass_their_o
     assert [p.domain for p in pick("japanese", 4)] == ["japanese"] * 4
 
 
-async def test_a_worker_that_joins_benchmarks_itself_and_its_answers_are_graded_separately(
+async def test_a_worker_that_joins_measures_its_speed_with_long_answers_and_grades_apart(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
-        config = fast_config("a", auto_bench=True, bench_min_samples=3)
-        async with running_agent(redis_client, sim.url("a"), config):
+        config = fast_config("a", auto_bench=True, bench_min_samples=3, bench_check_s=0.5, grade_quiet_s=0.2)
+        # The grader is chosen from the projected fleet: the projector runs.
+        async with running_projector(redis_client), running_agent(redis_client, sim.url("a"), config):
             await wait_until(lambda: _count(ledger, QualityScored, 3), timeout=30)
     requested = await events_of(ledger, BenchmarkRequested)
-    assert [(r.worker, r.digest, r.prompts, r.reason) for r in requested] == [
-        ("a", MODEL_DIGEST, 3, "joined")
-    ]
+    joined = [r for r in requested if r.reason == "joined"]
+    assert [(r.worker, r.digest, r.prompts) for r in joined] == [("a", MODEL_DIGEST, 3)]
     results = await events_of(ledger, BenchmarkResult)
-    assert len(results) == 3 and {r.bench_id for r in results} == {requested[0].bench_id}
-    assert all(r.timings.eval_count and r.timings.eval_duration for r in results)
+    speed = [r for r in results if r.bench_id == joined[0].bench_id]
+    # The speed prompts' answers run to the benchmark's cap: each is a speed sample.
+    assert len(speed) == 3 and {r.prompt_id for r in speed} <= {p.id for p in speed_prompts()}
+    assert all(decode_sample(r.timings) is not None for r in speed)
+    assert {r.timings.eval_count for r in speed} == {SPEED_MAX_TOKENS}
+    # Grades come from the graded prompts, sent apart once the worker was quiet; never from speed.
     grades = await events_of(ledger, QualityScored)
     assert {(g.digest, g.grader, g.worker) for g in grades} == {(MODEL_DIGEST, "reference", "a")}
     assert all(g.score in (0.0, 1.0) for g in grades)
-    # A benchmark is also a completed task, so the task history shows it; it is pinned, never shared.
+    assert not {g.bench_id for g in grades} & {joined[0].bench_id}
+    assert all(prompt_by_id(g.prompt_id) is not None for g in grades)
+    # A benchmark is also a completed task, so the task history shows it; it came from the
+    # worker's background stream, never a shared one.
     done = await events_of(ledger, TaskCompleted)
-    assert {e.bench_id for e in done} == {requested[0].bench_id}
+    assert {e.bench_id for e in done} >= {joined[0].bench_id}
+    assert all(e.bench_id for e in done)
+    claims = await events_of(ledger, TaskClaimed)
+    assert {c.queue for c in claims} == {Keys().background("a")}
 
 
 async def test_bench_run_reaches_every_live_holder_not_only_the_fastest(
@@ -117,7 +138,8 @@ async def test_the_bench_run_command_prints_every_holders_speed(
             out, err = await asyncio.wait_for(proc.communicate(), 90)
     text = out.decode()
     assert proc.returncode == 0, err.decode()
-    assert "sent 2 general prompts to a" in text and "sent 2 general prompts to b" in text
+    assert "sent 2 speed and 2 general prompts to a" in text
+    assert "sent 2 speed and 2 general prompts to b" in text
     assert "200.0" in text  # the simulated decode speed of both machines, measured
 
 

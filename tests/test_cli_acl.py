@@ -34,10 +34,12 @@ def test_a_worker_may_take_keep_and_requeue_queue_entries_but_never_remove_one()
     assert not removers & granted
     assert not {"xack", "xdel", "xtrim", "xautoclaim"} & set(WORKER_COMMANDS)
     # Outside that selector the queues are read-only (DEL and PEXPIRE there are for its lease and
-    # outputs); only its own pinned queue takes an XADD.
+    # outputs); only its own background queue takes an XADD (its benchmark and grading requests).
     assert f"%R~{keys.prefix}q:{'[0-9a-f]' * 12}" in rules
     assert f"~{keys.prefix}q:{'[0-9a-f]' * 12}" not in rules
-    assert f"(~{keys.pinned('a')} +xadd)" in rules
+    assert f"(~{keys.background('a')} +xadd)" in rules
+    assert f"(~{keys.pinned('a')} +xadd)" not in rules
+    assert f"~{keys.background('a')}" in queues
 
 
 def test_a_worker_writes_only_its_own_output_keys_and_its_name_cannot_reach_another_s() -> None:

@@ -13,8 +13,8 @@ from routeledger.cli import app
 from sim.fleetspec import Fleet, ModelSpec, OutputLength, WorkerModel, WorkerSpec, parse_fleet
 from sim.scheduling.experiment import limits_of, sweep_thresholds
 from sim.scheduling.policies import POLICIES, make_policy
-from sim.scheduling.schedule import simulate
-from sim.scheduling.workload import WorkloadSpec, default_model, generate
+from sim.scheduling.schedule import Simulation, simulate
+from sim.scheduling.workload import Job, WorkloadSpec, default_model, generate
 
 DOC_TOML = """
 [[worker]]
@@ -120,6 +120,19 @@ def test_a_worker_joining_mid_run_is_benchmarked_and_then_given_work() -> None:
     assert result.benchmarks == 6  # three on each machine, when each came online
     late = [w for w, t in zip(result.worker_of, result.finish_s, strict=True) if t > 2100.0]
     assert late.count("fast") > late.count("slow")
+
+
+def test_a_joining_workers_benchmark_gives_its_slot_to_a_task_that_arrives_meanwhile() -> None:
+    # One machine, 10 tok/s: each of its three join benchmarks (128 tokens) takes 12.8 s. A task
+    # arriving a second in starts at once; the benchmarks run before and after it.
+    fleet = parse_fleet(DOC_TOML.replace("11.4", "10.0"))
+    job = Job(index=0, arrival=1.0, prompt_tokens=64, output_tokens=20)
+    sim = Simulation(fleet, "qwen3:8b", WorkloadSpec(tasks=1), make_policy("routeledger"), [job])
+    result = sim.run()
+    assert sim.preempted == 1 and result.benchmarks == 3
+    # Its prompt and its 20 tokens from its arrival (the model was loaded by the benchmark).
+    assert result.ttft_s[0] == pytest.approx(64 / 90.0)
+    assert result.finish_s[0] == pytest.approx(1.0 + 64 / 90.0 + 20 / 10.0)
 
 
 def test_a_worker_going_offline_gives_back_what_it_ran() -> None:

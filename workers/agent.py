@@ -29,14 +29,13 @@ from dispatch.benchmark import (
     grader_for,
     is_probe,
     needs_benchmark,
-    pick,
     request_benchmark,
     ungraded,
 )
 from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
 from dispatch.memory import is_oom
 from dispatch.modelcard import ModelCard, publish_cards
-from dispatch.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
+from dispatch.payload import EMBED, Chunk, Result, TaskMessage, Thought, ToolCall, encode_chunk
 from dispatch.prefix import held_after, task_chain
 from dispatch.queues import OUTPUT_TTL_MS, QueueEntry, Requeue, Taken, TaskQueues, parse_entry
 from dispatch.serving import embeds_only
@@ -61,7 +60,7 @@ from events.ledger import Ledger
 from projections.snapshot import Snapshot
 from projections.status import Outcome
 from workers.admission import Gate, PlainPull
-from workers.backend import Backend, Generated, Inventory
+from workers.backend import Backend, Generated, Inventory, Refusing
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig
 from workers.crash import crash_here
@@ -81,6 +80,9 @@ _MISSES_BEFORE_PAUSE = 16
 _PINNED_LOOK_S = 30.0
 # Longest pause between tries of a write Redis refused for lack of memory.
 _ROOM_WAIT_MAX_S = 2.0
+# A background task given up for user work goes back to its stream: it may be given up this many
+# times before it is dead-lettered (a machine that is never idle for long is never benchmarked).
+_PREEMPT_LIMIT = 100
 
 
 class _Claim:
@@ -139,6 +141,10 @@ class Running(msgspec.Struct, kw_only=True):
     slot: int | None = None
     # The backend has answered: its slot is free, though the run still writes what it made.
     answered: bool = False
+    # A benchmark or grading answer (from the worker's background stream): given up for user work.
+    background: bool = False
+    # Given up for user work: handed back to the background stream for later.
+    preempted: bool = False
 
     async def settle_claim(self) -> None:
         """`_Claim.settle` of this run's claim, where one was sent."""
@@ -223,6 +229,8 @@ class WorkerAgent:
         self._slot_freed = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
         self._inventory_changed = asyncio.Event()
+        # The backend refused something (workers.backend.Refusing): read its inventory again now.
+        self._inventory_stale = asyncio.Event()
         # digest -> monotonic time of the last benchmark this worker requested for itself
         self._benched: dict[str, float] = {}
         # (digest, domain) -> (monotonic time, prompts still ungraded then) of the last grading
@@ -264,8 +272,19 @@ class WorkerAgent:
         return self.keys.pinned(self.name)
 
     @property
+    def background(self) -> str:
+        """This worker's stream of benchmark and grading tasks (the lowest priority it has)."""
+        return self.keys.background(self.name)
+
+    @property
     def free_slots(self) -> int:
-        return max(0, self.config.slots - len(self.running))
+        """Slots free for user work: a benchmark or grading run holds none (it is given up)."""
+        return max(0, self.config.slots - sum(1 for r in self.running.values() if not r.background))
+
+    def _background_free(self) -> bool:
+        """Whether a background task may start: a slot free of everything, and none running (one
+        answer at a time, so that user work between them finds the machine free)."""
+        return len(self.running) < self.config.slots and not any(r.background for r in self.running.values())
 
     # -- start and stop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -276,6 +295,7 @@ class WorkerAgent:
         await self._take_lease()
         await self._announce()
         await self.queues.ensure_group(self.pinned)
+        await self.queues.ensure_group(self.background)
         for queue in self.shared_queues():
             await self.queues.ensure_group(queue)
         await self._recover_own_pending()
@@ -380,6 +400,7 @@ class WorkerAgent:
                     prompt_tokens=r.entry.task.prompt_tokens,
                     max_tokens=r.entry.task.max_tokens,
                     answered=r.answered,
+                    background=r.background,
                 )
                 for r in self.running.values()
             ],
@@ -476,7 +497,7 @@ class WorkerAgent:
     async def _recover_own_pending(self) -> None:
         """Entries this name still owns are from a previous life that died: put them back now, but for
         runs it closed whose entry the ingest has yet to finish."""
-        queues = [self.pinned]
+        queues = [self.pinned, self.background]
         for digest in sorted({m.digest for m in self.serving()}):
             queues += await self.queues.band_queues(digest)
         for queue in queues:
@@ -505,6 +526,10 @@ class WorkerAgent:
         self.stopping.set()
         for task in self._background:
             task.cancel()
+        for run in self.running.values():
+            if run.background and run.task is not None:
+                # A benchmark or grading answer is not worth a drain's wait: back to its stream.
+                run.task.cancel()
         if self._background:
             # A cancel can be lost: on Python 3.11, asyncio.wait_for, which redis-py sends every
             # command through, drops one that lands as the send completes. The loops end on
@@ -581,7 +606,18 @@ class WorkerAgent:
         admission = await self.gate.admit(self, shared)
         cursors.update(admission.cursors)
         if admission.queue is None:
-            return Wait(cursors=cursors, held_back=admission.held_back)
+            if admission.held_back or not self._background_free():
+                # User work waits (for this worker or another), or a background run is on: no
+                # benchmark or grading answer starts now.
+                return Wait(cursors=cursors, held_back=admission.held_back)
+            bg = await self.queues.take(self.background, self.name)
+            if bg.entry_id:
+                self._start(self.background, bg)
+                return None
+            if bg.vanished:
+                return None
+            cursors[self.background] = bg.cursor
+            return Wait(cursors=cursors)
         if admission.ahead:
             # A later task than the head: moved to the pinned stream and taken there, as a hand-off.
             taken = await self.queues.take_given(
@@ -630,7 +666,12 @@ class WorkerAgent:
         # A hard deadline as well: on a half-open connection the read would wait for the client's
         # socket timeout; cancelled, its connection is dropped and the next read takes a fresh one.
         with contextlib.suppress(TimeoutError):
-            woke = await asyncio.wait_for(self.ledger.wait_on(streams, block_ms), block_ms / 1000 + 1.0)
+            reading = self.ledger.wait_on(streams, block_ms)
+            if any(r.background for r in self.running.values()):
+                # A benchmark or grading answer runs: when it ends, the next one may start.
+                woke = await self._until_background_ends(reading, block_ms / 1000 + 1.0)
+            else:
+                woke = await asyncio.wait_for(reading, block_ms / 1000 + 1.0)
             if self.pinned in woke:
                 self._pinned_cursor = None
             # A queue's new entry, or ledger news while work was held back: the gate will decide.
@@ -641,6 +682,28 @@ class WorkerAgent:
             rest = self.config.recheck_min_ms / 1000 - (time.monotonic() - self._last_ask)
             if rest > 0:
                 await asyncio.sleep(rest)
+
+    async def _until_background_ends(self, reading: Awaitable[set[str]], timeout_s: float) -> set[str]:
+        """The streams `reading` woke on, or none when a slot was freed first (its read cancelled,
+        which drops its connection); TimeoutError past `timeout_s`."""
+        self._slot_freed.clear()
+        read = asyncio.ensure_future(reading)
+        freed = asyncio.ensure_future(self._slot_freed.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {read, freed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            freed.cancel()
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                    await read
+        if read in done:
+            return read.result()
+        if not done:
+            raise TimeoutError
+        return set()
 
     async def _heartbeat_loop(self) -> None:
         """Inventory, resources, the entries of running tasks, news for the ledger: every heartbeat.
@@ -675,6 +738,7 @@ class WorkerAgent:
             self.liveness.said(changed)
 
     async def _refresh_inventory(self, first: bool = False) -> None:
+        self._inventory_stale.clear()
         try:
             inventory = await self.backend.inventory()
         except BackendError as exc:
@@ -725,9 +789,29 @@ class WorkerAgent:
             self._background.append(task)
             return
         self._ordinal += 1
-        run = Running(entry=entry, started=time.monotonic(), ordinal=self._ordinal)
+        run = Running(
+            entry=entry, started=time.monotonic(), ordinal=self._ordinal, background=queue == self.background
+        )
+        if not run.background:
+            self._preempt(len(self.running) + 1 - self.config.slots)
         self.running[entry_id] = run
         run.task = asyncio.create_task(self._run(run), name=f"task-{entry.task.task_id}")
+
+    def _preempt(self, count: int) -> None:
+        """Give up `count` background runs for user work: each is stopped (its backend request
+        closed, which frees the server's slot) and handed back to the background stream."""
+        for run in list(self.running.values()):
+            if count <= 0:
+                return
+            if run.background and not (run.preempted or run.closing or run.answered) and run.task is not None:
+                log.info(
+                    "task %s (%s) gives its slot to user work; it runs again later",
+                    run.entry.task.task_id,
+                    "grading" if run.entry.task.bench_prompt else "benchmark",
+                )
+                run.preempted = True
+                run.task.cancel()
+                count -= 1
 
     async def _reject_malformed(
         self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str
@@ -804,6 +888,13 @@ class WorkerAgent:
             else:
                 await self._fail(run, exc)
         except asyncio.CancelledError:
+            if run.preempted and not self.stopping.is_set():
+                # Given up for user work: back to the background stream, with the reason.
+                current = asyncio.current_task()
+                if current is not None:
+                    current.uncancel()
+                await self._hand_back_preempted(run)
+                return
             # Shut down mid-run: hand the task back for another worker.
             with contextlib.suppress(RedisError, OSError, TaskCancelledError):
                 await run.settle_claim()
@@ -1079,10 +1170,6 @@ class WorkerAgent:
                         embed=embed,
                     )
                     self._benched[model.digest] = time.monotonic()
-                    if not embed:
-                        # Its answers are graded too: the schedule does not ask for them again meanwhile.
-                        sent = frozenset(p.id for p in pick(self.config.bench_domain, count))
-                        self._grading[(model.digest, self.config.bench_domain)] = (time.monotonic(), sent)
                     log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
                 await self._grade(snap)
                 first = False
@@ -1140,6 +1227,10 @@ class WorkerAgent:
             self._failures += 1
             pause = min(self.config.max_cooldown_s, self.config.cooldown_s * 2 ** (self._failures - 1))
             self._cooldown_until = time.monotonic() + pause
+        if exc.kind == "unsupported":
+            # The server cannot do this for the model (a 501): say so in the lease before the
+            # client hears, so that the next such request is refused at submission.
+            self.backend_refused(entry.task)
         if exc.retryable:
             run.closing = True
             moved = await self.queues.requeue(
@@ -1151,7 +1242,32 @@ class WorkerAgent:
             )
             await self._after_requeue(entry.queue, entry.entry_id, moved, f"{exc.kind}: {exc.message[:200]}")
             return
-        await self._settle(run, "failed", str(exc))
+        await self._settle(run, "failed", str(exc), refused=exc.kind in ("bad_request", "unsupported"))
+
+    def backend_refused(self, task: TaskMessage) -> None:
+        """Learn from the backend's refusal of `task`: its inventory (and the lease) now says the
+        model lacks what was asked, at the next renewal, which is asked for now."""
+        if task.kind == EMBED and isinstance(self.backend, Refusing):
+            local = self.local_name(task.digest)
+            if local is not None:
+                self.backend.refused(local, "embedding")
+                self._inventory_stale.set()
+
+    async def _hand_back_preempted(self, run: Running) -> None:
+        entry = run.entry
+        with contextlib.suppress(RedisError, OSError, TaskCancelledError):
+            await run.settle_claim()
+        with contextlib.suppress(RedisError, OSError):
+            await self._record_failure(run, "preempted", True, "gave its slot to user work; runs again later")
+            run.closing = True
+            moved = await self.queues.requeue(
+                entry.queue,
+                entry.entry_id,
+                delivery_limit=_PREEMPT_LIMIT,
+                owner=self.name,
+                attempt=entry.attempt,
+            )
+            await self._after_requeue(entry.queue, entry.entry_id, moved, "preempted by user work")
 
     async def _cancelled(self, run: Running) -> None:
         log.info("task %s cancelled by its client", run.entry.task.task_id)
@@ -1184,12 +1300,24 @@ class WorkerAgent:
             )
         )
 
-    async def _settle(self, run: Running, status: Outcome, error: str) -> None:
+    async def _settle(self, run: Running, status: Outcome, error: str, *, refused: bool = False) -> None:
         """A final outcome without a completion: record it, close the output, finish the entry."""
         entry = run.entry
         task_id = entry.task.task_id
+        if self._inventory_stale.is_set():
+            # What the backend refused reaches the lease before the client's answer does.
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self._refresh_inventory()
+                await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
         await self.queues.record_result(
-            Result(task_id=task_id, status=status, worker=self.name, attempt=entry.attempt, error=error)
+            Result(
+                task_id=task_id,
+                status=status,
+                worker=self.name,
+                attempt=entry.attempt,
+                error=error,
+                refused=refused,
+            )
         )
         await self.queues.end_output(task_id, entry.attempt, error)
         run.closing = True

@@ -26,11 +26,13 @@ from typing import Literal
 
 import msgspec
 
+from dispatch.benchmark import SPEED_MAX_TOKENS
 from dispatch.ollama import rfc3339
 from sim.backends.ask import IMAGE_TOKENS, Answer, Ask
 from sim.backends.embedding import embedding_vector
 from sim.backends.schema import schema_value
 from sim.backends.text import (
+    asks_at_length,
     bench_answer,
     bench_prompt,
     count_tokens,
@@ -409,6 +411,9 @@ class SimMachine:
             answer = Answer(tokens=[piece for call in calls for piece in call.pieces], calls=calls)
         if answer is None and ask.tool_results and not wants_json:
             answer = Answer(tokens=quote_results(ask.tool_results))
+        if answer is None and asks_at_length(ask.last_user):
+            # A speed prompt: answered at length, until the benchmark's cap cuts it.
+            answer = Answer(tokens=filler(rng, ask.max_tokens or SPEED_MAX_TOKENS, japanese))
         if answer is None:
             bench = bench_prompt(ask.last_user)
             if bench is not None:

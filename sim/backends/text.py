@@ -14,7 +14,7 @@ import random
 import re
 from functools import cache
 
-from dispatch.benchmark import BenchPrompt, benchset
+from dispatch.benchmark import BenchPrompt, benchset, speed_prompts
 from sim.fleetspec import OutputLength
 
 _CONSONANTS = "bdfgklmnprstvz"
@@ -149,6 +149,17 @@ def _bench_index() -> dict[str, _BenchEntry]:
         safe = tuple(tok for tok in lexicon if not p.passes(tok))
         index[p.prompt.strip()] = _BenchEntry(p, wrong or ["?"], safe)
     return index
+
+
+@cache
+def _speed_texts() -> frozenset[str]:
+    return frozenset(p.prompt.strip() for p in speed_prompts())
+
+
+def asks_at_length(text: str) -> bool:
+    """Whether `text` is a shipped speed prompt, which real models answer at length (and the
+    benchmark cuts at its max_tokens)."""
+    return text.strip() in _speed_texts()
 
 
 def bench_prompt(text: str) -> BenchPrompt | None:

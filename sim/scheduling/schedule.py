@@ -32,6 +32,7 @@ from typing import Protocol
 
 import msgspec
 
+from dispatch.benchmark import SPEED_MAX_TOKENS
 from projections.shift import MIN_RATIO
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from router.prefix import SlotCache, marks_of
@@ -47,9 +48,10 @@ from sim.scheduling.workload import (
     tokens_blocks,
 )
 
-# A benchmark prompt (a policy says how many a joining worker runs): short, as the shipped ones are.
+# A benchmark prompt (a policy says how many a joining worker runs): a shipped speed prompt, whose
+# answer runs until the benchmark's cap cuts it (dispatch.benchmark.SPEED_MAX_TOKENS).
 BENCH_PROMPT_TOKENS = 32
-BENCH_OUTPUT_TOKENS = 32
+BENCH_OUTPUT_TOKENS = SPEED_MAX_TOKENS
 
 _ARRIVE, _DONE, _ONLINE, _OFFLINE, _SPEED = 0, 1, 2, 3, 4
 
@@ -124,7 +126,10 @@ class SimWorker:
         self.idle_since: float | None = 0.0
         self.loaded = False
         self.own: list[Job] = []  # pushed tasks, FIFO (push policies)
-        self.pinned: list[Job] = []  # benchmarks, served before anything else
+        self.pinned: list[Job] = []  # hand-offs, served before the shared queue
+        # Benchmarks, its lowest priority: run one at a time while no work waits for it, and
+        # given up (back to the front of this list) when work comes (workers.agent).
+        self.background: list[Job] = []
         self.done = 0
         # Its speed now relative to `true` (the fleet's slowdown windows).
         self.factor = 1.0
@@ -136,7 +141,8 @@ class SimWorker:
 
     @property
     def free(self) -> bool:
-        return self.online and len(self.runs) < self.slots
+        """A slot free for work: a benchmark's slot is, since work stops it."""
+        return self.online and sum(1 for r in self.runs if not r.job.bench) < self.slots
 
     def rate(self) -> float:
         k = len(self.runs)
@@ -274,6 +280,8 @@ class Simulation:
         self.ttft: list[float] = [math.nan] * n
         self.cached: list[int] = [0] * n
         self.benchmarks = 0
+        # Benchmark runs stopped for work (`_preempt`).
+        self.preempted = 0
         self._bench_index = n
 
     @property
@@ -372,8 +380,8 @@ class Simulation:
             prompt_tokens=job.prompt_tokens,
             max_tokens=job.max_tokens,
             prefix=job.chain,
-            # A chat turn is streamed to the person who reads it, as chat clients do.
-            paced=job.conv >= 0,
+            # A chat turn streamed to the person who reads it, where pacing is on (WorkloadSpec.paced).
+            paced=job.paced,
         )
 
     def _online(self, w: SimWorker) -> None:
@@ -390,10 +398,10 @@ class Simulation:
                 self.policy.route(self, self.jobs[int(e.task_id)]).own.append(self.jobs[int(e.task_id)])
 
     def benchmark(self, w: SimWorker, count: int) -> None:
-        """Queue `count` benchmark prompts on `w`'s own pinned queue (served before anything else)."""
+        """Queue `count` benchmark prompts on `w`'s own background queue (its lowest priority)."""
         for _ in range(count):
             self._bench_index += 1
-            w.pinned.append(
+            w.background.append(
                 Job(
                     index=self._bench_index,
                     arrival=self.now,
@@ -414,6 +422,7 @@ class Simulation:
         w.runs.clear()
         w.view.running.clear()
         w.pinned.clear()
+        w.background.clear()
         if w.loaded:
             w.unloaded_at = self.now
         w.loaded = False
@@ -461,7 +470,8 @@ class Simulation:
             finished = [min(w.runs, key=lambda r: r.remaining)]
         for r in finished:
             w.runs.remove(r)
-            w.view.running.remove(r.task)
+            if not r.job.bench:
+                w.view.running.remove(r.task)
             job = r.job
             wall = self.now - r.started
             slowdown = wall / r.solo if r.solo > 0 else 1.0
@@ -479,7 +489,9 @@ class Simulation:
                 slot.used = self.now
                 # The slot holds the prompt and what was generated: the next turn extends it.
                 slot.tokens = job.prompt_tokens + job.output_tokens if job.conv >= 0 else 0
-            if not job.bench:
+            if job.bench:
+                self.benchmarks += 1
+            else:
                 self.finish[job.index] = self.now
                 self.ttft[job.index] = (self.now if r.first is None else r.first) - job.arrival
                 self.worker_of[job.index] = w.name
@@ -498,6 +510,8 @@ class Simulation:
     def _start(self, w: SimWorker, job: Job) -> None:
         self._advance(w)
         self._expire(w)
+        if not job.bench and len(w.runs) >= w.slots:
+            self._preempt(w)
         load = 0.0 if w.loaded else w.true.load_s
         slot, cached = self._take_slot(w, job) if self.chat else (None, 0)
         decode_s = job.output_tokens / w.true.decode_tps
@@ -514,12 +528,12 @@ class Simulation:
             max_tokens=job.max_tokens,
         )
         w.runs.append(_Run(job, solo, load, self.now, task, decode_s, slot))
-        w.view.running.append(task)
+        if not job.bench:
+            # A benchmark's slot is free to every plan (workers.agent marks it `background`).
+            w.view.running.append(task)
         if self.chat:
             self._report(w)
-        if job.bench:
-            self.benchmarks += 1
-        else:
+        if not job.bench:
             self.cached[job.index] = cached
             self.start_order.append(w.name)
             self.start_s.append(self.now)
@@ -535,6 +549,19 @@ class Simulation:
             faster = [n for n, v in there.items() if v > MIN_RATIO * mine]
             self.misrouted.append(max(faster, key=there.__getitem__) if faster else "")
         self._reschedule(w)
+
+    def _preempt(self, w: SimWorker) -> None:
+        """Stop a benchmark run for work that takes its slot: it goes back to the front of the
+        worker's background queue and runs again later, from its start."""
+        run = next((r for r in w.runs if r.job.bench), None)
+        if run is None:
+            return
+        w.runs.remove(run)
+        self.preempted += 1
+        w.background.insert(0, run.job)
+        if run.slot is not None:
+            slot = w.cache[run.slot]
+            slot.busy, slot.conv, slot.tokens = False, -1, 0
 
     def _expire(self, w: SimWorker) -> None:
         """Unload the model of a worker idle for longer than its keep-alive."""
@@ -613,6 +640,17 @@ class Simulation:
                     self._start(w, self.jobs[int(entry.task_id)])
                 else:
                     break
+            # Its benchmarks: one at a time, only while no work waits for it (none queued for
+            # the model on a pull policy, none pushed to it otherwise).
+            waiting = bool(self.queue) if pull else bool(w.own)
+            if (
+                w.online
+                and w.background
+                and not waiting
+                and len(w.runs) < w.slots
+                and not any(r.job.bench for r in w.runs)
+            ):
+                self._start(w, w.background.pop(0))
 
 
 def simulate(
