@@ -84,7 +84,7 @@ class AppConfig(msgspec.Struct, kw_only=True):
     # Price what workers' slots hold of a prompt (router.prefix); False: every prompt is uncached.
     prefix_pricing: bool = True
     # Streamed answers are placed for their readers (router.plan, BacklogEntry.paced); False: by finish.
-    paced_streams: bool = True
+    paced_streams: bool = False
 
 
 def create_app(config: AppConfig) -> FastAPI:

@@ -72,6 +72,14 @@ def schedule(
             " replaces --dist, --mean-tokens and --prompt-tokens.",
         ),
     ] = None,
+    paced: Annotated[
+        bool,
+        typer.Option(
+            "--paced",
+            help="Chat turns are placed where their reader finishes reading, as with the API's"
+            " paced_streams on (off by default, as there).",
+        ),
+    ] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print the results as one JSON line last.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write mean response vs load as a PNG.")] = None,
 ) -> None:
@@ -110,6 +118,7 @@ def schedule(
         leaves=at(leave, "--leave"),
         kind=workload,
         mix=chosen_mix,
+        paced=paced,
     )
     rows = run_matrix(
         spec_fleet,

@@ -82,7 +82,7 @@ class Settings(msgspec.Struct, kw_only=True):
     allow_runtime_options: bool = False
     max_num_ctx: int = DEFAULT_MAX_NUM_CTX
     prefix_pricing: bool = True
-    paced_streams: bool = True
+    paced_streams: bool = False
     clock_offset_ms: int = 0
 
 
@@ -153,7 +153,8 @@ FIELDS: Final[dict[str, str]] = {
     ),
     "paced_streams": (
         "place an answer streamed to its client where its reader finishes reading it first (first token, "
-        "then no slower than 5.3 tok/s); false places every task where it finishes"
+        "then no slower than 5.3 tok/s), never on a slower machine while a faster one is free; false "
+        "(the default) places every task where it finishes"
     ),
     "clock_offset_ms": (
         "shift `routeledger worker`'s clock by this many ms (for tests playing a machine whose clock is "

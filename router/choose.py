@@ -40,6 +40,7 @@ from router.plan import (
     PlanState,
     Step,
     WorkerView,
+    guard_paced,
     holders_by_digest,
     plan_state,
     service_floor,
@@ -303,7 +304,11 @@ def _ranking(
     cached = state.cached(query.prefix, prompt)
     finishes = state.finishes(prompt, out, cached)
     pace = state.pace if query.paced else None
-    costs = None if pace is None else [f + out * x for f, x in zip(finishes, pace, strict=True)]
+    costs = None
+    if pace is not None:
+        # The reader's finish, never at the cost of a free faster machine (design rule 13).
+        reading = [f + out * x for f, x in zip(finishes, pace, strict=True)]
+        costs = guard_paced(reading, finishes, state.firsts(prompt, cached), state.free_now())
     prompt_field = _prompt_field(
         query, prompt, params.default_prompt_tokens, _learned_ratio(query, est, digest)
     )

@@ -322,6 +322,31 @@ PRUNE_MIN_TASKS = 8
 PRUNE_MIN_HOLDERS = 16
 # At most this many output classes (heaps) in a pruned walk; see `PlanState._walk_pruned`.
 _OUTPUT_CLASSES = 8
+# A holder whose earliest slot frees within this many seconds counts as free now (`guard_paced`).
+_FREE_S: Final = 1e-9
+
+
+def guard_paced(
+    costs: Sequence[float], finishes: Sequence[float], firsts: Sequence[float], free: Sequence[bool]
+) -> list[float]:
+    """A paced task's costs (its reader's finish on each holder), guarded so that pacing never hands
+    it to a slower machine while a faster one is free (design rule 13). Where some holder is free,
+    only the holders whose first token and finish both come no later than those of the free holder
+    that finishes first (and the holder that finishes first of all) keep their reader's finish;
+    every other holder is ordered after them all, by its finish. Where none is free, the costs
+    stand: the reader's finish decides."""
+    n = len(costs)
+    free_ones = [i for i in range(n) if free[i]]
+    if not free_ones:
+        return list(costs)
+    fastest_free = min(free_ones, key=lambda i: (finishes[i], i))
+    first_of_all = min(range(n), key=lambda i: (finishes[i], i))
+    f_first, f_finish = firsts[fastest_free], finishes[fastest_free]
+    allowed = [i == first_of_all or (firsts[i] <= f_first and finishes[i] <= f_finish) for i in range(n)]
+    top = max(c for c, ok in zip(costs, allowed, strict=True) if ok)
+    return [c if ok else top + 1.0 + max(0.0, f) for c, f, ok in zip(costs, finishes, allowed, strict=True)]
+
+
 # A paced kind's prompt classes (heaps); see `PlanState._walk_pruned`.
 _PACED_CLASSES = 8
 # The relative margin by which a pruning bound must pass the best finish before the holders behind
@@ -959,8 +984,15 @@ class PlanState:
                 finishes[i], delay = self._shared(i, self.head[i], work)
                 costs[i] = finishes[i] + delay
         if pace is not None:
-            # Its reader's finish: past decoding, the time they still read.
+            # Its reader's finish: past decoding, the time they still read; never at the cost of a
+            # free faster machine (guard_paced).
             costs = [c + out * x for c, x in zip(costs, pace, strict=True)]
+            left = [prompt - (hits.get(k, 0) if hits else 0) for k in range(len(finishes))]
+            firsts = [
+                h + u * a + ld
+                for h, u, a, ld in zip(self.head, left, sp.per_prompt, self.load_left, strict=True)
+            ]
+            costs = guard_paced(costs, finishes, firsts, [h <= _FREE_S for h in self.head])
         i = costs.index(min(costs))
         return i, self.head[i], finishes[i]
 
@@ -1065,6 +1097,9 @@ class PlanState:
         paced = [e.paced for e in entries] if self.read_out is not None else None
         if paced is not None and not any(paced):
             paced = None
+        if paced is not None:
+            # Paced tasks are placed one by one by `best`, which guards them (guard_paced).
+            return self._walk_each(entries, until)
         if self.full_walk or len(work) < PRUNE_MIN_TASKS or len(self.head) < PRUNE_MIN_HOLDERS:
             return self._walk_all(work, until, chains, paced)
         # The bound below adds non-negative terms; negative token counts (a malformed request)
@@ -1311,6 +1346,20 @@ class PlanState:
         if self.fac[i] is None:
             return wait, load, prompt_s, decode_s, wait + load + prompt_s + decode_s
         return wait, load, prompt_s, decode_s, self._shared_finish(i, wait, load + prompt_s + decode_s)
+
+    def firsts(self, prompt_tokens: int, cached: Mapping[int, int] | None = None) -> list[float]:
+        """When a new task given to each holder after the plan would show its first token: its
+        wait, load and prompt (sharing a machine is left out: it slows the first token less than
+        it does the whole answer)."""
+        sp, got = self.sp, cached or {}
+        return [
+            h + ld + (prompt_tokens - got.get(i, 0)) / p
+            for i, (h, ld, p) in enumerate(zip(self.head, self.load_left, sp.prompt_tps, strict=True))
+        ]
+
+    def free_now(self) -> list[bool]:
+        """Which holders have a slot free now, after the plan."""
+        return [h <= _FREE_S for h in self.head]
 
     def finishes(
         self, prompt_tokens: int, out: float, cached: Mapping[int, int] | None = None

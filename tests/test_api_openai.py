@@ -137,10 +137,10 @@ async def test_auto_picks_a_served_model_and_says_which(redis_client: aioredis.R
     assert completion.choices[0].message.content
 
 
-async def test_a_streamed_chat_is_ranked_for_its_reader_and_a_waited_one_for_its_finish(
+async def test_with_paced_streams_on_a_streamed_chat_is_ranked_for_its_reader_and_a_waited_one_for_its_finish(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    async with fleet_and_api(redis_client, redis_url) as (base, _):
+    async with fleet_and_api(redis_client, redis_url, paced_streams=True) as (base, _):
         waited_id, streamed_id = await _waited_and_streamed(base)
         routed = {r.task_id: r for r in await events_of(ledger, TaskRouted)}
     terms = _terms(routed, waited_id, streamed_id)
@@ -148,10 +148,10 @@ async def test_a_streamed_chat_is_ranked_for_its_reader_and_a_waited_one_for_its
     assert not any("reading_s" in t for t in terms[waited_id])
 
 
-async def test_with_paced_streams_off_a_streamed_chat_is_ranked_for_its_finish_too(
+async def test_by_default_a_streamed_chat_is_ranked_for_its_finish_like_a_waited_one(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    async with fleet_and_api(redis_client, redis_url, paced_streams=False) as (base, _):
+    async with fleet_and_api(redis_client, redis_url) as (base, _):
         waited_id, streamed_id = await _waited_and_streamed(base)
         routed = {r.task_id: r for r in await events_of(ledger, TaskRouted)}
     terms = _terms(routed, waited_id, streamed_id)

@@ -42,7 +42,11 @@ def _conversation() -> str:
 
 
 def _decision(  # type: ignore[no-untyped-def]
-    speeds: dict[str, tuple[float, float]], cached_on: str, busy_on: str | None = None, paced: bool = False
+    speeds: dict[str, tuple[float, float]],
+    cached_on: str,
+    busy_on: str | None = None,
+    paced: bool = False,
+    busy_s: float = 600.0,
 ):
     text = _conversation()
     est = estimator(snapshot([speed_row(w, QWEN, d, 30, prompt=p, load=3.0) for w, (d, p) in speeds.items()]))
@@ -51,8 +55,8 @@ def _decision(  # type: ignore[no-untyped-def]
         cache = [SlotCache(marks=marks_of(block_hashes(text)), used_ms=NOW)] if name == cached_on else []
         w = WorkerView(name=name, slots=2 if name == busy_on else 1, holds={QWEN}, loaded={QWEN}, cache=cache)
         if name == busy_on:
-            busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
-            busy(w, QWEN, started_s_ago=0.0, expected_s=600.0)
+            busy(w, QWEN, started_s_ago=0.0, expected_s=busy_s)
+            busy(w, QWEN, started_s_ago=0.0, expected_s=busy_s)
         workers.append(w)
     query = RouteQuery(
         model="m", prompt_tokens=3000, prefix=chain_of(text + "and the next question"), paced=paced
@@ -73,16 +77,25 @@ def test_a_turn_is_handed_off_only_when_the_slot_holding_it_wins_by_a_wide_margi
     assert handoff_worker(bare) is None
 
 
-def test_a_streamed_turn_is_handed_to_the_slot_holding_it_when_its_reader_starts_sooner_by_a_margin() -> None:
-    # The cache is on a machine that decodes 8 tok/s, faster than its reader reads: the reader
-    # starts at once there and waits 1 s for the prompt on the other, which finishes sooner.
+def test_a_streamed_turn_never_leaves_a_free_faster_machine_for_the_slot_holding_it() -> None:
+    # The cache is on a machine that decodes 8 tok/s, faster than its reader reads: its reader
+    # would start at once there and wait 1 s for the prompt on the other. But the other is free and
+    # finishes sooner: pacing never hands the turn to the slower machine (design rule 13).
     speeds = {"a": (40.0, 3000.0), "b": (8.0, 100.0)}
     plain = _decision(speeds, cached_on="b")
     assert plain.ranking.best.worker == "a" and handoff_worker(plain) is None
     read = _decision(speeds, cached_on="b", paced=True)
+    assert read.ranking.best.worker == "a" and handoff_worker(read) is None
+
+
+def test_a_streamed_turn_is_handed_to_the_slot_holding_it_when_the_faster_machine_is_busy() -> None:
+    # The faster machine is busy for a few seconds: placed by finish the turn waits for it; paced,
+    # its reader starts at once on the free machine holding its conversation.
+    speeds = {"a": (40.0, 3000.0), "b": (8.0, 100.0)}
+    plain = _decision(speeds, cached_on="b", busy_on="a", busy_s=8.0)
+    assert plain.ranking.best.worker == "a" and handoff_worker(plain) is None
+    read = _decision(speeds, cached_on="b", busy_on="a", busy_s=8.0, paced=True)
     assert read.ranking.best.worker == "b" and handoff_worker(read) == "b"
-    # A lead a quarter of its own time to the first token is demanded; 50x that is not there.
-    assert handoff_worker(read, ratio=50.0) is None
 
 
 def test_a_narrow_lead_or_a_wait_keeps_the_turn_on_the_shared_queue() -> None:

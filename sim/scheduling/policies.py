@@ -611,7 +611,7 @@ class Routeledger(_Base):
             domain=job.domain,
             prompt_tokens=job.prompt_tokens,
             prefix=job.chain,
-            paced=job.conv >= 0,
+            paced=job.paced,
         )
         ranking = rank_workers(view, est, sim.digest, sim.now_ms, query, params=self.gate.plan)
         decision = Decision(model=sim.model, digest=sim.digest, domain=job.domain, ranking=ranking)

@@ -95,6 +95,9 @@ class WorkloadSpec(msgspec.Struct, kw_only=True, frozen=True):
     turns_max: int = 8
     # Mean seconds between a turn's answer and the next turn.
     think_s: float = 30.0
+    # Chat turns are paced (placed where their reader finishes reading: the API's `paced_streams`,
+    # off by default as in production); other tasks never are.
+    paced: bool = False
     # Several classes of traffic (module docstring); None: one domain with the fields above.
     mix: Mix | None = None
 
@@ -118,6 +121,8 @@ class Job(msgspec.Struct, kw_only=True, gc=False):
     chain: PromptChain | None = None
     # The cap the request carries (None: none); `output_tokens` is already within it.
     max_tokens: int | None = None
+    # Placed where its reader finishes reading (WorkloadSpec.paced: chat turns only).
+    paced: bool = False
 
 
 class ModelSpeeds(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -426,6 +431,7 @@ def generate_chat(fleet: Fleet, model: str, spec: WorkloadSpec) -> list[Job]:
                     next=first + k + 1 if k + 1 < turns else -1,
                     think_s=think,
                     chain=PromptChain(hashes=hashes[: tokens_blocks(prompt)], chars=prompt * CHARS_PER_TOKEN),
+                    paced=spec.paced,
                 )
             )
             history = prompt + answer
