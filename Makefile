@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-real lint bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The real-server tier (tests/real): routeledger in front of real llama.cpp servers. The first run
+# on a machine builds llama-server into ~/.cache/routeledger (about 15 minutes on two cores; needs
+# cmake, g++ and cpulimit); the tier itself takes about 15 minutes.
+test-real: $(STAMP)
+	$(BIN)/python -m pytest -q -m real tests/real
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -40,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/task_events.py
 	$(BIN)/python bench/backend_client.py
 	$(BIN)/python bench/roundtrip.py
+	$(BIN)/python bench/real_fleet.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

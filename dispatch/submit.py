@@ -19,7 +19,16 @@ from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.prefix import task_chain
 from dispatch.queues import AtCapError, TaskQueues
-from dispatch.serving import capabilities, catalog, describe_fleet, lacks, require_model, served_models
+from dispatch.serving import (
+    capabilities,
+    catalog,
+    describe_fleet,
+    entry_lacks,
+    lacks,
+    require_model,
+    served,
+    served_models,
+)
 from dispatch.view import LiveView
 from dispatch.wake import sleeping_candidates
 from events.event import Event, TaskRouted, TaskSubmitted
@@ -224,6 +233,8 @@ async def route_and_submit(
             pin = None
         elif pin is not None and lease is not None:
             view.handed_off[pin] = lease.renewed_at
+    if decision is not None and pin is None:
+        pin = _able_holder(decision, digest, needs(req), leases)
     return await submit_task(
         queues,
         routed,
@@ -234,6 +245,28 @@ async def route_and_submit(
         pin=pin,
         prefixes=prefixes,
     )
+
+
+def _able_holder(
+    decision: Decision, digest: str, wanted: list[str], leases: dict[str, LeaseInfo]
+) -> str | None:
+    """Where some holders of the model lack a capability the request needs (their server refused
+    it, or says so) and others may have it: the best-ranked of those others, to pin the task to,
+    so that it is not given to one that would refuse it again. None when no holder lacks one."""
+    if not wanted:
+        return None
+
+    def lacking(worker: str) -> bool:
+        info = leases.get(worker)
+        if info is None:
+            return True
+        held = [e for e in served(info) if e.digest == digest]
+        return any(entry_lacks(e, c) for e in held for c in wanted)
+
+    ranked = [c.worker for c in decision.ranking.candidates]
+    if not any(lacking(w) for w in ranked):
+        return None
+    return next((w for w in ranked if not lacking(w)), None)
 
 
 # What each capability a request may need is called in messages: (what the request sends, what

@@ -1222,8 +1222,9 @@ class WorkerAgent:
         entry = run.entry
         log.warning("task %s attempt %d failed on %s: %s", entry.task.task_id, entry.attempt, self.name, exc)
         await self._record_failure(run, exc.kind, exc.retryable, exc.message)
-        if exc.kind not in ("model_missing", "bad_request"):
-            # The backend misbehaves: step back from shared work for a while so others take it.
+        if exc.kind not in ("model_missing", "bad_request", "unsupported"):
+            # The backend misbehaves (it did not refuse the request itself): step back from shared
+            # work for a while so others take it.
             self._failures += 1
             pause = min(self.config.max_cooldown_s, self.config.cooldown_s * 2 ** (self._failures - 1))
             self._cooldown_until = time.monotonic() + pause
