@@ -83,6 +83,12 @@ _ROOM_WAIT_MAX_S = 2.0
 # A background task given up for user work goes back to its stream: it may be given up this many
 # times before it is dead-lettered (a machine that is never idle for long is never benchmarked).
 _PREEMPT_LIMIT = 100
+# A speed benchmark whose answers came back too short to measure is asked again with the next
+# prompts, at most this many rounds in a window of this many seconds.
+_BENCH_ROUNDS = 3
+_BENCH_WINDOW_S = 600.0
+# Seconds after the last background run ends before its samples count as folded.
+_FOLD_WAIT_S = 2.0
 
 
 class _Claim:
@@ -231,8 +237,11 @@ class WorkerAgent:
         self._inventory_changed = asyncio.Event()
         # The backend refused something (workers.backend.Refusing): read its inventory again now.
         self._inventory_stale = asyncio.Event()
-        # digest -> monotonic time of the last benchmark this worker requested for itself
-        self._benched: dict[str, float] = {}
+        # digest -> (monotonic time, rounds in the window) of the last benchmark this worker
+        # requested for itself
+        self._benched: dict[str, tuple[float, int]] = {}
+        # When the last benchmark or grading run ended (monotonic).
+        self._background_ended = -math.inf
         # (digest, domain) -> (monotonic time, prompts still ungraded then) of the last grading
         # this worker requested: the next batch goes once those grades are folded.
         self._grading: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
@@ -917,6 +926,8 @@ class WorkerAgent:
             if run.slot is not None:
                 # Ended without an answer: what the slot holds now is not known.
                 self.slots.finish(task.digest, run.slot, None)
+            if run.background:
+                self._background_ended = time.monotonic()
             self.running.pop(entry.entry_id, None)
             self._slot_freed.set()
             if self.eager_lease and not self.stopping.is_set():
@@ -1139,9 +1150,9 @@ class WorkerAgent:
                 now = await self.clock.now_ms()
                 snap = await snapshot(self.redis, self.keys, now_ms=now)
                 for model in self.serving():
-                    recent = self._benched.get(model.digest)
-                    if recent is not None and time.monotonic() - recent < PROBE_AFTER_S:
-                        continue  # asked already; its results may not be folded yet
+                    asked = self._benched.get(model.digest)
+                    if asked is not None and not await self._background_done():
+                        continue  # asked already; its results are not in yet
                     embed = embeds_only(model)
                     need = needs_benchmark(
                         snap,
@@ -1156,8 +1167,17 @@ class WorkerAgent:
                     if need is None:
                         continue
                     count, why = need
-                    if recent is not None and time.monotonic() - recent < 600 and not is_probe(why):
-                        continue  # a probe may come sooner; another benchmark waits as before
+                    rounds = 1
+                    if (
+                        asked is not None
+                        and time.monotonic() - asked[0] < _BENCH_WINDOW_S
+                        and not is_probe(why)
+                    ):
+                        # Its answers came back and some were too short to measure (a model may
+                        # stop early on any prompt): the next speed prompts, a few times a window.
+                        if asked[1] >= _BENCH_ROUNDS:
+                            continue
+                        rounds = asked[1] + 1
                     reason = "joined" if first else why
                     await request_benchmark(
                         self.queues,
@@ -1168,8 +1188,9 @@ class WorkerAgent:
                         count=count,
                         reason=reason,
                         embed=embed,
+                        start=(rounds - 1) * count,
                     )
-                    self._benched[model.digest] = time.monotonic()
+                    self._benched[model.digest] = (time.monotonic(), rounds)
                     log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
                 await self._grade(snap)
                 first = False
@@ -1180,6 +1201,15 @@ class WorkerAgent:
             self._inventory_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inventory_changed.wait(), self.config.bench_check_s)
+
+    async def _background_done(self) -> bool:
+        """Whether every benchmark and grading task this worker asked for has run and been folded:
+        none runs, none waits in its background stream, and the last ended a moment ago."""
+        if any(r.background for r in self.running.values()):
+            return False
+        if time.monotonic() - self._background_ended < _FOLD_WAIT_S:
+            return False
+        return int(await self.redis.xlen(self.background)) == 0
 
     async def _grade(self, snap: Snapshot) -> None:
         """Grade each served model's ungraded prompts, per domain, when this worker is the one that
