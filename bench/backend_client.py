@@ -10,7 +10,9 @@ machine of `routeledger sim hosts --time-scale 0` (Ollama's NDJSON, answers at o
 
 - CPU: CPU time of this process per request (the worker's own cost), and wall time per request,
   medians over rounds, the clients taking turns.
-- reliability (`--gaps N`, real server only): N requests per client, each after an idle pause drawn
+- reliability: the requests that failed in the timed rounds (each client's kept-alive connections
+  sit idle while the others take their turn), and (`--gaps N`, real server only) N requests per
+  client, each after an idle pause drawn
   from 4.8-5.2 s, around the 5 s after which llama-server (cpp-httplib) closes an idle kept-alive
   connection: the requests that failed. The race the worker used to lose ("Server disconnected
   without sending a response").
@@ -114,12 +116,20 @@ def aiohttp_call(session: Any, url: str, body: dict[str, Any], sse: bool) -> Cal
     return call
 
 
-async def timed(call: Call, requests: int) -> tuple[float, float]:
-    """(CPU ms, wall ms) per request over `requests` requests."""
+async def timed(call: Call, requests: int) -> tuple[float, float, int]:
+    """(CPU ms, wall ms) per request over `requests` requests, and how many failed."""
     cpu, wall = time.process_time(), time.perf_counter()
+    failed = 0
     for _ in range(requests):
-        await call()
-    return (time.process_time() - cpu) * 1000 / requests, (time.perf_counter() - wall) * 1000 / requests
+        try:
+            await call()
+        except Exception:  # every failure counts, whatever the client calls it
+            failed += 1
+    return (
+        (time.process_time() - cpu) * 1000 / requests,
+        (time.perf_counter() - wall) * 1000 / requests,
+        failed,
+    )
 
 
 async def gapped(call: Call, count: int, rng: random.Random) -> int:
@@ -155,13 +165,15 @@ async def measure(url: str, sse: bool, tokens: int, requests: int, rounds: int, 
         counts = [await call() for call in calls.values()]
         if len(set(counts)) != 1 or counts[0] == 0:
             raise SystemExit(f"the clients read different answers: {counts} lines")
-        spent: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+        spent: dict[str, list[tuple[float, float, int]]] = {name: [] for name in calls}
         for _ in range(rounds):
             for name, call in calls.items():
                 spent[name].append(await timed(call, requests))
-        for name, pairs in spent.items():
-            figures[f"{name}_cpu_ms"] = round(statistics.median(c for c, _ in pairs), 3)
-            figures[f"{name}_wall_ms"] = round(statistics.median(w for _, w in pairs), 3)
+        for name, turns in spent.items():
+            figures[f"{name}_cpu_ms"] = round(statistics.median(c for c, _, _ in turns), 3)
+            figures[f"{name}_wall_ms"] = round(statistics.median(w for _, w, _ in turns), 3)
+            # Each client's kept-alive connections sat idle while the others took their turn.
+            figures[f"{name}_failed_after_turns"] = sum(f for _, _, f in turns)
         if gaps:
             runs = await asyncio.gather(
                 *(gapped(call, gaps, random.Random(i)) for i, call in enumerate(calls.values()))
