@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from api.common import JSON, gateway, options_policy
 from api.errors import BadRequestError, answer, model_not_found
 from api.schemas import BenchCreate
-from dispatch.benchmark import BenchPrompt, domains, on_demand, request_benchmark
+from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
 from dispatch.errors import DispatchError, ModelNotServedError
 from dispatch.lease import resources_of
 from dispatch.overview import clock_fields
@@ -161,8 +161,9 @@ async def route_preview(
 
 @router.post("/v1/bench", status_code=202)
 async def bench(request: Request, body: BenchCreate) -> JSON:
-    """Benchmark every live holder of the model (every served model when none is named): the
-    domain's shipped prompts go to each holder's pinned stream, never only to the current winner."""
+    """Benchmark every live holder of the model (every served model when none is named): `count`
+    speed prompts and `count` of the domain's graded prompts go to each holder's background
+    stream, never only to the current winner (an embedding model: `count` batches to embed)."""
     gw = gateway(request)
     domain = body.domain or "general"
     if domain not in domains():
@@ -181,18 +182,32 @@ async def bench(request: Request, body: BenchCreate) -> JSON:
     embedders = embedding_only(leases)
     sent = []
     for worker, local, digest in targets:
-        # Prompts the model has not been graded on first: each answer is then a new grade too.
-        prompts = on_demand(evidence.snapshot, digest, domain, count)
+        embed = digest in embedders
+        # Speed prompts (answers long enough to measure), then the graded prompts the model has not
+        # been graded on first: each answer is then a new grade too.
+        prompts: list[BenchPrompt | SpeedPrompt] | None = (
+            None if embed else [*pick_speed(count), *on_demand(evidence.snapshot, digest, domain, count)]
+        )
 
         async def send(
-            w: str = worker, n: str = local, d: str = digest, ps: list[BenchPrompt] = prompts
+            w: str = worker,
+            n: str = local,
+            d: str = digest,
+            ps: list[BenchPrompt | SpeedPrompt] | None = prompts,
+            e: bool = embed,
         ) -> str:
             return await request_benchmark(
-                gw.queues, worker=w, model=n, digest=d, domain=domain, prompts=ps, embed=d in embedders
+                gw.queues, worker=w, model=n, digest=d, domain=domain, count=count, prompts=ps, embed=e
             )
 
         bench_id = await gw.retrying(send)
         sent.append(
-            {"bench_id": bench_id, "worker": worker, "model": local, "digest": digest, "prompts": count}
+            {
+                "bench_id": bench_id,
+                "worker": worker,
+                "model": local,
+                "digest": digest,
+                "prompts": count if embed else 2 * count,
+            }
         )
     return JSON({"domain": domain, "benchmarks": sent}, status_code=202)

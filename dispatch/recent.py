@@ -187,7 +187,8 @@ def _others(breakdown: dict[str, object]) -> tuple[int, float | None]:
 
 
 def digest_of_queue(queue: str, keys: Keys) -> str:
-    """What a queue's name says of its model: a digest prefix (or `w:NAME`, for a pinned queue)."""
+    """What a queue's name says of its model: a digest prefix (or `w:NAME` for a pinned queue,
+    `bg:NAME` for a worker's background queue of benchmarks)."""
     name = queue.removeprefix(keys.prefix + "q:")
     if name.startswith("{") and "}" in name:
         # A band queue: its hash tag is its model's plain queue.

@@ -5,8 +5,9 @@ narrowed them), and nothing while it drains: a draining worker finishes what it 
 nothing new. Submission, the model lists of the API, benchmarks, the router's view of the fleet
 and the dashboard all ask here, so that they never disagree about a worker.
 
-A model is named by its name, by an alias without `:latest` (as Ollama reads it), or by a digest
-prefix of at least 12 characters. Workers are looked at in name order, so that one name held under
+A model is named by its name, by an alias without `:latest` (as Ollama reads it), by the name or
+path of the GGUF file it was served from (`….gguf`), or by a digest prefix of at least 12
+characters. Workers are looked at in name order, so that one name held under
 two digests resolves the same way everywhere: to the digest of the first holder by name.
 """
 
@@ -39,9 +40,9 @@ def names_model(entry: ModelEntry, model: str) -> bool:
         return True
     # A model served from a GGUF file is named by the file's base name without `.gguf`
     # (workers.backend.short_name): its file name or path, as its server was started, names it too.
-    base = model.replace("\\", "/").rsplit("/", 1)[-1]
-    if base != model or base.lower().endswith(".gguf"):
-        stem = base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+    # Only a `.gguf` name: `org/model` is another model than `model`.
+    if model.lower().endswith(".gguf"):
+        stem = model.replace("\\", "/").rsplit("/", 1)[-1][: -len(".gguf")]
         if stem and entry.name == stem:
             return True
     return len(model) >= 12 and entry.digest.startswith(model)

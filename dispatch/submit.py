@@ -233,7 +233,7 @@ async def route_and_submit(
             pin = None
         elif pin is not None and lease is not None:
             view.handed_off[pin] = lease.renewed_at
-    if decision is not None and pin is None:
+    if decision is not None and pin is None and req.priority == 0 and req.share_round == 0:
         pin = _able_holder(decision, digest, needs(req), leases)
     return await submit_task(
         queues,

@@ -381,7 +381,8 @@ class WakeFailed(Event, frozen=True, kw_only=True):
 
 
 class BenchmarkRequested(Event, frozen=True, kw_only=True):
-    """A benchmark was sent to one worker's pinned stream for one model."""
+    """A benchmark was sent to one worker's background stream (its pinned one, in older history)
+    for one model."""
 
     bench_id: str
     worker: str

@@ -116,7 +116,8 @@ class Keys:
         return f"{self.core}qb:{{{self.queue(digest)}}}"
 
     def pinned(self, worker: str) -> str:
-        # Tasks pinned to one worker: benchmarks and explicit pins (group `workers`).
+        # Tasks pinned to one worker: hand-offs and explicit pins (group `workers`); benchmarks
+        # before they had a stream of their own (`background`).
         return f"{self.core}q:w:{worker}"
 
     def background(self, worker: str) -> str:

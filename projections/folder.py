@@ -509,8 +509,8 @@ class Folder:
         row.ttft_ms = e.ttft_ms
         row.wall_ms = e.wall_ms
         if e.bench_id is not None:
-            # Its BenchmarkResult carries the speed sample; benchmark answers are short by design,
-            # so they say nothing of output length either.
+            # Its BenchmarkResult carries the speed sample; benchmark answers are cut where the
+            # benchmark says (or are one-word grades), so they say nothing of output length.
             return
         if not row.runtime_options:
             self._speed_sample(e.worker, e.digest, t, e.ttft_ms, e.in_flight, e.at, e.cold, e.kind)

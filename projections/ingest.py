@@ -18,8 +18,8 @@ The checks (`Ingest.check`):
 - a failure or a dead letter follows a claim of the task by the writer (a retryable "model
   missing" refusal, which comes before any claim, excepted);
 - a benchmark result or grade is of a benchmark task (`bench-{bench_id}-{i}`, sent to the writer's
-  pinned queue) the writer claimed, for the model it claimed it for; a grade is the reference check
-  of a shipped prompt of its domain, once per (task, grader).
+  background queue, or its pinned one in older history) the writer claimed, for the model it
+  claimed it for; a grade is the reference check of a shipped prompt of its domain, once per (task, grader).
 
 Claims are kept in `rl:claims` (task -> the claimed runs), so that they outlive a restart of the
 projector; a task's field goes once each of its claimed runs has completed, or after CLAIM_TTL_MS.

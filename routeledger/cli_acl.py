@@ -11,7 +11,8 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:q:{12 hex}` | read; take, keep, re-queue | shared queues of models (never XACK, XDEL, DEL, XADD) |
 | `rl:q:{rl:q:{12 hex}}:*` | the same | the same models' priority band queues |
 | `rl:qb:{rl:q:{12 hex}}` | read | which band queues a model has (the backlog function reads it) |
-| `rl:q:w:NAME` | the same, and XADD | its own pinned queue (not another's): its benchmark requests |
+| `rl:q:w:NAME` | the same | its own pinned queue (not another's): tasks handed straight to it |
+| `rl:q:bg:NAME` | the same, and XADD | its own background queue (not another's): its benchmark requests |
 | `rl:out:w:NAME:{*}`, `rl:result:w:NAME:{*}` | read, write | its own output chunks and results |
 | `rl:live:NAME` | read, write | its own lease |
 | `rl:card:NAME` | read, write | what its backend says of its models beyond the lease (template, parameters) |

@@ -93,8 +93,9 @@ class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     # Its prompt's chain (router.prefix): a holder whose idle slot holds a prefix of it evaluates
     # only the rest, shown as the `cached_prompt_tokens` term and field. None: not known.
     prefix: PromptChain | None = None
-    # A person reads its answer as it streams (router.plan.BacklogEntry.paced): holders are
-    # ranked by when that reader would finish reading it, shown as the `reading_s` term.
+    # A person reads its answer as it streams (router.plan.BacklogEntry.paced): holders no worse
+    # than the fastest free one are ranked by when that reader would finish reading it (the
+    # `reading_s` term); the others after them by finish (`paced_passed_over`, router.plan.guard_paced).
     paced: bool = False
 
 
@@ -305,10 +306,12 @@ def _ranking(
     finishes = state.finishes(prompt, out, cached)
     pace = state.pace if query.paced else None
     costs = None
+    demoted: list[bool] = []
     if pace is not None:
         # The reader's finish, never at the cost of a free faster machine (design rule 13).
         reading = [f + out * x for f, x in zip(finishes, pace, strict=True)]
         costs = guard_paced(reading, finishes, state.firsts(prompt, cached), state.free_now())
+        demoted = [c != r for c, r in zip(costs, reading, strict=True)]
     prompt_field = _prompt_field(
         query, prompt, params.default_prompt_tokens, _learned_ratio(query, est, digest)
     )
@@ -352,8 +355,10 @@ def _ranking(
             fields["parallel_exponent"] = est.concurrency(w.name, digest).exponent
         if pace is not None:
             # Reading its answer outlasts decoding it by this much (0: it decodes slower than
-            # its reader reads); the holders are ranked by finish + this.
+            # its reader reads); the holders are ranked by finish + this, but for those a free
+            # faster holder beats (1: ranked after every other, by finish).
             terms["reading_s"] = out * pace[i]
+            terms["paced_passed_over"] = 1.0 if demoted[i] else 0.0
         return WorkerCandidate(worker=w.name, rank=rank, expected_finish_s=finish, terms=terms, fields=fields)
 
     return Ranking(digest=digest, domain=domain, plan=plan, finishes=finishes, build=build, costs=costs)

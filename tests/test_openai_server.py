@@ -140,12 +140,14 @@ def test_a_gguf_files_name_or_path_names_the_model_served_from_it() -> None:
         "SmolLM2-135M-Instruct.Q4_1",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         PATH,
-        "C:\\m\\" + entry.name,
+        "C:\\m\\" + entry.name + ".gguf",
     ):
         assert names_model(entry, asked), asked
     assert not names_model(entry, "SmolLM2-360M-Instruct.Q4_1.gguf")
     assert not names_model(entry, "/models/other.gguf")
-    assert short_name("qwen3:8b") == "qwen3:8b" and short_name("org/model") == "model"
+    # Only a GGUF file's path is cut to its name: `org/model` is not `model`.
+    assert not names_model(ModelEntry(name="model", digest="cd" * 32), "org/model")
+    assert short_name("qwen3:8b") == "qwen3:8b" and short_name("org/model") == "org/model"
 
 
 async def test_a_run_sends_the_servers_own_id_and_keeps_its_own_timings_and_cache() -> None:
@@ -179,3 +181,22 @@ async def test_a_501_to_an_embedding_is_not_retried_and_the_model_is_learned_to_
     assert "Start it with `--embeddings`" in refused.value.message
     assert entry.lacks is None and after.lacks == ["embedding"]
     assert seen == [{"model": PATH, "input": ["x"], "encoding_format": "float"}]
+
+
+async def test_two_files_of_one_name_from_two_folders_keep_their_paths_as_names() -> None:
+    listed = {
+        "object": "list",
+        "data": [{"id": "/a/Smol.gguf", "meta": META}, {"id": "/b/Smol.gguf", "meta": {**META, "size": 5}}],
+    }
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(_json(200, listed))
+            await writer.drain()
+
+    async with serving(handler) as (url, _):
+        backend = OpenAIBackend(url)
+        models = (await backend.inventory()).models
+        await backend.aclose()
+    assert [m.name for m in models] == ["/a/Smol.gguf", "/b/Smol.gguf"]
+    assert len({m.digest for m in models}) == 2

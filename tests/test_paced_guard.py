@@ -23,6 +23,9 @@ def test_a_paced_task_never_goes_to_a_slower_machine_while_a_faster_one_is_free(
     fleet = view([worker("fast", [QWEN]), worker("slow", [QWEN])])
     ranking = rank_workers(fleet, est, QWEN, NOW, QUERY)
     assert ranking.best.worker == "fast"
+    # The breakdown says who pacing would have preferred and why it did not.
+    passed = {c.worker: c.terms["paced_passed_over"] for c in ranking.candidates}
+    assert passed == {"fast": 0.0, "slow": 1.0}
     # Not paced, the same.
     assert (
         rank_workers(fleet, est, QWEN, NOW, msgspec.structs.replace(QUERY, paced=False)).best.worker == "fast"

@@ -15,7 +15,7 @@ import math
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -29,6 +29,7 @@ from dispatch.benchmark import (
     grader_for,
     is_probe,
     needs_benchmark,
+    prompt_by_id,
     request_benchmark,
     ungraded,
 )
@@ -64,7 +65,7 @@ from workers.backend import Backend, Generated, Inventory, Refusing
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig
 from workers.crash import crash_here
-from workers.errors import BackendError, TaskCancelledError, WorkerNameTakenError
+from workers.errors import BackendError, PreemptedError, TaskCancelledError, WorkerNameTakenError
 from workers.liveness import Liveness
 from workers.resources import max_loaded, read_resources
 from workers.slots import Slots
@@ -149,8 +150,16 @@ class Running(msgspec.Struct, kw_only=True):
     answered: bool = False
     # A benchmark or grading answer (from the worker's background stream): given up for user work.
     background: bool = False
-    # Given up for user work: handed back to the background stream for later.
+    # Given up for user work: it stops at its next read of the backend (PreemptedError) and goes
+    # back to the background stream for later.
     preempted: bool = False
+    # It is awaiting its backend's next piece: the only place a preemption cancels it, so that no
+    # write of the run (its claim, its result, its events) is ever cut in two.
+    reading: bool = False
+
+    def given_up(self) -> bool:
+        """Whether the run was given up for user work (`preempted`)."""
+        return self.preempted
 
     async def settle_claim(self) -> None:
         """`_Claim.settle` of this run's claim, where one was sent."""
@@ -237,9 +246,9 @@ class WorkerAgent:
         self._inventory_changed = asyncio.Event()
         # The backend refused something (workers.backend.Refusing): read its inventory again now.
         self._inventory_stale = asyncio.Event()
-        # digest -> (monotonic time, rounds in the window) of the last benchmark this worker
-        # requested for itself
-        self._benched: dict[str, tuple[float, int]] = {}
+        # digest -> (monotonic time, rounds in the window, the next speed prompt's place) of the
+        # last benchmark this worker requested for itself
+        self._benched: dict[str, tuple[float, int, int]] = {}
         # When the last benchmark or grading run ended (monotonic).
         self._background_ended = -math.inf
         # (digest, domain) -> (monotonic time, prompts still ungraded then) of the last grading
@@ -291,9 +300,9 @@ class WorkerAgent:
         return max(0, self.config.slots - sum(1 for r in self.running.values() if not r.background))
 
     def _background_free(self) -> bool:
-        """Whether a background task may start: a slot free of everything, and none running (one
-        answer at a time, so that user work between them finds the machine free)."""
-        return len(self.running) < self.config.slots and not any(r.background for r in self.running.values())
+        """Whether a background task may start: the worker runs nothing (one answer at a time, and
+        never beside user work, which it would slow down on a machine with several slots)."""
+        return not self.running
 
     # -- start and stop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -518,7 +527,7 @@ class WorkerAgent:
                 moved = await self.queues.requeue(
                     queue,
                     pending.entry_id,
-                    delivery_limit=self.config.delivery_limit,
+                    delivery_limit=self._delivery_limit(queue),
                     owner=self.name,
                     attempt=pending.deliveries,
                 )
@@ -536,8 +545,9 @@ class WorkerAgent:
         for task in self._background:
             task.cancel()
         for run in self.running.values():
-            if run.background and run.task is not None:
-                # A benchmark or grading answer is not worth a drain's wait: back to its stream.
+            if run.background and run.reading and run.task is not None:
+                # A benchmark or grading answer is not worth a drain's wait: back to its stream
+                # (one whose backend has answered finishes writing what it made).
                 run.task.cancel()
         if self._background:
             # A cancel can be lost: on Python 3.11, asyncio.wait_for, which redis-py sends every
@@ -802,25 +812,27 @@ class WorkerAgent:
             entry=entry, started=time.monotonic(), ordinal=self._ordinal, background=queue == self.background
         )
         if not run.background:
-            self._preempt(len(self.running) + 1 - self.config.slots)
+            # User work: no benchmark or grading answer runs beside it.
+            self._preempt()
         self.running[entry_id] = run
         run.task = asyncio.create_task(self._run(run), name=f"task-{entry.task.task_id}")
 
-    def _preempt(self, count: int) -> None:
-        """Give up `count` background runs for user work: each is stopped (its backend request
-        closed, which frees the server's slot) and handed back to the background stream."""
-        for run in list(self.running.values()):
-            if count <= 0:
-                return
-            if run.background and not (run.preempted or run.closing or run.answered) and run.task is not None:
-                log.info(
-                    "task %s (%s) gives its slot to user work; it runs again later",
-                    run.entry.task.task_id,
-                    "grading" if run.entry.task.bench_prompt else "benchmark",
-                )
-                run.preempted = True
+    def _preempt(self) -> None:
+        """Give up every background run for user work: each stops at its next read of the backend
+        (cancelled at once when it is awaiting one; its backend request is closed, which frees the
+        server's slot) and goes back to the background stream. A run whose backend has answered
+        finishes: its sample is taken."""
+        for run in self.running.values():
+            if not run.background or run.preempted or run.answered or run.closing:
+                continue
+            log.info(
+                "task %s (%s) gives its slot to user work; it runs again later",
+                run.entry.task.task_id,
+                "grading" if prompt_by_id(run.entry.task.bench_prompt or "") else "benchmark",
+            )
+            run.preempted = True
+            if run.reading and run.task is not None:
                 run.task.cancel()
-                count -= 1
 
     async def _reject_malformed(
         self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str
@@ -889,6 +901,8 @@ class WorkerAgent:
             self._failures = 0
         except TaskCancelledError:
             await self._cancelled(run)
+        except PreemptedError:
+            await self._hand_back_preempted(run)
         except BackendError as exc:
             try:
                 await run.settle_claim()
@@ -897,13 +911,6 @@ class WorkerAgent:
             else:
                 await self._fail(run, exc)
         except asyncio.CancelledError:
-            if run.preempted and not self.stopping.is_set():
-                # Given up for user work: back to the background stream, with the reason.
-                current = asyncio.current_task()
-                if current is not None:
-                    current.uncancel()
-                await self._hand_back_preempted(run)
-                return
             # Shut down mid-run: hand the task back for another worker.
             with contextlib.suppress(RedisError, OSError, TaskCancelledError):
                 await run.settle_claim()
@@ -911,7 +918,7 @@ class WorkerAgent:
                 moved = await self.queues.requeue(
                     entry.queue,
                     entry.entry_id,
-                    delivery_limit=self.config.delivery_limit,
+                    delivery_limit=self._delivery_limit(entry.queue),
                     owner=self.name,
                     attempt=entry.attempt,
                 )
@@ -988,9 +995,14 @@ class WorkerAgent:
 
         stream = self.backend.generate(task, local)
         try:
-            async for item in stream:
+            while True:
+                item = await self._read(run, stream)
+                if item is None:
+                    break
                 if isinstance(item, Generated):
                     generated = item
+                    # The backend has answered: the run finishes, whatever work comes now.
+                    run.answered = True
                     break
                 now = time.perf_counter()
                 if ttft_ms is None:
@@ -1167,7 +1179,7 @@ class WorkerAgent:
                     if need is None:
                         continue
                     count, why = need
-                    rounds = 1
+                    rounds, start = 1, 0 if asked is None else asked[2]
                     if (
                         asked is not None
                         and time.monotonic() - asked[0] < _BENCH_WINDOW_S
@@ -1188,9 +1200,11 @@ class WorkerAgent:
                         count=count,
                         reason=reason,
                         embed=embed,
-                        start=(rounds - 1) * count,
+                        start=start,
                     )
-                    self._benched[model.digest] = (time.monotonic(), rounds)
+                    # The next round starts past the prompts sent: a prompt that came back short
+                    # is not sent again at once.
+                    self._benched[model.digest] = (time.monotonic(), rounds, start + count)
                     log.info("benchmarking %s on %s (%s)", model.name, self.name, reason)
                 await self._grade(snap)
                 first = False
@@ -1267,7 +1281,7 @@ class WorkerAgent:
             moved = await self.queues.requeue(
                 entry.queue,
                 entry.entry_id,
-                delivery_limit=self.config.delivery_limit,
+                delivery_limit=self._delivery_limit(entry.queue),
                 owner=self.name,
                 attempt=entry.attempt,
             )
@@ -1284,6 +1298,29 @@ class WorkerAgent:
                 self.backend.refused(local, "embedding")
                 self._inventory_stale.set()
 
+    async def _read(
+        self, run: Running, stream: AsyncIterator[str | Thought | list[ToolCall] | Generated]
+    ) -> str | Thought | list[ToolCall] | Generated | None:
+        """The backend's next piece (None at its end). A background run given up for user work
+        stops here, before or during the read (PreemptedError), and nowhere else."""
+        if run.preempted:
+            raise PreemptedError(run.entry.task.task_id)
+        run.reading = True
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            # Read again: `_preempt` sets it from another task while this one awaits.
+            if run.given_up() and not self.stopping.is_set() and current is not None:
+                # Cancelled by `_preempt`, not by a shutdown: the run hands its task back.
+                current.uncancel()
+                raise PreemptedError(run.entry.task.task_id) from None
+            raise
+        finally:
+            run.reading = False
+
     async def _hand_back_preempted(self, run: Running) -> None:
         entry = run.entry
         with contextlib.suppress(RedisError, OSError, TaskCancelledError):
@@ -1294,7 +1331,7 @@ class WorkerAgent:
             moved = await self.queues.requeue(
                 entry.queue,
                 entry.entry_id,
-                delivery_limit=_PREEMPT_LIMIT,
+                delivery_limit=self._delivery_limit(entry.queue),
                 owner=self.name,
                 attempt=entry.attempt,
             )
@@ -1378,12 +1415,17 @@ class WorkerAgent:
             run, "cancelled", f"expired: its deadline passed {late / 1000:.1f}s before a worker took it"
         )
 
+    def _delivery_limit(self, queue: str) -> int:
+        """How many deliveries an entry of `queue` may have: a background task's are spent by
+        preemptions as well as failures, so it has more."""
+        return _PREEMPT_LIMIT if queue == self.background else self.config.delivery_limit
+
     async def _after_requeue(self, queue: str, entry_id: str, moved: Requeue, reason: str) -> None:
         """Dead-letter a task whose deliveries are spent; log anything odd."""
         if queue == self.pinned:
             self._pinned_cursor = None  # a re-queued entry wakes nobody: look at it next time
         if not await self.queues.settle_requeue(
-            queue, entry_id, moved, reason, self.config.delivery_limit, finish=self.finishes
+            queue, entry_id, moved, reason, self._delivery_limit(queue), finish=self.finishes
         ):
             log.warning(
                 "could not re-queue %s on %s (status %s): it was no longer ours",

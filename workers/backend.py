@@ -67,8 +67,12 @@ log = logging.getLogger("routeledger.worker")
 # after an idle gap met a closed socket ("Server disconnected without sending a response").
 KEEPALIVE_EXPIRY_S: Final = 2.0
 # A request whose connection was closed before any answer came is sent again on a fresh connection
-# this many times: the server never read it (a kept-alive socket it had closed), so nothing ran twice.
-STALE_RETRIES: Final = 2
+# this many times. That is a kept-alive socket the server had closed, which never read the request;
+# a server that read it and died before answering gets it once more.
+STALE_RETRIES: Final = 1
+# A capability the server refused is taken as missing this long, then asked for again (its server
+# may have been restarted with it, llama-server with --embeddings).
+REFUSAL_KEPT_S: Final = 600.0
 _STALE: Final = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
@@ -840,11 +844,12 @@ def weights_digest(file_name: str, meta: dict[str, Any]) -> str | None:
 
 
 def short_name(model_id: str) -> str:
-    """The name a model is shown and asked for by: a server's alias as it is, a file path's base
-    name without `.gguf` (llama-server names a model by the path it was started with)."""
-    base = model_id.replace("\\", "/").rsplit("/", 1)[-1]
-    if base != model_id or base.lower().endswith(".gguf"):
-        base = base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+    """The name a model is shown and asked for by: a GGUF file's base name without `.gguf`
+    (llama-server names a model by the path it was started with), any other id as it is (an
+    alias, or `org/model` on vLLM)."""
+    if not model_id.lower().endswith(".gguf"):
+        return model_id
+    base = model_id.replace("\\", "/").rsplit("/", 1)[-1][: -len(".gguf")]
     return base or model_id
 
 
@@ -889,8 +894,9 @@ class OpenAIBackend:
         self.client = backend_client(self.url, idle_timeout_s, headers)
         # Our name for a model -> the server's id for it.
         self._ids: dict[str, str] = {}
-        # Our name -> capabilities the server refused it (learned from its answers).
-        self._refused: dict[str, set[str]] = {}
+        # Our name -> capability -> when the server refused it (monotonic), learned from its
+        # answers and forgotten after REFUSAL_KEPT_S (its server may be restarted with it).
+        self._refused: dict[str, dict[str, float]] = {}
         # The server's id -> the file its /props names (asked once, where the id is an alias).
         self._files: dict[str, str | None] = {}
 
@@ -903,24 +909,29 @@ class OpenAIBackend:
             raise _classify(exc, started=False) from None
         models: list[ModelEntry] = []
         ids: dict[str, str] = {}
-        for m in listed if isinstance(listed, list) else []:
-            ident = m.get("id") if isinstance(m, dict) else None
-            if not isinstance(ident, str) or not ident:
-                continue
-            entry = await self._entry(ident, m.get("meta"))
+        given = [
+            (m["id"], m.get("meta"))
+            for m in (listed if isinstance(listed, list) else [])
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+        ]
+        # Two files of one base name (from two folders) keep their paths as their names.
+        shorts = [short_name(ident) for ident, _ in given]
+        for ident, meta in given:
+            name = short_name(ident) if shorts.count(short_name(ident)) == 1 else ident
+            entry = await self._entry(ident, name, meta)
             ids[entry.name] = ident
             models.append(entry)
         self._ids = ids
         # The protocol cannot say what is loaded: unknown, not "nothing is loaded".
         return Inventory(models=models, loaded=[], loaded_known=False)
 
-    async def _entry(self, ident: str, meta: Any) -> ModelEntry:
-        name = short_name(ident)
-        refused = sorted(self._refused.get(name, ())) or None
+    async def _entry(self, ident: str, name: str, meta: Any) -> ModelEntry:
+        refused = self._lacks(name)
         if not isinstance(meta, dict):
             return ModelEntry(name=name, digest=openai_digest(ident), lacks=refused)
-        file_name = ident.replace("\\", "/").rsplit("/", 1)[-1]
-        if file_name == ident and not ident.lower().endswith(".gguf"):
+        if ident.lower().endswith(".gguf"):
+            file_name = ident.replace("\\", "/").rsplit("/", 1)[-1]
+        else:
             # An alias (`--alias`): the file is named by /props, if the server says.
             file_name = await self._file_of(ident) or ident
         digest = weights_digest(file_name, meta) or openai_digest(ident)
@@ -936,6 +947,9 @@ class OpenAIBackend:
         )
 
     async def _file_of(self, ident: str) -> str | None:
+        """The file an alias names, asked of /props once: whatever the answer (a failure
+        included), it stands for the worker's life, so that the model's digest never changes
+        under it."""
         if ident not in self._files:
             path = None
             try:
@@ -944,14 +958,24 @@ class OpenAIBackend:
                     raw: Any = resp.json()
                     found = raw.get("model_path") if isinstance(raw, dict) else None
                     path = found.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(found, str) else None
-            except (httpx.HTTPError, ValueError):
-                return None  # asked again at the next inventory
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning(
+                    "%s: /props did not say which file %s is (%s); naming it by its alias",
+                    self.url,
+                    ident,
+                    exc,
+                )
             self._files[ident] = path or None
         return self._files[ident]
 
     def refused(self, local_name: str, capability: str) -> None:
-        """The server refused `capability` for the model: the next inventory says it lacks it."""
-        self._refused.setdefault(local_name, set()).add(capability)
+        """The server refused `capability` for the model: the inventories of the next
+        REFUSAL_KEPT_S say it lacks it."""
+        self._refused.setdefault(local_name, {})[capability] = time.monotonic()
+
+    def _lacks(self, name: str) -> list[str] | None:
+        now = time.monotonic()
+        return sorted(c for c, at in self._refused.get(name, {}).items() if now - at < REFUSAL_KEPT_S) or None
 
     def _server_id(self, local_name: str) -> str:
         return self._ids.get(local_name, local_name)

@@ -21,3 +21,8 @@ class WorkerNameTakenError(RouteledgerError):
 
 class TaskCancelledError(RouteledgerError):
     """Raised inside a run when the client withdrew the task."""
+
+
+class PreemptedError(RouteledgerError):
+    """Raised inside a benchmark or grading run when user work takes its slot: the run stops at its
+    next read of the backend and its task goes back to the worker's background stream."""

@@ -510,7 +510,8 @@ class Simulation:
     def _start(self, w: SimWorker, job: Job) -> None:
         self._advance(w)
         self._expire(w)
-        if not job.bench and len(w.runs) >= w.slots:
+        if not job.bench:
+            # Work: no benchmark runs beside it (workers.agent).
             self._preempt(w)
         load = 0.0 if w.loaded else w.true.load_s
         slot, cached = self._take_slot(w, job) if self.chat else (None, 0)
@@ -551,8 +552,8 @@ class Simulation:
         self._reschedule(w)
 
     def _preempt(self, w: SimWorker) -> None:
-        """Stop a benchmark run for work that takes its slot: it goes back to the front of the
-        worker's background queue and runs again later, from its start."""
+        """Stop the benchmark running on `w` for work that starts there: it goes back to the front
+        of the worker's background queue and runs again later, from its start."""
         run = next((r for r in w.runs if r.job.bench), None)
         if run is None:
             return
@@ -640,16 +641,10 @@ class Simulation:
                     self._start(w, self.jobs[int(entry.task_id)])
                 else:
                     break
-            # Its benchmarks: one at a time, only while no work waits for it (none queued for
-            # the model on a pull policy, none pushed to it otherwise).
+            # Its benchmarks: one at a time, only while it runs nothing and no work waits for it
+            # (none queued for the model on a pull policy, none pushed to it otherwise).
             waiting = bool(self.queue) if pull else bool(w.own)
-            if (
-                w.online
-                and w.background
-                and not waiting
-                and len(w.runs) < w.slots
-                and not any(r.job.bench for r in w.runs)
-            ):
+            if w.online and w.background and not waiting and not w.runs:
                 self._start(w, w.background.pop(0))
 
 
