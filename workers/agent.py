@@ -915,14 +915,7 @@ class WorkerAgent:
             with contextlib.suppress(RedisError, OSError, TaskCancelledError):
                 await run.settle_claim()
             with contextlib.suppress(RedisError, OSError):
-                moved = await self.queues.requeue(
-                    entry.queue,
-                    entry.entry_id,
-                    delivery_limit=self._delivery_limit(entry.queue),
-                    owner=self.name,
-                    attempt=entry.attempt,
-                )
-                await self._after_requeue(entry.queue, entry.entry_id, moved, "worker shut down mid-run")
+                await self._requeue_run(run, "worker shut down mid-run")
             raise
         except (RedisError, OSError) as exc:
             # The entry stays pending for us; if we die, the reaper reclaims it.
@@ -1278,14 +1271,7 @@ class WorkerAgent:
             self.backend_refused(entry.task)
         if exc.retryable:
             run.closing = True
-            moved = await self.queues.requeue(
-                entry.queue,
-                entry.entry_id,
-                delivery_limit=self._delivery_limit(entry.queue),
-                owner=self.name,
-                attempt=entry.attempt,
-            )
-            await self._after_requeue(entry.queue, entry.entry_id, moved, f"{exc.kind}: {exc.message[:200]}")
+            await self._requeue_run(run, f"{exc.kind}: {exc.message[:200]}")
             return
         await self._settle(run, "failed", str(exc), refused=exc.kind in ("bad_request", "unsupported"))
 
@@ -1322,20 +1308,14 @@ class WorkerAgent:
             run.reading = False
 
     async def _hand_back_preempted(self, run: Running) -> None:
-        entry = run.entry
+        """A run given up for user work: its claim settled, its reason recorded, its task back in
+        the background stream."""
         with contextlib.suppress(RedisError, OSError, TaskCancelledError):
             await run.settle_claim()
         with contextlib.suppress(RedisError, OSError):
             await self._record_failure(run, "preempted", True, "gave its slot to user work; runs again later")
             run.closing = True
-            moved = await self.queues.requeue(
-                entry.queue,
-                entry.entry_id,
-                delivery_limit=self._delivery_limit(entry.queue),
-                owner=self.name,
-                attempt=entry.attempt,
-            )
-            await self._after_requeue(entry.queue, entry.entry_id, moved, "preempted by user work")
+            await self._requeue_run(run, "preempted by user work")
 
     async def _cancelled(self, run: Running) -> None:
         log.info("task %s cancelled by its client", run.entry.task.task_id)
@@ -1414,6 +1394,19 @@ class WorkerAgent:
         await self._settle(
             run, "cancelled", f"expired: its deadline passed {late / 1000:.1f}s before a worker took it"
         )
+
+    async def _requeue_run(self, run: Running, reason: str) -> None:
+        """Put the run's entry back in its queue as its next attempt (dead-lettered past its
+        delivery limit, with `reason`)."""
+        entry = run.entry
+        moved = await self.queues.requeue(
+            entry.queue,
+            entry.entry_id,
+            delivery_limit=self._delivery_limit(entry.queue),
+            owner=self.name,
+            attempt=entry.attempt,
+        )
+        await self._after_requeue(entry.queue, entry.entry_id, moved, reason)
 
     def _delivery_limit(self, queue: str) -> int:
         """How many deliveries an entry of `queue` may have: a background task's are spent by
