@@ -53,6 +53,9 @@ WILDCARD_BINDS: Final = frozenset({"", "0.0.0.0", "::", "[::]"})
 ANY: Final = "*"
 # Methods whose body, when they carry one, must be JSON.
 BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+# Ollama's surface, whose bodies are JSON whatever their Content-Type says (as Ollama reads them).
+OLLAMA_PATHS: Final = "/api/"
+
 _DEFAULT_PORTS: Final = {b"http": b":80", b"https": b":443"}
 # Most Host header values the guard remembers as allowed (a few per way of reaching it).
 MAX_SEEN_HOSTS: Final = 64
@@ -258,11 +261,19 @@ class Guard:
         has_body = b"transfer-encoding" in headers or (size is not None and size > 0)
         if (
             has_body
-            and scope.get("method") in BODY_METHODS
             and content_type != b"application/json"
             and (content_type is None or not is_json(content_type))
         ):
-            return not_json(content_type)
+            if not path.startswith(OLLAMA_PATHS):
+                return not_json(content_type) if scope.get("method") in BODY_METHODS else None
+            # Ollama reads every body as JSON whatever its type, and its own docs' `curl -d` (and
+            # litellm) send none or a form's: the body is read as JSON here too (a body that is not
+            # JSON is a 400). No browser gets in by it: a page of another origin sends an Origin,
+            # refused above, and a name that re-resolves to this machine is not an allowed Host.
+            scope["headers"] = [
+                *((name, value) for name, value in scope["headers"] if name != b"content-type"),
+                (b"content-type", b"application/json"),
+            ]
         return None
 
     def _host_allowed(self, host: bytes) -> bool:

@@ -144,6 +144,10 @@ async def submit(
         )
     if req.kind == "generate" and req.prompt is None:
         raise BadRequestError("prompt is required", param="prompt")
+    if any(value is None for value in req.options.values()):
+        # A null option is one not set, as Ollama reads it (LangChain sends `"num_ctx": null`).
+        options = {name: value for name, value in req.options.items() if value is not None}
+        req = msgspec.structs.replace(req, options=options)
     policy = options_policy(request)
     try:
         policy.check_domain(req.domain)

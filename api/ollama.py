@@ -9,6 +9,7 @@ A failure mid-stream is one `{"error": "..."}` line.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -28,6 +29,7 @@ from dispatch.serving import ModelInfo, catalog
 from dispatch.submit import TaskRequest
 from events.event import ModelEntry
 from pipelines.coordinator import PIPELINE_MODEL
+from router.choose import AUTO_MODEL
 
 router = APIRouter(tags=["ollama"])
 
@@ -53,62 +55,104 @@ async def version() -> JSON:
 
 @router.get("/api/tags")
 async def tags(request: Request) -> JSON:
-    """Every model the live fleet serves, as Ollama lists what it holds: the facts its holders'
-    backends report (and `capabilities`, which Ollama's own list leaves to /api/show), none made up."""
+    """Every model the live fleet serves, in Ollama's full shape (`name`, `model`, `modified_at`,
+    `size`, `digest`, `details`: clients index them), and `capabilities` (an extension: Ollama's
+    own list leaves them to /api/show); then the models only routeledger serves, `auto` and
+    `pipeline`, in the same shape."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models = []
-    for m in catalog(leases):
-        f = _facts(m, leases)
-        entry: dict[str, Any] = {"name": m.name, "model": m.name}
-        if f.modified_at:
-            entry["modified_at"] = f.modified_at
-        if f.size is not None:
-            entry["size"] = f.size
-        entry["digest"] = f.digest
-        entry["details"] = details(f)
-        if f.capabilities is not None:
-            entry["capabilities"] = f.capabilities
-        models.append(entry)
+    models = [_listed(m, _facts(m, leases), leases) for m in catalog(leases)]
     if models:
-        # Open WebUI's Ollama connection lists models from here, so the pipeline must be among them.
-        models.append(
-            {"name": PIPELINE_MODEL, "model": PIPELINE_MODEL, "details": {"family": "routeledger-pipeline"}}
-        )
+        # Open WebUI's Ollama connection lists models from here: what /api/chat takes must be here.
+        newest = max(m["modified_at"] for m in models)
+        models += [_virtual(name, newest, leases) for name in VIRTUAL_MODELS]
     return JSON({"models": models})
+
+
+def _listed(m: ModelInfo, f: ModelEntry, leases: dict[str, LeaseInfo]) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": m.name,
+        "model": m.name,
+        # A backend that reports no time (an OpenAI-compatible server): when the fleet began serving it.
+        "modified_at": f.modified_at or rfc3339(min(leases[w].since for w in m.holders) / 1000),
+        # Clients read a number here; 0 where no holder reports the size (never a guess).
+        "size": f.size if f.size is not None else 0,
+        "digest": f.digest,
+        "details": details(f),
+    }
+    if f.capabilities is not None:
+        entry["capabilities"] = f.capabilities
+    return entry
+
+
+# The models only routeledger serves: the router's pick, and a request split across the fleet.
+VIRTUAL_MODELS: Final = (AUTO_MODEL, PIPELINE_MODEL)
+
+
+def _virtual(name: str, modified_at: str, leases: dict[str, LeaseInfo]) -> dict[str, Any]:
+    """`auto` or `pipeline` as Ollama lists a model: a digest of its own (clients group names by
+    digest), no size (it holds no weights), and what it can do."""
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": modified_at,
+        "size": 0,
+        "digest": hashlib.sha256(f"routeledger/{name}".encode()).hexdigest(),
+        "details": {"family": f"routeledger-{name}", "families": [f"routeledger-{name}"]},
+        "capabilities": _virtual_capabilities(name, leases),
+    }
+
+
+def _virtual_capabilities(name: str, leases: dict[str, LeaseInfo]) -> list[str]:
+    if name == PIPELINE_MODEL:
+        # It answers prose from text (api.pipelines refuses tools, images, a format and thinking).
+        return ["completion"]
+    # `auto` picks among the served models that can do what a request asks: any of them may.
+    found: dict[str, None] = {}
+    for m in catalog(leases):
+        for capability in _facts(m, leases).capabilities or ["completion"]:
+            found[capability] = None
+    return list(found)
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> JSON:
-    """Each live worker's loaded models, as its backend's /api/ps reports them (sizes, expiry), one
-    entry per worker and model, with the worker's name (`worker`, an extension of Ollama's shape)."""
+    """Each model loaded somewhere in the live fleet, once, as its backends' /api/ps report it
+    (sizes, expiry) at their last heartbeat: `expires_at` the latest of them, and `workers` (an
+    extension of Ollama's shape) each machine that holds it loaded with its own figures."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models: list[dict[str, Any]] = []
-    # Each digest's facts once per answer (every worker may have the same model loaded).
-    known: dict[str, ModelEntry | None] = {}
+    by_digest: dict[str, dict[str, Any]] = {}
     for info in sorted(leases.values(), key=lambda i: i.worker):
         names = {e.digest: e.name for e in info.inventory}
         reported = {lm.digest: lm for lm in info.loaded_models}
         for digest in info.loaded:
             lm = reported.get(digest) or LoadedModel(name=names.get(digest, digest[:12]), digest=digest)
-            entry: dict[str, Any] = {"name": lm.name, "model": lm.name}
-            if lm.size is not None:
-                entry["size"] = lm.size
-            entry["digest"] = digest
-            if digest not in known:
-                known[digest] = facts(digest, leases)
-            f = known[digest] or next((e for e in info.inventory if e.digest == digest), None)
-            entry["details"] = details(f) if f is not None else {}
-            if lm.expires_at is not None:
-                entry["expires_at"] = lm.expires_at
-            if lm.size_vram is not None:
-                entry["size_vram"] = lm.size_vram
-            if lm.context_length is not None:
-                entry["context_length"] = lm.context_length
-            entry["worker"] = info.worker
-            models.append(entry)
-    return JSON({"models": models})
+            machine: dict[str, Any] = {"name": info.worker}
+            for field in ("size", "size_vram", "expires_at", "context_length"):
+                value = getattr(lm, field)
+                if value is not None:
+                    machine[field] = value
+            entry = by_digest.get(digest)
+            if entry is None:
+                f = facts(digest, leases) or next((e for e in info.inventory if e.digest == digest), None)
+                entry = by_digest[digest] = {
+                    "name": lm.name,
+                    "model": lm.name,
+                    **{k: v for k, v in machine.items() if k != "name"},
+                    "digest": digest,
+                    "details": details(f) if f is not None else {},
+                    "workers": [],
+                }
+            else:
+                # Loaded until the last machine's keep-alive runs out; a figure the first left out.
+                for field, value in machine.items():
+                    if field == "expires_at" and entry.get(field, "") < value:
+                        entry[field] = value
+                    elif field != "name":
+                        entry.setdefault(field, value)
+            entry["workers"].append(machine)
+    return JSON({"models": list(by_digest.values())})
 
 
 @router.post("/api/show")
@@ -120,7 +164,22 @@ async def show(body: OllamaShow, request: Request) -> JSON:
         raise BadRequestError("model is required", param="model")
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    m = next((m for m in catalog(leases) if name in (m.name, m.name.removesuffix(":latest"))), None)
+    models = catalog(leases)
+    if name in VIRTUAL_MODELS and models:
+        listed = _virtual(
+            name, max(_listed(m, _facts(m, leases), leases)["modified_at"] for m in models), leases
+        )
+        what = "picks a model for each request" if name == AUTO_MODEL else "splits a request across the fleet"
+        return JSON(
+            {
+                "modelfile": f"# routeledger's own model {name!r}: it {what}\n",
+                "details": listed["details"],
+                "model_info": {"routeledger.holders": sorted(leases)},
+                "capabilities": listed["capabilities"],
+                "modified_at": listed["modified_at"],
+            }
+        )
+    m = next((m for m in models if name in (m.name, m.name.removesuffix(":latest"))), None)
     if m is None:
         raise model_not_found(name, leases)
     digest, holders = m.entry.digest, m.holders

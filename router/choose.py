@@ -76,10 +76,14 @@ def classify_domain(text: str) -> str:
     return "general"
 
 
+# The model name that asks the router to pick the model too.
+AUTO_MODEL: Final = "auto"
+
+
 class RouteQuery(msgspec.Struct, kw_only=True, frozen=True):
     """What routing reads of a request: the model it names (or `auto`), its domain and its size."""
 
-    model: str = "auto"
+    model: str = AUTO_MODEL
     domain: str = "general"
     # Counted (or estimated) before the backend counts them; None: the plan's default.
     prompt_tokens: int | None = None
@@ -873,7 +877,7 @@ def decide(
     plan_params: PlanParams | None = None,
 ) -> Decision:
     """Route one request: `query.model` is a name in `models` (name -> digest) or 'auto'."""
-    if query.model == "auto":
+    if query.model == AUTO_MODEL:
         choice = choose_model(query, models, view, est, now_ms, params=params, plan_params=plan_params)
         return Decision(
             model=choice.model,

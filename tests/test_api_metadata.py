@@ -151,9 +151,16 @@ async def test_list_relays_each_models_real_size_and_details_and_leaves_unknown_
     assert talker.modified_at == own["talker:latest"].modified_at
     assert talker.digest == own["talker:latest"].digest
     assert raw["talker:latest"]["capabilities"] == ["completion", "tools", "vision", "thinking"]
-    assert listed["plain:latest"].size is None and "size" not in raw["plain:latest"]
+    # Ollama's full shape for every entry (clients index it): a size nobody reported is 0.
+    shape = {"name", "model", "modified_at", "size", "digest", "details"}
+    assert all(shape <= set(entry) for entry in raw.values())
+    assert raw["plain:latest"]["size"] == 0
     assert raw["plain:latest"]["details"] == {"format": "gguf"}
-    assert "size" not in raw["pipeline"] and "digest" not in raw["pipeline"]
+    # The models only routeledger serves are listed too, each with a digest of its own.
+    assert {"auto", "pipeline"} <= set(raw)
+    assert len({entry["digest"] for entry in raw.values()}) == len(raw)
+    assert raw["pipeline"]["capabilities"] == ["completion"]
+    assert {"completion", "tools", "vision", "thinking"} <= set(raw["auto"]["capabilities"])
 
 
 async def test_ps_shows_each_workers_loaded_models_with_their_real_sizes_and_expiry(
@@ -175,7 +182,7 @@ async def test_ps_shows_each_workers_loaded_models_with_their_real_sizes_and_exp
     assert abs((talker.expires_at - own["talker:latest"].expires_at).total_seconds()) < 5
     assert 250 < talker.expires_at.timestamp() - time.time() <= 300
     assert talker.context_length == own["talker:latest"].context_length == 4096
-    assert raw["talker:latest"]["worker"] == "a"
+    assert [machine["name"] for machine in raw["talker:latest"]["workers"]] == ["a"]
     # Nobody reported plain's size: no size, no size_vram, rather than 0.
     assert loaded["plain:latest"].size is None
     assert "size" not in raw["plain:latest"] and "size_vram" not in raw["plain:latest"]
@@ -197,8 +204,11 @@ async def test_an_openai_compatible_backend_reports_no_metadata_so_none_is_shown
     assert shown.capabilities is None and shown.template is None and shown.parameters is None
     assert set(raw) == {"modelfile", "details", "model_info"}
     assert raw["details"] == {} and raw["model_info"] == {"routeledger.holders": ["a"]}
-    assert set(listed) == {"talker:latest", "plain:latest", "pipeline"}
-    assert listed["talker:latest"].size is None and listed["talker:latest"].modified_at is None
+    assert set(listed) == {"talker:latest", "plain:latest", "auto", "pipeline"}
+    # Ollama's shape still: no size reported is 0, no time the moment the fleet began serving it.
+    talker = listed["talker:latest"]
+    assert talker.size == 0 and talker.modified_at is not None
+    assert abs(talker.modified_at.timestamp() - time.time()) < 60
     # Such a server cannot say what is loaded: nothing is listed, rather than a guess.
     assert loaded == []
 

@@ -46,7 +46,7 @@ async def test_the_ollama_client_generates_lists_shows_and_reads_what_is_loaded(
         texts = {r.text for r in await stored_results(redis_client)}
     assert generated.done_reason == "length" and generated.eval_count == 5
     assert streamed in texts
-    assert [m.model for m in listed.models] == ["m:latest", "pipeline"]
+    assert [m.model for m in listed.models] == ["m:latest", "auto", "pipeline"]
     assert listed.models[0].digest
     assert shown.details is not None and shown.details.quantization_level == "Q4_K_M"
     assert [m.model for m in loaded.models] == ["m:latest"]
@@ -72,3 +72,16 @@ async def test_the_sync_ollama_client_works_too(redis_client: aioredis.Redis, re
     async with fleet_and_api(redis_client, redis_url) as (base, _):
         answer = await asyncio.to_thread(lambda: ollama.Client(host=base).chat(model="m", messages=MESSAGES))
     assert answer.message.content
+
+
+async def test_a_null_option_means_not_set_as_ollama_reads_it(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # LangChain's Ollama clients send every option they know, unset ones as null.
+    body = {"model": "m", "prompt": "hi", "stream": False, "options": {"num_ctx": None, "num_predict": 3}}
+    async with fleet_and_api(redis_client, redis_url) as (base, _), httpx.AsyncClient(base_url=base) as http:
+        answer = await http.post("/api/generate", json=body)
+        stored = await stored_results(redis_client)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["done_reason"] == "length" and answer.json()["eval_count"] == 3
+    assert [r.text for r in stored] == [answer.json()["response"]]

@@ -154,7 +154,7 @@ async def test_a_configured_origins_preflight_is_answered_without_a_key_and_its_
     [
         ("/v1/tasks", "text/plain"),
         ("/v1/chat/completions", "text/plain;charset=UTF-8"),
-        ("/api/chat", "application/x-www-form-urlencoded"),
+        ("/v1/embeddings", "application/x-www-form-urlencoded"),
         ("/v1/completions", "multipart/form-data; boundary=x"),
         ("/v1/tasks", None),
     ],
@@ -167,6 +167,26 @@ async def test_a_body_sent_as_anything_but_json_is_a_415_that_says_what_to_send(
     response = await http.post(path, content=b'{"model": "m", "prompt": "hi"}', headers=headers)
     assert response.status_code == 415
     assert "application/json" in response.text
+    assert await ledger.length() == before
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+async def test_the_ollama_routes_read_a_body_as_json_whatever_its_type_as_ollama_does(
+    http: httpx.AsyncClient, ledger: Ledger, content_type: str | None
+) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    before = await ledger.length()
+    body = b'{"model": "m", "prompt": "hi", "stream": false, "options": {"num_predict": 1}}'
+    # `m` has no worker here (a ghost lease): the task is accepted and queued, so ask nothing back.
+    shown = await http.post("/api/show", content=b'{"model": "m"}', headers=headers)
+    garbled = await http.post("/api/generate", content=b"model=m&prompt=hi", headers=headers)
+    # A page of another site gets no further for it: its Origin is refused before any body is read.
+    forged = await http.post(
+        "/api/generate", content=body, headers={**headers, "origin": "https://evil.example"}
+    )
+    assert shown.status_code == 200 and "FROM m:latest" in shown.json()["modelfile"]
+    assert garbled.status_code == 400 and "JSON" in garbled.json()["error"]
+    assert forged.status_code == 403
     assert await ledger.length() == before
 
 
