@@ -8,15 +8,23 @@ a 400 in the surface's error shape that names the models that can). A large batc
 several tasks on several holders when the plan finishes it sooner that way (router.split); the
 answer puts the parts' vectors back in input order. The worker stores the vectors as float32s
 (dispatch.payload.pack_vector): OpenAI's `encoding_format: "base64"` is those bytes as they are.
+
+OpenAI's `input` may also be token arrays (a list of integers, or a list of them): LangChain's
+`OpenAIEmbeddings` sends them by default, tokenized with tiktoken's `cl100k_base` for a model name
+it does not know. The backends take text, so the arrays are decoded with `cl100k_base` first, as
+litellm's proxy does for backends that are not OpenAI's; then the request is one of texts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import threading
 import time
 from typing import Any, Final
 
+import tiktoken
 from fastapi import APIRouter, Request
 
 from api.common import JSON, gateway, submit, task_headers
@@ -29,9 +37,24 @@ from dispatch.submit import Submitted, TaskRequest, embedding_parts
 
 router = APIRouter(tags=["embeddings"])
 
-# Most inputs one request may carry (OpenAI's own limit).
+# Most inputs one request may carry (OpenAI's own limit), texts or token arrays alike.
 MAX_INPUTS: Final = 2048
-_INPUT_HINT: Final = "send a string or a list of strings (token arrays are not accepted: send text)"
+_INPUT_HINT: Final = "send a string or a list of strings"
+# OpenAI's surface takes token arrays too.
+_OPENAI_INPUT_HINT: Final = (
+    "send a string, a list of strings, or token arrays of cl100k_base ids (a list of integers, or a "
+    "list of such lists)"
+)
+# The encoding OpenAI's embedding models use, which clients tokenize with when they send token arrays.
+ENCODING: Final = "cl100k_base"
+# How long a request waits for the encoding to load: tiktoken downloads it once into its cache
+# (TIKTOKEN_CACHE_DIR) when the cache lacks it, without a timeout of its own.
+ENCODING_WAIT_S: Final = 15.0
+_DECODE_HINT: Final = (
+    "send the inputs as text; or give the API a TIKTOKEN_CACHE_DIR that holds cl100k_base (tiktoken "
+    "fills it from openaipublic.blob.core.windows.net on first use); LangChain's OpenAIEmbeddings "
+    "sends text with check_embedding_ctx_length=False"
+)
 
 
 class Embedded:
@@ -65,16 +88,128 @@ class Embedded:
         return headers
 
 
-def _texts(value: Any, param: str) -> list[str]:
+def _texts(value: Any, param: str, hint: str = _INPUT_HINT) -> list[str]:
     """A request's input as a list of strings: a string, or a list of strings, none of them empty."""
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise BadRequestError(f"{param} must be a string or a list of strings", param=param, hint=_INPUT_HINT)
+        raise BadRequestError(f"{param} must be a string or a list of strings", param=param, hint=hint)
     if len(texts) > MAX_INPUTS:
         raise PayloadTooLargeError(
             f"{len(texts)} inputs is over the limit of {MAX_INPUTS}", param=param, hint="send fewer at a time"
         )
     return texts
+
+
+class _Encoding:
+    """cl100k_base, loaded once per process in a thread of its own (tiktoken reads a 1.7 MB file,
+    or downloads it): every request waits for the one load under way, none holds a thread while it
+    waits, and a load that failed is tried again by the next request (its cache may have been
+    filled, its network may be back)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._load: concurrent.futures.Future[tiktoken.Encoding] | None = None
+
+    def _started(self) -> concurrent.futures.Future[tiktoken.Encoding]:
+        with self._lock:
+            load = self._load
+            if load is None or (load.done() and load.exception() is not None):
+                load = self._load = concurrent.futures.Future()
+                load.set_running_or_notify_cancel()  # never cancelled: later requests wait on it too
+                threading.Thread(target=self._run, args=(load,), name="load-cl100k_base", daemon=True).start()
+            return load
+
+    @staticmethod
+    def _run(load: concurrent.futures.Future[tiktoken.Encoding]) -> None:
+        try:
+            load.set_result(tiktoken.get_encoding(ENCODING))
+        except Exception as exc:  # whatever went wrong is the reason the client is told
+            load.set_exception(exc)
+
+    async def get(self) -> tiktoken.Encoding:
+        """The encoding; BadRequestError saying why and what to do when it cannot be loaded."""
+        load = self._started()
+        try:
+            # Shielded: a request that gives up leaves the load running for the next one.
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(load)), ENCODING_WAIT_S)
+        except TimeoutError:
+            reason = f"loading it took over {ENCODING_WAIT_S:.0f} s (a download that does not answer?)"
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        raise BadRequestError(
+            f"the token arrays in input could not be decoded to text: the {ENCODING} encoding could "
+            f"not be loaded ({reason[:300]})",
+            param="input",
+            hint=_DECODE_HINT,
+        )
+
+
+_ENCODING = _Encoding()
+
+
+def _is_token_input(value: Any) -> bool:
+    """Whether `input` is token arrays: a list of integers, or a list whose first item is a list."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    return isinstance(first, list) or (isinstance(first, int) and not isinstance(first, bool))
+
+
+async def _token_texts(value: list[Any]) -> list[str]:
+    """Token arrays decoded to texts with cl100k_base, under the limits texts have."""
+    arrays: list[Any] = value if isinstance(value[0], list) else [value]
+    if len(arrays) > MAX_INPUTS:
+        raise PayloadTooLargeError(
+            f"{len(arrays)} inputs is over the limit of {MAX_INPUTS}",
+            param="input",
+            hint="send fewer at a time",
+        )
+    for i, array in enumerate(arrays):
+        if not isinstance(array, list):
+            raise BadRequestError(
+                f"input {i} is not a token array: input must be all texts or all token arrays",
+                param="input",
+                hint=_OPENAI_INPUT_HINT,
+            )
+        if not array:
+            raise BadRequestError(
+                f"input {i} is an empty token array",
+                param="input",
+                hint="leave out the empty arrays: each input gets one vector, in order",
+            )
+    encoding = await _ENCODING.get()
+    # Off the event loop: a body at its size limit holds about a million ids.
+    return await asyncio.to_thread(_decoded, encoding, arrays)
+
+
+def _decoded(encoding: tiktoken.Encoding, arrays: list[list[Any]]) -> list[str]:
+    """Each array's text; BadRequestError naming the first input with an id that is not a token."""
+    texts: list[str] = []
+    top = encoding.max_token_value
+    for i, array in enumerate(arrays):
+        wrong = next((j for j, t in enumerate(array) if type(t) is not int or not 0 <= t <= top), None)
+        if wrong is None:
+            try:
+                texts.append(encoding.decode(array))
+                continue
+            except KeyError:
+                # An id in a gap of the vocabulary (cl100k_base has a few below its special tokens).
+                wrong = next((j for j, t in enumerate(array) if not _decodes(encoding, t)), 0)
+        raise BadRequestError(
+            f"input {i} holds {array[wrong]!r} at position {wrong}, which is not a {ENCODING} token id "
+            f"(ids are integers from 0 to {top}, a few of them unused)",
+            param="input",
+            hint=f"send token ids made with tiktoken's {ENCODING}, or the text itself",
+        )
+    return texts
+
+
+def _decodes(encoding: tiktoken.Encoding, token: int) -> bool:
+    try:
+        encoding.decode_single_token_bytes(token)
+    except KeyError:
+        return False
+    return True
 
 
 def _none_empty(texts: list[str]) -> None:
@@ -155,9 +290,12 @@ def _duration_ns(done: Embedded, started_ns: int) -> tuple[int, int]:
 async def create_embeddings(body: EmbeddingsCreate, request: Request) -> JSON:
     """OpenAI's embeddings: one vector per input, as floats or (`encoding_format: "base64"`, what
     the `openai` client asks for by default) base64 of little-endian float32s."""
-    texts = _texts(body.input, "input")
+    if _is_token_input(body.input):
+        texts = await _token_texts(body.input)
+    else:
+        texts = _texts(body.input, "input", _OPENAI_INPUT_HINT)
     if not texts:
-        raise BadRequestError("input must not be empty", param="input", hint=_INPUT_HINT)
+        raise BadRequestError("input must not be empty", param="input", hint=_OPENAI_INPUT_HINT)
     _none_empty(texts)
     encoding = body.encoding_format or "float"
     if encoding not in ("float", "base64"):

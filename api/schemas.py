@@ -249,8 +249,8 @@ class BenchCreate(_Body):
 
 
 class EmbeddingsCreate(_Body):
-    """POST /v1/embeddings (OpenAI): `input` is a string or a list of strings (token arrays are
-    refused: api.embeddings)."""
+    """POST /v1/embeddings (OpenAI): `input` is a string, a list of strings, or token arrays
+    (a list of integers, or a list of them), which api.embeddings decodes with cl100k_base."""
 
     model: str
     input: Any = None

@@ -283,7 +283,10 @@ def needs(req: TaskRequest) -> list[str]:
     """The capabilities the request needs of its model (`_NEEDS`)."""
     if req.kind == EMBED:
         return ["embedding"]
-    out = []
+    # `auto` weighs only models that may answer a generation: an embedding model (its holders say it
+    # embeds and does not complete) decodes nothing, so it would look fastest of all, then refuse.
+    # A named model is left to its backend, which refuses what it cannot answer.
+    out = ["completion"] if req.model == "auto" else []
     if req.tools and req.tool_choice != "none":
         out.append("tools")
     if req.image_count():
@@ -302,9 +305,18 @@ def _able(
     able = {name: digest for name, digest in candidates.items() if not lacks(digest, capability, leases)}
     if able:
         return able
-    sent, instead = _NEEDS[capability]
     if capability == "embedding":
         raise _cannot_embed(model, candidates, leases)
+    if capability == "completion":
+        # Only `auto` asks for it (needs): every model the fleet serves only embeds.
+        raise CapabilityMissingError(
+            "no model the live fleet serves answers chats or completions: the models it serves only "
+            f"embed ({', '.join(sorted(candidates))})",
+            hint="send embeddings to /v1/embeddings or /api/embed, or serve a model whose capabilities "
+            "include completion",
+            param="model",
+        )
+    sent, instead = _NEEDS[capability]
     if model == "auto":
         raise CapabilityMissingError(
             f"no model the live fleet serves supports {sent} (capability {capability!r})",
@@ -558,6 +570,10 @@ async def preview_request(view: LiveView, query: RouteQuery) -> dict[str, object
         raise ModelNotServedError(
             f"no live worker serves any model ({describe_fleet(leases)})", model=query.model
         )
+    else:
+        # A preview is of a generation: `auto` weighs the models that may complete, as it does for a
+        # chat (needs); a fleet that only embeds is previewed as it is.
+        models = {n: d for n, d in models.items() if not lacks(d, "completion", leases)} or models
     fleet, est, now, _ = await view.fleet(set(models.values()), leases)
     out = preview(query, models, fleet, est, now)
     # Machines asleep that serve the model: what each would do if woken now (dispatch.wake).

@@ -219,12 +219,14 @@ def _check_external_memory(url: str) -> None:
 
 
 def _spawn_demo_fleet(sup: Supervisor, data_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """The story's fleet, simulated: one sim hosts process and one worker per machine.
+    """The story's fleet, simulated (preset `demo`: seed's machines, with an embedding model on both
+    and a vision model on the GPU PC, so that every surface has a model to answer it): one sim hosts
+    process and one worker per machine.
 
     Ports are chosen now and written into the fleet file, so that a restarted sim process comes
     back on the same ports and the workers' backend URLs stay right.
     """
-    data = preset_data("seed")
+    data = preset_data("demo")
     hosts: dict[str, str] = {}
     for machine in data["worker"]:
         machine["port"] = free_port()

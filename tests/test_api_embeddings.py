@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
+import os
 import struct
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +24,8 @@ import ollama
 import openai
 import pytest
 import redis.asyncio as aioredis
+import tiktoken
+from langchain_openai import OpenAIEmbeddings
 
 from dispatch.lease import LeaseInfo
 from dispatch.payload import estimate_tokens, unpack_vector
@@ -43,7 +49,24 @@ from projections.snapshot import Snapshot, SpeedRow, Stat, fold
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
 from tests.helpers import events_of, fast_config, running_agent, wait_until
-from tests.test_api_support import fleet_and_api, stored_results
+from tests.test_api_support import fleet_and_api, free_port, stored_results
+
+
+def _bundled_tiktoken_cache() -> Path | None:
+    """litellm ships tiktoken's cache files (cl100k_base among them): a TIKTOKEN_CACHE_DIR that lets
+    the tests, and the API they run in this process, load the encoding with no network."""
+    spec = importlib.util.find_spec("litellm")
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent / "litellm_core_utils" / "tokenizers"
+    return folder if folder.is_dir() else None
+
+
+# Set before the API loads the encoding (once per process, at the first token array it is sent);
+# without litellm, tiktoken downloads the file into its default cache.
+_TIKTOKEN_CACHE = _bundled_tiktoken_cache()
+if _TIKTOKEN_CACHE is not None and "TIKTOKEN_CACHE_DIR" not in os.environ:
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(_TIKTOKEN_CACHE)
 
 EMBED_FLEET = """
 name = "embed"
@@ -139,6 +162,86 @@ async def test_the_openai_client_gets_one_vector_per_input_as_floats_and_as_base
     assert len(one.data) == 1 and close(list(one.data[0].embedding), want16[0])
 
 
+async def test_token_arrays_are_decoded_with_cl100k_base_and_get_the_vectors_of_their_texts(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # What LangChain's OpenAIEmbeddings sends by default for a model name tiktoken does not know:
+    # the texts as cl100k_base token ids, which the API decodes for backends that take text.
+    encoding = tiktoken.get_encoding("cl100k_base")
+    arrays = [encoding.encode(t) for t in TEXTS]
+    async with fleet_and_api(redis_client, redis_url, time_scale=0, fleet=embed_fleet()) as (base, hosts):
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        many = await client.embeddings.create(model="embedder", input=arrays)
+        one = await client.embeddings.create(model="embedder", input=arrays[1], encoding_format="float")
+        await client.close()
+        langchain = OpenAIEmbeddings(model="embedder", base_url=base + "/v1", api_key="unused", max_retries=0)
+        documents = await langchain.aembed_documents(TEXTS)
+        query = await langchain.aembed_query(TEXTS[1])
+        want = await own_vectors(hosts.url("a"), TEXTS)
+    assert len(many.data) == 3
+    assert all(close(list(d.embedding), w) for d, w in zip(many.data, want, strict=True))
+    assert len(one.data) == 1 and close(list(one.data[0].embedding), want[1])
+    assert many.usage.prompt_tokens > 0
+    assert all(close(got, w) for got, w in zip(documents, want, strict=True))
+    assert close(query, want[1])
+
+
+async def test_token_arrays_the_api_cannot_decode_for_want_of_the_encoding_are_a_400_that_says_how_to_fix(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # An API process whose tiktoken cache is empty and whose download goes to a proxy that is not
+    # there: the encoding cannot be loaded, and fails at once rather than waiting on a network.
+    port, nowhere = free_port(), free_port()
+    env = {
+        **os.environ,
+        "ROUTELEDGER_REDIS_URL": redis_url,
+        "TIKTOKEN_CACHE_DIR": str(tmp_path),
+        "HTTPS_PROXY": f"http://127.0.0.1:{nowhere}",
+        "https_proxy": f"http://127.0.0.1:{nowhere}",
+        "NO_PROXY": "",
+        "no_proxy": "",
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "routeledger",
+        "api",
+        "--port",
+        str(port),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+
+            async def up() -> bool:
+                try:
+                    return (await http.get("/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await wait_until(up, timeout=30)
+            body = {"model": "embedder", "input": [[1, 2, 3]]}
+            first = await http.post("/v1/embeddings", json=body, timeout=30)
+            again = await http.post("/v1/embeddings", json=body, timeout=30)
+            text = await http.post("/v1/embeddings", json={"model": "embedder", "input": "x"}, timeout=30)
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+    error = first.json()["error"]
+    assert first.status_code == 400 and error["param"] == "input"
+    assert "token arrays in input could not be decoded" in error["message"]
+    assert "cl100k_base encoding could not be loaded" in error["message"]
+    assert "ProxyError" in error["message"]
+    assert "send the inputs as text" in error["message"] and "TIKTOKEN_CACHE_DIR" in error["message"]
+    assert "check_embedding_ctx_length=False" in error["message"]
+    # A failed load is tried again, and fails the same way; text is not held up by it (no worker
+    # serves `embedder` here: the refusal is about the model, not the encoding).
+    assert again.status_code == 400 and "could not be loaded" in again.json()["error"]["message"]
+    assert text.status_code == 404 and "could not be decoded" not in text.text
+
+
 # -- the ollama client ------------------------------------------------------------------------------
 
 
@@ -184,7 +287,13 @@ async def test_a_model_that_cannot_embed_is_refused_in_each_surfaces_shape_namin
         with pytest.raises(ollama.ResponseError) as refused_legacy:
             await ollama_client.embeddings(model="plain", prompt="hello")
         async with httpx.AsyncClient(base_url=base) as http:
-            tokens = await http.post("/v1/embeddings", json={"model": "embedder", "input": [[1, 2, 3]]})
+            # 100256 is a gap in cl100k_base's ids, below its special tokens.
+            tokens = await http.post(
+                "/v1/embeddings", json={"model": "embedder", "input": [[1, 2], [100256]]}
+            )
+            negative = await http.post("/v1/embeddings", json={"model": "embedder", "input": [5, -1]})
+            mixed = await http.post("/v1/embeddings", json={"model": "embedder", "input": [[1, 2], "x"]})
+            no_tokens = await http.post("/v1/embeddings", json={"model": "embedder", "input": [[1], []]})
             empty = await http.post("/v1/embeddings", json={"model": "embedder", "input": ""})
             encoding = await http.post(
                 "/v1/embeddings", json={"model": "embedder", "input": "x", "encoding_format": "int8"}
@@ -198,8 +307,15 @@ async def test_a_model_that_cannot_embed_is_refused_in_each_surfaces_shape_namin
     for err in (refused_embed.value, refused_legacy.value):
         assert err.status_code == 400
         assert "model 'plain' cannot embed" in err.error and "embedder" in err.error
-    assert tokens.status_code == 400 and "token arrays" in tokens.json()["error"]["message"]
-    assert tokens.json()["error"]["param"] == "input"
+    refusals = {r: r.json()["error"] for r in (tokens, negative, mixed, no_tokens)}
+    assert all(r.status_code == 400 and e["param"] == "input" for r, e in refusals.items())
+    assert (
+        "input 1 holds 100256 at position 0, which is not a cl100k_base token id"
+        in refusals[tokens]["message"]
+    )
+    assert "input 0 holds -1 at position 1" in refusals[negative]["message"]
+    assert "all texts or all token arrays" in refusals[mixed]["message"]
+    assert "input 1 is an empty token array" in refusals[no_tokens]["message"]
     assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
     assert encoding.status_code == 400 and encoding.json()["error"]["param"] == "encoding_format"
     # One vector per input: an empty one is refused, not silently dropped.

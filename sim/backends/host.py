@@ -39,9 +39,10 @@ part, and `prompt_eval_duration` the time of the rest. Unloading the model loses
 
 Structured output: Ollama's `format` ("json" or a JSON schema) and OpenAI's `response_format`
 (`json_object`, or `json_schema` with its schema). A model that follows formats answers a schema
-with a value valid against it (sim.backends.schema), and plain JSON mode with a JSON array of three
-short pseudo-sentences; a model whose table says `follows_format = false` ignores the format and
-answers prose, as a model without JSON mode would.
+with a value valid against it (sim.backends.schema), and plain JSON mode with a JSON object, as real
+models answer it (`{"answer": "<pseudo-sentence>", "details": [two more]}`: sim.backends.text.json_answer);
+a model whose table says `follows_format = false` ignores the format and answers prose, as a model
+without JSON mode would.
 
 Thinking: `think: true` (or a level) on Ollama's chat and generate, and `reasoning_effort` (or
 Ollama's `think` in the body) on OpenAI's, make a `thinking` model think first: pseudo-words, half

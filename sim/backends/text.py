@@ -105,14 +105,14 @@ def filler(rng: random.Random, n: int, japanese: bool) -> list[str]:
     return out
 
 
-def json_answer(rng: random.Random, japanese: bool, items: int = 3) -> list[str]:
-    """Tokens of a JSON answer, for a request that sets Ollama's `format`: an array of `items` short
-    pseudo-sentences (the pipeline decomposer's sub-prompts). The simulator does not read a format's
-    schema: any request for JSON gets this shape, deterministic for its seed."""
-    parts = ["".join(filler(rng, 8, japanese)).strip() for _ in range(items)]
-    text = json.dumps(parts, ensure_ascii=False)
-    # About four bytes a token, as count_tokens reads text.
-    return [text[i : i + 4] for i in range(0, len(text), 4)]
+def json_answer(rng: random.Random, japanese: bool) -> list[str]:
+    """Tokens of a JSON answer, for a request that sets Ollama's `format: "json"` (OpenAI's
+    `response_format: {"type": "json_object"}`) without a schema: an object, as real models answer
+    in JSON mode (LangChain's json_mode parses the answer into a dict and rejects anything else),
+    here `{"answer": "<a pseudo-sentence>", "details": ["<two>", "<more>"]}`, deterministic for its seed."""
+    sentences = ["".join(filler(rng, 8, japanese)).strip() for _ in range(3)]
+    text = json.dumps({"answer": sentences[0], "details": sentences[1:]}, ensure_ascii=False)
+    return split_tokens(text)
 
 
 # -- the benchmark set ----------------------------------------------------------------------------
