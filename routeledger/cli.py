@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import httpx
 import msgspec
@@ -105,6 +105,15 @@ def _wait_http(url: str, timeout: float, alive: Any) -> bool:
     return False
 
 
+# A name the API answers to besides loopback's (Open WebUI in Docker sends `host.docker.internal`).
+ALLOW_HOST: Final = typer.Option(
+    "--allow-host",
+    metavar="NAME",
+    help="A host name the API answers to besides localhost (repeatable; adds to allowed_hosts), "
+    "e.g. host.docker.internal for a container on this machine.",
+)
+
+
 @app.command()
 @command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"))
 def up(
@@ -122,9 +131,12 @@ def up(
         ),
     ] = None,
     demo: Annotated[bool, typer.Option("--demo", help="Also run a simulated fleet.")] = False,
+    allow_host: Annotated[list[str] | None, ALLOW_HOST] = None,
 ) -> None:
     """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
     s = inst.settings
+    if allow_host:
+        s = msgspec.structs.replace(s, allowed_hosts=[*s.allowed_hosts, *allow_host])
     setup_logging(s.log_level)
     if s.host not in LOOPBACK and not (s.api_keys or s.keys):
         raise ConfigError(
@@ -167,6 +179,8 @@ def up(
 
     sup = Supervisor()
     env = {"ROUTELEDGER_REDIS_URL": url, "ROUTELEDGER_PREFIX": s.prefix}
+    if s.allowed_hosts:
+        env["ROUTELEDGER_ALLOWED_HOSTS"] = ",".join(s.allowed_hosts)
     try:
         api = sup.spawn("api", python_argv("api", "--host", s.host, "--port", str(s.port)), env=env)
         sup.spawn("reaper", python_argv("reaper"), env=env)
@@ -307,6 +321,7 @@ def api_cmd(
     host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="Port.")] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Server processes sharing the port.")] = 1,
+    allow_host: Annotated[list[str] | None, ALLOW_HOST] = None,
 ) -> None:
     """Serve the HTTP API in the foreground (`up` starts it for you)."""
     import os
@@ -316,6 +331,8 @@ def api_cmd(
     from routeledger.config import redis_url_for
 
     s = inst.settings
+    if allow_host:
+        s = msgspec.structs.replace(s, allowed_hosts=[*s.allowed_hosts, *allow_host])
     setup_logging(s.log_level)
     if s.host not in LOOPBACK and not (s.api_keys or s.keys):
         raise ConfigError(

@@ -52,7 +52,10 @@ def running_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Pat
     port = free_port()
     data_dir = tmp_path / "data"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "routeledger", "up", "--port", str(port), "--data-dir", str(data_dir)],
+        [
+            *(sys.executable, "-m", "routeledger", "up", "--port", str(port), "--data-dir", str(data_dir)),
+            *("--allow-host", "host.docker.internal"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -85,6 +88,19 @@ def test_up_answers_healthz_and_readyz_and_ctrl_c_stops_every_child(
     _, alive = psutil.wait_procs(children, timeout=10)
     assert alive == []
     assert not url_file.exists()
+
+
+def test_up_answers_the_host_names_it_is_allowed_and_still_refuses_every_other(
+    running_up: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    _, port, _ = running_up
+    url = f"http://127.0.0.1:{port}/api/version"
+    docker = httpx.get(url, headers={"host": f"host.docker.internal:{port}"})
+    other = httpx.get(url, headers={"host": f"rebound.example:{port}"})
+    page = httpx.get(url, headers={"host": f"host.docker.internal:{port}", "origin": "https://evil.example"})
+    assert docker.status_code == 200 and docker.json()["version"]
+    assert other.status_code == 403 and "allowed_hosts" in other.json()["error"]
+    assert page.status_code == 403
 
 
 def test_other_commands_find_the_running_instance_through_the_data_dir(
