@@ -84,6 +84,8 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # How long the lease holds without a renewal (the worker's setting): the reaper judges the
     # worker's running entries by it, not by its own; None: a worker from before this field.
     lease_ms: int | None = None
+    # Its backend's kind (`ollama`, `openai`): which workers' servers can pull a model (dispatch.control).
+    backend_kind: str | None = None
 
     def on_ledger(self, worker_ms: int) -> int:
         """A time this lease gives (the worker's clock), on the ledger's clock: what an age or an

@@ -192,6 +192,12 @@ class Keys:
         # A worker's lease: present while its heartbeats arrive (string with TTL).
         return f"{self.core}live:{worker}"
 
+    def control(self, worker: str) -> str:
+        # Operators' requests to one worker (pull or delete a model on its machine: dispatch.control),
+        # a capped stream the API appends to and that worker alone reads; each request's progress
+        # lines go to that worker's own output keys (`run_out`) under the request's id.
+        return f"{self.prefix}ctl:{worker}"
+
     def card(self, worker: str) -> str:
         # Hash digest -> what the worker's backend says of that model too large for its lease
         # (template, parameters, model_info: dispatch.modelcard); written by that worker only.

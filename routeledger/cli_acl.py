@@ -19,6 +19,7 @@ holds before moving it into the ledger (projections/ingest.py).
 | `rl:forgotten` | read, write | it takes itself off the retired list when it comes back |
 | `rl:sleeper:NAME` | read, write | how its machine is woken (`--wake-mac`), read while it sleeps |
 | `rl:sleepers` | SADD only | it lists its sleeper record (the waker finds it without SCAN), no other off |
+| `rl:ctl:NAME` | read | operators' pulls and deletes for its machine (progress: its own output keys) |
 | `rl:live:*`, `rl:p:*`, `rl:cancel:*` | read | other leases and the snapshot (the gate), cancel flags |
 | `rl:events` | read | ledger news wakes a worker the gate held back |
 | `rl:dead` | XADD only | it dead-letters a malformed or spent task, never rewrites the stream |
@@ -148,6 +149,8 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
         f"%R~{k.prefix}p:*",
         f"%R~{k.cancel('*')}",
         f"%R~{k.events}",
+        # Operators' pulls and deletes for its machine (dispatch.control): its own stream only.
+        f"%R~{k.control(name)}",
     ]
     rules += [f"+{c}" for c in WORKER_COMMANDS]
     # Read and write: a key a function is given must be both (Redis cannot tell which it needs).

@@ -45,11 +45,13 @@ NO_LOCAL_NETWORK_ACCESS = "--disable-features=LocalNetworkAccessChecks,BlockInse
 
 
 def csrf_page(api: str) -> str:
-    """Four cross-site tries at queueing a task: a text/plain form post (whose body is valid JSON),
+    """Six cross-site tries at queueing a task: a text/plain form post (whose body is valid JSON),
     no-cors fetches with a text/plain body and with a Blob body (sent with no Content-Type at all,
-    which FastAPI alone would read as JSON), and a JSON fetch (which needs a CORS preflight)."""
+    which FastAPI alone would read as JSON), the same two at Ollama's routes (which read any body as
+    JSON), and a JSON fetch (which needs a CORS preflight)."""
     field = '{"model": "m", "messages": [{"role": "user", "content": "csrf by form", "pad": "'
     body = json.dumps({"model": "m", "prompt": "csrf by fetch"})
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "csrf by blob"}]})
     return f"""<!doctype html><html><body>
 <iframe name="sink"></iframe>
 <form id="f" method="POST" action="{api}/v1/chat/completions" enctype="text/plain" target="sink">
@@ -66,6 +68,13 @@ window.results = {{}};
     await fetch("{api}/v1/tasks", {{method: "POST", mode: "no-cors", body: new Blob([{json.dumps(body)}])}});
     results.untyped = "sent";
   }} catch (e) {{ results.untyped = "failed: " + e; }}
+  // Ollama's routes read any body as JSON (as Ollama does): only the Origin keeps these out.
+  try {{
+    await fetch("{api}/api/generate", {{method: "POST", mode: "no-cors",
+      headers: {{"Content-Type": "text/plain"}}, body: {json.dumps(body)}}});
+    await fetch("{api}/api/chat", {{method: "POST", mode: "no-cors", body: new Blob([{json.dumps(chat)}])}});
+    results.ollama = "sent";
+  }} catch (e) {{ results.ollama = "failed: " + e; }}
   try {{
     const r = await fetch("{api}/v1/tasks", {{method: "POST",
       headers: {{"Content-Type": "application/json"}}, body: {json.dumps(body)}}});
@@ -181,7 +190,7 @@ async def test_a_page_of_another_origin_cannot_queue_a_task_by_form_or_simple_fe
             return [x for x in exchanges(browser, base) if x["method"] == "POST"]
 
         async def answered() -> bool:
-            return len([x for x in posts() if x["status"] is not None]) >= 3
+            return len([x for x in posts() if x["status"] is not None]) >= 5
 
         await wait_until(answered, timeout=20)
         results = await page.evaluate("window.results")
@@ -194,10 +203,16 @@ async def test_a_page_of_another_origin_cannot_queue_a_task_by_form_or_simple_fe
     # fetch never got past its preflight.
     refused = [(x["url"], x["status"]) for x in posts() if x["status"] is not None]
     assert sorted(refused) == sorted(
-        [(base + "/v1/chat/completions", 403), (base + "/v1/tasks", 403), (base + "/v1/tasks", 403)]
+        [
+            (base + "/v1/chat/completions", 403),
+            (base + "/v1/tasks", 403),
+            (base + "/v1/tasks", 403),
+            (base + "/api/generate", 403),
+            (base + "/api/chat", 403),
+        ]
     ), everything
     assert all(x["status"] in (403, None) for x in everything), everything
-    assert results["simple"] == results["untyped"] == "sent", results
+    assert results["simple"] == results["untyped"] == results["ollama"] == "sent", results
     assert str(results["json"]).startswith("blocked"), results
     assert tasks == []
     assert "a" in fleet

@@ -64,6 +64,7 @@ from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Generated, Inventory, Refusing
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig
+from workers.control import Control
 from workers.crash import crash_here
 from workers.errors import BackendError, PreemptedError, TaskCancelledError, WorkerNameTakenError
 from workers.liveness import Liveness
@@ -264,6 +265,8 @@ class WorkerAgent:
         self.warmth = Warmth()
         # What each backend slot holds of earlier prompts (for the plan's prefix pricing).
         self.slots = Slots(config.slots)
+        # Operators' pulls and deletes on this machine (workers.control).
+        self.control = Control(redis, keys, self.name, backend, self._models_changed)
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:
@@ -310,6 +313,8 @@ class WorkerAgent:
         await self._refresh_inventory(first=True)
         self.resources = read_resources()
         await self.clock.sync()
+        # Before the lease: what the API asks once it sees this worker live comes after the cursor.
+        await self.control.start()
         await self._take_lease()
         await self._announce()
         await self.queues.ensure_group(self.pinned)
@@ -319,6 +324,7 @@ class WorkerAgent:
         await self._recover_own_pending()
         self._lease_task = asyncio.create_task(self._lease_loop(), name="lease")
         self._background.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self._background.append(asyncio.create_task(self.control.run(self.stopping), name="control"))
         if self.config.auto_bench:
             self._background.append(asyncio.create_task(self._benchmark_loop(), name="benchmarks"))
         log.info(
@@ -409,6 +415,7 @@ class WorkerAgent:
             cache=self.slots.report(),
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
+            backend_kind=self.backend.kind,
             running=[
                 RunningInfo(
                     task_id=r.entry.task.task_id,
@@ -555,6 +562,7 @@ class WorkerAgent:
             # `stopping` as well, so the heartbeat is over before the lease is deleted below and
             # never renews it (or announces the worker again) after it left.
             await asyncio.wait(self._background, timeout=self.config.lease_ms / 1000)
+        await self.control.aclose()
         runs = [r.task for r in self.running.values() if r.task is not None]
         if runs:
             log.info(
@@ -747,6 +755,13 @@ class WorkerAgent:
                 await self._report_changes()
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc or "timeout")
+
+    async def _models_changed(self) -> None:
+        """After a pull or a delete: what the machine holds, in the lease and the ledger at once."""
+        await self._refresh_inventory()
+        await self._publish_cards()
+        await self._write_lease()
+        await self._report_changes()
 
     async def _report_changes(self) -> None:
         """Append WorkerChanged when what the worker holds, has loaded or serves differs from what

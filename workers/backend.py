@@ -122,6 +122,15 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class Pulling(Protocol):
+    """A backend whose server can fetch a model and remove one (Ollama: workers/control.py)."""
+
+    def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def delete(self, model: str) -> None: ...
+
+
+@runtime_checkable
 class Refusing(Protocol):
     """A backend that learns from its server's refusals what a model cannot do (OpenAIBackend):
     its next inventory lists the capability in the model's `lacks`."""
@@ -730,6 +739,44 @@ class OllamaBackend:
             done_reason="stop",
             embeddings=vectors,
         )
+
+    async def pull(self, model: str, *, insecure: bool = False) -> AsyncGenerator[dict[str, Any], None]:
+        """Ollama's POST /api/pull: each progress line as it comes (`{"status": …}`, byte counts
+        while a layer downloads), through `{"status": "success"}`; BackendError for an error line."""
+        body = {"model": model, "insecure": insecure, "stream": True}
+        started = False
+        try:
+            lines = self.streams.lines("/api/pull", body, model)
+            try:
+                async for raw in lines:
+                    started = True
+                    line = msgspec.json.decode(raw)
+                    if not isinstance(line, dict):
+                        raise BackendError(
+                            "protocol",
+                            f"a pull progress line that is not an object: {raw!r}",
+                            retryable=False,
+                        )
+                    if "error" in line:
+                        raise BackendError("bad_request", str(line["error"]), retryable=False)
+                    yield line
+            finally:
+                await lines.aclose()
+        except BackendError:
+            raise
+        except Exception as exc:
+            raise _classify(exc, started) from None
+
+    async def delete(self, model: str) -> None:
+        """Ollama's DELETE /api/delete: the model is gone from the machine (BackendError
+        `model_missing` when the server does not hold it)."""
+        try:
+            answer = await self.client.request(
+                "DELETE", "/api/delete", content=msgspec.json.encode({"model": model}), timeout=60.0
+            )
+        except Exception as exc:
+            raise _classify(exc, started=False) from None
+        await _raise_for_status(answer, model)
 
     async def aclose(self) -> None:
         await self.client.aclose()
