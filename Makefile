@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-real lint bench clean
+.PHONY: install demo test test-clients test-real lint bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The client tier alone (tests/clients, part of make test): curl, litellm, the llm CLI, LangChain and
+# the openai and ollama SDKs, unchanged, against a running routeledger; well under a minute.
+test-clients: $(STAMP)
+	$(BIN)/python -m pytest -q -m clients tests/clients
 
 # The real-server tier (tests/real): routeledger in front of real llama.cpp servers. The first run
 # on a machine builds llama-server into ~/.cache/routeledger (about 15 minutes on two cores; needs
