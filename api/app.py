@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
@@ -19,23 +19,31 @@ from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match, Route
 
-from api import dashboard, embeddings, fleet, native, ollama, openai, pipelines
-from api.auth import Guard
+from api import dashboard, embeddings, fleet, native, ollama, openai, pipelines, pulls
+from api.auth import BODY_METHODS, OLLAMA_PATHS, OPEN_PATHS, Guard
 from api.common import JSON, RequestLimits
 from api.errors import (
+    NATIVE,
     ApiError,
     BadRequestError,
+    MethodNotAllowedError,
     NotFoundError,
     PayloadTooLargeError,
     UnprocessableError,
     answer,
+    documented,
+    error_schemas,
+    malformed_json,
     render,
     surface_of,
+    too_deep,
 )
 from api.hotpath import HotPath
 from api.metrics import CONTENT_TYPE, Metrics
-from api.schemas import hot_schemas
+from api.schemas import MAX_DEPTH, TOO_DEEP, hot_schemas, options_schema, refine
+from dispatch.benchmark import domains as bench_domains
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
@@ -47,6 +55,19 @@ from projections.errors import ProjectionError
 from projections.reader import lag
 
 log = logging.getLogger("routeledger.api")
+
+
+# Every surface's routes, included without a prefix, in this order.
+ROUTERS: Final = (
+    native.router,
+    openai.router,
+    ollama.router,
+    pulls.router,
+    embeddings.router,
+    fleet.router,
+    pipelines.router,
+    dashboard.router,
+)
 
 
 class AppConfig(msgspec.Struct, kw_only=True):
@@ -143,21 +164,20 @@ def create_app(config: AppConfig) -> FastAPI:
         pages=dashboard.SHELL_PATHS,
     )
     _handlers(app)
-    app.include_router(native.router)
-    app.include_router(openai.router)
-    app.include_router(ollama.router)
-    app.include_router(embeddings.router)
-    app.include_router(fleet.router)
-    app.include_router(pipelines.router)
-    app.include_router(dashboard.router)
-    _hot_schemas(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    _document(app, keyed=bool(api_keys), policy=app.state.options, max_messages=config.max_messages)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> JSON:
         """The process is up; says nothing of Redis."""
         return JSON({"status": "ok"})
 
-    @app.get("/readyz", tags=["operations"])
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        responses={503: {"description": "Redis does not answer", "content": {"application/json": {}}}},
+    )
     async def readyz() -> JSON:
         """Ready when Redis answers; reports how far the projector lags behind the ledger, Redis's
         memory against its limit (with a warning from 80%; new tasks are refused from 95%) and the
@@ -190,7 +210,15 @@ def create_app(config: AppConfig) -> FastAPI:
             }
         )
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus's text format", "content": {CONTENT_TYPE: {}}},
+            **documented(NATIVE, 503),
+        },
+    )
     async def prometheus() -> Response:
         """Prometheus metrics: requests and latency by route and model, queues, workers, projector,
         Redis memory, the ledger's length, the archive, and each API key's use."""
@@ -206,20 +234,66 @@ def create_app(config: AppConfig) -> FastAPI:
     return app
 
 
-def _hot_schemas(app: FastAPI) -> None:
-    """The OpenAPI document with the hot routes' bodies (msgspec types, api.schemas) beside the
-    pydantic ones: their routes name them by reference only."""
+def _document(app: FastAPI, *, keyed: bool, policy: OptionsPolicy, max_messages: int) -> None:
+    """FastAPI's OpenAPI document, completed once (FastAPI keeps it as app.openapi_schema) with
+    what it cannot know: see _complete."""
 
     made = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            # FastAPI's own document (which it keeps as app.openapi_schema), completed once.
-            made().setdefault("components", {}).setdefault("schemas", {}).update(hot_schemas())
+            _complete(made(), keyed=keyed, policy=policy, max_messages=max_messages)
         assert app.openapi_schema is not None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+# FastAPI's own schema of a 422, which this API never answers (its handler below answers in the
+# surface's shape).
+_FASTAPI_422: Final = ("HTTPValidationError", "ValidationError")
+
+
+def _complete(doc: dict[str, Any], *, keyed: bool, policy: OptionsPolicy, max_messages: int) -> None:
+    """The hot routes' bodies (msgspec types, api.schemas: their routes name them by reference
+    only) and the error shapes beside the pydantic schemas; what the bodies' checks refuse under
+    this configuration (api.schemas.refine); on every operation, the answers of the guard in front
+    of all of them (api.auth: 401 where keys are configured, 403, 413, and 415 for a body that must
+    be JSON), and each 422 in the surface's shape rather than FastAPI's."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(hot_schemas())
+    schemas.update(error_schemas())
+    for name in _FASTAPI_422:
+        schemas.pop(name, None)
+    refine(
+        schemas,
+        domains=policy.domains,
+        bench_domains=bench_domains(),
+        options=options_schema(policy),
+        max_messages=max_messages,
+    )
+    for parameter in doc["paths"].get("/v1/route/preview", {}).get("get", {}).get("parameters", []):
+        if parameter.get("name") == "domain":
+            parameter["schema"]["enum"] = list(policy.domains)
+    if keyed:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in doc.get("paths", {}).items():
+        surface = surface_of(path)
+        for method, operation in operations.items():
+            responses: dict[str, Any] = operation.setdefault("responses", {})
+            if "HTTPValidationError" in str(responses.get("422", "")):
+                responses["422"] = documented(surface, 422)[422]
+            guard = [403, 413]
+            if keyed and path not in OPEN_PATHS:
+                guard.append(401)
+                operation["security"] = [{"bearer": []}]
+            # A body sent as anything but JSON, outside Ollama's routes (which read any body as JSON).
+            if method.upper() in BODY_METHODS and not path.startswith(OLLAMA_PATHS):
+                guard.append(415)
+            for status, response in documented(surface, *guard).items():
+                responses.setdefault(str(status), response)
+            # In order of status, as FastAPI lists its own.
+            operation["responses"] = dict(sorted(responses.items()))
 
 
 def _error_response(request: Request, exc: ApiError) -> Response:
@@ -229,6 +303,18 @@ def _error_response(request: Request, exc: ApiError) -> Response:
         media_type="application/json",
         headers=exc.headers,
     )
+
+
+def _methods(request: Request) -> list[str]:
+    """Every method of the request's path. Starlette names only the first route that matched the
+    path, and a path's methods are often routes of their own (GET and DELETE /v1/tasks/{id})."""
+    # From the routers as declared: FastAPI keeps an included router as an internal wrapper.
+    routes = [*request.app.router.routes, *(route for router in ROUTERS for route in router.routes)]
+    methods: set[str] = set()
+    for route in routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
 
 
 def _handlers(app: FastAPI) -> None:
@@ -244,9 +330,9 @@ def _handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return _error_response(
-                request, BadRequestError("the body is not valid JSON", hint="send a JSON object")
-            )
+            return _error_response(request, malformed_json())
+        if any(e.get("type") == TOO_DEEP for e in errors):
+            return _error_response(request, too_deep(MAX_DEPTH))
         # Only where and what, never the value: a value may be a prompt.
         parts = [
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:5]
@@ -266,6 +352,21 @@ def _handlers(app: FastAPI) -> None:
             err = NotFoundError(f"no route {request.method} {request.url.path}", hint="see /docs")
         elif exc.status_code == 413:
             err = PayloadTooLargeError(str(exc.detail))
+        elif isinstance(exc.__cause__, RecursionError):
+            # Python's JSON parser (FastAPI's, for the pydantic bodies) ran out of stack.
+            err = too_deep(MAX_DEPTH)
+        elif exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
+            # Not JSON in a way Python's parser does not call a JSONDecodeError (bytes not UTF-8).
+            err = malformed_json()
+        elif exc.status_code == 405:
+            allowed = _methods(request)
+            if request.method == "OPTIONS":
+                # What OPTIONS is for (RFC 9110): the methods of the path, itself included.
+                return Response(status_code=204, headers={"Allow": ", ".join([*allowed, "OPTIONS"])})
+            err = MethodNotAllowedError(
+                f"{request.url.path} takes {', '.join(allowed)}, not {request.method}",
+                headers={"Allow": ", ".join(allowed)},
+            )
         else:
             err = BadRequestError(str(exc.detail))
             return Response(

@@ -23,9 +23,12 @@ from api.errors import (
     PayloadTooLargeError,
     UnprocessableError,
     answer,
+    malformed_json,
     render,
+    too_deep,
 )
 from api.relay import RelayResponse
+from api.schemas import MAX_DEPTH, nested_deeper
 from dispatch.errors import DispatchError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.options import OptionsPolicy
@@ -34,13 +37,19 @@ from dispatch.submit import Submitted, TaskRequest
 
 _enc: Final = msgspec.json.Encoder()
 _msgpack: Final = msgspec.msgpack.Encoder()
-# One decoder per hot body type (api.schemas.HOT_BODIES). Not strict: as pydantic's lax mode did,
-# "5" and 5.0 are a 5 where a count is asked for.
+# One decoder per hot body type (api.schemas.HOT_BODIES). Strict: a value of another JSON type than
+# the schema says (`"wait": 0`, `"max_tokens": "5"`) is a 422, as the document says and as OpenAI's
+# and Ollama's own servers answer it (api.schemas).
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 # msgspec names where a value failed as "... - at `$.messages[0].role`".
 _AT: Final = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _INDEX: Final = re.compile(r"\[(\d+)\]")
 _MISSING: Final = re.compile(r"missing required field `([^`]+)`")
+# msgspec's error for a float where an integer is asked for, and the steps of the path it names.
+_FLOAT_FOR_INT: Final = re.compile(r"Expected `int( \| null)?`, got `float`")
+_STEP: Final = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+# More than the integer fields of any body.
+_MOST_INTEGERS: Final = 16
 
 B = TypeVar("B", bound=msgspec.Struct)
 
@@ -66,7 +75,7 @@ async def read_body(request: Request, kind: type[B]) -> B:
     a body of the wrong shape a 422 naming where, never the value (a value may be a prompt)."""
     decoder = _decoders.get(kind)
     if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind, strict=False)
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
     try:
         raw = await request.body()
     except ClientDisconnect:
@@ -75,36 +84,73 @@ async def read_body(request: Request, kind: type[B]) -> B:
     if not raw.strip():
         raise UnprocessableError("body: Field required", hint="see the schema at /docs")
     try:
-        return decoder.decode(raw)  # type: ignore[no-any-return]
+        body: B = decoder.decode(raw)
+    except RecursionError:
+        raise too_deep(MAX_DEPTH) from None
     except msgspec.ValidationError as exc:
         # A wrong shape is seen before the end of the input: malformed JSON must still be a 400.
-        _well_formed(raw)
-        text = str(exc)
-        at = _AT.search(text)
-        # `messages[0].role` as FastAPI named it (`messages.0.role`), down to a missing field.
-        param = _INDEX.sub(r".\1", at.group("path")) if at is not None else ""
-        message = text[: at.start()] if at is not None else text
-        missing = _MISSING.search(message)
-        if missing is not None:
-            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        raise UnprocessableError(
-            f"body.{param}: {message}" if param else f"body: {message}",
-            hint="see the schema at /docs",
-            param=param or None,
-        ) from None
+        fixed = _with_integers(_well_formed(raw), kind, exc)
+        if isinstance(fixed, msgspec.ValidationError):
+            raise _unprocessable(fixed) from None
+        body = fixed
     except msgspec.DecodeError:
-        raise _not_json() from None
+        raise malformed_json() from None
+    # Nothing can nest deeper than it has brackets: an ordinary body is not walked at all.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper(body):
+        raise too_deep(MAX_DEPTH)
+    return body
 
 
-def _well_formed(raw: bytes) -> None:
+def _unprocessable(exc: msgspec.ValidationError) -> UnprocessableError:
+    """A 422 naming where the body is wrong, never the value (a value may be a prompt)."""
+    text = str(exc)
+    at = _AT.search(text)
+    # `messages[0].role` as FastAPI named it (`messages.0.role`), down to a missing field.
+    param = _INDEX.sub(r".\1", at.group("path")) if at is not None else ""
+    message = text[: at.start()] if at is not None else text
+    missing = _MISSING.search(message)
+    if missing is not None:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+    return UnprocessableError(
+        f"body.{param}: {message}" if param else f"body: {message}",
+        hint="see the schema at /docs",
+        param=param or None,
+    )
+
+
+def _well_formed(raw: bytes) -> Any:
+    """`raw` decoded as any JSON; a 400 when it is not JSON, or nests too deep to decode."""
     try:
-        msgspec.json.decode(raw)
+        return msgspec.json.decode(raw)
+    except RecursionError:
+        raise too_deep(MAX_DEPTH) from None
     except msgspec.DecodeError:
-        raise _not_json() from None
+        raise malformed_json() from None
 
 
-def _not_json() -> BadRequestError:
-    return BadRequestError("the body is not valid JSON", hint="send a JSON object")
+def _with_integers(tree: Any, kind: type[B], exc: msgspec.ValidationError) -> B | msgspec.ValidationError:
+    """The body (`tree`, decoded as any JSON) as `kind`, where msgspec's strict types refused a
+    number without a fraction (1.0) for an integer: JSON Schema, and so the document, counts it as
+    one. Each such number the errors name becomes an int; any other fault is returned."""
+    for _ in range(_MOST_INTEGERS):
+        at = _AT.search(str(exc))
+        if at is None or not _FLOAT_FOR_INT.match(str(exc)):
+            return exc
+        steps: list[str | int] = [int(i) if i else key for key, i in _STEP.findall(at.group("path"))]
+        parent = tree
+        for step in steps[:-1]:
+            parent = parent[step]
+        number = parent[steps[-1]]
+        if not (isinstance(number, float) and number.is_integer()):
+            return exc
+        parent[steps[-1]] = int(number)
+        try:
+            converted: B = msgspec.convert(tree, kind)
+        except msgspec.ValidationError as again:
+            exc = again
+        else:
+            return converted
+    return exc
 
 
 def gateway(request: Request) -> Gateway:
@@ -160,6 +206,9 @@ async def submit(
     for name, value in (("options", req.options), ("format", req.format), ("tools", req.tools)):
         try:
             _msgpack.encode(value)
+        except RecursionError:
+            # Bodies are checked for depth as they are read; this is the last line, not the first.
+            raise too_deep(MAX_DEPTH) from None
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:
             raise BadRequestError(
                 f"{name} holds a value that cannot be sent to a backend: {exc}", param=name

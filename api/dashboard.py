@@ -27,12 +27,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import wants_html
 from api.common import JSON, gateway
+from api.errors import NATIVE, READS, SSE_EVENT, UnprocessableError, documented
 from dispatch.gateway import TRANSIENT
 from dispatch.overview import Update, live_updates, model_names, overview
 from dispatch.recent import MAX_SAMPLES, read_samples
 from events.event import now_ms
 
 router = APIRouter(tags=["dashboard"])
+
+# The latest time a ledger id can name: its time part is an unsigned 64-bit count of ms. A larger
+# `since` would reach Redis as an id it refuses, which is the client's mistake, not an outage.
+MAX_MS: Final = 2**64 - 1
 
 # -- the page --------------------------------------------------------------------------------------
 
@@ -105,14 +110,14 @@ async def _send(
 # -- the endpoints -------------------------------------------------------------------------------------
 
 
-@router.get("/v1/dashboard/overview")
+@router.get("/v1/dashboard/overview", responses=documented(NATIVE, *READS))
 async def read_overview(request: Request) -> JSON:
     """The fleet, capacity and queue depth per model, recent tasks with their routing, incidents."""
     gw = gateway(request)
     return JSON(await gw.retrying(lambda: overview(gw.redis, gw.keys, memory=gw.memory)))
 
 
-@router.get("/v1/dashboard/keys")
+@router.get("/v1/dashboard/keys", responses=documented(NATIVE, *READS))
 async def read_keys(request: Request) -> JSON:
     """Each configured API key's use (by name, never the key) against its limits: requests, tokens
     today, tasks open, refusals by limit."""
@@ -121,10 +126,12 @@ async def read_keys(request: Request) -> JSON:
     return JSON({"keys": [u.to_dict() for u in usage]})
 
 
-@router.get("/v1/dashboard/samples")
+@router.get("/v1/dashboard/samples", responses=documented(NATIVE, 422, *READS))
 async def samples(
     request: Request,
-    since: int | None = Query(None, ge=0, description="ms since the epoch; default: the last hour"),
+    since: int | None = Query(
+        None, ge=0, le=MAX_MS, description="ms since the epoch; default: the last hour"
+    ),
     limit: int = Query(MAX_SAMPLES, ge=1, le=50_000, description="keep the newest this many"),
 ) -> JSON:
     """Decode tok/s samples per worker x model (completed tasks and benchmarks), oldest first.
@@ -152,14 +159,30 @@ def _sse(update: Update) -> bytes:
     return head.encode() + b"data: " + msgspec.json.encode(update.data) + b"\n\n"
 
 
-@router.get("/v1/dashboard/stream")
+@router.get(
+    "/v1/dashboard/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {"description": "the events", "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+        **documented(NATIVE, 422),
+    },
+)
 async def stream(
     request: Request,
-    after: str | None = Query(None, pattern=r"^\d+-\d+$", description="a ledger id: continue after it"),
+    after: str | None = Query(
+        None, pattern=r"^\d{1,20}-\d{1,20}$", description="a ledger id: continue after it"
+    ),
 ) -> StreamingResponse:
     """Server-Sent Events: `overview` (as GET /v1/dashboard/overview) when anything changed, and
     `samples` with each new decode-speed sample; every event's id is a ledger id. The stream ends
     after about 25 s with a `reconnect` event; continue with `?after=<its id>`."""
+    if after is not None and any(int(part) > MAX_MS for part in after.split("-")):
+        # Redis would refuse it: the client's mistake, not an outage.
+        raise UnprocessableError(
+            f"query.after: {after} is not a ledger id: each part is at most {MAX_MS}",
+            hint="continue after an id an event of this stream gave",
+            param="after",
+        )
     gw = gateway(request)
 
     async def body() -> AsyncIterator[bytes]:

@@ -28,7 +28,16 @@ import tiktoken
 from fastapi import APIRouter, Request
 
 from api.common import JSON, gateway, submit, task_headers
-from api.errors import BadRequestError, ClientGoneError, GenerationError, PayloadTooLargeError
+from api.errors import (
+    OLLAMA,
+    OPENAI,
+    SUBMITS,
+    BadRequestError,
+    ClientGoneError,
+    GenerationError,
+    PayloadTooLargeError,
+    documented,
+)
 from api.schemas import EmbeddingsCreate, OllamaEmbed, OllamaEmbeddings
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
@@ -286,7 +295,7 @@ def _duration_ns(done: Embedded, started_ns: int) -> tuple[int, int]:
     return time.perf_counter_ns() - started_ns, max(loads, default=0)
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", responses=documented(OPENAI, *SUBMITS))
 async def create_embeddings(body: EmbeddingsCreate, request: Request) -> JSON:
     """OpenAI's embeddings: one vector per input, as floats or (`encoding_format: "base64"`, what
     the `openai` client asks for by default) base64 of little-endian float32s."""
@@ -331,7 +340,7 @@ async def create_embeddings(body: EmbeddingsCreate, request: Request) -> JSON:
     )
 
 
-@router.post("/api/embed")
+@router.post("/api/embed", responses=documented(OLLAMA, *SUBMITS))
 async def embed(body: OllamaEmbed, request: Request) -> JSON:
     """Ollama's embeddings: `embeddings` (one per input), `total_duration`, `load_duration` and
     `prompt_eval_count`. No input only loads the model, as Ollama does (here: checks it is served)."""
@@ -365,7 +374,7 @@ async def embed(body: OllamaEmbed, request: Request) -> JSON:
     )
 
 
-@router.post("/api/embeddings")
+@router.post("/api/embeddings", responses=documented(OLLAMA, *SUBMITS))
 async def embeddings(body: OllamaEmbeddings, request: Request) -> JSON:
     """Ollama's older endpoint: one `prompt`, one `embedding` (empty for no prompt)."""
     if not body.prompt:

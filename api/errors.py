@@ -109,6 +109,14 @@ class ModelNotFoundError(ApiError):
     openai_code = "model_not_found"
 
 
+class MethodNotAllowedError(ApiError):
+    """Raised when a path exists but not with the request's method; `Allow` lists the ones it has."""
+
+    status = 405
+    type = "method_not_allowed"
+    openai_code = "method_not_allowed"
+
+
 class ConflictError(ApiError):
     """Raised when a request conflicts with the task's state (cancelling a finished task)."""
 
@@ -268,9 +276,22 @@ def render(exc: ApiError, surface: str) -> bytes:
     return _enc.encode({"error": {"type": exc.type, "message": exc.message, "hint": exc.hint, **exc.extra}})
 
 
+def malformed_json() -> BadRequestError:
+    """A body that is not JSON at all."""
+    return BadRequestError("the body is not valid JSON", hint="send a JSON object")
+
+
+def too_deep(limit: int) -> BadRequestError:
+    """A body nested deeper than the API reads: refused by depth, never by running out of stack."""
+    return BadRequestError(
+        f"the body is not valid JSON for this API: it nests arrays and objects more than {limit} deep",
+        hint=f"send a flatter body (at most {limit} levels of arrays and objects)",
+    )
+
+
 def _openai_type(exc: ApiError) -> str:
     # OpenAI's `type` is a coarse family; clients branch on the status code and `code`.
-    if exc.status in (400, 404, 409, 413, 415, 422):
+    if exc.status in (400, 404, 405, 409, 413, 415, 422):
         return "invalid_request_error"
     if exc.status == 401:
         return "authentication_error"
@@ -288,3 +309,103 @@ def surface_of(path: str) -> str:
     if path.startswith(("/v1/chat/", "/v1/completions", "/v1/models", "/v1/embeddings")):
         return OPENAI
     return NATIVE
+
+
+# -- the error shapes in the OpenAPI document --------------------------------------------------------
+# What render() writes, as schemas: each route documents its errors in its surface's shape.
+
+
+class NativeErrorDetail(msgspec.Struct, kw_only=True):
+    """What went wrong; some errors add data of their own (`available` models, the `limit` hit…)."""
+
+    type: str
+    message: str
+    hint: str | None
+
+
+class NativeError(msgspec.Struct, kw_only=True):
+    """An error of the native API (and of the fleet, pipeline, dashboard and operations routes)."""
+
+    error: NativeErrorDetail
+
+
+class OpenAIErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class OpenAIError(msgspec.Struct, kw_only=True):
+    """An error as OpenAI's API answers it (the `openai` client raises it as its own error)."""
+
+    error: OpenAIErrorDetail
+
+
+class OllamaError(msgspec.Struct, kw_only=True):
+    """An error as Ollama answers it."""
+
+    error: str
+
+
+_SHAPES: Final[dict[str, type[msgspec.Struct]]] = {
+    NATIVE: NativeError,
+    OPENAI: OpenAIError,
+    OLLAMA: OllamaError,
+}
+# What a route that reads Redis may answer besides its own errors; what one that submits a task may.
+READS: Final = (503,)
+SUBMITS: Final = (400, 404, 413, 422, 429, 502, 503, 504)
+_REF: Final = "#/components/schemas/{name}"
+# Why each status may be answered, as the document says it.
+_WHY: Final[dict[int, str]] = {
+    400: "malformed JSON, a body nested too deep, or a request the fleet cannot serve as asked "
+    "(see the message)",
+    401: "missing or wrong API key (only where keys are configured)",
+    403: "a host name or web origin this API does not answer to",
+    404: "nothing by that name (model, task, pipeline)",
+    409: "the task has finished already",
+    413: "the body, or its list of messages, is over the configured limit",
+    415: "the body is not sent as application/json",
+    422: "a body or a parameter of the wrong type or out of range",
+    429: "the API key is over one of its limits (see Retry-After)",
+    502: "the task ended without an answer",
+    503: "Redis is unreachable or near its memory limit, or the model's queue is full (see Retry-After)",
+    504: "the answer did not come within the time the API waits",
+}
+
+
+def error_schemas() -> dict[str, Any]:
+    """The OpenAPI component schemas of the three error shapes."""
+    _, components = msgspec.json.schema_components(tuple(_SHAPES.values()), ref_template=_REF)
+    return components
+
+
+def documented(surface: str, *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses`: each status with its reason, in the error shape of `surface`. The
+    guard's own (401, 403, 413, 415) are added to every route by api.app."""
+    ref = {"$ref": _REF.format(name=_SHAPES[surface].__name__)}
+    return {
+        status: {"description": _WHY[status], "content": {"application/json": {"schema": ref}}}
+        for status in statuses
+    }
+
+
+# One Server-Sent Event, as a client reads it off the stream.
+SSE_EVENT: Final = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}},
+}
+
+
+def streamed(media_type: str, status: int = 200) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses` for an answer that comes whole as JSON or, when asked, streamed."""
+    # Before OpenAPI 3.2, an event stream's schema is that of each event.
+    stream = {"schema": SSE_EVENT} if media_type == "text/event-stream" else {}
+    return {
+        status: {
+            "description": f"the answer: whole, or streamed as {media_type} when the request asks",
+            "content": {"application/json": {"schema": {}}, media_type: stream},
+        }
+    }

@@ -8,8 +8,8 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 
 from api.common import JSON, gateway, options_policy
-from api.errors import BadRequestError, answer, model_not_found
-from api.schemas import BenchCreate
+from api.errors import NATIVE, READS, BadRequestError, answer, documented, model_not_found
+from api.schemas import MAX_TOKENS, BenchCreate
 from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
 from dispatch.errors import DispatchError, ModelNotServedError
 from dispatch.lease import resources_of
@@ -28,7 +28,7 @@ def _stamped(s: Stamped, now: int) -> dict[str, Any]:
     return {"value": s.value, "at": s.at, "age_s": None if s.at is None else max(0.0, (now - s.at) / 1000)}
 
 
-@router.get("/v1/fleet")
+@router.get("/v1/fleet", responses=documented(NATIVE, *READS))
 async def read_fleet(request: Request) -> JSON:
     """Every known worker (live leases and the fleet table), and live slots per model.
 
@@ -90,7 +90,7 @@ def _stat(s: Stat, now: int) -> dict[str, Any]:
     return {"n": s.n, "mean": s.mean, "decayed_mean": s.decayed_mean, "age_s": s.age_s(now)}
 
 
-@router.get("/v1/stats")
+@router.get("/v1/stats", responses=documented(NATIVE, *READS))
 async def stats(request: Request) -> JSON:
     """The projection tables with sample counts and ages (what the router's estimates start from),
     and each API key's use against its limits."""
@@ -133,12 +133,12 @@ async def stats(request: Request) -> JSON:
     )
 
 
-@router.get("/v1/route/preview")
+@router.get("/v1/route/preview", responses=documented(NATIVE, 400, 404, 422, *READS))
 async def route_preview(
     request: Request,
     model: str = Query(description="a model name, alias, digest prefix, or 'auto'"),
     domain: str = Query("general"),
-    tokens: int | None = Query(None, ge=1, description="the request's max tokens"),
+    tokens: int | None = Query(None, ge=1, le=MAX_TOKENS, description="the request's max tokens"),
 ) -> JSON:
     """What the router would do with such a request now: candidates with every term, and the plan.
 
@@ -159,7 +159,7 @@ async def route_preview(
     return JSON(msgspec.to_builtins(out))
 
 
-@router.post("/v1/bench", status_code=202)
+@router.post("/v1/bench", status_code=202, responses=documented(NATIVE, 400, 404, 422, *READS))
 async def bench(request: Request, body: BenchCreate) -> JSON:
     """Benchmark every live holder of the model (every served model when none is named): `count`
     speed prompts and `count` of the domain's graded prompts go to each holder's background

@@ -21,7 +21,17 @@ from api.common import (
     task_headers,
     waited,
 )
-from api.errors import NATIVE, ApiError, BadRequestError, NotFoundError, render
+from api.errors import (
+    NATIVE,
+    READS,
+    SUBMITS,
+    ApiError,
+    BadRequestError,
+    NotFoundError,
+    documented,
+    render,
+    streamed,
+)
 from api.schemas import TaskCreate, request_body
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
@@ -57,7 +67,12 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
     )
 
 
-@router.post("/v1/tasks", status_code=202, openapi_extra=request_body(TaskCreate))
+@router.post(
+    "/v1/tasks",
+    status_code=202,
+    openapi_extra=request_body(TaskCreate),
+    responses={**streamed("text/event-stream"), **documented(NATIVE, *SUBMITS)},
+)
 async def create_task(request: Request) -> Response:
     """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
     body = await read_body(request, TaskCreate)
@@ -113,14 +128,14 @@ def _error(exc: ApiError) -> bytes:
     return b"event: error\n" + sse(render(exc, NATIVE))
 
 
-@router.get("/v1/tasks/{task_id}")
+@router.get("/v1/tasks/{task_id}", responses=documented(NATIVE, 404, *READS))
 async def read_task(task_id: str, request: Request) -> JSON:
     """Status, result, who ran it, timings, attempts and the routing breakdown."""
     gw = gateway(request)
     return JSON(await gw.retrying(lambda: gw.view(task_id)))
 
 
-@router.get("/v1/tasks/{task_id}/events")
+@router.get("/v1/tasks/{task_id}/events", responses=documented(NATIVE, 404, *READS))
 async def task_events(task_id: str, request: Request) -> JSON:
     """The task's history from the ledger, in order: the entries its row lists and the unfolded
     tail (O(events of the task), not O(ledger))."""
@@ -132,7 +147,13 @@ async def task_events(task_id: str, request: Request) -> JSON:
     return JSON({"task_id": task_id, "events": events})
 
 
-@router.delete("/v1/tasks/{task_id}")
+@router.delete(
+    "/v1/tasks/{task_id}",
+    responses={
+        202: {"description": "the task runs, and is told to stop", "content": {"application/json": {}}},
+        **documented(NATIVE, 404, 409, *READS),
+    },
+)
 async def cancel_task(task_id: str, request: Request) -> JSON:
     """Cancel: a queued task is removed at once; a running one is told to stop (202)."""
     gw = gateway(request)

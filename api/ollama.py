@@ -17,7 +17,17 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 from api.common import JSON, Answer, check_messages, encode, gateway, read_body, stream, submit, task_answer
-from api.errors import OLLAMA, ApiError, BadRequestError, model_not_found, render
+from api.errors import (
+    OLLAMA,
+    READS,
+    SUBMITS,
+    ApiError,
+    BadRequestError,
+    documented,
+    model_not_found,
+    render,
+    streamed,
+)
 from api.pipelines import pipeline_answer, refuse_unsupported
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow, request_body
 from api.tools import check_tools, ollama_calls
@@ -53,7 +63,7 @@ async def version() -> JSON:
     return JSON({"version": OLLAMA_VERSION})
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", responses=documented(OLLAMA, *READS))
 async def tags(request: Request) -> JSON:
     """Every model the live fleet serves, in Ollama's full shape (`name`, `model`, `modified_at`,
     `size`, `digest`, `details`: clients index them), and `capabilities` (an extension: Ollama's
@@ -115,7 +125,7 @@ def _virtual_capabilities(name: str, leases: dict[str, LeaseInfo]) -> list[str]:
     return list(found)
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", responses=documented(OLLAMA, *READS))
 async def ps(request: Request) -> JSON:
     """Each model loaded somewhere in the live fleet, once, as its backends' /api/ps report it
     (sizes, expiry) at their last heartbeat: `expires_at` the latest of them, and `workers` (an
@@ -155,7 +165,7 @@ async def ps(request: Request) -> JSON:
     return JSON({"models": list(by_digest.values())})
 
 
-@router.post("/api/show")
+@router.post("/api/show", responses=documented(OLLAMA, 400, 404, 422, *READS))
 async def show(body: OllamaShow, request: Request) -> JSON:
     """What the holders' backends say of the model (their own /api/show, cached per digest by each
     worker): capabilities, template, parameters, details and model_info; what none says is absent."""
@@ -269,7 +279,11 @@ async def _loaded(request: Request, model: str, key: str) -> JSON:
     return JSON({"model": model, "created_at": rfc3339(), key: empty, "done": True, "done_reason": "load"})
 
 
-@router.post("/api/chat", openapi_extra=request_body(OllamaChat))
+@router.post(
+    "/api/chat",
+    openapi_extra=request_body(OllamaChat),
+    responses={**streamed(NDJSON), **documented(OLLAMA, *SUBMITS)},
+)
 async def chat(request: Request) -> Response:
     body = await read_body(request, OllamaChat)
     messages = [m.to_message() for m in body.messages or []]
@@ -299,7 +313,7 @@ async def chat(request: Request) -> Response:
     return await _respond(ans, body.stream is not False, "message")
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", responses={**streamed(NDJSON), **documented(OLLAMA, *SUBMITS)})
 async def generate(body: OllamaGenerate, request: Request) -> Response:
     if not body.prompt:
         return await _loaded(request, body.model, "response")

@@ -32,7 +32,7 @@ from api.common import (
     unix_now,
     usage,
 )
-from api.errors import OPENAI, BadRequestError, model_not_found
+from api.errors import OPENAI, READS, SUBMITS, BadRequestError, documented, model_not_found, streamed
 from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
 from api.schemas import ChatCompletionCreate, CompletionCreate, request_body
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
@@ -99,7 +99,7 @@ def _single(n: int | None) -> None:
         raise BadRequestError("only n=1 is supported", param="n", hint="send n separate requests")
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=documented(OPENAI, *READS))
 async def list_models(request: Request) -> JSON:
     """Every model name and alias the live fleet serves, plus `auto` (the router picks)."""
     gw = gateway(request)
@@ -116,7 +116,7 @@ async def list_models(request: Request) -> JSON:
     return JSON({"object": "list", "data": data})
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", responses=documented(OPENAI, 404, *READS))
 async def read_model(model: str, request: Request) -> JSON:
     """One model, as OpenAI's models.retrieve reads it."""
     gw = gateway(request)
@@ -135,7 +135,11 @@ def _model(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "routeledger", **extra}
 
 
-@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionCreate))
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=request_body(ChatCompletionCreate),
+    responses={**streamed("text/event-stream"), **documented(OPENAI, *SUBMITS)},
+)
 async def chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionCreate)
     _single(body.n)
@@ -241,7 +245,7 @@ async def _chat_chunks(ans: Answer, cid: str, created: int, include_usage: bool)
     yield b"data: [DONE]\n\n"
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses={**streamed("text/event-stream"), **documented(OPENAI, *SUBMITS)})
 async def completions(body: CompletionCreate, request: Request) -> Response:
     _single(body.n)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt

@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from api.auth import API_KEY
 from api.common import JSON, Answer, gateway, options_policy
-from api.errors import BadRequestError, NotFoundError, answer
-from api.schemas import MAX_TOKENS
+from api.errors import NATIVE, READS, SUBMITS, BadRequestError, NotFoundError, answer, documented
+from api.schemas import MAX_WAIT_S, Body, TokenCount, integral
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT
 from dispatch.payload import Message, Result
@@ -38,11 +38,7 @@ router = APIRouter(tags=["pipelines"])
 _background: set[asyncio.Task[None]] = set()
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class ChildCreate(_Body):
+class ChildCreate(Body):
     """One explicit child: its prompt and the model that answers it."""
 
     prompt: str = Field(min_length=1)
@@ -50,10 +46,10 @@ class ChildCreate(_Body):
         None, description="a model the fleet serves, or 'auto'; default: the pipeline's"
     )
     domain: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: TokenCount | None = None
 
 
-class PipelineCreate(_Body):
+class PipelineCreate(Body):
     """POST /v1/pipelines: explicit `children`, or one `prompt` for the decomposer to split."""
 
     prompt: str | None = Field(
@@ -67,14 +63,18 @@ class PipelineCreate(_Body):
     integration_prompt: str | None = Field(None, description="how to combine the answers")
     integration_model: str | None = None
     policy: Literal["fail_fast", "best_effort"] = FAIL_FAST
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="each child's output limit")
-    integration_max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_children: int = Field(8, ge=1, le=MAX_CHILDREN, description="most sub-prompts a decomposer may give")
+    max_tokens: TokenCount | None = Field(None, description="each child's output limit")
+    integration_max_tokens: TokenCount | None = None
+    max_children: Annotated[int, Field(ge=1, le=MAX_CHILDREN), BeforeValidator(integral)] = Field(
+        8, description="most sub-prompts a decomposer may give"
+    )
     wait: bool = Field(
         True, description="answer when the pipeline has finished; false: 202 once children are queued"
     )
     # At least a second: a shorter wait could only ever end in a 504.
-    timeout_s: float | None = Field(None, ge=1, description="how long a waiting request waits (at least 1 s)")
+    timeout_s: float | None = Field(
+        None, ge=1, le=MAX_WAIT_S, description="how long a waiting request waits (1 s to a day)"
+    )
 
 
 def default_model(request: Request) -> str:
@@ -129,7 +129,13 @@ def _headers(coord: Coordinator) -> dict[str, str]:
     return {"X-Routeledger-Pipeline": coord.pipeline_id}
 
 
-@router.post("/v1/pipelines")
+@router.post(
+    "/v1/pipelines",
+    responses={
+        202: {"description": "the children are queued (`wait`: false)", "content": {"application/json": {}}},
+        **documented(NATIVE, *SUBMITS),
+    },
+)
 async def create_pipeline(body: PipelineCreate, request: Request) -> Response:
     """Run a pipeline. `wait` (default) answers when it finished, else 202 once its children are queued."""
     coord = coordinator(request, body)
@@ -158,7 +164,7 @@ async def _quietly(run: Awaitable[None]) -> None:
         log.warning("background pipeline lost Redis: %s", exc)
 
 
-@router.get("/v1/pipelines/{pipeline_id}")
+@router.get("/v1/pipelines/{pipeline_id}", responses=documented(NATIVE, 404, *READS))
 async def read_pipeline(pipeline_id: str, request: Request) -> JSON:
     """The pipeline's tree: fan-out vs capacity, the plan, and who ran each child, when and how long."""
     gw = gateway(request)

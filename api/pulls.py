@@ -23,11 +23,14 @@ from starlette.responses import Response
 
 from api.common import JSON, encode, gateway
 from api.errors import (
+    OLLAMA,
     ApiError,
     BadRequestError,
     GenerationError,
     NotFoundError,
     WaitTimeoutError,
+    documented,
+    streamed,
 )
 from api.relay import RelayResponse
 from api.schemas import OllamaDelete, OllamaPull
@@ -41,6 +44,8 @@ router = APIRouter(tags=["ollama"])
 NDJSON: Final = "application/x-ndjson"
 # The kind of backend whose server can pull and delete (workers.backend.Pulling).
 PULLING_KIND: Final = "ollama"
+# What the routes answer besides 200, as the OpenAPI document lists it.
+_ANSWERS: Final = (400, 404, 422, 502, 503, 504)
 
 
 class Outcome:
@@ -52,7 +57,7 @@ class Outcome:
         self.failure = failure
 
 
-@router.post("/api/pull")
+@router.post("/api/pull", responses={**streamed(NDJSON), **documented(OLLAMA, *_ANSWERS)})
 async def pull(body: OllamaPull, request: Request) -> Response:
     """Pull a model onto the machines that lack it (or the one named), streaming Ollama's progress."""
     model = _model(body.model or body.name)
@@ -71,7 +76,11 @@ async def pull(body: OllamaPull, request: Request) -> Response:
     return RelayResponse(_pull_lines(gw, model, started), media_type=NDJSON)
 
 
-@router.delete("/api/delete")
+@router.delete(
+    "/api/delete",
+    response_class=Response,
+    responses={200: {"description": "deleted: no body, as Ollama answers"}, **documented(OLLAMA, *_ANSWERS)},
+)
 async def delete(body: OllamaDelete, request: Request) -> Response:
     """Delete a model from the machines that hold it (or the one named); 404 when none does."""
     model = _model(body.model or body.name)

@@ -2,28 +2,94 @@
 routes, pydantic (through FastAPI) for the rest.
 
 Fields a client library sends that routeledger does not use are accepted and ignored, as the
-original servers do; wrong types are refused with 422.
+original servers do; wrong types are refused with 422, and so is a value of another JSON type
+than the schema says (`"wait": 0`, `"max_tokens": "5"`; 5.0 is an integer, as JSON Schema counts
+it): the document is the contract, and OpenAI's and Ollama's own servers refuse such values too,
+so no client written against them sends one. A body whose fields nest arrays and objects more
+than MAX_DEPTH deep is a 400.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterable
 from typing import Annotated, Any, Final
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from api.images import part_images
 from api.tools import message_calls
+from dispatch.options import RUNTIME_OPTIONS, SAMPLING_OPTIONS, OptionsPolicy
 from dispatch.payload import Message
 
 # Far above any model's context, and small enough to travel to a backend as a 64-bit integer.
 MAX_TOKENS = 1_000_000
+# The longest a request may ask to wait (`timeout_s`): longer than anyone holds a connection open
+# for an answer, and short enough that deadlines stay finite numbers (1e308 s would not).
+MAX_WAIT_S: Final = 86_400.0
+# The deepest nesting of arrays and objects a body may have. Real requests stay far below it (a
+# JSON schema for structured output or a tool's parameters nests a few levels; OpenAI allows 10
+# levels of objects there), and it keeps every recursive step after decoding (the msgpack
+# encoder, the worker's JSON encoder, repr) far from Python's recursion limit of 1000, which a body
+# about 1000 deep reaches wherever it happens to be read. serde_json stops at the same depth.
+MAX_DEPTH: Final = 128
+# The type of the pydantic error a body nested too deep gets (answered as a 400: api.app).
+TOO_DEEP: Final = "json_too_deep"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def nested_deeper(value: object, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests arrays and objects (a struct counts as an object) more than `limit`
+    deep. Iterative, so that no depth of input can exhaust the stack here."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children: Iterable[object]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        elif isinstance(item, msgspec.Struct):
+            children = msgspec.structs.astuple(item)
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def integral(value: Any) -> Any:
+    """A number without a fraction (1.0) as an int: JSON Schema, and so the document, counts it as
+    an integer, which strict types would refuse. For the pydantic bodies' integer fields, declared
+    as Annotated[int, Field(ge=…, le=…), BeforeValidator(integral)]: bounds first, or pydantic
+    would leave them out of the document."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS), BeforeValidator(integral)]
+
+
+class Body(BaseModel):
+    """A pydantic request body: unknown fields ignored, types strict (see above), no infinities
+    (which Python's JSON parser reads, and no backend does), nesting at most MAX_DEPTH deep."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shallow(cls, data: Any) -> Any:
+        # The fields it reads, as for the msgspec bodies: a field it ignores reaches nothing.
+        read = [v for k, v in data.items() if k in cls.model_fields] if isinstance(data, dict) else data
+        if nested_deeper(read):
+            raise PydanticCustomError(TOO_DEEP, "nested more than {limit} deep", {"limit": MAX_DEPTH})
+        return data
+
+
+# The name the bodies were declared with before Body was shared with api.pipelines.
+_Body = Body
 
 
 def _check_base64(images: list[str] | None) -> None:
@@ -125,8 +191,8 @@ class TaskCreate(msgspec.Struct, kw_only=True):
     )
     # At least a second: a shorter wait could only ever end in a 504.
     timeout_s: Annotated[
-        Annotated[float, msgspec.Meta(ge=1)] | None,
-        msgspec.Meta(description="how long a waiting or streaming request waits (at least 1 s)"),
+        Annotated[float, msgspec.Meta(ge=1, le=MAX_WAIT_S)] | None,
+        msgspec.Meta(description="how long a waiting or streaming request waits (1 s to a day)"),
     ] = None
 
     def __post_init__(self) -> None:
@@ -193,29 +259,29 @@ def request_body(kind: type[msgspec.Struct]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-class StreamOptionsBody(_Body):
+class StreamOptionsBody(Body):
     include_usage: bool = False
 
 
-class CompletionCreate(_Body):
+class CompletionCreate(Body):
     """POST /v1/completions (OpenAI, legacy)."""
 
     model: str
     prompt: str | list[str]
     stream: bool | None = False
     stream_options: StreamOptionsBody | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: TokenCount | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(integral)] | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1, le=MAX_TOKENS)
+    n: TokenCount | None = 1
     suffix: str | None = None
     user: str | None = None
     domain: str | None = None
 
 
-class OllamaGenerate(_Body):
+class OllamaGenerate(Body):
     """POST /api/generate (Ollama); an empty prompt only loads the model, as Ollama does."""
 
     model: str
@@ -231,7 +297,7 @@ class OllamaGenerate(_Body):
     think: bool | str | None = None
 
 
-class OllamaShow(_Body):
+class OllamaShow(Body):
     """POST /api/show (Ollama); `name` is the older spelling of `model`."""
 
     model: str | None = None
@@ -239,41 +305,286 @@ class OllamaShow(_Body):
     verbose: bool | None = None
 
 
-class BenchCreate(_Body):
+class OllamaPull(Body):
+    """POST /api/pull (Ollama) over the fleet; `name` is the older spelling of `model`. `worker` (an
+    extension): the machine to pull onto; without it, every live Ollama worker that lacks the model."""
+
+    model: str | None = None
+    name: str | None = None
+    insecure: bool = False
+    stream: bool | None = None
+    worker: str | None = None
+
+
+class OllamaDelete(Body):
+    """DELETE /api/delete (Ollama) over the fleet. `worker` (an extension): the machine to delete it
+    from; without it, every live Ollama worker that holds it."""
+
+    model: str | None = None
+    name: str | None = None
+    worker: str | None = None
+
+
+class BenchCreate(Body):
     """POST /v1/bench: benchmark every live holder of a model (or of every model)."""
 
     model: str | None = None
     worker: str | None = None
     domain: str | None = None
-    count: int | None = Field(default=None, ge=1, le=50)
+    count: Annotated[int, Field(ge=1, le=50), BeforeValidator(integral)] | None = None
 
 
-class EmbeddingsCreate(_Body):
+class EmbeddingsCreate(Body):
     """POST /v1/embeddings (OpenAI): `input` is a string, a list of strings, or token arrays
     (a list of integers, or a list of them), which api.embeddings decodes with cl100k_base."""
 
     model: str
     input: Any = None
     encoding_format: str | None = None
-    dimensions: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    dimensions: TokenCount | None = None
     user: str | None = None
 
 
-class OllamaEmbed(_Body):
+class OllamaEmbed(Body):
     """POST /api/embed (Ollama): `input` is a string or a list of strings; none only loads the model."""
 
     model: str
     input: str | list[str] | None = None
     truncate: bool | None = None
-    dimensions: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    dimensions: TokenCount | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
 
 
-class OllamaEmbeddings(_Body):
+class OllamaEmbeddings(Body):
     """POST /api/embeddings (Ollama's older endpoint): one `prompt`, one vector."""
 
     model: str
     prompt: str | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = None
+
+
+# -- what the checks after decoding refuse, told in the document -----------------------------------
+# The types above say what decodes; these say what is then served: each refusal that a schema can
+# state (a tool without a name, an empty message list, a domain outside the configured ones…), so
+# that a client generated from the document, or a fuzzer, sends what is accepted. What no schema
+# can state (a capability the serving model lacks, two tools of one name, a tool_choice naming a tool
+# not offered, an integer over 64 bits inside free-form values) is listed in the README ("HTTP API").
+
+# Base64 as the image checks take it (binascii's strict mode: the alphabet, then padding).
+BASE64: Final = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_IMAGES: Final = {"items": {"type": "string", "pattern": BASE64}}
+# A function tool as api.tools.check_tools takes it.
+_TOOLS: Final = {
+    "items": {
+        "type": "object",
+        "required": ["function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": r"\S"},
+                    "description": {"type": ["string", "null"]},
+                    "parameters": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {"type": "object", "properties": {"type": {"const": "object"}}},
+                        ]
+                    },
+                },
+            },
+        },
+    }
+}
+# An earlier call sent back on an assistant message (api.tools.message_calls).
+_TOOL_CALLS: Final = {
+    "items": {
+        "type": "object",
+        "required": ["function"],
+        "properties": {
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string", "minLength": 1}},
+            }
+        },
+    }
+}
+# OpenAI's response_format as api.openai reads it.
+_RESPONSE_FORMAT: Final = {
+    "anyOf": [
+        {"type": "null"},
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {"schema": {"type": "object"}},
+                },
+            },
+        },
+    ]
+}
+_TOOL_CHOICE: Final = {
+    "anyOf": [
+        {"type": "null"},
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ]
+}
+
+
+# Most inputs one embedding request may carry (OpenAI's own limit; api.embeddings).
+MAX_INPUTS: Final = 2048
+# A token id of cl100k_base, the encoding OpenAI's `input` token arrays are decoded with: its
+# 100256 ordinary tokens and its five special ones (the ids between are unused).
+_TOKEN: Final = {
+    "type": "integer",
+    "anyOf": [{"minimum": 0, "maximum": 100_255}, {"enum": [100_257, 100_258, 100_259, 100_260, 100_276]}],
+}
+# OpenAI's embedding `input`: a text, texts, one token array, or token arrays; nothing empty.
+_EMBEDDING_INPUT: Final = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_INPUTS,
+            "items": {"type": "string", "minLength": 1},
+        },
+        {"type": "array", "minItems": 1, "items": _TOKEN},
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_INPUTS,
+            "items": {"type": "array", "minItems": 1, "items": _TOKEN},
+        },
+    ]
+}
+
+
+def _named(*, stripped: bool) -> dict[str, Any]:
+    """A body that names its model as `model` or, where that is null or empty, as `name` (Ollama's
+    older spelling). `stripped`: a name of spaces is no name."""
+    name = {"type": "string", "pattern": r"\S"} if stripped else {"type": "string", "minLength": 1}
+    unset = {"anyOf": [{"type": "null"}, {"const": ""}]}
+    return {
+        "anyOf": [
+            {"required": ["model"], "properties": {"model": name}},
+            {"required": ["name"], "properties": {"model": unset, "name": name}},
+        ]
+    }
+
+
+def options_schema(policy: OptionsPolicy) -> dict[str, Any]:
+    """What `options` may hold under `policy` (dispatch.options): its names, and num_ctx's limit
+    where runtime options are refused; the values go to the backend as they are."""
+    names = SAMPLING_OPTIONS | (RUNTIME_OPTIONS if policy.allow_runtime_options else {"num_ctx"})
+    properties: dict[str, Any] = {name: {} for name in sorted(names)}
+    if not policy.allow_runtime_options:
+        properties["num_ctx"] = {"type": "integer", "maximum": policy.max_num_ctx}
+    return {"properties": properties, "additionalProperties": False}
+
+
+def refine(
+    components: dict[str, Any],
+    *,
+    domains: Iterable[str],
+    bench_domains: Iterable[str],
+    options: dict[str, Any],
+    max_messages: int,
+) -> None:
+    """Add to the bodies' component schemas what is refused after they decode (see above), under
+    the app's configuration: its domains, its options policy (`options`: the schema of what it
+    accepts) and its message limit."""
+    domain = {"enum": [*domains, None]}
+    messages = {"maxItems": max_messages}
+    # A task is a chat (messages) or a completion (a prompt, which cannot call tools).
+    task = {
+        "anyOf": [
+            {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1}}},
+            {
+                "required": ["prompt"],
+                "properties": {
+                    "prompt": {"type": "string"},
+                    "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+                },
+            },
+        ]
+    }
+    refined: dict[str, dict[str | None, dict[str, Any]]] = {
+        "ChatMessage": {"images": _IMAGES, "tool_calls": _TOOL_CALLS},
+        "TaskCreate": {
+            None: task,
+            "domain": domain,
+            "messages": messages,
+            "options": options,
+            "tools": _TOOLS,
+            "images": _IMAGES,
+        },
+        "ChatCompletionCreate": {
+            "domain": domain,
+            "messages": {"minItems": 1, **messages},
+            "n": {"enum": [1, None]},
+            "response_format": _RESPONSE_FORMAT,
+            "tools": _TOOLS,
+            "tool_choice": _TOOL_CHOICE,
+        },
+        "OllamaChat": {"messages": messages, "options": options, "tools": _TOOLS},
+        # An exact bound: FastAPI writes pydantic's bounds as floats, and 2**63 - 1 is not one.
+        "CompletionCreate": {
+            "seed": {
+                "anyOf": [{"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, {"type": "null"}]
+            },
+            "domain": domain,
+            "n": {"enum": [1, None]},
+            "prompt": {"minItems": 1, "maxItems": 1},
+        },
+        "OllamaGenerate": {"images": _IMAGES, "options": options},
+        "OllamaShow": {None: _named(stripped=False)},
+        "OllamaPull": {None: _named(stripped=True)},
+        "OllamaDelete": {None: _named(stripped=True)},
+        "EmbeddingsCreate": {
+            None: {"required": ["model", "input"]},
+            "input": _EMBEDDING_INPUT,
+            "encoding_format": {"enum": ["float", "base64", None]},
+        },
+        "OllamaEmbed": {"input": {"items": {"minLength": 1}, "maxItems": MAX_INPUTS}, "options": options},
+        "OllamaEmbeddings": {"options": options},
+        "BenchCreate": {"domain": {"enum": [*bench_domains, None]}},
+        "PipelineCreate": {
+            None: {
+                "anyOf": [
+                    {"required": ["children"], "properties": {"children": {"type": "array"}}},
+                    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                ]
+            }
+        },
+        "ChildCreate": {"domain": domain},
+    }
+    for name, fields in refined.items():
+        schema = components.get(name)
+        if schema is None:
+            continue
+        for field, extra in fields.items():
+            target = schema if field is None else schema.get("properties", {}).get(field)
+            if target is not None:
+                target.update(extra)
