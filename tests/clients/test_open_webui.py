@@ -59,7 +59,12 @@ def open_webui(instance: Routeledger, data_dir: Path) -> Iterator[str]:
     }
     log = (data_dir / "open-webui.log").open("w")
     proc = subprocess.Popen(
-        [EXECUTABLE, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT
+        # In its data dir: it writes a secret key file where it starts.
+        [EXECUTABLE, "serve", "--port", str(port)],
+        env=env,
+        cwd=data_dir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     try:
