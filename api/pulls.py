@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Final
+from collections.abc import AsyncIterator
+from typing import Any, Final, Literal
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from api.auth import API_KEY
 from api.common import JSON, encode, gateway
 from api.errors import (
     OLLAMA,
     ApiError,
     BadRequestError,
+    ForbiddenError,
     GenerationError,
     NotFoundError,
     WaitTimeoutError,
@@ -34,9 +37,10 @@ from api.errors import (
 )
 from api.relay import RelayResponse
 from api.schemas import OllamaDelete, OllamaPull
-from dispatch.control import ControlRequest, ControlTimeoutError, Op, Progress, follow, new_id, send
+from dispatch.control import ControlRequest, ControlTimeoutError, Failure, Op, Progress, follow, new_id, send
 from dispatch.gateway import Gateway
 from dispatch.lease import LeaseInfo
+from dispatch.quota import ApiKey
 from dispatch.serving import names_model
 
 router = APIRouter(tags=["ollama"])
@@ -48,19 +52,39 @@ PULLING_KIND: Final = "ollama"
 _ANSWERS: Final = (400, 404, 422, 502, 503, 504)
 
 
-class Outcome:
-    """How one machine's part ended: None when it succeeded, else its error and failure kind."""
+class Outcome(msgspec.Struct, frozen=True):
+    """How one machine's part ended: no error when it succeeded, else its error and failure kind."""
 
-    def __init__(self, worker: str, error: str | None = None, failure: str | None = None) -> None:
-        self.worker = worker
-        self.error = error
-        self.failure = failure
+    worker: str
+    error: str | None = None
+    failure: Failure | Literal["timeout"] | None = None
+
+
+def _may_manage(request: Request) -> None:
+    """Pulling and deleting change every user's fleet: a key of the operator's only (a plain
+    `api_keys` key, or a `[[keys]]` table with `manage_models = true`); anyone where no key is
+    configured (loopback, the default)."""
+    key: ApiKey | None = request.scope.get(API_KEY)
+    if key is not None and not key.manage_models:
+        raise ForbiddenError(
+            f"API key {key.name!r} may not pull or delete models: they change the fleet for everyone",
+            hint="use an operator's key (a plain api_keys one), or set manage_models = true in its "
+            "[[keys]] table",
+        )
 
 
 @router.post("/api/pull", responses={**streamed(NDJSON), **documented(OLLAMA, *_ANSWERS)})
 async def pull(body: OllamaPull, request: Request) -> Response:
     """Pull a model onto the machines that lack it (or the one named), streaming Ollama's progress."""
+    _may_manage(request)
     model = _model(body.model or body.name)
+    if body.insecure:
+        # Every machine would fetch over plain HTTP from whatever host the name names (its LAN too).
+        raise BadRequestError(
+            "insecure pulls are refused here: each machine would fetch the model over plain HTTP",
+            param="insecure",
+            hint="pull it on that machine itself (ollama pull --insecure), or from a registry with TLS",
+        )
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
     if body.worker is not None:
@@ -83,6 +107,7 @@ async def pull(body: OllamaPull, request: Request) -> Response:
 )
 async def delete(body: OllamaDelete, request: Request) -> Response:
     """Delete a model from the machines that hold it (or the one named); 404 when none does."""
+    _may_manage(request)
     model = _model(body.model or body.name)
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
@@ -123,13 +148,13 @@ def _pulling(leases: dict[str, LeaseInfo], op: Op) -> list[str]:
     """The live workers whose server can pull and delete, by name; 400 when there is none."""
     found = sorted(w for w, info in leases.items() if info.backend_kind == PULLING_KIND)
     if not found:
+        kinds = ", ".join(
+            f"{w} ({i.backend_kind or 'no kind reported: an older worker?'})"
+            for w, i in sorted(leases.items())
+        )
         raise BadRequestError(
             f"no live worker's server can {op} models: "
-            + (
-                f"{', '.join(sorted(leases))} run OpenAI-compatible servers"
-                if leases
-                else "no worker is live"
-            ),
+            + (f"the live ones run {kinds}" if leases else "no worker is live"),
             hint="put the model where each server loads models from and restart it",
             param="model",
         )
@@ -166,6 +191,8 @@ async def _merged(gw: Gateway, started: dict[str, str]) -> AsyncIterator[tuple[s
             await queue.put((worker, Outcome(worker, "its progress ended without an end", "backend")))
         except ControlTimeoutError as exc:
             await queue.put((worker, Outcome(worker, exc.message, "timeout")))
+        except Exception as exc:
+            await queue.put((worker, Outcome(worker, f"{type(exc).__name__}: {exc}", "backend")))
 
     tasks = [asyncio.create_task(one(w, i)) for w, i in started.items()]
     try:
@@ -211,11 +238,12 @@ def _failure_text(model: str, op: Op, failed: list[Outcome]) -> str:
 
 
 # The error a machine's failure answers with when the request waited for the whole outcome.
-_FAILURES: Final[dict[str | None, Callable[..., ApiError]]] = {
+_FAILURES: Final[dict[str | None, type[ApiError]]] = {
     "unsupported": BadRequestError,
     "refused": BadRequestError,
     "not_found": NotFoundError,
     "timeout": WaitTimeoutError,
+    "expired": WaitTimeoutError,
 }
 
 

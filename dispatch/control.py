@@ -12,6 +12,7 @@ change does (the worker reads its backend's list again at once).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from dispatch.errors import DispatchError
 from events.keys import Keys
@@ -33,12 +35,17 @@ PROGRESS_TTL_MS: Final = 600_000
 FIRST_LINE_S: Final = 15.0
 NEXT_LINE_S: Final = 600.0
 _BLOCK_MS: Final = 2_000
+# How long to wait before reading again after Redis failed.
+_RETRY_S: Final = 0.5
 
 Op = Literal["pull", "delete"]
+Failure = Literal["unsupported", "not_found", "refused", "backend", "expired"]
 
 
 class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One operator's request to one worker."""
+    """One operator's request to one worker. When it was asked is its entry's id (Redis's clock):
+    the worker skips one older than FIRST_LINE_S, whose caller was answered that it timed out, and
+    one whose id it has seen (an append the API retried after a lost reply)."""
 
     op: Op
     id: str
@@ -50,13 +57,14 @@ class ControlRequest(msgspec.Struct, frozen=True, kw_only=True):
 class Progress(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One entry of a request's progress: a line the backend sent (Ollama's own shape), or the end.
     `failure` says why it failed: `unsupported` (this machine's server cannot do it), `not_found`
-    (its server does not know the model), `refused` (its server refused the request) or `backend`
-    (its server could not be reached or broke off)."""
+    (its server does not know the model), `refused` (its server refused the request), `backend`
+    (its server could not be reached or broke off, or the worker stopped) or `expired` (the worker
+    took it up after its caller had been told it timed out)."""
 
     line: dict[str, Any] | None = None
     end: bool = False
     error: str | None = None
-    failure: str | None = None
+    failure: Failure | None = None
 
 
 class ControlTimeoutError(DispatchError):
@@ -92,6 +100,11 @@ async def cursor(redis: aioredis.Redis, keys: Keys, worker: str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
+def asked_ms(entry_id: str) -> int:
+    """When a request was appended, on Redis's clock (its entry id's first part)."""
+    return int(entry_id.partition("-")[0])
+
+
 async def requests(
     redis: aioredis.Redis, keys: Keys, worker: str, after: str, block_ms: int = _BLOCK_MS
 ) -> list[tuple[str, ControlRequest | None]]:
@@ -113,8 +126,11 @@ async def requests(
 async def report(redis: aioredis.Redis, keys: Keys, worker: str, request_id: str, progress: Progress) -> None:
     """Append one entry of a request's progress (the worker's own output stream for that id)."""
     key = keys.run_out(worker, request_id)
-    await redis.xadd(key, {"p": msgspec.msgpack.encode(progress)})
-    await redis.pexpire(key, PROGRESS_TTL_MS)
+    # One MULTI: the entry never outlives its expiry (one key, so one slot on a cluster).
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.xadd(key, {"p": msgspec.msgpack.encode(progress)})
+        pipe.pexpire(key, PROGRESS_TTL_MS)
+        await pipe.execute()
 
 
 async def follow(
@@ -126,7 +142,9 @@ async def follow(
     first_line_s: float = FIRST_LINE_S,
     next_line_s: float = NEXT_LINE_S,
 ) -> AsyncIterator[Progress]:
-    """Each entry of a request's progress, as the worker writes it, through its end."""
+    """Each entry of a request's progress, as the worker writes it, through its end (the first is
+    the worker's acknowledgement, with no line). ControlTimeoutError when the worker did not take it
+    up in time, went silent, or lost its lease (it stopped, or its machine did) before the end."""
     key = keys.run_out(worker, request_id)
     after = "0-0"
     started = False
@@ -140,7 +158,17 @@ async def follow(
                 f"worker {worker!r} {what} within {limit_s:g} s",
                 hint="check that worker's log; a worker older than this API cannot pull or delete",
             )
-        raw: Any = await redis.xread({key: after}, block=min(_BLOCK_MS, left_ms))
+        try:
+            raw: Any = await redis.xread({key: after}, block=min(_BLOCK_MS, left_ms))
+            if not raw and started and not await redis.exists(keys.live(worker)):
+                raise ControlTimeoutError(
+                    f"worker {worker!r} went offline before it finished",
+                    hint="its machine may hold part of the model; ask again once it is back",
+                )
+        except (RedisError, OSError, TimeoutError):
+            # A read is safe to repeat: Redis may be back before the deadline.
+            await asyncio.sleep(_RETRY_S)
+            continue
         if not raw:
             continue
         started = True

@@ -57,12 +57,14 @@ class ApiKey(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     max_queued: int | None = None
     # Higher priorities asked with this key are lowered to this one (not refused).
     max_priority: int | None = None
+    # May pull and delete models on the fleet's machines (api/pulls.py): plain `api_keys` may.
+    manage_models: bool = False
 
 
 def named_keys(plain: Sequence[str], tables: Sequence[ApiKey]) -> list[ApiKey]:
     """Every configured key: the plain ones (`api_keys`, named key-1, key-2… in order, no limits)
     and the named ones (`[[keys]]`). Raises ValueError on a repeated name or key."""
-    out = [ApiKey(name=f"key-{i}", key=k) for i, k in enumerate(plain, 1)] + list(tables)
+    out = [ApiKey(name=f"key-{i}", key=k, manage_models=True) for i, k in enumerate(plain, 1)] + list(tables)
     names = [k.name for k in out]
     if len(set(names)) != len(names):
         raise ValueError(

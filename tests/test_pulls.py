@@ -19,6 +19,7 @@ from redis.exceptions import NoPermissionError
 
 from api.app import AppConfig
 from dispatch.control import ControlRequest, ControlTimeoutError, cursor, follow, new_id, send
+from dispatch.quota import ApiKey
 from events.codec import decode_entry
 from events.event import WorkerChanged
 from events.keys import Keys
@@ -29,6 +30,8 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
 from tests.helpers import fast_config, running_agent
 from tests.test_api_support import fleet_and_api, serving
+from workers.backend import OllamaBackend
+from workers.control import Control
 
 # `talk` on both machines; `extra` on `a`, and `b` can be given it (the story's ELYZA).
 PULL_FLEET = """
@@ -220,3 +223,81 @@ async def test_a_request_no_worker_takes_up_ends_in_time_saying_so(redis_client:
     assert 0.3 <= time.monotonic() - started < 2.0
     # What was asked stays in that worker's stream for it to find; a new life skips it.
     assert await cursor(redis_client, keys, "gone") != "0-0"
+
+
+async def test_only_an_operators_key_may_pull_and_insecure_pulls_are_refused(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    tenant = ApiKey(name="tenant", key="k-tenant", rpm=60)
+    async with (
+        fleet_and_api(
+            redis_client,
+            redis_url,
+            workers=("a", "b"),
+            time_scale=0,
+            fleet=pull_fleet(),
+            api_keys=["k-operator"],
+            keys=[tenant, ApiKey(name="ops", key="k-ops", manage_models=True)],
+        ) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        body = {"model": "extra", "stream": False}
+        by_tenant = await http.post("/api/pull", json=body, headers={"authorization": "Bearer k-tenant"})
+        deleted_by_tenant = await http.request(
+            "DELETE", "/api/delete", json={"model": "extra"}, headers={"authorization": "Bearer k-tenant"}
+        )
+        insecure = await http.post(
+            "/api/pull", json={**body, "insecure": True}, headers={"authorization": "Bearer k-operator"}
+        )
+        by_ops = await http.post("/api/pull", json=body, headers={"authorization": "Bearer k-ops"})
+        by_operator = await http.post("/api/pull", json=body, headers={"authorization": "Bearer k-operator"})
+    assert by_tenant.status_code == 403 and "'tenant' may not pull" in by_tenant.json()["error"]
+    assert deleted_by_tenant.status_code == 403
+    assert insecure.status_code == 400 and "insecure" in insecure.json()["error"]
+    assert by_ops.status_code == 200 and by_operator.status_code == 200, (by_ops.text, by_operator.text)
+
+
+async def test_a_worker_runs_a_request_appended_twice_once_and_skips_one_its_caller_gave_up_on(
+    redis_client: aioredis.Redis,
+) -> None:
+    keys = Keys()
+    async with SimHosts(pull_fleet(), time_scale=0) as hosts:
+        backend = OllamaBackend(hosts.url("b"))
+        late = 0
+
+        async def changed() -> None:
+            return None
+
+        async def ledger_ms() -> int:
+            # The ledger's clock, moved on by `late` ms: a request asked that long ago.
+            return int(time.time() * 1000) + late
+
+        control = Control(redis_client, keys, "b", backend, changed, ledger_ms)
+        await control.start()
+        stopping = asyncio.Event()
+        running = asyncio.create_task(control.run(stopping))
+        try:
+            twice = ControlRequest(op="delete", id=new_id(), model="talk")
+            # An append the API retried after its reply was lost: the same request twice.
+            await send(redis_client, keys, "b", twice)
+            await send(redis_client, keys, "b", twice)
+            first = [p async for p in follow(redis_client, keys, "b", twice.id, first_line_s=5)]
+            await asyncio.sleep(0.5)
+            entries = await redis_client.xlen(keys.run_out("b", twice.id))
+            late = 20_000
+            stale = ControlRequest(op="pull", id=new_id(), model="extra")
+            await send(redis_client, keys, "b", stale)
+            skipped = [p async for p in follow(redis_client, keys, "b", stale.id, first_line_s=5)]
+            tags = await backend.inventory()
+        finally:
+            stopping.set()
+            await running
+            await control.aclose()
+            await backend.aclose()
+    # Deleted once: an acknowledgement, then a success (a second run would end "not found").
+    assert [(p.line, p.end, p.error) for p in first] == [(None, False, None), (None, True, None)]
+    assert entries == 2
+    # Asked 20 s before it was taken up: its caller was told it timed out, so it is not done.
+    assert [(p.end, p.failure) for p in skipped] == [(True, "expired")]
+    # The stale pull never reached the machine: it still lacks `extra` (and `talk` is gone).
+    assert [m.name for m in tags.models] == []

@@ -266,7 +266,7 @@ class WorkerAgent:
         # What each backend slot holds of earlier prompts (for the plan's prefix pricing).
         self.slots = Slots(config.slots)
         # Operators' pulls and deletes on this machine (workers.control).
-        self.control = Control(redis, keys, self.name, backend, self._models_changed)
+        self.control = Control(redis, keys, self.name, backend, self._models_changed, self.clock.now_ms)
 
     # -- what it serves ------------------------------------------------------------------------
     def serving(self) -> list[ModelEntry]:

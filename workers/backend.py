@@ -125,7 +125,7 @@ class Backend(Protocol):
 class Pulling(Protocol):
     """A backend whose server can fetch a model and remove one (Ollama: workers/control.py)."""
 
-    def pull(self, model: str, *, insecure: bool = False) -> AsyncIterator[dict[str, Any]]: ...
+    def pull(self, model: str, *, insecure: bool = False) -> AsyncGenerator[dict[str, Any], None]: ...
 
     async def delete(self, model: str) -> None: ...
 
@@ -136,6 +136,10 @@ class Refusing(Protocol):
     its next inventory lists the capability in the model's `lacks`."""
 
     def refused(self, local_name: str, capability: str) -> None: ...
+
+
+# Longest silence of a pull's progress (dispatch.control.NEXT_LINE_S, which the API waits).
+PULL_IDLE_S: Final = 600.0
 
 
 def _timeout(idle_timeout_s: float) -> httpx.Timeout:
@@ -209,7 +213,11 @@ def backend_client(
 
 
 async def open_stream(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any], accept: str
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    accept: str,
+    limits: httpx.Timeout | None = None,
 ) -> httpx.Response:
     """POST `body` as JSON at `path` and return the answer once its head came, its body unread. A
     connection that closes before any answer is a stale kept-alive one the server had closed: the
@@ -219,6 +227,7 @@ async def open_stream(
         path,
         content=msgspec.json.encode(body),
         headers={"Content-Type": "application/json", "Accept": accept},
+        timeout=limits if limits is not None else httpx.USE_CLIENT_DEFAULT,
     )
     for attempt in range(STALE_RETRIES + 1):
         try:
@@ -239,11 +248,13 @@ class LineStreams:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
-    async def batches(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[list[bytes], None]:
+    async def batches(
+        self, path: str, body: dict[str, Any], model: str, limits: httpx.Timeout | None = None
+    ) -> AsyncGenerator[list[bytes], None]:
         """The non-blank lines of the answer to POST `body` (as JSON) at `path`, as they arrive: one
         list for each read (a backend that answers at once sends many lines in one); BackendError
         for an HTTP error status. Closing the iterator early closes the connection."""
-        answer = await open_stream(self._client, path, body, "application/x-ndjson")
+        answer = await open_stream(self._client, path, body, "application/x-ndjson", limits)
         try:
             if answer.status_code >= 400:
                 _raise_status(answer.status_code, await answer.aread(), model)
@@ -260,9 +271,11 @@ class LineStreams:
         finally:
             await answer.aclose()
 
-    async def lines(self, path: str, body: dict[str, Any], model: str) -> AsyncGenerator[bytes, None]:
+    async def lines(
+        self, path: str, body: dict[str, Any], model: str, limits: httpx.Timeout | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """Each non-blank line of the answer (see `batches`)."""
-        batches = self.batches(path, body, model)
+        batches = self.batches(path, body, model, limits)
         try:
             async for batch in batches:
                 for line in batch:
@@ -746,7 +759,8 @@ class OllamaBackend:
         body = {"model": model, "insecure": insecure, "stream": True}
         started = False
         try:
-            lines = self.streams.lines("/api/pull", body, model)
+            # Ollama prints nothing while it verifies a large download: as long as the API waits.
+            lines = self.streams.lines("/api/pull", body, model, _timeout(PULL_IDLE_S))
             try:
                 async for raw in lines:
                     started = True

@@ -11,15 +11,26 @@ A server that cannot pull (an OpenAI-compatible one) answers that it cannot, in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
-from dispatch.control import ControlRequest, Progress, cursor, report, requests
+from dispatch.control import (
+    FIRST_LINE_S,
+    ControlRequest,
+    Failure,
+    Progress,
+    asked_ms,
+    cursor,
+    report,
+    requests,
+)
 from events.keys import Keys
 from workers.backend import Backend, Pulling
 from workers.errors import BackendError
@@ -30,6 +41,8 @@ log = logging.getLogger("routeledger.worker")
 PROGRESS_EVERY_S: Final = 0.5
 # BackendError kinds of a server that answered (workers.backend._raise_status).
 _ANSWERED: Final = frozenset({"bad_request", "http_5xx", "unsupported"})
+# Request ids remembered, so that one appended twice (a retried append) runs once.
+SEEN_IDS: Final = 256
 # How long to wait before reading the stream again after Redis failed.
 _RETRY_S: Final = 1.0
 
@@ -37,7 +50,8 @@ _RETRY_S: Final = 1.0
 class Control:
     """Reads `worker`'s control stream and carries out each request against `backend`;
     `on_change` is awaited after a change to the machine's models (the worker refreshes its
-    inventory, its lease and the ledger)."""
+    inventory, its lease and the ledger); `ledger_ms` is the ledger's clock (events.clock), which
+    a request's age is read on."""
 
     def __init__(
         self,
@@ -46,16 +60,20 @@ class Control:
         worker: str,
         backend: Backend,
         on_change: Callable[[], Awaitable[None]],
+        ledger_ms: Callable[[], Awaitable[int]],
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.worker = worker
         self.backend = backend
         self.on_change = on_change
+        self.ledger_ms = ledger_ms
         self._after: str | None = None
         # False once its Redis user was found unable to read the stream.
         self.allowed = True
         self._doing: set[asyncio.Task[None]] = set()
+        # Ids of the requests taken up lately, oldest first: one appended twice runs once.
+        self._seen: deque[str] = deque(maxlen=SEEN_IDS)
 
     async def start(self) -> None:
         """Skip what was asked of an earlier life of this worker (its caller has given up)."""
@@ -103,54 +121,90 @@ class Control:
                 if request is None:
                     log.warning("worker %s: control entry %s is no request; skipped", self.worker, entry_id)
                     continue
-                task = asyncio.create_task(self.carry_out(request), name=f"control {request.id}")
+                if request.id in self._seen:
+                    continue
+                self._seen.append(request.id)
+                task = asyncio.create_task(self.carry_out(request, asked_ms(entry_id)), name=request.id)
                 self._doing.add(task)
                 task.add_done_callback(self._doing.discard)
 
     async def aclose(self) -> None:
-        """Stop what is under way (its callers see the end of their stream, or time out)."""
+        """Stop what is under way; each says so at its end (the worker is stopping)."""
         for task in list(self._doing):
             task.cancel()
         await asyncio.gather(*self._doing, return_exceptions=True)
 
-    async def carry_out(self, request: ControlRequest) -> None:
-        """One request, from its first progress line to its end."""
+    async def carry_out(self, request: ControlRequest, asked: int) -> None:
+        """One request, from its acknowledgement to its end, which is written whatever happens."""
         send = _Throttled(lambda p: report(self.redis, self.keys, self.worker, request.id, p))
-        end: Progress
+        end = Progress(end=True, failure="backend", error="the worker stopped before it finished")
+        changed = False
         try:
-            if not isinstance(self.backend, Pulling):
+            age_s = (await self.ledger_ms() - asked) / 1000
+            if age_s > FIRST_LINE_S:
+                # Its caller was told it was not taken up: doing it now would surprise them.
                 end = Progress(
                     end=True,
-                    failure="unsupported",
-                    error=f"this machine's server ({self.backend.kind} at {self.backend.url}) cannot "
-                    f"{request.op} models: put the model where that server loads models from, and "
-                    "restart it",
+                    failure="expired",
+                    error=f"taken up {age_s:.0f} s after it was asked, when its caller had given up",
                 )
-            elif request.op == "pull":
+                return
+            # Taken up: the API waits for the next entry as long as a pull may print nothing.
+            await send(Progress())
+            end = await self._do(request, send)
+            changed = end.failure != "unsupported"
+        except asyncio.CancelledError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            end = Progress(end=True, failure="backend", error=f"the worker could not report on it ({exc})")
+        finally:
+            await self._finish(request, send, end, changed)
+
+    async def _do(self, request: ControlRequest, send: _Throttled) -> Progress:
+        """Carry it out; its end (a failure of the machine's server is an end, not an exception)."""
+        if not isinstance(self.backend, Pulling):
+            return Progress(
+                end=True,
+                failure="unsupported",
+                error=f"this machine's server ({self.backend.kind} at {self.backend.url}) cannot "
+                f"{request.op} models: put the model where that server loads models from, and restart it",
+            )
+        try:
+            if request.op == "pull":
                 log.info("worker %s: pulling %s", self.worker, request.model)
-                async for line in self.backend.pull(request.model, insecure=request.insecure):
-                    await send(Progress(line=line))
-                end = Progress(end=True)
+                async with contextlib.aclosing(
+                    self.backend.pull(request.model, insecure=request.insecure)
+                ) as lines:
+                    async for line in lines:
+                        await send(Progress(line=line))
             else:
                 log.info("worker %s: deleting %s", self.worker, request.model)
                 await self.backend.delete(request.model)
-                end = Progress(end=True)
         except BackendError as exc:
             # A server that answered refused (Ollama answers a name its registry lacks with a 500);
             # one that could not be reached or broke off is the machine's failure.
-            failure = (
+            failure: Failure = (
                 "not_found"
                 if exc.kind == "model_missing"
                 else "refused"
                 if exc.kind in _ANSWERED
                 else "backend"
             )
-            end = Progress(end=True, failure=failure, error=exc.message)
+            return Progress(end=True, failure=failure, error=exc.message)
+        return Progress(end=True)
+
+    async def _finish(self, request: ControlRequest, send: _Throttled, end: Progress, changed: bool) -> None:
+        """What the machine now holds (even a failed pull may have left a part), then the end."""
+        if changed:
+            try:
+                await self.on_change()
+            except (RedisError, OSError, TimeoutError) as exc:
+                # The next heartbeat says it; the caller still gets its answer.
+                log.warning(
+                    "worker %s: could not report its models after %s (%s)", self.worker, request.id, exc
+                )
         try:
             await send.flush()
-            if end.failure != "unsupported":
-                # Even a failed pull may have left a part, and a refused delete means the list is stale.
-                await self.on_change()
             await send(end)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("worker %s: could not report the end of %s (%s)", self.worker, request.id, exc)
