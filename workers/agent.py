@@ -265,6 +265,9 @@ class WorkerAgent:
         self.warmth = Warmth()
         # What each backend slot holds of earlier prompts (for the plan's prefix pricing).
         self.slots = Slots(config.slots)
+        # One report of what the machine holds at a time (a heartbeat's, or one after a pull):
+        # two at once could append the same WorkerChanged twice.
+        self._reporting = asyncio.Lock()
         # Operators' pulls and deletes on this machine (workers.control).
         self.control = Control(redis, keys, self.name, backend, self._models_changed, self.clock.now_ms)
 
@@ -743,25 +746,27 @@ class WorkerAgent:
             beat += 1
             try:
                 await self.clock.now_ms()  # measures the offset again when it is due
-                before = (self.backend_ok, self.inventory.routing())
-                await self._refresh_inventory()
-                self.resources = read_resources()
-                await self._publish_cards()
-                if (self.backend_ok, self.inventory.routing()) != before:
-                    # What it holds, has loaded or serves changed: the lease says so now, not at
-                    # the lease loop's next turn (routing and `ps` read it).
-                    await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
-                await self._keep_entries_alive()
-                await self._report_changes()
+                async with self._reporting:
+                    before = (self.backend_ok, self.inventory.routing())
+                    await self._refresh_inventory()
+                    self.resources = read_resources()
+                    await self._publish_cards()
+                    if (self.backend_ok, self.inventory.routing()) != before:
+                        # What it holds, has loaded or serves changed: the lease says so now, not at
+                        # the lease loop's next turn (routing and `ps` read it).
+                        await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
+                    await self._keep_entries_alive()
+                    await self._report_changes()
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc or "timeout")
 
     async def _models_changed(self) -> None:
         """After a pull or a delete: what the machine holds, in the lease and the ledger at once."""
-        await self._refresh_inventory()
-        await self._publish_cards()
-        await self._write_lease()
-        await self._report_changes()
+        async with self._reporting:
+            await self._refresh_inventory()
+            await self._publish_cards()
+            await asyncio.wait_for(self._write_lease(), self.config.heartbeat_ms / 1000)
+            await self._report_changes()
 
     async def _report_changes(self) -> None:
         """Append WorkerChanged when what the worker holds, has loaded or serves differs from what
