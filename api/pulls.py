@@ -87,11 +87,8 @@ async def pull(body: OllamaPull, request: Request) -> Response:
         )
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    if body.worker is not None:
-        targets = [_live(body.worker, leases).worker]
-    else:
-        pulling = _pulling(leases, "pull")
-        targets = [w for w in pulling if not _holds(leases[w], model)]
+    named = body.worker
+    targets = [_live(named, leases).worker] if named is not None else pull_targets(leases, model)
     started = await _start(gw, "pull", model, targets, insecure=body.insecure)
     if body.stream is False:
         outcomes = [o async for o in _outcomes(gw, started)]
@@ -159,6 +156,24 @@ def _pulling(leases: dict[str, LeaseInfo], op: Op) -> list[str]:
             param="model",
         )
     return found
+
+
+def pull_targets(leases: dict[str, LeaseInfo], model: str) -> list[str]:
+    """The live Ollama workers a pull naming no worker goes to: those that lack the model and would
+    serve it once they hold it. A worker that drains, or serves a list of models without this one
+    (a retired server serves none), would hold it for nothing."""
+    return [
+        w
+        for w in _pulling(leases, "pull")
+        if not _holds(leases[w], model) and not leases[w].draining and _would_serve(leases[w], model)
+    ]
+
+
+def _would_serve(info: LeaseInfo, model: str) -> bool:
+    if info.serves_named is None:
+        return True
+    bare = model.removesuffix(":latest")
+    return any(name.removesuffix(":latest") == bare for name in info.serves_named)
 
 
 def _holds(info: LeaseInfo, model: str) -> bool:

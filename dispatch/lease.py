@@ -86,6 +86,9 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     lease_ms: int | None = None
     # Its backend's kind (`ollama`, `openai`): which workers' servers can pull a model (dispatch.control).
     backend_kind: str | None = None
+    # The models it was told to serve (`--models`), held or not; None: every model it holds.
+    # `serves` is what it serves now; this says whether a model it is given would be served.
+    serves_named: list[str] | None = None
 
     def on_ledger(self, worker_ms: int) -> int:
         """A time this lease gives (the worker's clock), on the ledger's clock: what an age or an

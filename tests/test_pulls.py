@@ -18,10 +18,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 
 from api.app import AppConfig
+from api.pulls import pull_targets
 from dispatch.control import ControlRequest, ControlTimeoutError, cursor, follow, new_id, send
+from dispatch.lease import LeaseInfo
 from dispatch.quota import ApiKey
 from events.codec import decode_entry
-from events.event import WorkerChanged
+from events.event import ModelEntry, WorkerChanged
 from events.keys import Keys
 from events.scripts import load_library
 from routeledger.cli_acl import worker_acl_rules
@@ -301,3 +303,21 @@ async def test_a_worker_runs_a_request_appended_twice_once_and_skips_one_its_cal
     assert [(p.end, p.failure) for p in skipped] == [(True, "expired")]
     # The stale pull never reached the machine: it still lacks `extra` (and `talk` is gone).
     assert [m.name for m in tags.models] == []
+
+
+def test_a_pull_naming_no_machine_goes_to_the_ollama_workers_that_lack_the_model_and_would_serve_it() -> None:
+    held = [ModelEntry(name="extra:latest", digest="e" * 64)]
+    leases = {
+        name: LeaseInfo(worker=name, token="t", slots=1, backend_kind=kind, **more)  # type: ignore[arg-type]
+        for name, kind, more in (
+            ("gpu", "ollama", {}),
+            ("laptop", "ollama", {"inventory": held}),
+            ("retired", "ollama", {"serves": [], "serves_named": []}),
+            ("picky", "ollama", {"serves_named": ["qwen3:8b"]}),
+            ("choosy", "ollama", {"serves_named": ["qwen3:8b", "extra"], "serves": ["qwen3:8b"]}),
+            ("leaving", "ollama", {"draining": True}),
+            ("llamacpp", "openai", {}),
+        )
+    }
+    assert pull_targets(leases, "extra") == ["choosy", "gpu"]
+    assert pull_targets(leases, "extra:latest") == ["choosy", "gpu"]

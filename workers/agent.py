@@ -419,6 +419,7 @@ class WorkerAgent:
             serves=[m.name for m in self.serving()] if self.backend_ok else [],
             draining=self.stopping.is_set(),
             backend_kind=self.backend.kind,
+            serves_named=None if self.config.serves is None else list(self.config.serves),
             running=[
                 RunningInfo(
                     task_id=r.entry.task.task_id,
