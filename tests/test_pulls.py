@@ -6,8 +6,10 @@ Ollama (workers/control.py), which gives a machine a model its fleet table lists
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -85,17 +87,25 @@ async def until_holders(http: httpx.AsyncClient, model: str, expected: set[str])
     return found
 
 
+@contextlib.asynccontextmanager
+async def api_over_pull_fleet(
+    redis_client: aioredis.Redis, redis_url: str, **config: object
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The pull fleet's two machines, a worker for each, the API, and a client of it."""
+    async with (
+        fleet_and_api(
+            redis_client, redis_url, workers=("a", "b"), time_scale=0, fleet=pull_fleet(), **config
+        ) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        yield http
+
+
 async def test_the_ollama_client_pulls_a_model_onto_the_machine_that_lacks_it_and_it_runs_there(
     redis_client: aioredis.Redis, redis_url: str
 ) -> None:
-    async with (
-        fleet_and_api(redis_client, redis_url, workers=("a", "b"), time_scale=0, fleet=pull_fleet()) as (
-            base,
-            _,
-        ),
-        httpx.AsyncClient(base_url=base, timeout=30) as http,
-    ):
-        client = ollama.AsyncClient(host=base)
+    async with api_over_pull_fleet(redis_client, redis_url) as http:
+        client = ollama.AsyncClient(host=str(http.base_url))
         lines = [line async for line in await client.pull("extra", stream=True)]
         assert await until_holders(http, "extra", {"a", "b"}) == {"a", "b"}
         # Gone from `a` (named: `ollama rm` cannot name one), the next request can only run on `b`.
@@ -122,13 +132,7 @@ async def test_the_ollama_client_pulls_a_model_onto_the_machine_that_lacks_it_an
 async def test_a_named_machine_pulls_without_streaming_and_a_delete_takes_the_model_away_again(
     redis_client: aioredis.Redis, redis_url: str
 ) -> None:
-    async with (
-        fleet_and_api(redis_client, redis_url, workers=("a", "b"), time_scale=0, fleet=pull_fleet()) as (
-            base,
-            _,
-        ),
-        httpx.AsyncClient(base_url=base, timeout=30) as http,
-    ):
+    async with api_over_pull_fleet(redis_client, redis_url) as http:
         pulled = await http.post("/api/pull", json={"model": "extra", "worker": "b", "stream": False})
         held = await until_holders(http, "extra", {"a", "b"})
         # As `ollama rm` sends it (a body on DELETE); every machine that holds it.
@@ -146,13 +150,7 @@ async def test_a_named_machine_pulls_without_streaming_and_a_delete_takes_the_mo
 async def test_a_model_the_registry_lacks_is_a_clear_400_from_the_machines_own_server(
     redis_client: aioredis.Redis, redis_url: str
 ) -> None:
-    async with (
-        fleet_and_api(redis_client, redis_url, workers=("a", "b"), time_scale=0, fleet=pull_fleet()) as (
-            base,
-            _,
-        ),
-        httpx.AsyncClient(base_url=base, timeout=30) as http,
-    ):
+    async with api_over_pull_fleet(redis_client, redis_url) as http:
         waited = await http.post("/api/pull", json={"model": "no-such-model", "stream": False})
         streamed = await http.post("/api/pull", json={"model": "no-such-model"})
     assert waited.status_code == 400
@@ -231,18 +229,12 @@ async def test_only_an_operators_key_may_pull_and_insecure_pulls_are_refused(
     redis_client: aioredis.Redis, redis_url: str
 ) -> None:
     tenant = ApiKey(name="tenant", key="k-tenant", rpm=60)
-    async with (
-        fleet_and_api(
-            redis_client,
-            redis_url,
-            workers=("a", "b"),
-            time_scale=0,
-            fleet=pull_fleet(),
-            api_keys=["k-operator"],
-            keys=[tenant, ApiKey(name="ops", key="k-ops", manage_models=True)],
-        ) as (base, _),
-        httpx.AsyncClient(base_url=base, timeout=30) as http,
-    ):
+    async with api_over_pull_fleet(
+        redis_client,
+        redis_url,
+        api_keys=["k-operator"],
+        keys=[tenant, ApiKey(name="ops", key="k-ops", manage_models=True)],
+    ) as http:
         body = {"model": "extra", "stream": False}
         by_tenant = await http.post("/api/pull", json=body, headers={"authorization": "Bearer k-tenant"})
         deleted_by_tenant = await http.request(
