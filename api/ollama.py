@@ -71,15 +71,21 @@ async def tags(request: Request) -> JSON:
     `pipeline`, in the same shape."""
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
-    models = [_listed(m, _facts(m, leases), leases) for m in catalog(leases)]
+    return JSON({"models": _listing(leases)})
+
+
+def _listing(leases: dict[str, LeaseInfo]) -> list[dict[str, Any]]:
+    """Every /api/tags entry: the served models, then the virtual ones (none while nothing is served)."""
+    models = [_listed(m, leases) for m in catalog(leases)]
     if models:
         # Open WebUI's Ollama connection lists models from here: what /api/chat takes must be here.
         newest = max(m["modified_at"] for m in models)
         models += [_virtual(name, newest, leases) for name in VIRTUAL_MODELS]
-    return JSON({"models": models})
+    return models
 
 
-def _listed(m: ModelInfo, f: ModelEntry, leases: dict[str, LeaseInfo]) -> dict[str, Any]:
+def _listed(m: ModelInfo, leases: dict[str, LeaseInfo]) -> dict[str, Any]:
+    f = _facts(m, leases)
     entry: dict[str, Any] = {
         "name": m.name,
         "model": m.name,
@@ -175,10 +181,10 @@ async def show(body: OllamaShow, request: Request) -> JSON:
     gw = gateway(request)
     leases = await gw.retrying(lambda: gw.fleet.leases(fresh=True))
     models = catalog(leases)
-    if name in VIRTUAL_MODELS and models:
-        listed = _virtual(
-            name, max(_listed(m, _facts(m, leases), leases)["modified_at"] for m in models), leases
-        )
+    listed = (
+        next((e for e in _listing(leases) if e["name"] == name), None) if name in VIRTUAL_MODELS else None
+    )
+    if listed is not None:
         what = "picks a model for each request" if name == AUTO_MODEL else "splits a request across the fleet"
         return JSON(
             {
