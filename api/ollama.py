@@ -91,8 +91,9 @@ def _listed(m: ModelInfo, leases: dict[str, LeaseInfo]) -> dict[str, Any]:
         "model": m.name,
         # A backend that reports no time (an OpenAI-compatible server): when the fleet began serving it.
         "modified_at": f.modified_at or rfc3339(min(leases[w].since for w in m.holders) / 1000),
-        # Clients read a number here; 0 where no holder reports the size (never a guess).
-        "size": f.size if f.size is not None else 0,
+        # The key is always there, as clients index it; null where no holder reports the size:
+        # unknown is not 0 bytes.
+        "size": f.size,
         "digest": f.digest,
         "details": details(f),
     }

@@ -151,10 +151,10 @@ async def test_list_relays_each_models_real_size_and_details_and_leaves_unknown_
     assert talker.modified_at == own["talker:latest"].modified_at
     assert talker.digest == own["talker:latest"].digest
     assert raw["talker:latest"]["capabilities"] == ["completion", "tools", "vision", "thinking"]
-    # Ollama's full shape for every entry (clients index it): a size nobody reported is 0.
+    # Ollama's full shape for every entry (clients index it): a size nobody reported is null.
     shape = {"name", "model", "modified_at", "size", "digest", "details"}
     assert all(shape <= set(entry) for entry in raw.values())
-    assert raw["plain:latest"]["size"] == 0
+    assert raw["plain:latest"]["size"] is None
     assert raw["plain:latest"]["details"] == {"format": "gguf"}
     # The models only routeledger serves are listed too, each with a digest of its own.
     assert {"auto", "pipeline"} <= set(raw)
@@ -205,9 +205,9 @@ async def test_an_openai_compatible_backend_reports_no_metadata_so_none_is_shown
     assert set(raw) == {"modelfile", "details", "model_info"}
     assert raw["details"] == {} and raw["model_info"] == {"routeledger.holders": ["a"]}
     assert set(listed) == {"talker:latest", "plain:latest", "auto", "pipeline"}
-    # Ollama's shape still: no size reported is 0, no time the moment the fleet began serving it.
+    # Ollama's shape still: no size reported is null, no time the moment the fleet began serving it.
     talker = listed["talker:latest"]
-    assert talker.size == 0 and talker.modified_at is not None
+    assert talker.size is None and talker.modified_at is not None
     assert abs(talker.modified_at.timestamp() - time.time()) < 60
     # Such a server cannot say what is loaded: nothing is listed, rather than a guess.
     assert loaded == []
