@@ -38,20 +38,23 @@ lint: $(STAMP)
 
 # Each script prints its figures and a JSON line last; together they take several minutes.
 bench: $(STAMP)
-	$(BIN)/python bench/ledger.py
-	$(BIN)/python bench/dispatch.py
-	$(BIN)/python bench/router.py
-	$(BIN)/python bench/scale.py
-	$(BIN)/python bench/replay.py
-	$(BIN)/python bench/archive.py
-	$(BIN)/python bench/ledger_bytes.py
-	$(BIN)/python bench/projector_start.py
-	$(BIN)/python bench/longrun.py
-	$(BIN)/python bench/api.py
-	$(BIN)/python bench/task_events.py
-	$(BIN)/python bench/backend_client.py
-	$(BIN)/python bench/roundtrip.py
-	$(BIN)/python bench/real_fleet.py
+	$(BIN)/python -m bench.ledger
+	$(BIN)/python -m bench.dispatch
+	$(BIN)/python -m bench.router
+	$(BIN)/python -m bench.scale
+	$(BIN)/python -m bench.sizes
+	$(BIN)/python -m bench.replay
+	$(BIN)/python -m bench.archive
+	$(BIN)/python -m bench.ledger_bytes
+	$(BIN)/python -m bench.projector_start
+	$(BIN)/python -m bench.longrun
+	$(BIN)/python -m bench.ingest
+	$(BIN)/python -m bench.cluster
+	$(BIN)/python -m bench.api
+	$(BIN)/python -m bench.task_events
+	$(BIN)/python -m bench.backend_client
+	$(BIN)/python -m bench.roundtrip
+	$(BIN)/python -m bench.real_fleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,6 @@
 """The API's own cost: the same chat requests straight to a zero-delay sim host and through routeledger.
 
-    python bench/api.py [--requests N] [--seconds S] [--concurrency C] [--profile] [--json]
+    python -m bench.api [--requests N] [--seconds S] [--concurrency C] [--profile] [--json]
 
 A demo-like set-up on this machine, each part its own process: an embedded Redis (AOF on), one
 `routeledger sim hosts` process with --time-scale 0 (answers at once, reports simulated timings),

@@ -1,7 +1,7 @@
 """Rebuild from the archive against rebuild from the stream, side by side, on the same ledger.
 
-    python bench/archive.py [--events N] [--redis-url URL] [--json]
-    python bench/archive.py --history-tasks T --data-dir DIR [--hot-tasks H] [--baseline REV] [--json]
+    python -m bench.archive [--events N] [--redis-url URL] [--json]
+    python -m bench.archive --history-tasks T --data-dir DIR [--hot-tasks H] [--baseline REV] [--json]
 
 Without --redis-url it starts an embedded redis-server (AOF on, as `routeledger up` runs it) in a
 temporary directory; with one, that Redis is FLUSHED first. Steps:
@@ -48,11 +48,7 @@ import polars as pl
 import psutil
 import redis.asyncio as aioredis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ledger import append_mix
-
+from bench.ledger import append_mix
 from events.codec import encode_event
 from events.event import Event
 from events.keys import Keys

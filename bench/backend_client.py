@@ -2,7 +2,7 @@
 timeout: the worker's httpx client (workers.backend: `backend_client` with `open_stream`),
 httpx with its default settings, and aiohttp (when installed), side by side.
 
-    python bench/backend_client.py [--requests 200] [--rounds 3] [--gaps 20] [--real] [--json]
+    python -m bench.backend_client [--requests 200] [--rounds 3] [--gaps 20] [--real] [--json]
 
 Each request is a streamed chat of a few output tokens, every line decoded. The target is one
 machine of `routeledger sim hosts --time-scale 0` (Ollama's NDJSON, answers at once), or with
@@ -35,9 +35,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-# The project this script sits in, ahead of any installed copy.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 import msgspec

@@ -1,6 +1,6 @@
 """One Redis against a 3-master Redis Cluster, side by side: ledger appends, projector catch-up, dispatch.
 
-    python bench/cluster.py [--events N] [--batch B] [--singles S] [--fold N] [--tasks T] [--workers W]
+    python -m bench.cluster [--events N] [--batch B] [--singles S] [--fold N] [--tasks T] [--workers W]
         [--slots K] [--rounds R] [--json]
 
 It starts one embedded redis-server and one embedded 3-master cluster (no replicas) in temporary
@@ -30,32 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# This folder's scripts are named like the packages they measure: without it off the path, `import
-# dispatch` finds bench/dispatch.py and not the package; the scripts are loaded by path instead.
-HERE = Path(__file__).resolve().parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-
-import importlib.util  # noqa: E402
-from types import ModuleType  # noqa: E402
-
-from events.connection import redis_client  # noqa: E402
-from events.event import Event  # noqa: E402
-from events.keys import Keys  # noqa: E402
-from events.ledger import Ledger  # noqa: E402
-from projections.projector import Projector  # noqa: E402
-from routeledger.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
-
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ledger_bench = _script("ledger")
-dispatch_bench = _script("dispatch")
+from bench import dispatch as dispatch_bench
+from bench import ledger as ledger_bench
+from events.connection import redis_client
+from events.event import Event
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.projector import Projector
+from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 
 
 async def append_rates(url: str, events: list[Event], batch: int, singles: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """Dispatch throughput and added latency: submit → worker → completion, on zero-delay sim hosts.
 
-    python bench/dispatch.py [--tasks N] [--latency-samples M] [--workers 4] [--slots 4] [--profile]
+    python -m bench.dispatch [--tasks N] [--latency-samples M] [--workers 4] [--slots 4] [--profile]
         [--redis-url URL] [--json]
 
 Everything runs on this machine as it would in production, as separate processes: an embedded
@@ -37,18 +37,14 @@ from typing import Any
 import psutil
 import redis.asyncio as aioredis
 
-# This script is named like the package it measures: without its own folder on the path, `import
-# dispatch` finds this file and not the package.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-from dispatch.lease import live_workers  # noqa: E402
-from dispatch.payload import Message  # noqa: E402
-from dispatch.queues import TaskQueues  # noqa: E402
-from dispatch.submit import TaskRequest, submit_task  # noqa: E402
-from events.connection import redis_client  # noqa: E402
-from events.keys import Keys  # noqa: E402
-from events.ledger import Ledger  # noqa: E402
-from routeledger.embedded import EmbeddedRedis  # noqa: E402
+from dispatch.lease import live_workers
+from dispatch.payload import Message
+from dispatch.queues import TaskQueues
+from dispatch.submit import TaskRequest, submit_task
+from events.connection import redis_client
+from events.keys import Keys
+from events.ledger import Ledger
+from routeledger.embedded import EmbeddedRedis
 
 
 def fleet_toml(workers: int, slots: int) -> str:

@@ -1,6 +1,6 @@
 """The ingest's cost: inbox entries checked and moved into the ledger per second.
 
-    python bench/ingest.py [--tasks N] [--workers W] [--redis-url URL]
+    python -m bench.ingest [--tasks N] [--workers W] [--redis-url URL]
 
 Each of W workers takes N/W real queue entries and appends, to its own inbox, the events a served
 task leaves (TaskClaimed, then TaskCompleted); the ingest then moves all 2N entries. Prints entries
@@ -12,14 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dispatch.payload import Message, TaskMessage
 from dispatch.queues import TaskQueues

@@ -1,6 +1,6 @@
 """Ledger throughput: append a realistic mix in batches, then read it all back with decoding.
 
-    python bench/ledger.py [--events N] [--batch B] [--repeat R] [--redis-url URL] [--json]
+    python -m bench.ledger [--events N] [--batch B] [--repeat R] [--redis-url URL] [--json]
 
 Without --redis-url it starts an embedded redis-server (AOF on, as `routeledger up` runs it) in a
 temporary directory. The last line printed is JSON:

@@ -1,6 +1,6 @@
 """Ledger bytes: what one task and one worker-day of liveness cost the ledger in Redis memory.
 
-    python bench/ledger_bytes.py [--tasks N] [--holders H] [--redis-url URL] [--json]
+    python -m bench.ledger_bytes [--tasks N] [--holders H] [--redis-url URL] [--json]
 
 A task is what a routed request leaves in the ledger: TaskSubmitted, TaskRouted (a real decision
 over H live holders, built as the submission path builds it), TaskClaimed and TaskCompleted, one
@@ -17,29 +17,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Beside this script are bench/router.py and bench/dispatch.py: without this folder on the path,
-# `import router` and `import dispatch` find the packages.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import redis.asyncio as aioredis
 
-import redis.asyncio as aioredis  # noqa: E402
-
-from dispatch.submit import routed_event  # noqa: E402
-from events.event import Event, ModelEntry, TaskClaimed, TaskCompleted, TaskSubmitted, Timings  # noqa: E402
-from events.keys import Keys  # noqa: E402
-from events.ledger import Ledger  # noqa: E402
-from projections.snapshot import DEFAULT_HALF_LIFE_S, LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold  # noqa: E402
-from routeledger.embedded import EmbeddedRedis  # noqa: E402
-from router.choose import Decision, RouteQuery, decide  # noqa: E402
-from router.estimate import build_estimator  # noqa: E402
-from router.plan import BacklogEntry, FleetView, WorkerView  # noqa: E402
-from workers.config import WorkerConfig  # noqa: E402
-from workers.liveness import Liveness  # noqa: E402
+from dispatch.submit import routed_event
+from events.event import Event, ModelEntry, TaskClaimed, TaskCompleted, TaskSubmitted, Timings
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.snapshot import DEFAULT_HALF_LIFE_S, LengthRow, QualityRow, Snapshot, SpeedRow, Stat, fold
+from routeledger.embedded import EmbeddedRedis
+from router.choose import Decision, RouteQuery, decide
+from router.estimate import build_estimator
+from router.plan import BacklogEntry, FleetView, WorkerView
+from workers.config import WorkerConfig
+from workers.liveness import Liveness
 
 NOW = 1_764_000_000_000
 DAY_MS = 86_400_000

@@ -1,6 +1,6 @@
 """A ledger that lives for years: what history costs as it grows.
 
-    python bench/longrun.py [--tasks N] [--hot-window S] [--json]
+    python -m bench.longrun [--tasks N] [--hot-window S] [--json]
 
 Steps, each on an embedded redis-server (AOF on, as `routeledger up` runs it) in a temporary
 directory:
@@ -33,19 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-# The packages first, then this folder (for bench/archive.py's child runner): bench/replay.py and
-# friends are named like packages and must not shadow them.
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import redis.asyncio as aioredis
 
-import redis.asyncio as aioredis  # noqa: E402
-from archive import run_child  # noqa: E402
-
-from events.keys import Keys  # noqa: E402
-from projections import store  # noqa: E402
-from routeledger.embedded import EmbeddedRedis  # noqa: E402
-from sim.longrun import LongRun, Mark  # noqa: E402
+from bench.archive import run_child
+from events.keys import Keys
+from projections import store
+from routeledger.embedded import EmbeddedRedis
+from sim.longrun import LongRun, Mark
 
 
 def say(text: str, quiet: bool) -> None:
@@ -55,7 +49,7 @@ def say(text: str, quiet: bool) -> None:
 
 def ledger_bytes() -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, str(HERE / "ledger_bytes.py"), "--json", "--tasks", "3000"],
+        [sys.executable, "-m", "bench.ledger_bytes", "--json", "--tasks", "3000"],
         capture_output=True,
         text=True,
         check=True,

@@ -1,6 +1,6 @@
 """Projector start time and Redis time over a namespace holding N task rows.
 
-    python bench/projector_start.py [--rows N ...] [--redis-url URL]
+    python -m bench.projector_start [--rows N ...] [--redis-url URL]
 
 Writes N task rows (created today, or spread over 30 day shards) and N/100 benchmark marks into
 a namespace directly through the store, makes it live, then measures `Projector.start()` and one
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from events.event import TaskCompleted, Timings
 from events.keys import Keys

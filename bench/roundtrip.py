@@ -1,6 +1,6 @@
 """What one Redis round trip costs a routeledger process's CPU, beside what it must cost.
 
-    python bench/roundtrip.py [--commands N] [--rounds R] [--json]
+    python -m bench.roundtrip [--commands N] [--rounds R] [--json]
 
 Every routed request makes about ten round trips to Redis (bench/api.py counts the commands), so
 the client's own cost per round trip is a large part of each process's CPU per request. This

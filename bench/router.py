@@ -1,6 +1,6 @@
 """Router decision time: estimate + plan + choose for 50 workers x 20 models with a backlog of 100.
 
-    python bench/router.py [--workers 50] [--models 20] [--backlog 100] [--decisions 2000] [--json]
+    python -m bench.router [--workers 50] [--models 20] [--backlog 100] [--decisions 2000] [--json]
 
 One decision is what the API does for a request with model=auto (rank every model's holders on
 the plan of its queue, score each model's utility) plus one worker's gate check. The fits of the
@@ -22,27 +22,18 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 
-# This script is named like the package it measures: its own folder goes last on the path, behind
-# the project's root, so that `import router` finds the package and `import scale` the script
-# beside this one (which times the decisions).
-HERE = Path(__file__).resolve().parent
-sys.path = [str(HERE.parent), *(p for p in sys.path if Path(p or ".").resolve() != HERE), str(HERE)]
-
-from scale import decision_times, times_us  # noqa: E402
-
-from dispatch.submit import routed_event  # noqa: E402
-from events.codec import encode_batch  # noqa: E402
-from router.choose import STORED_CANDIDATES, RouteQuery, decide  # noqa: E402
-from router.estimate import Estimator, build_estimator  # noqa: E402
-from router.plan import FleetView  # noqa: E402
-from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet  # noqa: E402
+from bench.scale import decision_times, times_us
+from dispatch.submit import routed_event
+from events.codec import encode_batch
+from router.choose import STORED_CANDIDATES, RouteQuery, decide
+from router.estimate import Estimator, build_estimator
+from router.plan import FleetView
+from sim.random_fleet import DOMAINS, NOW_MS, FleetShape, random_fleet
 
 
 def named_request_costs(

@@ -1,7 +1,7 @@
 """What dispatch costs as the fleet grows: routing decision time at 50 workers x backlog 100 and
 500 x 1,000, and the Redis commands an idle worker costs at 10 and 200 workers.
 
-    python bench/scale.py [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300]
+    python -m bench.scale [--sizes 50x100,500x1000] [--models 20] [--decisions 2000,300]
                           [--rounds 3] [--idle 10,200] [--idle-seconds 20] [--result-keys 27000] [--chat]
                           [--gate aware|blind] [--json]
 
@@ -39,16 +39,11 @@ import gc
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-# The project this script sits in, ahead of any installed copy: a copy of the script in an older
-# checkout times that checkout's router.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec
 import redis.asyncio as aioredis

@@ -1,7 +1,7 @@
 """Size-aware dispatch on random fleets: routeledger against best-threshold, sita and the
 size-aware peers, on fleets that no constant was chosen for.
 
-    python bench/sizes.py [--fleets N] [--tasks N] [--loads 0.6,0.9] [--mix chat-code] [--seed S]
+    python -m bench.sizes [--fleets N] [--tasks N] [--loads 0.6,0.9] [--mix chat-code] [--seed S]
 
 Each fleet has 2 to 4 machines serving one model: the fastest decodes at 40-120 tok/s, each
 other one 2x to 15x slower (log-uniform), with its own prompt speed (10-40x its decode speed),
@@ -19,10 +19,6 @@ import argparse
 import json
 import math
 import random
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sim.fleetspec import Fleet, OutputLength, WorkerModel, WorkerSpec
 from sim.fleetspec import ModelSpec as SimModel

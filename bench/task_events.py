@@ -1,6 +1,6 @@
 """A task's events: the entry index against the whole-ledger scan it replaced, side by side.
 
-    python bench/task_events.py [--tasks 20000,100000] [--lookups L] [--scans S] [--repeat R]
+    python -m bench.task_events [--tasks 20000,100000] [--lookups L] [--scans S] [--repeat R]
                                 [--redis-url URL] [--json]
 
 For each size it appends a synthetic history of that many tasks (sim/synthetic.py: submitted,
@@ -20,16 +20,12 @@ import asyncio
 import contextlib
 import json
 import statistics
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import projections.folder as folder_module
 import projections.projector as projector_module

@@ -1,31 +1,59 @@
-"""Every benchmark script starts: `make bench` is not run by CI, so a broken import would go unseen."""
+"""Every benchmark script starts as `make bench` runs it (`python -m bench.NAME` from the project's
+root), and `make bench` runs every script: it is not run by CI, so a broken import would go unseen."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
-def test_each_benchmark_script_imports_what_it_measures_and_shows_its_options(script: str) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60
+def run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m bench.SCRIPT ARGS` from the project's root, as `make bench` runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", f"bench.{script}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_benchmark_script_imports_what_it_measures_and_shows_its_options(script: str) -> None:
+    done = run(script, "--help", timeout=60)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
 
 
+def test_make_bench_runs_every_script_as_a_module_of_the_bench_package() -> None:
+    recipe = (ROOT / "Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    ran = re.findall(r"^\t\$\(BIN\)/python -m bench\.(\w+)$", recipe, re.MULTILINE)
+    assert sorted(ran) == SCRIPTS
+    assert len(ran) == len(recipe.strip().splitlines()) - 1, recipe
+
+
+def test_no_benchmark_script_edits_the_import_path_or_loads_a_sibling_by_its_file() -> None:
+    # The bug this replaces: `python bench/ledger.py` put bench/ first on the path, where
+    # bench/dispatch.py shadowed the dispatch package ("'dispatch' is not a package").
+    for script in SCRIPTS:
+        text = (BENCH / f"{script}.py").read_text()
+        edits = ("sys.path.insert", "sys.path.append", "sys.path =", "spec_from_file_location")
+        assert not [edit for edit in edits if edit in text], script
+
+
 def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json_line() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "scale.py"),
+    done = run(
+        "scale",
+        *[
             "--sizes",
             "6x10,12x30",
             "--models",
@@ -41,8 +69,6 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
             "--result-keys",
             "100",
         ],
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert done.returncode == 0, done.stderr
@@ -77,10 +103,9 @@ def test_the_scale_benchmark_times_decisions_at_each_size_and_ends_with_its_json
 
 def test_the_cluster_benchmark_measures_one_redis_and_a_cluster_side_by_side_in_its_json_line() -> None:
     # About 30 s: it starts one Redis, a 3-master cluster and a small fleet on each.
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "cluster.py"),
+    done = run(
+        "cluster",
+        *[
             "--events",
             "1000",
             "--singles",
@@ -94,8 +119,6 @@ def test_the_cluster_benchmark_measures_one_redis_and_a_cluster_side_by_side_in_
             "--dispatch-limit-s",
             "30",
         ],
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert done.returncode == 0, done.stderr
@@ -114,12 +137,7 @@ def test_the_cluster_benchmark_measures_one_redis_and_a_cluster_side_by_side_in_
 
 
 def test_the_roundtrip_benchmark_prints_each_clients_cpu_per_round_trip_in_its_json_line() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "roundtrip.py"), "--commands", "200", "--rounds", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run("roundtrip", "--commands", "200", "--rounds", "2", "--json", timeout=120)
     assert done.returncode == 0, done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     clients = ("routeledger_us", "redis_py_us", "floor_us", "floor_no_deadline_us")
@@ -128,10 +146,9 @@ def test_the_roundtrip_benchmark_prints_each_clients_cpu_per_round_trip_in_its_j
 
 
 def test_the_router_benchmark_times_a_named_models_decision_and_both_its_encodings_apart() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "router.py"),
+    done = run(
+        "router",
+        *[
             "--workers",
             "3",
             "--models",
@@ -141,8 +158,6 @@ def test_the_router_benchmark_times_a_named_models_decision_and_both_its_encodin
             "--decisions",
             "200",
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
