@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,13 @@ from events.codec import decode_entry
 from events.event import Event, TaskClaimed, TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted
 from events.keys import Keys
 from tests.real.llama import LlamaServer, free_port
+
+# routeledger's own processes (`up`, the workers) run at a lower priority than the servers. Here
+# every machine shares this host's cores with them; on a real fleet a server has its machine to
+# itself, and a worker's few milliseconds per token do not take its cores. Without this a server's
+# decode speed followed how busy routeledger was (a streamed answer's relay, the projector's
+# batches), which no real machine shows.
+OURS = ["nice", "-n", "10"] if shutil.which("nice") else []
 
 
 @dataclass
@@ -82,6 +90,7 @@ class RealFleet:
         up_log = (self.data / "up.log").open("wb")
         self.up = subprocess.Popen(
             [
+                *OURS,
                 sys.executable,
                 "-m",
                 "routeledger",
@@ -106,6 +115,7 @@ class RealFleet:
         out = m.log.open("ab")
         m.worker = subprocess.Popen(
             [
+                *OURS,
                 sys.executable,
                 "-m",
                 "routeledger",

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from events.event import SpeedShiftDetected, TaskFailed
+from events.event import SpeedShiftDetected, TaskCompleted, TaskFailed
+from projections.folder import decode_sample
 from tests.real.fleet import RealFleet
 
 # The run's length and its requests (the acceptance run: 10 minutes, 500 requests); a developer
@@ -65,5 +66,17 @@ def test_a_steady_run_sees_no_speed_shift_and_loses_no_request_to_a_closed_conne
     ]
     assert not dropped, dropped
     shifts = fleet.events(SpeedShiftDetected)
-    assert not shifts, shifts
+    assert not shifts, (shifts, decode_samples(fleet))
     assert time.monotonic() - started >= STEADY_S * 0.95
+
+
+def decode_samples(fleet: RealFleet) -> dict[str, list[tuple[int, float]]]:
+    """Each worker's decode-speed samples in ledger order (ms, tok/s), for a failure to show what
+    the detector saw."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for e in fleet.events(TaskCompleted):
+        if isinstance(e, TaskCompleted) and not e.duplicate:
+            x = decode_sample(e.timings)
+            if x is not None:
+                out.setdefault(e.worker, []).append((e.at, round(x, 1)))
+    return out
