@@ -328,6 +328,7 @@ class Gateway:
         waits: bool = True,
         timeout_s: float | None = None,
         key: ApiKey | None = None,
+        child: bool = False,
     ) -> Submitted:
         """Route and queue through the one submission path (dispatch.submit), retrying while Redis
         is away: the task's id is drawn once, before the first try, so that a try whose reply was
@@ -338,8 +339,12 @@ class Gateway:
 
         With `key`, the request is first held to the key's limits (QuotaExceededError names the one
         it is over): its priority is capped at the key's ceiling, its name recorded, and its
-        fair-share round drawn from how many of the key's tasks are open. QueueFullError when the
-        model's queue is at max_queue_depth."""
+        fair-share round drawn from how many of the key's tasks are open (a pipeline's `child` after
+        its first task: held to the key's tokens and open tasks, not its rpm). QueueFullError when
+        the model's queue is at max_queue_depth.
+
+        Every task enters here: a client's request, and each task of a pipeline (its decomposer,
+        children and integration), which carry the pipeline's deadline."""
         patience = min(timeout_s or self.wait_timeout_s, self.max_queue_s) if waits else self.max_queue_s
         # On the ledger's clock: the worker that takes the task judges it there, not by this API's.
         deadline = req.deadline_ms or await self.fleet.clock.now_ms() + int(patience * 1000)
@@ -347,7 +352,7 @@ class Gateway:
         await self.retrying(self.memory.admit)
         if key is not None:
             task_id = req.task_id or ""
-            admitted = await self.retrying(lambda: self.quotas.admit(key, task_id, req.priority))
+            admitted = await self.retrying(lambda: self.quotas.admit(key, task_id, req.priority, child=child))
             req = msgspec.structs.replace(
                 req, key=key.name, priority=admitted.priority, share_round=admitted.round
             )

@@ -19,7 +19,6 @@ until it expires. There is deliberately no daemon that adopts orphaned pipelines
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -35,7 +34,7 @@ from dispatch.lease import LeaseInfo, live_workers
 from dispatch.payload import Message, Relayed, Result, TaskMessage, estimate_tokens
 from dispatch.quota import ApiKey
 from dispatch.serving import describe_fleet, require_model, served_models
-from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.submit import TaskRequest
 from dispatch.view import LiveView, worker_views
 from events.event import Event, PipelineChildAdded, PipelineCompleted, PipelineStarted, now_ms
 from pipelines.decompose import DECOMPOSER_FORMAT, decomposer_system, parse_subtasks, retry_prompt
@@ -105,6 +104,8 @@ class Coordinator:
         self.done = False
         # Whether a task of this pipeline was held to its key's rpm already (`_submit`).
         self._rated = False
+        # Every task's deadline, on the ledger's clock (set at the first `_submit`).
+        self.deadline_ms: int | None = None
 
     @property
     def pipeline_id(self) -> str:
@@ -134,6 +135,9 @@ class Coordinator:
         max_tokens: int | None = None,
         fmt: Any = None,
     ) -> TaskMessage:
+        if self.deadline_ms is None:
+            # On the ledger's clock, as every task's deadline: the pipeline's, for all its tasks.
+            self.deadline_ms = await self.gw.fleet.clock.now_ms() + int(self._left_s() * 1000)
         req = TaskRequest(
             model=model,
             messages=messages,
@@ -143,24 +147,13 @@ class Coordinator:
             client=self.req.client,
             pipeline_id=self.pipeline_id,
             task_id=uuid.uuid4().hex,
+            deadline_ms=self.deadline_ms,
         )
-        key = self.req.key
-        if key is not None:
-            task_id, child = req.task_id or "", self._rated
-            admitted = await self.gw.retrying(lambda: self.gw.quotas.admit(key, task_id, 0, child=child))
-            self._rated = True
-            req = msgspec.structs.replace(req, key=key.name, share_round=admitted.round)
-        try:
-            return (await self.gw.retrying(lambda: route_and_submit(self.gw.queues, self.view, req))).task
-        except DispatchError as exc:
-            if key is not None:
-                # Nothing was queued: the key's place is given back.
-                with contextlib.suppress(RedisError, *TRANSIENT):
-                    await self.gw.quotas.settle(key.name, req.task_id or "", 0)
-            if not isinstance(exc, ModelNotServedError):
-                raise
-            leases = await live_workers(self.gw.redis, self.gw.keys)
-            raise ModelNotServedError(str(exc), model=model, fleet=leases) from None
+        # Through the gateway's one way in, as a client's request: memory, the queue's depth cap,
+        # the key's limits (the first task held to its rpm, later ones not) and the deadline.
+        submitted = await self.gw.submit(req, waits=False, key=self.req.key, child=self._rated)
+        self._rated = self.req.key is not None
+        return submitted.task
 
     # -- steps ----------------------------------------------------------------------------------
     async def start(self) -> None:

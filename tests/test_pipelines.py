@@ -19,6 +19,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
+from dispatch.payload import F_TASK, TaskMessage, decode_task
 from events.event import (
     Event,
     PipelineChildAdded,
@@ -37,6 +38,7 @@ from projections.projector import Projector
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet, parse_fleet
 from tests.helpers import (
+    MODEL_DIGEST,
     events_of,
     fast_config,
     running_agent,
@@ -44,7 +46,7 @@ from tests.helpers import (
     wait_until,
     worker_process,
 )
-from tests.test_api_support import fleet_and_api, serving, stored_result
+from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result
 from workers.admission import RouterGate
 
 SEED = load_fleet("seed")
@@ -410,3 +412,62 @@ async def test_best_effort_integrates_what_succeeded_and_fail_fast_fails_naming_
     assert [c["status"] for c in body["children"]] == ["completed", "dead"]
     assert strict.status_code == 502 and "child 1" in strict.json()["error"]["message"]
     assert strict_view["status"] == "failed" and strict_view["integration"] is None
+
+
+async def test_every_task_of_a_pipeline_carries_the_pipelines_deadline_so_a_late_taker_expires_it(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # Nobody takes model m's tasks (a lease with no agent behind it): the children wait in the
+    # queue, and what they carry is what a worker would judge them by when it took them.
+    await ghost_worker(redis_client)
+    config = AppConfig(redis_url=redis_url)
+    body = {
+        "model": "m",
+        "children": [{"prompt": "one"}, {"prompt": "two"}],
+        "wait": False,
+        "timeout_s": 30,
+    }
+    async with serving(config) as base, httpx.AsyncClient(base_url=base) as http:
+        before = now_ms()
+        answer = await http.post("/v1/pipelines", json=body)
+        after = now_ms()
+        assert answer.status_code == 202, answer.text
+        pipeline_id = answer.json()["pipeline_id"]
+
+        async def queued() -> bool:
+            return len(await children_of(redis_client, pipeline_id)) == 2
+
+        await wait_until(queued, timeout=10)
+    children = await children_of(redis_client, pipeline_id)
+    for child in children:
+        # The pipeline's own deadline (when it gives up on them), not none: before, a child whose
+        # pipeline had ended ran whenever a worker got to it.
+        assert child.deadline_ms is not None
+        assert before + 30_000 - 50 <= child.deadline_ms <= after + 30_000 + 50
+    assert len({child.deadline_ms for child in children}) == 1
+
+
+async def test_a_pipeline_whose_model_queue_is_at_its_depth_cap_is_refused_and_queues_nothing(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
+) -> None:
+    await ghost_worker(redis_client)
+    config = AppConfig(redis_url=redis_url, max_queue_depth=1)
+    async with serving(config) as base, httpx.AsyncClient(base_url=base) as http:
+        first = await http.post("/v1/tasks", json={"model": "m", "prompt": "fill the queue", "wait": False})
+        assert first.status_code == 202, first.text
+        refused = await http.post(
+            "/v1/pipelines", json={"model": "m", "children": [{"prompt": "one"}], "wait": False}
+        )
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "queue_full" and "max_queue_depth" in error["message"], error
+        assert refused.headers["retry-after"]
+    submitted = await events_of(ledger, TaskSubmitted)
+    assert [e.task_id for e in submitted if isinstance(e, TaskSubmitted)] == [first.json()["task_id"]]
+
+
+async def children_of(redis: aioredis.Redis, pipeline_id: str) -> list[TaskMessage]:
+    """Each task the pipeline queued so far, as it waits in model m's queue."""
+    rows: Any = await redis.xrange(Keys().queue(MODEL_DIGEST), "-", "+")
+    tasks = [decode_task(fields[F_TASK]) for _, fields in rows]
+    return [task for task in tasks if task.pipeline_id == pipeline_id]
