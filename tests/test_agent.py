@@ -29,7 +29,7 @@ from tests.helpers import (
     wait_until,
     worker_process,
 )
-from workers.admission import Admission, Gate, PlainPull, RouterGate
+from workers.admission import Admission, Applicant, Gate, PlainPull, RouterGate
 from workers.agent import Running, WorkerAgent
 from workers.backend import OllamaBackend
 
@@ -420,7 +420,7 @@ class _CountingGate:
     def __init__(self, gate: Gate) -> None:
         self.gate, self.asks = gate, list[tuple[float, bool]]()
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+    async def admit(self, agent: Applicant, queues: Sequence[str]) -> Admission:
         admission = await self.gate.admit(agent, queues)
         self.asks.append((time.monotonic(), admission.queue is not None))
         return admission

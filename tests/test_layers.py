@@ -47,7 +47,6 @@ KNOWN_BREAKS = {
     "events.scripts -> importlib",
 }
 KNOWN_CYCLES = {
-    ("workers.admission", "workers.agent"),
     ("sim.backends.host", "sim.backends.hosts"),
     ("routeledger.cli_schedule", "routeledger.cli_sim"),
 }

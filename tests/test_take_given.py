@@ -29,7 +29,7 @@ from tests.helpers import (
     wait_until,
 )
 from workers import admission
-from workers.admission import Admission, RouterGate
+from workers.admission import Admission, Applicant, RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import Inventory, OllamaBackend
 from workers.reaper import Reaper, ReaperConfig
@@ -231,7 +231,7 @@ async def test_a_worker_whose_given_task_was_removed_takes_nothing_and_asks_agai
     class CancelledMeanwhile:
         """The gate decides on t1; t1 is cancelled between that decision and the take."""
 
-        async def admit(self, agent: WorkerAgent, queues_: Sequence[str]) -> Admission:
+        async def admit(self, agent: Applicant, queues_: Sequence[str]) -> Admission:
             decided = await gate.admit(agent, queues_)
             if decided.task_id == t1:
                 await queues.cancel_queued(keys.queue(MODEL_DIGEST), e1)

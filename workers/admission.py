@@ -7,6 +7,9 @@ head of whichever queue waited longest. Either way the worker then takes exactly
 and only if it is still the head (`TaskQueues.take`), or, for a later task the size-aware plan gave
 it, only if it is still queued (`TaskQueues.take_given`, which moves it to the worker's pinned
 stream), and asks again for its next free slot.
+
+A gate reads the worker that asks it through `Applicant`, the few things it needs (what it
+serves, what its lease says, whether work is likely waiting), not through the agent itself.
 """
 
 from __future__ import annotations
@@ -14,18 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 import redis.asyncio as aioredis
 
+from dispatch.lease import LeaseInfo
 from dispatch.view import LiveView, with_own, worker_views
+from events.event import ModelEntry
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, decide_take
 from router.plan import BacklogEntry, WorkerView
-
-if TYPE_CHECKING:
-    from workers.agent import WorkerAgent
 
 log = logging.getLogger("routeledger.gate")
 
@@ -61,13 +63,36 @@ class Admission(msgspec.Struct, kw_only=True):
     alone: str = ""
 
 
+class Applicant(Protocol):
+    """What a gate reads of the worker that asks it (workers.consumer.Consumer is this view)."""
+
+    @property
+    def name(self) -> str: ...
+
+    # Work is likely waiting (a queue woke the worker, or it has just taken a task).
+    @property
+    def expects_work(self) -> bool: ...
+
+    # The worker acknowledges the entries it takes (it does not write to an inbox).
+    @property
+    def finishes(self) -> bool: ...
+
+    def serving(self) -> list[ModelEntry]:
+        """The held models the worker consumes tasks for."""
+        ...
+
+    def lease_info(self) -> LeaseInfo:
+        """What the worker's lease says now (what it runs included)."""
+        ...
+
+
 class Gate(Protocol):
     """The seam for the router's speed-aware gate: what may this worker take from these queues now?"""
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission: ...
+    async def admit(self, agent: Applicant, queues: Sequence[str]) -> Admission: ...
 
 
-def _digests(agent: WorkerAgent, keys: Keys, queues: Sequence[str]) -> list[str]:
+def _digests(agent: Applicant, keys: Keys, queues: Sequence[str]) -> list[str]:
     wanted = set(queues)
     return [m.digest for m in agent.serving() if keys.queue(m.digest) in wanted]
 
@@ -94,7 +119,7 @@ class PlainPull:
         self.view = LiveView(redis, keys)
         self.keys = keys
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+    async def admit(self, agent: Applicant, queues: Sequence[str]) -> Admission:
         backlog, cursors = await self.view.backlogs_and_cursors(_digests(agent, self.keys, queues), 2)
         heads = [(q[0].enqueued_at_ms, d) for d, q in backlog.items() if q]
         if not heads:
@@ -126,7 +151,7 @@ class RouterGate:
         # each model's starting slot state) serve every check until then.
         self._views: tuple[object, list[WorkerView], list[WorkerView]] | None = None
 
-    async def admit(self, agent: WorkerAgent, queues: Sequence[str]) -> Admission:
+    async def admit(self, agent: Applicant, queues: Sequence[str]) -> Admission:
         digests = _digests(agent, self.keys, queues)
         # When work is likely waiting (a queue woke the worker, or it has just taken a task), the
         # leases are read beside the backlog rather than after it: one round trip less before the take.
@@ -142,7 +167,7 @@ class RouterGate:
                 # Never cancelled mid-command; its value stays cached, its failure is the next read's.
                 await asyncio.gather(early, return_exceptions=True)
 
-    async def _admit(self, agent: WorkerAgent, digests: list[str]) -> Admission:
+    async def _admit(self, agent: Applicant, digests: list[str]) -> Admission:
         # A short look first: under a long backlog the plan gives a worker a task within the first
         # few, and reading (and decoding) 64 queued tasks per take is most of a take's cost. Only a
         # "leave" on a look that was cut short is decided again on the whole depth.
@@ -157,7 +182,7 @@ class RouterGate:
         return admission
 
     async def _decide(
-        self, agent: WorkerAgent, backlog: dict[str, list[BacklogEntry]], cursors: dict[str, str]
+        self, agent: Applicant, backlog: dict[str, list[BacklogEntry]], cursors: dict[str, str]
     ) -> Admission:
         snap, est = await self.view.estimates()
         # The cached leases, with this worker's own as it is now (it knows what it runs).
