@@ -49,10 +49,9 @@ from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import as_str
-from events.connection import raw_name
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
-from events.ledger import Ledger
+from events.ledger import Ledger, read_streams
 from projections.errors import ProjectionError
 from projections.index import Found, task_events
 from projections.reader import get_task
@@ -130,7 +129,6 @@ class _Outputs:
         self.task_id = task_id
         self._workers = workers
         self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
-        self._xread = raw_name(redis, "XREAD")
         self.writers: list[str] = []
         # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
         self._names: dict[str, str] = {}
@@ -163,22 +161,10 @@ class _Outputs:
         carries (the first outcome's)."""
         if (time.monotonic() - self._looked) * 1000 >= _LOOK_MS:
             await self._look()
-        reply: Any = await self.redis.execute_command(  # type: ignore[no-untyped-call]
-            self._xread,
-            "COUNT",
-            256,
-            "BLOCK",
-            max(1, min(block_ms, _LOOK_MS)),
-            "STREAMS",
-            *self.cursors,
-            *self.cursors.values(),
-        )
-        if not reply:
-            return []
-        pairs = reply.items() if isinstance(reply, dict) else reply
+        streams: Any = dict(self.cursors)
+        reply: Any = await self.redis.xread(streams, count=256, block=max(1, min(block_ms, _LOOK_MS)))
         out: list[tuple[Chunk, Result | None]] = []
-        for raw_stream, rows in pairs:
-            stream = as_str(raw_stream)
+        for stream, rows in read_streams(reply):
             name = self._names.get(stream)
             if name is not None and name not in self.writers:
                 await self._look()  # it may have just taken the task
@@ -188,7 +174,7 @@ class _Outputs:
                     continue
             for entry_id, flat in rows:
                 self.cursors[stream] = as_str(entry_id)
-                fields = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
                 raw = fields.get(b"c")
                 if raw is not None:
                     carried = fields.get(b"r")

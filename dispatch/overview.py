@@ -20,7 +20,6 @@ from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recen
 from dispatch.serving import catalog, served
 from events.clock import LedgerClock
 from events.codec import decode_rows
-from events.connection import raw_name
 from events.keys import DIGEST_PREFIX_LEN, WORKERS_GROUP, Keys
 from events.ledger import Ledger, next_id
 from projections.errors import ProjectionError
@@ -135,7 +134,7 @@ async def _depth(redis: aioredis.Redis, queue: str) -> dict[str, int | None]:
         # Redis 6.2 has no lag (nor does 7 after a deletion): count what lies past the group's cursor.
         last = group.get("last-delivered-id") or b"0-0"
         start = next_id(last.decode() if isinstance(last, bytes) else str(last))
-        rows: Any = await redis.execute_command(raw_name(redis, "XRANGE"), queue, start, "+", "COUNT", 10_000)  # type: ignore[no-untyped-call]
+        rows: Any = await redis.xrange(queue, start, "+", count=10_000)
         queued = len(rows)
     # Re-queued entries are pending for no worker: they wait, like unread ones.
     again = await requeued_count(redis, queue)

@@ -13,7 +13,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from events.codec import decode_rows
-from events.connection import raw_name
 from events.event import (
     BenchmarkResult,
     Event,
@@ -27,7 +26,7 @@ from events.event import (
     TaskSubmitted,
 )
 from events.keys import Keys
-from events.ledger import Ledger, RawEntry
+from events.ledger import Ledger, RawEntry, wire_rows
 from projections.folder import decode_tps
 from projections.status import TaskStatus, fold_status
 
@@ -262,10 +261,8 @@ class Recent:
 
 async def load_recent(redis: aioredis.Redis, keys: Keys, window: int = RECENT_WINDOW) -> tuple[Recent, str]:
     """Recent tasks and incidents from the newest `window` ledger entries, and the newest id read."""
-    reply: Any = await redis.execute_command(  # type: ignore[no-untyped-call]
-        raw_name(redis, "XREVRANGE"), keys.events, "+", "-", "COUNT", window
-    )
-    rows: list[RawEntry] = [(row[0].decode(), row[1]) for row in reply]
+    reply: Any = await redis.xrevrange(keys.events, "+", "-", count=window)
+    rows: list[RawEntry] = [(row[0].decode(), row[1]) for row in wire_rows(reply)]
     last = rows[0][0] if rows else "0-0"
     rows.reverse()
     recent = Recent(keys)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -15,7 +15,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from events.codec import as_str, decode_rows, encode_batch, encode_fields
-from events.connection import raw_name
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
@@ -76,6 +75,28 @@ class PendingEntry(msgspec.Struct, frozen=True):
     deliveries: int
 
 
+def wire_rows(entries: Iterable[Any]) -> list[WireEntry]:
+    """Stream entries as redis-py parses them, (id, {field: value}) each, in Redis's own shape,
+    [id, [field, value, ...]], which the ledger's decoders read (fields in the order they were
+    written). A deleted entry's fields (None) are empty."""
+    return [[row[0], [x for pair in row[1].items() for x in pair] if row[1] else []] for row in entries]
+
+
+def read_streams(reply: Any) -> list[tuple[str, list[WireEntry]]]:
+    """An XREAD or XREADGROUP reply as redis-py parses it: each stream's name and its entries in
+    Redis's own shape (`wire_rows`). redis-py gives [[stream, entries], ...], or with its RESP3
+    callbacks a map of stream to [entries]."""
+    if not reply:
+        return []
+    out: list[tuple[str, list[WireEntry]]] = []
+    if isinstance(reply, dict):
+        for name, value in reply.items():
+            entries = value[0] if value and isinstance(value[0], list) else value
+            out.append((as_str(name), wire_rows(entries)))
+        return out
+    return [(as_str(name), wire_rows(entries)) for name, entries in reply]
+
+
 def next_id(entry_id: str) -> str:
     """The smallest stream id strictly after `entry_id` (for exclusive ranges on Redis 6.2)."""
     ms, _, seq = entry_id.partition("-")
@@ -93,11 +114,6 @@ class Ledger:
         # (`Keys.inbox`), which the projector's ingest checks and moves into the ledger.
         self.appends_to = self.keys.inbox(inbox) if inbox else self.stream
         self._append_many = _APPEND_MANY_DEF.bind(redis)
-        # Reads sent under a raw name skip redis-py's response callbacks (events.connection.raw_name):
-        # XRANGE's callback builds a dict per entry, which costs more than decoding the event. Rows
-        # stay [id, [field, value, ...]].
-        self._xrange_name = raw_name(redis, "XRANGE")
-        self._xread = raw_name(redis, "XREAD")
 
     # -- appending ----------------------------------------------------------------------------
     async def append(self, event: Event) -> str:
@@ -146,11 +162,8 @@ class Ledger:
         return as_str(raw[0][0]) if raw else None
 
     async def _xrange(self, start: str, stop: str, count: int) -> list[Any]:
-        rows: list[Any] = await self._raw(self._xrange_name, self.stream, start, stop, "COUNT", count)
-        return rows
-
-    async def _raw(self, *args: Any) -> Any:
-        return await self.redis.execute_command(*args)  # type: ignore[no-untyped-call]
+        rows: Any = await self.redis.xrange(self.stream, start, stop, count=count)
+        return wire_rows(rows)
 
     async def read_wire(
         self, start: str = "-", stop: str = "+", count: int | None = None, chunk: int = 2000
@@ -230,15 +243,8 @@ class Ledger:
         self, after_id: str, count: int = 1000, block_ms: int | None = None
     ) -> list[RawEntry]:
         """Up to `count` undecoded entries strictly after `after_id`, waiting up to `block_ms` for one."""
-        args: list[Any] = [self._xread, "COUNT", count]
-        if block_ms is not None:
-            args += ["BLOCK", block_ms]
-        reply: Any = await self._raw(*args, "STREAMS", self.stream, after_id)
-        if not reply:
-            return []
-        # RESP3 replies with a map, RESP2 with [[stream, rows]].
-        rows = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        return [(row[0].decode(), row[1]) for row in rows]
+        reply: Any = await self.redis.xread({self.stream: after_id}, count=count, block=block_ms)
+        return [(row[0].decode(), row[1]) for _, rows in read_streams(reply) for row in rows]
 
     async def tail(
         self,

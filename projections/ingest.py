@@ -47,7 +47,6 @@ from dispatch.benchmark import REFERENCE, prompt_by_id
 from dispatch.payload import F_TASK, decode_task
 from dispatch.queues import RESULT_TTL_MS
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
-from events.connection import raw_name
 from events.errors import UndecodableEntryError
 from events.event import (
     BenchmarkRequested,
@@ -65,6 +64,7 @@ from events.event import (
     WorkerOnline,
 )
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
+from events.ledger import read_streams
 
 log = logging.getLogger("routeledger.ingest")
 
@@ -217,15 +217,10 @@ class Ingest:
         if not names:
             return 0
         streams = {self.keys.inbox(n): self._cursors.get(n, "0-0") for n in names}
-        # A raw command name skips redis-py's reply parsing: rows stay [id, [field, value, ...]].
-        args: list[Any] = [raw_name(self.redis, "XREAD"), "COUNT", self.batch]
-        if block_ms:
-            args += ["BLOCK", block_ms]
-        reply: Any = await self.redis.execute_command(*args, "STREAMS", *streams, *streams.values())  # type: ignore[no-untyped-call]
-        if not reply:
+        reply: Any = await self.redis.xread(streams, count=self.batch, block=block_ms or None)  # type: ignore[arg-type]
+        by_stream = dict(read_streams(reply))
+        if not by_stream:
             return 0
-        pairs = reply.items() if isinstance(reply, dict) else reply
-        by_stream = {as_str(stream): rows for stream, rows in pairs}
         handled = 0
         for name in names:
             rows = by_stream.get(self.keys.inbox(name))

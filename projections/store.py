@@ -34,18 +34,12 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
-from typing import Any, Final, NamedTuple, cast
+from typing import Any, Final, NamedTuple
 
-import hiredis
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterDownError, MovedError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from events.codec import as_str
-from events.connection import is_cluster, relearn_layout
 from events.keys import Keys
 from projections.errors import ProjectionError
 from projections.snapshot import (
@@ -84,6 +78,8 @@ NEAR_SHARDS: Final = 2
 RETIRE_AFTER_MS: Final = 60_000
 # Rows per HSET when a whole namespace is written.
 WRITE_CHUNK: Final = 1000
+# HSETs sent per pipeline while a namespace is written (about a megabyte of fields at most).
+WRITE_PIPELINE: Final = 16
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _speed_dec: Final = msgspec.msgpack.Decoder(SpeedRow)
@@ -482,55 +478,26 @@ async def _hmget_shards(
 # -- writing -----------------------------------------------------------------------------------
 
 
-def _hset_commands(key: str, fields: Iterator[tuple[str, bytes]]) -> Iterator[bytes]:
-    """HSETs of up to WRITE_CHUNK fields each, packed for the wire by hiredis (in C: redis-py's
-    Python packer costs more than Redis takes to run the commands). Rows are encoded a chunk at
-    a time, so that Redis runs one HSET while the next is encoded."""
+def _hset_chunks(key: str, fields: Iterator[tuple[str, bytes]]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, fields) of HSETs of up to WRITE_CHUNK fields each. Rows are encoded a chunk at a
+    time, so that a rebuild never holds a namespace's every field encoded at once."""
     while chunk := list(islice(fields, WRITE_CHUNK)):
-        packed: bytes = hiredis.pack_command((b"HSET", key, *chain.from_iterable(chunk)))  # type: ignore[arg-type]
-        yield packed
+        yield key, dict(chunk)
 
 
-async def _send_packed(redis: aioredis.Redis, commands: Iterable[bytes], slot_key: str) -> None:
-    """Send packed commands on one connection, as a pipeline, then read every reply. Every key
-    they write shares `slot_key`'s slot: on a cluster, they go to the node that serves it."""
-    if is_cluster(redis):
-        node = cast(RedisCluster, redis).get_node_from_key(slot_key)
-        if node is None:
-            raise ProjectionError(f"no node of the cluster serves {slot_key} now; try again")
-        pool: Any = _NodePool(node)
-    else:
-        pool = redis.connection_pool
-    conn = await pool.get_connection()
-    try:
-        sent = 0
-        for command in commands:
-            await conn.send_packed_command(command, check_health=sent == 0)
-            sent += 1
-        for _ in range(sent):
-            await conn.read_response()
-    except BaseException as exc:
-        # Replies may still be on their way: the connection cannot be reused.
-        await conn.disconnect()
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | MovedError | ClusterDownError):
-            # Sent to the node directly: the client learns of a failover only if told.
-            relearn_layout(redis)
-        raise
-    finally:
-        await pool.release(conn)
-
-
-class _NodePool:
-    """One cluster node's connections, handed out like a pool's."""
-
-    def __init__(self, node: ClusterNode) -> None:
-        self.node = node
-
-    async def get_connection(self) -> Any:
-        return self.node.acquire_connection()
-
-    async def release(self, conn: Any) -> None:
-        self.node.release(conn)
+async def _hset_all(redis: aioredis.Redis, writes: Iterable[tuple[str, dict[str, bytes]]]) -> None:
+    """Every HSET of `writes`, through non-transactional pipelines of WRITE_PIPELINE commands (on a
+    cluster every key of a namespace shares its slot: each pipeline goes to one node)."""
+    pipe = redis.pipeline(transaction=False)
+    queued = 0
+    for key, mapping in writes:
+        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
+        queued += 1
+        if queued == WRITE_PIPELINE:
+            await pipe.execute()
+            pipe, queued = redis.pipeline(transaction=False), 0
+    if queued:
+        await pipe.execute()
 
 
 async def create(
@@ -551,10 +518,8 @@ async def create(
     tables' checkpoint)."""
     ns = new_namespace()
     changes = _lazy_fields(tables, ledger_ms(tables.checkpoint) if now_ms is None else now_ms, tasks)
-    await _send_packed(
-        redis,
-        chain.from_iterable(_hset_commands(keys.table(ns, c.name), iter(c.fields)) for c in changes),
-        keys.checkpoint(ns),
+    await _hset_all(
+        redis, chain.from_iterable(_hset_chunks(keys.table(ns, c.name), iter(c.fields)) for c in changes)
     )
     pipe = redis.pipeline(transaction=False)
     pipe.hset(keys.table(ns, META), mapping=_meta(tables, built_by))  # type: ignore[arg-type]
