@@ -1,7 +1,9 @@
 """The one submission path: resolve the model (or `auto`), rank its holders, record it, queue the task.
 
-The API, the CLI, pipelines and the demo traffic submit through `route_and_submit`, each with one
-TaskRequest. The decision (every candidate, every term and source) is appended as TaskRouted
+The API, the CLI, pipelines and the demo traffic submit through the gateway's one way in
+(`dispatch.gateway.Gateway.submit`), each with one TaskRequest: it holds the task to its checks
+(memory, the queue's depth cap, the key's limits, a deadline) and then calls `route_and_submit`
+here, which nothing else calls (tests/test_layers.py checks). The decision (every candidate, every term and source) is appended as TaskRouted
 together with TaskSubmitted, before any worker can see the task; workers still pull, so the
 decision's taker is the plan's expectation, checked later against who ran it.
 """

@@ -11,11 +11,12 @@ import typer
 from rich.table import Table
 
 from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
+from dispatch.gateway import Gateway
 from dispatch.lease import live_workers
 from dispatch.payload import EMBED, Message
 from dispatch.queues import TaskQueues, read_result
 from dispatch.serving import embedding_only, holdings
-from dispatch.submit import TaskRequest, preview_request, submit_task
+from dispatch.submit import TaskRequest, preview_request
 from dispatch.view import LiveView
 from events.errors import RouteledgerError
 from events.event import BenchmarkResult, QualityScored
@@ -209,7 +210,7 @@ def bench_judge(
 
     async def go(client: aioredis.Redis) -> tuple[int, int]:
         ledger = Ledger(client, keys)
-        queues = TaskQueues(client, keys, ledger)
+        gateway = Gateway(client, keys)
         graded = skipped = 0
         judged = {e.task_id async for _, e in _of(ledger, QualityScored) if e.grader.startswith("judge:")}
         async for _, result in _of(ledger, BenchmarkResult):
@@ -225,7 +226,7 @@ def bench_judge(
             req = TaskRequest(
                 model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
             )
-            task = (await submit_task(queues, req)).task
+            task = (await gateway.submit(req, waits=False)).task
             verdict = await _result_text(client, keys, task.task_id)
             match = _SCORE.search(verdict or "")
             if match is None:

@@ -1,8 +1,8 @@
 """`routeledger sim traffic`: a light trickle of varied requests, so that a demo fleet looks alive.
 
-Requests go through the same path as the API's (dispatch.submit.route_and_submit): each is
-routed with a recorded breakdown, queued, and run by whichever worker the plan lets take it.
-Nobody waits for the answers; they expire like any other result.
+Requests go through the API's one way in (dispatch.gateway.Gateway.submit, with its checks: the
+memory guard, a deadline): each is routed with a recorded breakdown, queued, and run by whichever
+worker the plan lets take it. Nobody waits for the answers; they expire like any other result.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import redis.asyncio as aioredis
 import typer
 from redis.exceptions import RedisError
 
-from dispatch.errors import ModelNotServedError
+from dispatch.errors import DispatchError, ModelNotServedError
+from dispatch.gateway import Gateway
 from dispatch.payload import Message
-from dispatch.queues import TaskQueues
-from dispatch.submit import TaskRequest, route_and_submit
-from dispatch.view import LiveView
+from dispatch.submit import TaskRequest
 from events.keys import Keys
 from routeledger.runtime import Instance, command, setup_logging
 
@@ -58,8 +57,7 @@ async def trickle(
     """Submit requests at `rate` per second on average (Poisson arrivals) until `stop` is set or
     `count` were submitted; returns how many were."""
     rng = random.Random(seed)
-    queues = TaskQueues(redis, keys)
-    view = LiveView(redis, keys)
+    gateway = Gateway(redis, keys)
     stop = stop or asyncio.Event()
     sent = 0
     warned: set[str] = set()
@@ -75,7 +73,7 @@ async def trickle(
                 max_tokens=rng.randint(*max_tokens),
                 client="sim-traffic",
             )
-            await route_and_submit(queues, view, req)
+            await gateway.submit(req, waits=False)
             sent += 1
             warned.discard(model)
         except ModelNotServedError as exc:
@@ -83,7 +81,7 @@ async def trickle(
             if model not in warned:
                 log.info("not sending %s yet: %s", model, exc)
                 warned.add(model)
-        except (RedisError, OSError) as exc:
+        except (DispatchError, RedisError, OSError) as exc:
             log.warning("could not submit: %s", exc)
     return sent
 

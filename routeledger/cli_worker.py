@@ -16,11 +16,11 @@ from redis.exceptions import RedisError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
 from dispatch.errors import WakeError
+from dispatch.gateway import Gateway
 from dispatch.lease import decode_lease, live_workers
 from dispatch.payload import Message
-from dispatch.queues import TaskQueues, read_result
-from dispatch.submit import TaskRequest, route_and_submit
-from dispatch.view import LiveView
+from dispatch.queues import read_result
+from dispatch.submit import TaskRequest
 from dispatch.wake import (
     DEFAULT_BROADCAST,
     DEFAULT_PORT,
@@ -289,7 +289,8 @@ def task_submit(
     )
 
     async def go(client: aioredis.Redis) -> dict[str, object]:
-        sub = await route_and_submit(TaskQueues(client, keys), LiveView(client, keys), req)
+        # The API's one way in, with its checks (memory, a deadline: --timeout when it waits).
+        sub = await Gateway(client, keys).submit(req, waits=wait, timeout_s=timeout)
         task, decision = sub.task, sub.decision
         out: dict[str, object] = {
             "task_id": task.task_id,

@@ -11,13 +11,19 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 import pytest
+import redis.asyncio as aioredis
 
-from events.event import TaskStalled
+from dispatch.payload import F_TASK, decode_task
+from events.event import TaskStalled, now_ms
+from events.keys import Keys
 from routeledger.embedded import free_port
+from tests.helpers import MODEL_DIGEST
+from tests.test_api_support import ghost_worker
 
 
 def rl(
@@ -295,3 +301,21 @@ def test_up_refuses_to_let_redis_older_than_7_listen_beyond_loopback(tmp_path: P
         "Redis older than 7 may only listen on loopback" in message and "apt install redis-server" in message
     )
     assert not (tmp_path / "d" / "redis.url").exists()
+
+
+async def test_task_submit_queues_through_the_apis_one_way_in_with_its_deadline(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    # A lease with nobody behind it: the task stays queued, as the command left it.
+    await ghost_worker(redis_client)
+    before = now_ms()
+    result = rl("task", "submit", "--model", "m", "--prompt", "hello", "--json", "--redis-url", redis_url)
+    after = now_ms()
+    assert result.returncode == 0, result.stderr
+    task_id = json.loads(result.stdout)["task_id"]
+    rows: Any = await redis_client.xrange(Keys().queue(MODEL_DIGEST))
+    (task,) = [t for t in (decode_task(fields[F_TASK]) for _, fields in rows) if t.task_id == task_id]
+    # Nobody waits for it: it may queue as long as any task may (the gateway's max_queue_s), no
+    # longer, as a request the API took without waiting.
+    assert task.deadline_ms is not None
+    assert before + 3_600_000 <= task.deadline_ms <= after + 3_600_000

@@ -204,3 +204,20 @@ def test_importlib_in_the_bottom_layers_and_imports_between_api_workers_and_sim_
 def test_two_modules_that_import_each_other_round_a_loop_are_found() -> None:
     imports = [Import("a.x", "a.y"), Import("a.y", "a.z"), Import("a.z", "a.x"), Import("a.w", "a.x")]
     assert cycles(imports, {"a.x", "a.y", "a.z", "a.w"}) == {("a.x", "a.y", "a.z")}
+
+
+def test_every_submission_enters_through_the_gateway() -> None:
+    # The checks a task is held to (memory, queue depth, the key's limits, a deadline) live in
+    # Gateway.submit; the steps below it route and queue. No caller may step past the checks.
+    below = {"route_and_submit", "submit_task"}
+    callers: set[str] = set()
+    for name, path in modules().items():
+        if name in ("dispatch.submit", "dispatch.gateway"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if called in below:
+                    callers.add(f"{name}: {called}")
+    assert callers == set()
