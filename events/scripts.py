@@ -15,7 +15,6 @@ grants nothing: the commands and keys it touches must be the caller's own.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import weakref
 from collections.abc import Sequence
 from typing import Any, Final
@@ -28,9 +27,6 @@ from redis.exceptions import NoPermissionError, ResponseError
 from events.errors import ScriptLibraryError
 
 LIBRARY: Final = "routeledger"
-# The modules whose scripts make the library: imported before it is loaded, so that the library
-# is whole whichever of them the loading process happened to use.
-_MODULES: Final = ("events.ledger", "dispatch.queues", "dispatch.lease", "dispatch.view")
 # Function name -> (body, flags), for every script defined so far.
 _DEFINED: dict[str, tuple[str, tuple[str, ...]]] = {}
 # Per client: True, the server runs functions; False, it has none (6.2): EVALSHA.
@@ -104,10 +100,19 @@ class Script:
         return reply
 
 
+def defined() -> list[str]:
+    """The function name of every script defined so far (by the modules this process imported)."""
+    return sorted(_DEFINED)
+
+
 def library_code() -> str:
-    """The `routeledger` library: every script of the modules in _MODULES as a function."""
-    for module in _MODULES:
-        importlib.import_module(module)
+    """The `routeledger` library: every script defined so far, as a function.
+
+    A script is defined when its module is imported, and this layer imports nothing above it: a
+    process that loads the library for others (the projector's, `up`'s) has imported every module
+    that defines one through `routeledger.library`, so the library is whole. Any other process
+    loads what it defined when a function it calls is missing; the next process that misses one
+    of its own loads it again with its own, so a shared Redis ends with every function called."""
     parts = [f"#!lua name={LIBRARY}"]
     for name, (body, flags) in sorted(_DEFINED.items()):
         flag_list = ", ".join(f"'{f}'" for f in flags)

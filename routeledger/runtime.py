@@ -24,6 +24,7 @@ from rich.console import Console
 from events.connection import is_cluster_url, redis_client
 from events.errors import RouteledgerError
 from events.keys import Keys
+from routeledger import library  # noqa: F401  every script joins the library this process loads
 from routeledger.config import Resolved, redis_url_for, resolve
 
 console = Console()

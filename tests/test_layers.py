@@ -44,7 +44,6 @@ KNOWN_BREAKS = {
     "projections.ingest -> dispatch.queues",
     "projections.projector -> dispatch.quota",
     "sim.longrun -> replay.archive",
-    "events.scripts -> importlib",
 }
 KNOWN_CYCLES = {
     ("sim.backends.host", "sim.backends.hosts"),

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
+import sys
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,6 +19,7 @@ from events.errors import ScriptLibraryError
 from events.keys import Keys
 from events.scripts import LIBRARY, library_code, load_library
 from routeledger.embedded import find_redis_server, redis_version
+from tests.test_layers import modules
 
 
 async def test_a_lease_script_gives_the_same_answers_on_redis_7_and_6_2(any_redis_url: str) -> None:
@@ -95,3 +99,25 @@ async def test_a_script_becomes_a_command_to_send_with_others_only_once_its_clie
         assert Leases.taken(reply).ok
     finally:
         await client.aclose()
+
+
+def test_a_process_routeledger_starts_defines_every_script_of_the_code_base() -> None:
+    # The library a projector loads is what its process defined: it must be every ScriptDef.
+    written: set[str] = set()
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "ScriptDef"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                written.add(str(node.args[0].value))
+    code = "import routeledger.runtime, events.scripts as s; print(' '.join(s.defined()))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    # A function's name is rl_<script>_<hash of its body>.
+    loaded = {name[len("rl_") :].rsplit("_", 1)[0] for name in done.stdout.split()}
+    assert written and loaded == written
