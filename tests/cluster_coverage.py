@@ -21,6 +21,10 @@ and costs one flag test per call outside the tier's cluster runs.
 
 The check runs when the tier ran whole: every tier module was collected and every one of its
 cluster tests (cluster-parametrized, or taking `redis_cluster`) ran, none deselected, none failed.
+
+In a parallel run (pytest-xdist) each worker process sees only the tests it ran: each writes what it
+collected, ran and recorded (`TierRun.state`) to a file in a folder the controller made, and the
+controller adds them up (`TierRun.add`) and gives the verdict on the union.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
 
 from events import scripts
+from events.connection import ClusterClient
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 TESTS: Final = ROOT / "tests"
@@ -70,9 +75,8 @@ def defined_scripts() -> set[str]:
     """The scripts events/scripts.py loads as functions, by their plain names: those its library
     holds, and every `ScriptDef("name", ...)` in the packages (one in a module the library does not
     import is found all the same)."""
-    for module in scripts._MODULES:
-        importlib.import_module(module)
-    found = {_plain(name) for name in scripts._DEFINED}
+    importlib.import_module("routeledger.library")
+    found = {_plain(name) for name in scripts.defined()}
     for _module, tree in _modules("ScriptDef"):
         for node in ast.walk(tree):
             if (
@@ -309,9 +313,10 @@ class Record:
                 )
             return made
 
-        make_pipeline = RedisCluster.pipeline
+        # routeledger's cluster client makes its pipelines (events.connection.ClusterClient).
+        make_pipeline = ClusterClient.pipeline
 
-        def pipeline(self: RedisCluster, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        def pipeline(self: ClusterClient, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
             pipe = make_pipeline(self, transaction, shard_hint)
             if transaction and record.active:
                 record.transactions[pipe] = {_site()}
@@ -350,7 +355,7 @@ class Record:
         scripts.Script.__call__ = call_script  # type: ignore[method-assign]
         AsyncScript.__call__ = call_registered  # type: ignore[method-assign]
         RedisCluster.register_script = register_script  # type: ignore[method-assign,assignment]
-        RedisCluster.pipeline = pipeline  # type: ignore[method-assign]
+        ClusterClient.pipeline = pipeline  # type: ignore[method-assign]
         ClusterPipeline.multi = pipe_multi  # type: ignore[method-assign]
         ClusterPipeline.execute = pipe_execute  # type: ignore[method-assign]
 
@@ -421,6 +426,26 @@ class TierRun:
             self.failed.add(report.nodeid)
         if report.when == "call" or report.skipped:
             self.ran.add(report.nodeid)  # a test that skips itself (on a cluster) has run
+
+    def state(self) -> dict[str, list[str]]:
+        """What this process collected, ran and recorded, for the controller of a parallel run."""
+        return {
+            "modules": sorted(str(p) for p in self.modules),
+            "counted": sorted(self.counted),
+            "ran": sorted(self.ran),
+            "failed": sorted(self.failed),
+            "scripts": sorted(self.record.scripts),
+            "multi": sorted(self.record.multi),
+        }
+
+    def add(self, state: dict[str, list[str]]) -> None:
+        """Add what one worker of a parallel run saw (its `state`) to this run's."""
+        self.modules |= {Path(p) for p in state["modules"]}
+        self.counted |= set(state["counted"])
+        self.ran |= set(state["ran"])
+        self.failed |= set(state["failed"])
+        self.record.scripts |= set(state["scripts"])
+        self.record.multi |= set(state["multi"])
 
     def why_not_whole(self) -> str | None:
         if not self.tier:

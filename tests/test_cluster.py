@@ -118,6 +118,41 @@ def test_the_check_fails_naming_what_never_ran_on_the_cluster_and_is_skipped_for
         assert len(part.lines) == 1 and "check skipped" in part.lines[0]
 
 
+def test_in_a_parallel_run_the_check_is_made_on_what_all_workers_saw_together() -> None:
+    everything = cluster_coverage.defined_scripts() | cluster_coverage.registered_scripts()
+    tier = {TESTS / "test_take.py", TESTS / "test_view.py"}
+
+    def worker(
+        modules: set[Path], ran: set[str], scripts: set[str], failed: frozenset[str] = frozenset()
+    ) -> TierRun:
+        # Each worker collects every test, runs its share and records what its share ran.
+        record = Record(scripts=scripts, multi=cluster_coverage.multi_sites() if "a" in ran else set())
+        return TierRun(
+            record=record, tier=tier, modules=modules, counted={"a", "b"}, ran=ran, failed=set(failed)
+        )
+
+    def controller(*workers: TierRun) -> TierRun:
+        run = TierRun(record=Record(), tier=tier)
+        for w in workers:
+            run.add(json.loads(json.dumps(w.state())))  # as the files carry it
+        return run
+
+    first = worker(set(tier), {"a"}, everything - {"depth"})
+    # Neither worker alone ran the tier whole; together they did, and depth ran on the second.
+    assert first.verdict() is True and "check skipped" in first.lines[0]
+    assert controller(first, worker(set(tier), {"b"}, {"depth"})).verdict() is True
+    # No worker ran depth on the cluster: the union fails, naming it.
+    run = controller(first, worker(set(tier), {"b"}, set()))
+    assert run.verdict() is False
+    assert "add a cluster-tier test that reaches depth" in "\n".join(run.lines)
+    # A test that failed on one worker, or one that no worker ran, leaves the tier part-run.
+    for part in (
+        controller(first, worker(set(tier), {"b"}, set(), failed=frozenset({"b"}))),
+        controller(first),
+    ):
+        assert part.verdict() is True and "check skipped" in part.lines[0]
+
+
 async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_or_refused(
     redis_cluster: EmbeddedCluster,
 ) -> None:
