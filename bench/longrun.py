@@ -9,7 +9,7 @@ directory:
    ledger bytes one worker's liveness costs per day.
 2. A synthetic history of N tasks (default 2,400,000: about 10^7 events) with stream ids spread
    over a year ending now, appended in batches; a projector folds each batch and the archiver runs
-   every 250,000 tasks with a one-day hot window (sim/longrun.py), as `up` would over the year.
+   every 250,000 tasks with a one-day hot window (replay/longrun.py), as `up` would over the year.
    At 10^5, 10^6, 2x10^6 tasks and at the end: a fresh projector's start time (median of 5),
    Redis `used_memory`, and `routeledger replay rebuild --no-switch` from archive + stream in a
    child process: its time, events/s and peak RSS (sampled every 20 ms with psutil).
@@ -38,8 +38,8 @@ import redis.asyncio as aioredis
 from bench.archive import run_child
 from events.keys import Keys
 from projections import store
+from replay.longrun import LongRun, Mark
 from routeledger.embedded import EmbeddedRedis
-from sim.longrun import LongRun, Mark
 
 
 def say(text: str, quiet: bool) -> None:

@@ -43,7 +43,6 @@ KNOWN_BREAKS = {
     "projections.ingest -> dispatch.payload",
     "projections.ingest -> dispatch.queues",
     "projections.projector -> dispatch.quota",
-    "sim.longrun -> replay.archive",
 }
 KNOWN_CYCLES = {
     ("sim.backends.host", "sim.backends.hosts"),

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from events.keys import Keys
 from replay.history import History
-from sim.longrun import LongRun
+from replay.longrun import LongRun
 
 # A tenth of bench/longrun.py's year (2,000,000 tasks, about 10^7 events): the properties below do
 # not depend on the count, and the full year's figures live in the benchmark, not in every test run.
