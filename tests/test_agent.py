@@ -30,8 +30,9 @@ from tests.helpers import (
     worker_process,
 )
 from workers.admission import Admission, Applicant, Gate, PlainPull, RouterGate
-from workers.agent import Running, WorkerAgent
+from workers.agent import WorkerAgent
 from workers.backend import OllamaBackend
+from workers.runs import Running
 
 pytestmark = pytest.mark.cluster_tier
 
@@ -331,7 +332,7 @@ async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entr
     # The other's entry is taken back by the reaper.
     await queues.requeue(queue, lost_entry.entry_id, delivery_limit=3, owner="w", attempt=1)
     with caplog.at_level("WARNING", logger="routeledger.worker"):
-        await agent._keep_entries_alive()
+        await agent.heartbeat.keep_entries_alive()
     warned = [r.getMessage() for r in caplog.records if "no longer ours" in r.getMessage()]
     assert (closing.lost, lost.lost) == (False, True)
     assert len(warned) == 1 and lost_entry.entry_id in warned[0]

@@ -97,7 +97,7 @@ async def test_the_heartbeat_ends_by_itself_once_the_worker_stops_so_a_lost_canc
     keys = Keys()
     backend = OllamaBackend(hosts.url("a"), timeout_s=10.0)
     agent = WorkerAgent(redis_client, keys, backend, fast_config("a"))
-    beating = asyncio.create_task(agent._heartbeat_loop())
+    beating = asyncio.create_task(agent.heartbeat.beat())
     try:
         await wait_until(lambda: redis_exists(redis_client, keys.live("a")), timeout=10)
         agent.stopping.set()  # and nothing cancels it
