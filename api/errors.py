@@ -21,6 +21,7 @@ from dispatch.errors import (
     RedisMemoryFullError,
     RedisUnavailableError,
     RequestRefusedError,
+    ResponseFormatError,
     TaskFailedError,
     TaskFinishedError,
     TaskLostError,
@@ -236,7 +237,7 @@ def answer(exc: DispatchError) -> ApiError:
             headers={"Retry-After": str(exc.retry_after_s)},
             extra=exc.extra,
         )
-    if isinstance(exc, CapabilityMissingError):
+    if isinstance(exc, CapabilityMissingError | ResponseFormatError):
         return BadRequestError(exc.message, hint=exc.hint, param=exc.param, extra=exc.extra)
     kind = next((api for cls, api in _ANSWERS.items() if isinstance(exc, cls)), GenerationError)
     retry = next((after for cls, after in _RETRY_AFTER.items() if isinstance(exc, cls)), None)

@@ -52,6 +52,13 @@ class CapabilityMissingError(DispatchError):
         self.param = param
 
 
+class ResponseFormatError(DispatchError):
+    """Raised when OpenAI's `response_format` is not one a backend can be asked for: a type other
+    than text, json_object and json_schema, or a json_schema without its schema; `param` names it."""
+
+    param = "response_format"
+
+
 class TaskNotFoundError(DispatchError):
     """Raised when a task id names no task that Redis or the ledger still knows."""
 

@@ -38,7 +38,8 @@ part, and `prompt_eval_duration` the time of the rest. Unloading the model loses
 `/sim/state` counts `cached_prompt_tokens` and `cache_hits`.
 
 Structured output: Ollama's `format` ("json" or a JSON schema) and OpenAI's `response_format`
-(`json_object`, or `json_schema` with its schema). A model that follows formats answers a schema
+(`json_object`, or `json_schema` with its schema; read as a `format` by dispatch.response_format, as
+the API reads it). A model that follows formats answers a schema
 with a value valid against it (sim.backends.schema), and plain JSON mode with a JSON object, as real
 models answer it (`{"answer": "<pseudo-sentence>", "details": [two more]}`: sim.backends.text.json_answer);
 a model whose table says `follows_format = false` ignores the format and answers prose, as a model
@@ -84,7 +85,9 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 from starlette.types import Receive, Scope, Send
 
+from dispatch.errors import ResponseFormatError
 from dispatch.ollama import OLLAMA_VERSION
+from dispatch.response_format import ollama_format
 from sim.backends.ask import Ask
 from sim.backends.formats import (
     NDJSON,
@@ -391,7 +394,7 @@ class MachineApp:
                 last_user=_last_user(req.messages),
                 seed=req.seed,
                 max_tokens=req.max_completion_tokens or req.max_tokens,
-                format=_response_format(req.response_format),
+                format=ollama_format(req.response_format),
                 tools=req.tools or None,
                 tool_choice=req.tool_choice,
                 parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -399,7 +402,7 @@ class MachineApp:
                 images=images,
                 think=_openai_thinks(req.reasoning_effort, req.think),
             )
-        except BadRequestError as exc:
+        except (BadRequestError, ResponseFormatError) as exc:
             await respond(send, 400, fmt.error(str(exc), 400))
             return
         await self._serve(scope, receive, send, fmt, ask, stream=req.stream is True)
@@ -671,26 +674,6 @@ def _openai_thinks(effort: str | None, think: bool | str | None) -> bool:
             )
         return effort != "none"
     return _thinks(think)
-
-
-def _response_format(response_format: dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """OpenAI's `response_format` as Ollama's `format`: "json", a schema, or None for text."""
-    if not response_format:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise BadRequestError(
-                'response_format json_schema needs {"json_schema": {"name": …, "schema": {…}}}'
-            )
-        return schema
-    raise BadRequestError(f"response_format type must be text, json_object or json_schema; got {kind!r}")
 
 
 def _ollama_error(message: str, status: int) -> bytes:
