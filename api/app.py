@@ -40,9 +40,8 @@ from api.errors import (
     surface_of,
     too_deep,
 )
-from api.hotpath import HotPath
 from api.metrics import CONTENT_TYPE, Metrics
-from api.schemas import MAX_DEPTH, TOO_DEEP, hot_schemas, options_schema, refine
+from api.schemas import MAX_DEPTH, TOO_DEEP, options_schema, refine
 from dispatch.benchmark import domains as bench_domains
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
@@ -148,8 +147,6 @@ def create_app(config: AppConfig) -> FastAPI:
         allow_runtime_options=config.allow_runtime_options,
         max_num_ctx=config.max_num_ctx,
     )
-    # Innermost: the hot routes, past FastAPI's routing (api.hotpath), behind the guard and the shell.
-    app.add_middleware(HotPath, fastapi=app, routers=(native.router, openai.router, ollama.router))
     # The shell is inside the guard (added first): its page loads only under an allowed host name,
     # and without a key (a browser cannot send one with a page load; the shell holds no data).
     app.add_middleware(dashboard.Shell)
@@ -255,13 +252,11 @@ _FASTAPI_422: Final = ("HTTPValidationError", "ValidationError")
 
 
 def _complete(doc: dict[str, Any], *, keyed: bool, policy: OptionsPolicy, max_messages: int) -> None:
-    """The hot routes' bodies (msgspec types, api.schemas: their routes name them by reference
-    only) and the error shapes beside the pydantic schemas; what the bodies' checks refuse under
+    """The error shapes beside the bodies' schemas; what the bodies' checks refuse under
     this configuration (api.schemas.refine); on every operation, the answers of the guard in front
     of all of them (api.auth: 401 where keys are configured, 403, 413, and 415 for a body that must
     be JSON), and each 422 in the surface's shape rather than FastAPI's."""
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(hot_schemas())
     schemas.update(error_schemas())
     for name in _FASTAPI_422:
         schemas.pop(name, None)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import msgspec
 from fastapi import Request
 from redis.exceptions import RedisError
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from api.auth import API_KEY, MODEL_KEY, TASK_KEY
@@ -21,14 +19,12 @@ from api.errors import (
     ClientGoneError,
     GenerationError,
     PayloadTooLargeError,
-    UnprocessableError,
     answer,
-    malformed_json,
     render,
     too_deep,
 )
 from api.relay import RelayResponse
-from api.schemas import MAX_DEPTH, nested_deeper
+from api.schemas import MAX_DEPTH
 from dispatch.errors import DispatchError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.options import OptionsPolicy
@@ -37,21 +33,6 @@ from dispatch.submit import Submitted, TaskRequest
 
 _enc: Final = msgspec.json.Encoder()
 _msgpack: Final = msgspec.msgpack.Encoder()
-# One decoder per hot body type (api.schemas.HOT_BODIES). Strict: a value of another JSON type than
-# the schema says (`"wait": 0`, `"max_tokens": "5"`) is a 422, as the document says and as OpenAI's
-# and Ollama's own servers answer it (api.schemas).
-_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
-# msgspec names where a value failed as "... - at `$.messages[0].role`".
-_AT: Final = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_INDEX: Final = re.compile(r"\[(\d+)\]")
-_MISSING: Final = re.compile(r"missing required field `([^`]+)`")
-# msgspec's error for a float where an integer is asked for, and the steps of the path it names.
-_FLOAT_FOR_INT: Final = re.compile(r"Expected `int( \| null)?`, got `float`")
-_STEP: Final = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
-# More than the integer fields of any body.
-_MOST_INTEGERS: Final = 16
-
-B = TypeVar("B", bound=msgspec.Struct)
 
 
 class RequestLimits(msgspec.Struct, kw_only=True, frozen=True):
@@ -68,89 +49,6 @@ class JSON(Response):
 
     def render(self, content: Any) -> bytes:
         return _enc.encode(content)
-
-
-async def read_body(request: Request, kind: type[B]) -> B:
-    """The request's JSON body as `kind`, decoded and checked in one pass. Malformed JSON is a 400;
-    a body of the wrong shape a 422 naming where, never the value (a value may be a prompt)."""
-    decoder = _decoders.get(kind)
-    if decoder is None:
-        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
-    try:
-        raw = await request.body()
-    except ClientDisconnect:
-        # As FastAPI answered a body it could not read (the client is gone; the status is logged).
-        raise BadRequestError("There was an error parsing the body") from None
-    if not raw.strip():
-        raise UnprocessableError("body: Field required", hint="see the schema at /docs")
-    try:
-        body: B = decoder.decode(raw)
-    except RecursionError:
-        raise too_deep(MAX_DEPTH) from None
-    except msgspec.ValidationError as exc:
-        # A wrong shape is seen before the end of the input: malformed JSON must still be a 400.
-        fixed = _with_integers(_well_formed(raw), kind, exc)
-        if isinstance(fixed, msgspec.ValidationError):
-            raise _unprocessable(fixed) from None
-        body = fixed
-    except msgspec.DecodeError:
-        raise malformed_json() from None
-    # Nothing can nest deeper than it has brackets: an ordinary body is not walked at all.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper(body):
-        raise too_deep(MAX_DEPTH)
-    return body
-
-
-def _unprocessable(exc: msgspec.ValidationError) -> UnprocessableError:
-    """A 422 naming where the body is wrong, never the value (a value may be a prompt)."""
-    text = str(exc)
-    at = _AT.search(text)
-    # `messages[0].role` as FastAPI named it (`messages.0.role`), down to a missing field.
-    param = _INDEX.sub(r".\1", at.group("path")) if at is not None else ""
-    message = text[: at.start()] if at is not None else text
-    missing = _MISSING.search(message)
-    if missing is not None:
-        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-    return UnprocessableError(
-        f"body.{param}: {message}" if param else f"body: {message}",
-        hint="see the schema at /docs",
-        param=param or None,
-    )
-
-
-def _well_formed(raw: bytes) -> Any:
-    """`raw` decoded as any JSON; a 400 when it is not JSON, or nests too deep to decode."""
-    try:
-        return msgspec.json.decode(raw)
-    except RecursionError:
-        raise too_deep(MAX_DEPTH) from None
-    except msgspec.DecodeError:
-        raise malformed_json() from None
-
-
-def _with_integers(tree: Any, kind: type[B], exc: msgspec.ValidationError) -> B | msgspec.ValidationError:
-    """The body (`tree`, decoded as any JSON) as `kind`, where msgspec's strict types refused a
-    number without a fraction (1.0) for an integer: JSON Schema, and so the document, counts it as
-    one. Each such number the errors name becomes an int; any other fault is returned."""
-    for _ in range(_MOST_INTEGERS):
-        at = _AT.search(str(exc))
-        if at is None or not _FLOAT_FOR_INT.match(str(exc)):
-            return exc
-        steps: list[str | int] = [int(i) if i else key for key, i in _STEP.findall(at.group("path"))]
-        parent = tree
-        for step in steps[:-1]:
-            parent = parent[step]
-        number = parent[steps[-1]]
-        if not (isinstance(number, float) and number.is_integer()):
-            return exc
-        parent[steps[-1]] = int(number)
-        try:
-            converted: B = msgspec.convert(tree, kind)
-        except msgspec.ValidationError as again:
-            exc = again
-        else:
-            return converted
-    return exc
 
 
 def gateway(request: Request) -> Gateway:

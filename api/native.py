@@ -13,7 +13,6 @@ from api.common import (
     check_messages,
     encode,
     gateway,
-    read_body,
     sse,
     stream,
     submit,
@@ -32,7 +31,7 @@ from api.errors import (
     render,
     streamed,
 )
-from api.schemas import TaskCreate, request_body
+from api.schemas import TaskCreate
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
 from dispatch.payload import Thought
@@ -70,12 +69,10 @@ def _request(body: TaskCreate, client: str | None) -> TaskRequest:
 @router.post(
     "/v1/tasks",
     status_code=202,
-    openapi_extra=request_body(TaskCreate),
     responses={**streamed("text/event-stream"), **documented(NATIVE, *SUBMITS)},
 )
-async def create_task(request: Request) -> Response:
+async def create_task(body: TaskCreate, request: Request) -> Response:
     """Submit a task. `wait` answers with its result; `stream` relays its output (SSE)."""
-    body = await read_body(request, TaskCreate)
     check_messages(request, len(body.messages or []))
     gw = gateway(request)
     sub = await submit(

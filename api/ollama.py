@@ -16,7 +16,7 @@ from typing import Any, Final
 from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
-from api.common import JSON, Answer, check_messages, encode, gateway, read_body, stream, submit, task_answer
+from api.common import JSON, Answer, check_messages, encode, gateway, stream, submit, task_answer
 from api.errors import (
     OLLAMA,
     READS,
@@ -29,7 +29,7 @@ from api.errors import (
     streamed,
 )
 from api.pipelines import pipeline_answer, refuse_unsupported
-from api.schemas import OllamaChat, OllamaGenerate, OllamaShow, request_body
+from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from api.tools import check_tools, ollama_calls
 from dispatch.lease import LeaseInfo, LoadedModel
 from dispatch.modelcard import details, facts, read_card
@@ -286,13 +286,8 @@ async def _loaded(request: Request, model: str, key: str) -> JSON:
     return JSON({"model": model, "created_at": rfc3339(), key: empty, "done": True, "done_reason": "load"})
 
 
-@router.post(
-    "/api/chat",
-    openapi_extra=request_body(OllamaChat),
-    responses={**streamed(NDJSON), **documented(OLLAMA, *SUBMITS)},
-)
-async def chat(request: Request) -> Response:
-    body = await read_body(request, OllamaChat)
+@router.post("/api/chat", responses={**streamed(NDJSON), **documented(OLLAMA, *SUBMITS)})
+async def chat(body: OllamaChat, request: Request) -> Response:
     messages = [m.to_message() for m in body.messages or []]
     check_messages(request, len(messages))
     if not messages:

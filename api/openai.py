@@ -23,7 +23,6 @@ from api.common import (
     encode,
     finish_reason,
     gateway,
-    read_body,
     sse,
     sse_error,
     stream,
@@ -34,9 +33,10 @@ from api.common import (
 )
 from api.errors import OPENAI, READS, SUBMITS, BadRequestError, documented, model_not_found, streamed
 from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
-from api.schemas import ChatCompletionCreate, CompletionCreate, request_body
+from api.schemas import ChatCompletionCreate, CompletionCreate
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
 from dispatch.payload import Result, Thought
+from dispatch.response_format import ollama_format
 from dispatch.serving import catalog
 from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
@@ -53,38 +53,6 @@ def _options(body: ChatCompletionCreate | CompletionCreate) -> dict[str, Any]:
     if body.stop is not None:
         opts["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     return opts
-
-
-_FORMAT_HINT = (
-    'send {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": "...", "schema": {...}}}'
-)
-
-
-def _format(response_format: dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """OpenAI's `response_format` in Ollama's terms (`format`): "json" for `json_object`, the
-    schema itself for `json_schema`, None for `text`. BadRequestError for anything else."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "json"
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise BadRequestError(
-                "response_format json_schema needs its schema in json_schema.schema (an object)",
-                param="response_format",
-                hint=_FORMAT_HINT,
-            )
-        return schema
-    raise BadRequestError(
-        f"response_format type {kind!r} is not one of text, json_object, json_schema",
-        param="response_format",
-        hint=_FORMAT_HINT,
-    )
 
 
 def _think(effort: str | None) -> bool | str | None:
@@ -136,12 +104,9 @@ def _model(name: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.post(
-    "/v1/chat/completions",
-    openapi_extra=request_body(ChatCompletionCreate),
-    responses={**streamed("text/event-stream"), **documented(OPENAI, *SUBMITS)},
+    "/v1/chat/completions", responses={**streamed("text/event-stream"), **documented(OPENAI, *SUBMITS)}
 )
-async def chat_completions(request: Request) -> Response:
-    body = await read_body(request, ChatCompletionCreate)
+async def chat_completions(body: ChatCompletionCreate, request: Request) -> Response:
     _single(body.n)
     check_messages(request, len(body.messages))
     messages = [m.to_message() for m in body.messages]
@@ -155,7 +120,7 @@ async def chat_completions(request: Request) -> Response:
             )
         refuse_unsupported(
             messages,
-            response_format=_format(body.response_format),
+            response_format=ollama_format(body.response_format),
             reasoning_effort=_think(body.reasoning_effort),
         )
         ans = pipeline_answer(request, messages, max_tokens)
@@ -166,7 +131,7 @@ async def chat_completions(request: Request) -> Response:
             domain=body.domain,
             options=_options(body),
             max_tokens=max_tokens,
-            format=_format(body.response_format),
+            format=ollama_format(body.response_format),
             client=request.headers.get("user-agent"),
             stream=bool(body.stream),
             paced=bool(body.stream),

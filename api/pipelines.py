@@ -23,7 +23,7 @@ from starlette.responses import Response
 from api.auth import API_KEY
 from api.common import JSON, Answer, gateway, options_policy
 from api.errors import NATIVE, READS, SUBMITS, BadRequestError, NotFoundError, answer, documented
-from api.schemas import MAX_WAIT_S, Body, TokenCount, integral
+from api.schemas import MAX_WAIT_S, Body, Part, TokenCount, integral
 from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT
 from dispatch.payload import Message, Result
@@ -38,7 +38,7 @@ router = APIRouter(tags=["pipelines"])
 _background: set[asyncio.Task[None]] = set()
 
 
-class ChildCreate(Body):
+class ChildCreate(Part):
     """One explicit child: its prompt and the model that answers it."""
 
     prompt: str = Field(min_length=1)

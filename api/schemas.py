@@ -1,5 +1,5 @@
-"""Request bodies of every surface, as they appear in the OpenAPI schema: msgspec for the hot
-routes, pydantic (through FastAPI) for the rest.
+"""Request bodies of every surface, as they appear in the OpenAPI schema: pydantic models, which
+FastAPI decodes and checks before an endpoint runs (errors: api.app's handlers).
 
 Fields a client library sends that routeledger does not use are accepted and ignored, as the
 original servers do; wrong types are refused with 422, and so is a value of another JSON type
@@ -16,8 +16,8 @@ import binascii
 from collections.abc import Iterable
 from typing import Annotated, Any, Final
 
-import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 from api.images import part_images
@@ -41,8 +41,8 @@ TOO_DEEP: Final = "json_too_deep"
 
 
 def nested_deeper(value: object, limit: int = MAX_DEPTH) -> bool:
-    """Whether `value` nests arrays and objects (a struct counts as an object) more than `limit`
-    deep. Iterative, so that no depth of input can exhaust the stack here."""
+    """Whether `value` nests arrays and objects more than `limit` deep. Iterative, so that no depth
+    of input can exhaust the stack here."""
     stack: list[tuple[object, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -51,8 +51,6 @@ def nested_deeper(value: object, limit: int = MAX_DEPTH) -> bool:
             children = item.values()
         elif isinstance(item, list | tuple):
             children = item
-        elif isinstance(item, msgspec.Struct):
-            children = msgspec.structs.astuple(item)
         else:
             continue
         if depth > limit:
@@ -72,27 +70,37 @@ def integral(value: Any) -> Any:
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS), BeforeValidator(integral)]
 
 
-class Body(BaseModel):
-    """A pydantic request body: unknown fields ignored, types strict (see above), no infinities
-    (which Python's JSON parser reads, and no backend does), nesting at most MAX_DEPTH deep."""
+def _untitled(schema: JsonDict) -> None:
+    """A body's schema without its properties' titles: each would only repeat the property's name."""
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        for prop in properties.values():
+            if isinstance(prop, dict):
+                prop.pop("title", None)
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+class Part(BaseModel):
+    """An object inside a request body: unknown fields ignored, types strict (see above), no
+    infinities (which Python's JSON parser reads, and no backend does)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=_untitled)
+
+
+class Body(Part):
+    """A request body: a Part nested at most MAX_DEPTH deep, its parts counted within it (so they
+    are not walked again)."""
 
     @model_validator(mode="before")
     @classmethod
     def _shallow(cls, data: Any) -> Any:
-        # The fields it reads, as for the msgspec bodies: a field it ignores reaches nothing.
+        # Only the fields it reads: a field it ignores reaches nothing.
         read = [v for k, v in data.items() if k in cls.model_fields] if isinstance(data, dict) else data
         if nested_deeper(read):
             raise PydanticCustomError(TOO_DEEP, "nested more than {limit} deep", {"limit": MAX_DEPTH})
         return data
 
 
-# The name the bodies were declared with before Body was shared with api.pipelines.
-_Body = Body
-
-
-def _check_base64(images: list[str] | None) -> None:
+def _base64_images(images: list[str] | None) -> list[str] | None:
     """Each image must be base64 (as Ollama takes them): refused here, not by a backend after the
     task was queued (which could only end in a failed task). ValueError names the first bad one."""
     for i, image in enumerate(images or ()):
@@ -103,25 +111,15 @@ def _check_base64(images: list[str] | None) -> None:
                 f"image {i} is not valid base64: send each image's bytes base64-encoded, "
                 "without a data: prefix"
             ) from None
-
-
-def _base64_images(images: list[str] | None) -> list[str] | None:
-    _check_base64(images)
     return images
 
 
 Images = Annotated[list[str] | None, AfterValidator(_base64_images)]
 
-# -- the hot routes' bodies: msgspec ----------------------------------------------------------------
-# POST /v1/chat/completions, /api/chat and /v1/tasks are decoded and checked by msgspec in one pass
-# (api.common.read_body), without pydantic; their OpenAPI schemas come from these same types
-# (hot_schemas). Unknown fields are ignored, as by the pydantic bodies.
-
-Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(integral)]
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(Part):
     """A chat message; `content` is text or OpenAI's list of content parts (text parts are its
     text, inline `image_url` parts join its `images`: api.images). An assistant's `tool_calls` and
     a `tool` message's `tool_call_id` (OpenAI) or `tool_name` (Ollama; OpenAI's older `name`)
@@ -129,14 +127,11 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
-    images: list[str] | None = None
+    images: Images = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
     tool_name: str | None = None
     name: str | None = None
-
-    def __post_init__(self) -> None:
-        _check_base64(self.images)
 
     def to_message(self) -> Message:
         content = self.content
@@ -155,68 +150,62 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         )
 
 
-class TaskCreate(msgspec.Struct, kw_only=True):
+class TaskCreate(Body):
     """POST /v1/tasks: a generation request in routeledger's own terms."""
 
     model: Annotated[
-        str, msgspec.Meta(description="a model name or alias the fleet serves, a digest prefix, or 'auto'")
+        str, Field(description="a model name or alias the fleet serves, a digest prefix, or 'auto'")
     ]
     domain: Annotated[
-        str | None, msgspec.Meta(description="general, code, japanese…; classified from the text if absent")
+        str | None, Field(description="general, code, japanese…; classified from the text if absent")
     ] = None
     messages: list[ChatMessage] | None = None
-    prompt: Annotated[
-        str | None, msgspec.Meta(description="instead of messages: a plain completion prompt")
-    ] = None
+    prompt: Annotated[str | None, Field(description="instead of messages: a plain completion prompt")] = None
     system: str | None = None
     options: dict[str, Any] | None = None
-    tools: Annotated[
-        list[Any] | None, msgspec.Meta(description="function tools, in OpenAI's shape (chat only)")
-    ] = None
+    tools: Annotated[list[Any] | None, Field(description="function tools, in OpenAI's shape (chat only)")] = (
+        None
+    )
     images: Annotated[
-        list[str] | None,
-        msgspec.Meta(description="with `prompt`: base64 images (a chat's ride on its messages)"),
+        Images, Field(description="with `prompt`: base64 images (a chat's ride on its messages)")
     ] = None
     format: Annotated[
-        str | dict[str, Any] | None, msgspec.Meta(description='"json", or a JSON schema the answer follows')
+        str | dict[str, Any] | None, Field(description='"json", or a JSON schema the answer follows')
     ] = None
     think: Annotated[
-        bool | str | None, msgspec.Meta(description="whether the model thinks first (true/false or a level)")
+        bool | str | None, Field(description="whether the model thinks first (true/false or a level)")
     ] = None
-    max_tokens: Tokens | None = None
-    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    max_tokens: TokenCount | None = None
+    priority: Annotated[int, Field(ge=-1000, le=1000), BeforeValidator(integral)] = 0
     stream: bool = False
-    wait: Annotated[bool, msgspec.Meta(description="answer when the task has finished (with its result)")] = (
-        False
-    )
+    wait: Annotated[bool, Field(description="answer when the task has finished (with its result)")] = False
     # At least a second: a shorter wait could only ever end in a 504.
     timeout_s: Annotated[
-        Annotated[float, msgspec.Meta(ge=1, le=MAX_WAIT_S)] | None,
-        msgspec.Meta(description="how long a waiting or streaming request waits (1 s to a day)"),
+        Annotated[float, Field(ge=1, le=MAX_WAIT_S)] | None,
+        Field(description="how long a waiting or streaming request waits (1 s to a day)"),
     ] = None
 
-    def __post_init__(self) -> None:
-        _check_base64(self.images)
 
+class StreamOptions(Part):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with the usage."""
 
-class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionCreate(msgspec.Struct, kw_only=True):
+class ChatCompletionCreate(Body):
     """POST /v1/chat/completions (OpenAI)."""
 
     model: str
     messages: list[ChatMessage]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: Tokens | None = None
-    max_completion_tokens: Tokens | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: Tokens | None = 1
+    n: TokenCount | None = 1
     response_format: dict[str, Any] | None = None
     # OpenAI's reasoning models' effort ("none", "minimal", "low", "medium", "high"): Ollama's `think`.
     reasoning_effort: str | None = None
@@ -229,7 +218,7 @@ class ChatCompletionCreate(msgspec.Struct, kw_only=True):
     domain: str | None = None
 
 
-class OllamaChat(msgspec.Struct, kw_only=True):
+class OllamaChat(Body):
     """POST /api/chat (Ollama); streams unless `stream` is false."""
 
     model: str
@@ -242,38 +231,17 @@ class OllamaChat(msgspec.Struct, kw_only=True):
     tools: list[Any] | None = None
 
 
-HOT_BODIES: Final = (TaskCreate, ChatCompletionCreate, OllamaChat)
-# Where the hot bodies' schemas sit in the OpenAPI document (beside pydantic's).
-REF: Final = "#/components/schemas/{name}"
-
-
-def hot_schemas() -> dict[str, Any]:
-    """The OpenAPI component schemas of the hot routes' bodies (and of what they hold)."""
-    _, components = msgspec.json.schema_components(HOT_BODIES, ref_template=REF)
-    return components
-
-
-def request_body(kind: type[msgspec.Struct]) -> dict[str, Any]:
-    """A route's `openapi_extra` saying that its JSON body is `kind` (see hot_schemas)."""
-    ref = {"$ref": REF.format(name=kind.__name__)}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-class StreamOptionsBody(Body):
-    include_usage: bool = False
-
-
 class CompletionCreate(Body):
     """POST /v1/completions (OpenAI, legacy)."""
 
     model: str
     prompt: str | list[str]
     stream: bool | None = False
-    stream_options: StreamOptionsBody | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(integral)] | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: TokenCount | None = 1
     suffix: str | None = None
@@ -452,6 +420,9 @@ _TOOL_CHOICE: Final = {
 }
 
 
+# A seed's exact bounds: FastAPI writes pydantic's bounds as floats, and 2**63 - 1 is not one.
+_SEED: Final = {"anyOf": [{"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, {"type": "null"}]}
+
 # Most inputs one embedding request may carry (OpenAI's own limit; api.embeddings).
 MAX_INPUTS: Final = 2048
 # A token id of cl100k_base, the encoding OpenAI's `input` token arrays are decoded with: its
@@ -541,6 +512,7 @@ def refine(
             "images": _IMAGES,
         },
         "ChatCompletionCreate": {
+            "seed": _SEED,
             "domain": domain,
             "messages": {"minItems": 1, **messages},
             "n": {"enum": [1, None]},
@@ -549,11 +521,8 @@ def refine(
             "tool_choice": _TOOL_CHOICE,
         },
         "OllamaChat": {"messages": messages, "options": options, "tools": _TOOLS},
-        # An exact bound: FastAPI writes pydantic's bounds as floats, and 2**63 - 1 is not one.
         "CompletionCreate": {
-            "seed": {
-                "anyOf": [{"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, {"type": "null"}]
-            },
+            "seed": _SEED,
             "domain": domain,
             "n": {"enum": [1, None]},
             "prompt": {"minItems": 1, "maxItems": 1},

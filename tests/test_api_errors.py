@@ -162,7 +162,9 @@ async def test_a_body_of_the_wrong_shape_is_a_422_naming_the_field_in_each_surfa
     oll = await http.post("/api/chat", json={"model": "m", "messages": bad, "stream": False})
     assert (native.status_code, oai.status_code, oll.status_code) == (422, 422, 422)
     assert native.json()["error"]["type"] == "validation_error"
-    assert native.json()["error"]["message"].startswith("body.messages.0.role: Expected `str`")
+    assert native.json()["error"]["message"].startswith(
+        "body.messages.0.role: Input should be a valid string"
+    )
     assert oai.json()["error"]["param"] == "messages.0.role"
     assert "messages.0.role" in oll.json()["error"]
     # A missing field is named down to the field; an empty body is a missing one.
