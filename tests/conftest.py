@@ -62,9 +62,17 @@ def pytest_configure_node(node: WorkerController) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> Generator[None, None, None]:
+def pytest_collection_modifyitems(
+    session: pytest.Session, items: list[pytest.Item]
+) -> Generator[None, None, None]:
     _tier.collected(items)  # before -k, -m and the like deselect any
-    return (yield)
+    result = yield
+    if is_xdist_worker(session):
+        # Files with long-running tests (marked slow) are handed out first, so that none of them
+        # starts last and leaves the other processes idle at the end; every worker sorts alike.
+        slow = {item.path for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: item.path not in slow)
+    return result
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:

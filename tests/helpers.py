@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
+from events.clock import LedgerClock, redis_ms
 from events.event import Event
 from events.keys import Keys
 from events.ledger import Ledger
@@ -60,6 +61,28 @@ decode_tps = 200.0
 prompt_tps = 5000.0
 load_s = 0.0
 """
+
+
+class SteppedLedgerClock(LedgerClock):
+    """The ledger's clock as a test moves it: Redis's time when made (`start`), then only what
+    `advance` adds, so that a test of an age or a timeout steps past it instead of sleeping."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        super().__init__(redis)
+        self.now: int | None = None
+
+    async def start(self) -> SteppedLedgerClock:
+        self.now = await redis_ms(self.redis)
+        self.offset_ms = 0
+        return self
+
+    def advance(self, ms: int) -> None:
+        assert self.now is not None, "start() the clock first"
+        self.now += ms
+
+    async def now_ms(self) -> int:
+        assert self.now is not None, "start() the clock first"
+        return self.now
 
 
 def make_test_fleet() -> Fleet:

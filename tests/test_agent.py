@@ -21,6 +21,7 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
 from tests.helpers import (
     MODEL_DIGEST,
+    SteppedLedgerClock,
     events_of,
     fast_config,
     make_test_fleet,
@@ -32,6 +33,7 @@ from tests.helpers import (
 from workers.admission import Admission, Applicant, Gate, PlainPull, RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import OllamaBackend
+from workers.reaper import Reaper, ReaperConfig
 from workers.runs import Running
 
 pytestmark = pytest.mark.cluster_tier
@@ -169,8 +171,17 @@ async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalle
     queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     queue = Keys.for_client(redis_client).queue("f" * 64)
     await queues.enqueue(queue, TaskMessage(task_id="orphan", model="x", digest="f" * 64))
-    async with running_reaper(redis_client, lease_ms=200, stall_after_s=1.0):
-        await asyncio.sleep(2.5)  # more than 10 lease periods
+    clock = await SteppedLedgerClock(redis_client).start()
+    config = ReaperConfig(lease_ms=200, stall_after_s=1.0)
+    reaper = Reaper(redis_client, Keys.for_client(redis_client), config, clock=clock)
+    # More than ten lease periods, swept every 100 ms as `running_reaper` sweeps, on a clock the
+    # test steps: the entry is stalled from the eleventh sweep on, and reported once.
+    sweeps = [await reaper.sweep()]
+    for _ in range(25):
+        clock.advance(100)
+        sweeps.append(await reaper.sweep())
+    assert [s.stalled for s in sweeps].count(1) == 1 and sum(s.stalled for s in sweeps) == 1
+    assert all(s.reclaimed == 0 and s.dead_lettered == 0 for s in sweeps)
     rows = await redis_client.xrange(queue)
     assert len(rows) == 1 and rows[0][1][b"attempt"] == b"1"
     assert await events_of(ledger, TaskReclaimed) == []
