@@ -43,15 +43,15 @@ from api.errors import (
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import MAX_DEPTH, TOO_DEEP, options_schema, refine
 from dispatch.benchmark import domains as bench_domains
-from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, OptionsPolicy
-from dispatch.quota import ApiKey, named_keys
 from events.connection import is_cluster_url, redis_client
 from events.keys import DEFAULT_PREFIX, Keys
 from projections.errors import ProjectionError
 from projections.reader import lag
+from tasks.errors import TaskError
+from tasks.quota import ApiKey, named_keys
 
 log = logging.getLogger("routeledger.api")
 
@@ -317,8 +317,8 @@ def _handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _error_response(request, exc)
 
-    @app.exception_handler(DispatchError)
-    async def dispatch_error(request: Request, exc: DispatchError) -> Response:
+    @app.exception_handler(TaskError)
+    async def dispatch_error(request: Request, exc: TaskError) -> Response:
         return _error_response(request, answer(exc))
 
     @app.exception_handler(RequestValidationError)

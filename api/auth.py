@@ -36,7 +36,7 @@ from api.errors import (
     surface_of,
 )
 from api.metrics import Metrics
-from dispatch.quota import ApiKey
+from tasks.quota import ApiKey
 
 access = logging.getLogger("routeledger.api.access")
 

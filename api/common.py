@@ -25,11 +25,12 @@ from api.errors import (
 )
 from api.relay import RelayResponse
 from api.schemas import MAX_DEPTH
-from dispatch.errors import DispatchError, TaskTimeoutError
+from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.options import OptionsPolicy
-from dispatch.payload import Relayed, Result
 from dispatch.submit import Submitted, TaskRequest
+from tasks.errors import TaskError
+from tasks.payload import Relayed, Result
 
 _enc: Final = msgspec.json.Encoder()
 _msgpack: Final = msgspec.msgpack.Encoder()
@@ -96,7 +97,7 @@ async def submit(
     try:
         policy.check_domain(req.domain)
         runtime = policy.check_options(req.options)
-    except DispatchError as exc:
+    except TaskError as exc:
         raise answer(exc) from None
     if runtime:
         req = msgspec.structs.replace(req, runtime_options=True)
@@ -241,7 +242,7 @@ def stream(
             # Nobody waits for the task any more: it must not run later.
             await ans.on_disconnect()
             yield error_line(answer(exc))
-        except DispatchError as exc:
+        except TaskError as exc:
             yield error_line(answer(exc))
         except (RedisError, *TRANSIENT) as exc:
             yield error_line(answer(unavailable(exc)))

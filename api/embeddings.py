@@ -7,7 +7,7 @@ holders may embed take it (a model whose holders all report capabilities without
 a 400 in the surface's error shape that names the models that can). A large batch may run as
 several tasks on several holders when the plan finishes it sooner that way (router.split); the
 answer puts the parts' vectors back in input order. The worker stores the vectors as float32s
-(dispatch.payload.pack_vector): OpenAI's `encoding_format: "base64"` is those bytes as they are.
+(tasks.payload.pack_vector): OpenAI's `encoding_format: "base64"` is those bytes as they are.
 
 OpenAI's `input` may also be token arrays (a list of integers, or a list of them): LangChain's
 `OpenAIEmbeddings` sends them by default, tokenized with tiktoken's `cl100k_base` for a model name
@@ -41,8 +41,8 @@ from api.errors import (
 from api.schemas import EmbeddingsCreate, OllamaEmbed, OllamaEmbeddings
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.payload import EMBED, Result, unpack_vector
 from dispatch.submit import Submitted, TaskRequest, embedding_parts
+from tasks.payload import EMBED, Result, unpack_vector
 
 router = APIRouter(tags=["embeddings"])
 

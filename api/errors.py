@@ -14,10 +14,8 @@ import msgspec
 
 from dispatch.errors import (
     CapabilityMissingError,
-    DispatchError,
     ModelNotServedError,
     QueueFullError,
-    QuotaExceededError,
     RedisMemoryFullError,
     RedisUnavailableError,
     RequestRefusedError,
@@ -29,9 +27,10 @@ from dispatch.errors import (
     TaskRefusedError,
     TaskTimeoutError,
 )
-from dispatch.lease import LeaseInfo
 from dispatch.serving import catalog, describe_fleet
 from events.errors import RouteledgerError
+from tasks.errors import QuotaExceededError, TaskError
+from tasks.lease import LeaseInfo
 
 NATIVE: Final = "native"
 OPENAI: Final = "openai"
@@ -204,7 +203,7 @@ class WaitTimeoutError(ApiError):
 _enc: Final = msgspec.json.Encoder()
 
 # How each condition the dispatch layer reports is answered over HTTP.
-_ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
+_ANSWERS: Final[dict[type[TaskError], type[ApiError]]] = {
     TaskNotFoundError: NotFoundError,
     TaskFinishedError: ConflictError,
     TaskFailedError: GenerationError,
@@ -215,15 +214,15 @@ _ANSWERS: Final[dict[type[DispatchError], type[ApiError]]] = {
     TaskLostError: LostTaskError,
 }
 # Seconds a client is told to wait before trying again, per condition.
-_RETRY_AFTER: Final[dict[type[DispatchError], str]] = {
+_RETRY_AFTER: Final[dict[type[TaskError], str]] = {
     RedisUnavailableError: "2",
     RedisMemoryFullError: "30",
     TaskLostError: "1",
 }
 
 
-def answer(exc: DispatchError) -> ApiError:
-    """The HTTP error that answers a dispatch error, with its message, hint and extra data."""
+def answer(exc: TaskError) -> ApiError:
+    """The HTTP error that answers a task store's or dispatch error, with its message, hint and extra data."""
     if isinstance(exc, ModelNotServedError):
         return model_not_found(exc.model, exc.fleet if isinstance(exc.fleet, dict) else {})
     if isinstance(exc, RequestRefusedError):

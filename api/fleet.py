@@ -11,8 +11,7 @@ from api.common import JSON, gateway, options_policy
 from api.errors import NATIVE, READS, BadRequestError, answer, documented, model_not_found
 from api.schemas import MAX_TOKENS, BenchCreate
 from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
-from dispatch.errors import DispatchError, ModelNotServedError
-from dispatch.lease import resources_of
+from dispatch.errors import ModelNotServedError
 from dispatch.overview import clock_fields
 from dispatch.serving import catalog, embedding_only, holdings, served
 from dispatch.submit import preview_request
@@ -20,6 +19,8 @@ from dispatch.view import LiveView
 from projections.snapshot import Stamped, Stat
 from router.choose import RouteQuery
 from router.errors import RouterError
+from tasks.errors import TaskError
+from tasks.lease import resources_of
 
 router = APIRouter(tags=["fleet"])
 
@@ -146,7 +147,7 @@ async def route_preview(
     """
     try:
         options_policy(request).check_domain(domain)
-    except DispatchError as exc:
+    except TaskError as exc:
         raise answer(exc) from None
     gw = gateway(request)
     view = LiveView(gw.redis, gw.keys)

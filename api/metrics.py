@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from dispatch.memory import MemoryState, archive_info
 from dispatch.overview import queue_depths
-from dispatch.quota import Usage
 from dispatch.serving import catalog
 from projections.errors import ProjectionError
 from projections.reader import lag
+from tasks.quota import Usage
 
 log = logging.getLogger("routeledger.api")
 

@@ -34,9 +34,9 @@ from api.errors import (
 from api.schemas import TaskCreate
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
-from dispatch.payload import Thought
 from dispatch.submit import Submitted, TaskRequest
 from events.codec import event_fields
+from tasks.payload import Thought
 
 router = APIRouter(tags=["tasks"])
 

@@ -31,15 +31,15 @@ from api.errors import (
 from api.pipelines import pipeline_answer, refuse_unsupported
 from api.schemas import OllamaChat, OllamaGenerate, OllamaShow
 from api.tools import check_tools, ollama_calls
-from dispatch.lease import LeaseInfo, LoadedModel
 from dispatch.modelcard import details, facts, read_card
 from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
-from dispatch.payload import Result, Thought
 from dispatch.serving import ModelInfo, catalog
 from dispatch.submit import TaskRequest
 from events.event import ModelEntry
 from pipelines.coordinator import PIPELINE_MODEL
 from router.choose import AUTO_MODEL
+from tasks.lease import LeaseInfo, LoadedModel
+from tasks.payload import Result, Thought
 
 router = APIRouter(tags=["ollama"])
 

@@ -35,11 +35,11 @@ from api.errors import OPENAI, READS, SUBMITS, BadRequestError, documented, mode
 from api.pipelines import model_entry, pipeline_answer, refuse_unsupported
 from api.schemas import ChatCompletionCreate, CompletionCreate
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
-from dispatch.payload import Result, Thought
 from dispatch.response_format import ollama_format
 from dispatch.serving import catalog
 from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
+from tasks.payload import Result, Thought
 
 router = APIRouter(tags=["openai"])
 

@@ -24,12 +24,12 @@ from api.auth import API_KEY
 from api.common import JSON, Answer, gateway, options_policy
 from api.errors import NATIVE, READS, SUBMITS, BadRequestError, NotFoundError, answer, documented
 from api.schemas import MAX_WAIT_S, Body, Part, TokenCount, integral
-from dispatch.errors import DispatchError
 from dispatch.gateway import TRANSIENT
-from dispatch.payload import Message, Result
 from pipelines.coordinator import FAIL_FAST, MAX_CHILDREN, PIPELINE_MODEL, Coordinator, PipelineRequest
 from pipelines.history import pipeline_from_ledger, pipeline_view
 from pipelines.state import ChildSpec
+from tasks.errors import TaskError
+from tasks.payload import Message, Result
 
 log = logging.getLogger("routeledger.api")
 
@@ -91,7 +91,7 @@ def coordinator(request: Request, body: PipelineCreate) -> Coordinator:
     for c in body.children or []:
         try:
             policy.check_domain(c.domain)
-        except DispatchError as exc:
+        except TaskError as exc:
             raise answer(exc) from None
     default = body.model or default_model(request)
     specs = (
@@ -158,7 +158,7 @@ async def create_pipeline(body: PipelineCreate, request: Request) -> Response:
 async def _quietly(run: Awaitable[None]) -> None:
     try:
         await run
-    except DispatchError as exc:
+    except TaskError as exc:
         log.info("background pipeline failed: %s", exc.message)
     except (RedisError, *TRANSIENT) as exc:
         log.warning("background pipeline lost Redis: %s", exc)

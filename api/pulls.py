@@ -39,9 +39,9 @@ from api.relay import RelayResponse
 from api.schemas import OllamaDelete, OllamaPull
 from dispatch.control import ControlRequest, ControlTimeoutError, Failure, Op, Progress, follow, new_id, send
 from dispatch.gateway import Gateway
-from dispatch.lease import LeaseInfo
-from dispatch.quota import ApiKey
 from dispatch.serving import names_model
+from tasks.lease import LeaseInfo
+from tasks.quota import ApiKey
 
 router = APIRouter(tags=["ollama"])
 

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from api.images import part_images
 from api.tools import message_calls
 from dispatch.options import RUNTIME_OPTIONS, SAMPLING_OPTIONS, OptionsPolicy
-from dispatch.payload import Message
+from tasks.payload import Message
 
 # Far above any model's context, and small enough to travel to a backend as a 64-bit integer.
 MAX_TOKENS = 1_000_000

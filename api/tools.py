@@ -4,7 +4,7 @@ Clients offer function tools in OpenAI's shape on both surfaces (`{"type": "func
 {"name", "description", "parameters"}}`; the `ollama` client sends the same). A definition that is
 not one is refused with a 400 that says which tool and what is wrong, before anything is queued.
 
-A call travels as dispatch.payload.ToolCall whatever the backend spoke, and each surface spells it
+A call travels as tasks.payload.ToolCall whatever the backend spoke, and each surface spells it
 its own way: OpenAI's `tool_calls` (arguments as a JSON string; streamed as a delta with the call's
 index, id and name, then a delta with its arguments), Ollama's `message.tool_calls` (arguments as
 an object). So a request that came in on one surface is answered in that surface's shape whichever
@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from api.errors import BadRequestError
-from dispatch.payload import ToolCall
+from tasks.payload import ToolCall
 
 _TOOL_SHAPE = '{"type": "function", "function": {"name": "...", "parameters": {"type": "object", ...}}}'
 # What OpenAI's tool_choice may be besides a named function.

@@ -37,14 +37,14 @@ from typing import Any
 import psutil
 import redis.asyncio as aioredis
 
-from dispatch.lease import live_workers
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
+from tasks.lease import live_workers
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 
 
 def fleet_toml(workers: int, slots: int) -> str:

@@ -17,14 +17,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, TaskMessage
-from dispatch.queues import TaskQueues
 from events.codec import encode_fields
 from events.event import TaskClaimed, TaskCompleted, Timings
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.ingest import Ingest
 from routeledger.embedded import redis_or_embedded
+from tasks.payload import Message, TaskMessage
+from tasks.queues import TaskQueues
 
 D1 = "a" * 64
 

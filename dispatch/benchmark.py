@@ -35,11 +35,11 @@ from typing import Final
 import msgspec
 
 from dispatch.errors import BenchSetError
-from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens
-from dispatch.queues import TaskQueues
 from events.event import BenchmarkRequested
 from projections.shift import CONFIRM, detect
 from projections.snapshot import Snapshot, grade_mark
+from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens
+from tasks.queues import TaskQueues
 
 # A worker benchmarks a (worker, digest) pair whose speed row has fewer samples than this, or whose
 # newest sample is older than BENCH_STALE_AFTER_S (the worker's defaults; the simulator's too).

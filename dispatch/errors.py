@@ -9,17 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from events.errors import RouteledgerError
+from tasks.errors import TaskError
 
 
-class DispatchError(RouteledgerError):
-    """Raised when a task cannot be submitted, awaited or changed as asked; base of this layer's errors."""
-
-    def __init__(self, message: str, *, hint: str | None = None, extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-        # Plain data a client may act on (ids of what was queued, say), rendered with the error.
-        self.extra = extra or {}
+class DispatchError(TaskError):
+    """Raised when a task cannot be submitted, awaited or changed as asked; base of this layer's
+    errors (the task store's own, such as a key over its quota, share its base, TaskError)."""
 
 
 class ModelNotServedError(DispatchError):
@@ -98,16 +93,6 @@ class RedisMemoryFullError(DispatchError):
 
 class BenchSetError(RouteledgerError):
     """Raised when the benchmark prompt set is malformed."""
-
-
-class QuotaExceededError(DispatchError):
-    """Raised when an API key is over one of its limits (requests per minute, tokens per day, tasks
-    queued); `limit` names it and `retry_after_s` says when to try again."""
-
-    def __init__(self, message: str, *, hint: str, limit: str, retry_after_s: int) -> None:
-        super().__init__(message, hint=hint, extra={"limit": limit, "retry_after_s": retry_after_s})
-        self.limit = limit
-        self.retry_after_s = retry_after_s
 
 
 class QueueFullError(DispatchError):

@@ -33,22 +33,12 @@ from dispatch.errors import (
     TaskRefusedError,
     TaskTimeoutError,
 )
-from dispatch.lease import LeaseInfo
-from dispatch.memory import MemoryWatch, full_error, is_oom
-from dispatch.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
-from dispatch.queues import (
-    CANCEL_ABSENT,
-    CANCEL_REMOVED,
-    CANCEL_RUNNING,
-    TaskQueues,
-    read_result,
-    run_writers,
-)
-from dispatch.quota import ApiKey, Quotas
+from dispatch.memory import MemoryWatch, full_error
 from dispatch.serving import find_holders, require_model
 from dispatch.submit import Submitted, TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.codec import as_str
+from events.connection import is_oom
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger, read_streams
@@ -57,6 +47,17 @@ from projections.index import Found, task_events
 from projections.reader import get_task
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, is_terminal, settle
+from tasks.lease import LeaseInfo
+from tasks.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
+from tasks.queues import (
+    CANCEL_ABSENT,
+    CANCEL_REMOVED,
+    CANCEL_RUNNING,
+    TaskQueues,
+    read_result,
+    run_writers,
+)
+from tasks.quota import ApiKey, Quotas
 
 log = logging.getLogger("routeledger.gateway")
 
@@ -77,7 +78,7 @@ TRANSIENT: Final = (
 _FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
-# How often a reader of a task's output looks again for the workers that run it (dispatch.queues
+# How often a reader of a task's output looks again for the workers that run it (tasks.queues
 # run_writers) and for the live workers that might (see _Outputs).
 _LOOK_MS: Final = 500
 # A waiting reader that has seen no output for this long checks that its task is still in Redis (see
@@ -398,7 +399,7 @@ class Gateway:
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
         """The task's outcome, from its shared key or the own key of a worker that ran it
-        (dispatch.queues.read_result)."""
+        (tasks.queues.read_result)."""
         return await read_result(self.redis, self.keys, task_id)
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:

@@ -16,7 +16,6 @@ from typing import Any, Final, Literal, cast
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import OutOfMemoryError, ResponseError
 
 from dispatch.errors import RedisMemoryFullError
 from events.codec import as_str
@@ -134,15 +133,6 @@ async def read_memory(redis: aioredis.Redis) -> MemoryState:
         return max(states, key=lambda s: (s.ratio or 0.0, s.used_bytes))
     info: dict[str, Any] = await redis.info("memory")
     return parse_info(info)
-
-
-def is_oom(exc: BaseException) -> bool:
-    """Whether Redis refused a command because it is at maxmemory ("OOM command not allowed when used
-    memory > 'maxmemory'"): redis-py's OutOfMemoryError, or the same refusal inside a script, which
-    Redis 6.2 reports as a script error quoting it."""
-    if isinstance(exc, OutOfMemoryError):
-        return True
-    return isinstance(exc, ResponseError) and "command not allowed when used memory" in str(exc)
 
 
 def full_error(state: MemoryState | None) -> RedisMemoryFullError:

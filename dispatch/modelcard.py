@@ -20,10 +20,10 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo
 from dispatch.serving import served
 from events.event import ModelEntry
 from events.keys import Keys
+from tasks.lease import LeaseInfo
 
 # A card larger than this (a backend's model_info with whole tokenizer arrays) is kept without its
 # model_info, so that one model cannot make the hash large.

@@ -13,9 +13,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from dispatch.lease import LeaseInfo, live_workers, resources_of
 from dispatch.memory import MemoryWatch, archive_info, read_memory
-from dispatch.queues import band_queues, requeued_count
 from dispatch.recent import SAMPLE_TYPES, TASK_TYPES, Recent, Sample, load_recent, sample_of, wanted
 from dispatch.serving import catalog, served
 from events.clock import LedgerClock
@@ -26,6 +24,8 @@ from projections.errors import ProjectionError
 from projections.reader import lag
 from projections.reader import snapshot as read_snapshot
 from projections.snapshot import FleetRow, Snapshot
+from tasks.lease import LeaseInfo, live_workers, resources_of
+from tasks.queues import band_queues, requeued_count
 
 
 def model_names(leases: dict[str, LeaseInfo], fleet: dict[str, FleetRow]) -> dict[str, str]:

@@ -15,8 +15,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from dispatch.payload import EMBED, Message, TaskMessage, ToolCall
 from router.prefix import PromptChain, chain_of
+from tasks.payload import EMBED, Message, TaskMessage, ToolCall
 
 # Separators that message text seldom holds: a message boundary is never mistaken for content.
 _ROLE, _END = "\x1d", "\x1e"

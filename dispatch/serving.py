@@ -16,8 +16,8 @@ from __future__ import annotations
 import msgspec
 
 from dispatch.errors import ModelNotServedError
-from dispatch.lease import LeaseInfo
 from events.event import ModelEntry
+from tasks.lease import LeaseInfo
 
 
 def served(info: LeaseInfo) -> list[ModelEntry]:

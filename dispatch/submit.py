@@ -3,9 +3,10 @@
 The API, the CLI, pipelines and the demo traffic submit through the gateway's one way in
 (`dispatch.gateway.Gateway.submit`), each with one TaskRequest: it holds the task to its checks
 (memory, the queue's depth cap, the key's limits, a deadline) and then calls `route_and_submit`
-here, which nothing else calls (tests/test_layers.py checks). The decision (every candidate, every term and source) is appended as TaskRouted
-together with TaskSubmitted, before any worker can see the task; workers still pull, so the
-decision's taker is the plan's expectation, checked later against who ran it.
+here, which nothing else calls (tests/test_layers.py checks). The decision (every candidate, every
+term and source) is appended as TaskRouted together with TaskSubmitted, before any worker can see
+the task; workers still pull, so the decision's taker is the plan's expectation, checked later
+against who ran it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ from typing import Any, Final
 import msgspec
 
 from dispatch.errors import CapabilityMissingError, ModelNotServedError, QueueFullError
-from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
 from dispatch.prefix import task_chain
-from dispatch.queues import AtCapError, TaskQueues
 from dispatch.serving import (
     capabilities,
     catalog,
@@ -42,6 +40,9 @@ from router.handoff import handoff_worker
 from router.prefix import PromptChain
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
+from tasks.lease import LeaseInfo, live_workers
+from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
+from tasks.queues import AtCapError, TaskQueues
 
 log = logging.getLogger("routeledger.dispatch")
 
@@ -86,7 +87,7 @@ class TaskRequest(msgspec.Struct, kw_only=True):
     runtime_options: bool = False
     # The name of the API key it came with (recorded, never the key itself).
     key: str | None = None
-    # Its fair-share round within its priority band (dispatch.quota.round_of): which of the model's
+    # Its fair-share round within its priority band (tasks.quota.round_of): which of the model's
     # band queues it joins.
     share_round: int = 0
     # Function tools offered to the model (see TaskMessage.tools): only models whose holders may

@@ -17,8 +17,6 @@ from typing import Any, Final, Generic, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import F_ID, F_TASK
 from dispatch.serving import embedding_only, resolve_models, served, served_models
 from events.clock import LedgerClock
 from events.codec import as_str
@@ -31,6 +29,8 @@ from router.estimate import Estimator, build_estimator
 from router.gate import BACKLOG_DEPTH, SNAPSHOT_EVERY_S
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView, arrival_rates
 from router.prefix import PromptChain
+from tasks.lease import LeaseInfo, live_workers
+from tasks.payload import F_ID, F_TASK
 
 log = logging.getLogger("routeledger.view")
 T = TypeVar("T")
@@ -352,7 +352,7 @@ class LiveView:
 
 
 class _TaskSize(msgspec.Struct, kw_only=True):
-    """What the plan reads of a queued task (dispatch.payload.TaskMessage, its prompt skipped)."""
+    """What the plan reads of a queued task (tasks.payload.TaskMessage, its prompt skipped)."""
 
     task_id: str
     domain: str = "general"

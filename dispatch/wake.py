@@ -22,7 +22,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.errors import WakeError
-from dispatch.lease import LeaseInfo
 from dispatch.serving import served
 from events.event import MAX_SECONDS, WakeRequested, now_ms
 from events.keys import Keys
@@ -32,6 +31,7 @@ from router.choose import RouteQuery
 from router.estimate import Estimator
 from router.plan import FleetView
 from router.wake import Sleeper, sleeping_candidate
+from tasks.lease import LeaseInfo
 
 # The magic packet's standard port (discard); 7 is the other one in use.
 DEFAULT_PORT: Final = 9

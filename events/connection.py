@@ -40,7 +40,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from events.errors import RedisUrlError
@@ -148,7 +148,7 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
     - No command is sent twice by the client: redis-py would retry (and re-send a whole pipeline)
       after a connection error or timeout, and a write whose first sending was applied would be
       applied twice. Retries are explicit, and only of what is safe to repeat
-      (`dispatch.queues.resend`, the gateway's submission keyed by task id).
+      (`tasks.queues.resend`, the gateway's submission keyed by task id).
     - Every read has a deadline (`socket_timeout`, longer than any blocking read routeledger
       makes), and TCP keepalive is on, so that a half-open connection fails instead of hanging.
     - Maintenance notifications are off, so that a pooled connection the server closed is replaced
@@ -240,6 +240,15 @@ async def relearn_layout(redis: object) -> None:
     if isinstance(redis, RedisCluster):
         with contextlib.suppress(RedisError, OSError):
             await redis.nodes_manager.initialize()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether Redis refused a command because it is at maxmemory ("OOM command not allowed when used
+    memory > 'maxmemory'"): redis-py's OutOfMemoryError, or the same refusal inside a script, which
+    Redis 6.2 reports as a script error quoting it."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and "command not allowed when used memory" in str(exc)
 
 
 def is_cluster(redis: object) -> bool:

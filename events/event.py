@@ -170,7 +170,7 @@ class TaskSubmitted(Event, frozen=True, kw_only=True):
     runtime_options: bool = False
     # The name of the API key it came with (never the key); None where keys are not configured.
     key: str | None = None
-    # Its fair-share round within its priority band (dispatch.quota.round_of).
+    # Its fair-share round within its priority band (tasks.quota.round_of).
     share_round: Small = 0
     # One part of a request split across holders (router.split): the id the parts share, this
     # part's place (0-based) and how many there are; None, 0 and 1 for a task that is whole.
@@ -230,7 +230,7 @@ class TaskCompleted(Event, frozen=True, kw_only=True):
     # is an embedding-rate sample, not a prompt-speed one, and it has no decode or output length.
     kind: str = "chat"
     # The UTF-8 bytes of the prompt's text (what the submission's token estimate counts,
-    # dispatch.payload.estimate_tokens), against which `timings.prompt_eval_count` is a sample of
+    # tasks.payload.estimate_tokens), against which `timings.prompt_eval_count` is a sample of
     # the model's bytes per token. None: unknown (events written before this field), or the run
     # read more than its text (images, tools), whose tokens the text does not hold.
     prompt_bytes: Count | None = None

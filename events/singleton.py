@@ -1,7 +1,7 @@
 """Leases of singleton processes: one active projector and one active reaper per Redis.
 
 A lease is a key with a TTL that its holder renews; only the holder's token may renew or release
-it. (Worker leases, which say what a worker holds, live in dispatch/lease.py.)
+it. (Worker leases, which say what a worker holds, live in tasks/lease.py.)
 """
 
 from __future__ import annotations

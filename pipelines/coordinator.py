@@ -28,11 +28,8 @@ from typing import Any, Final
 import msgspec
 from redis.exceptions import RedisError
 
-from dispatch.errors import DispatchError, ModelNotServedError, TaskTimeoutError
+from dispatch.errors import ModelNotServedError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway
-from dispatch.lease import LeaseInfo, live_workers
-from dispatch.payload import Message, Relayed, Result, TaskMessage, estimate_tokens
-from dispatch.quota import ApiKey
 from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.submit import TaskRequest
 from dispatch.view import LiveView, worker_views
@@ -42,6 +39,10 @@ from pipelines.errors import DecompositionError, PipelineFailedError
 from pipelines.state import Child, ChildSpec, Policy, State, Step, save_state
 from router.estimate import Estimator
 from router.plan import BacklogEntry, FleetView, plan_queue
+from tasks.errors import TaskError
+from tasks.lease import LeaseInfo, live_workers
+from tasks.payload import Message, Relayed, Result, TaskMessage, estimate_tokens
+from tasks.quota import ApiKey
 
 log = logging.getLogger("routeledger.pipelines")
 
@@ -430,9 +431,7 @@ class Coordinator:
         if self.done:
             return
         self.done = True
-        message = (
-            exc.message if isinstance(exc, DispatchError) else f"{type(exc).__name__}: {exc}".strip(": ")
-        )
+        message = exc.message if isinstance(exc, TaskError) else f"{type(exc).__name__}: {exc}".strip(": ")
         if isinstance(exc, asyncio.CancelledError):
             message = "the client went away"
         self.state.status = "failed"

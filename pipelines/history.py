@@ -13,8 +13,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.gateway import task_status
-from dispatch.payload import Result
-from dispatch.queues import read_result
 from events.event import (
     Event,
     PipelineChildAdded,
@@ -33,6 +31,8 @@ from projections.index import pipeline_events
 from projections.reader import get_tasks
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, fold_status
+from tasks.payload import Result
+from tasks.queues import read_result
 
 
 def _ran(status: TaskStatus, result: Result | None) -> dict[str, Any]:

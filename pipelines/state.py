@@ -11,8 +11,8 @@ from typing import Any, Literal
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.queues import RESULT_TTL_MS
 from events.keys import Keys
+from tasks.queues import RESULT_TTL_MS
 
 Policy = Literal["fail_fast", "best_effort"]
 PipelineStatus = Literal["decomposing", "running", "integrating", "completed", "failed"]

@@ -82,7 +82,7 @@ TASK_EVENTS: Final = (
 )
 
 NS_PER_S: Final = 1e9
-# A TaskCompleted's kind whose prompt rate is an embedding rate (dispatch.payload.EMBED).
+# A TaskCompleted's kind whose prompt rate is an embedding rate (tasks.payload.EMBED).
 EMBED: Final = "embed"
 # Above this a decode rate is a broken timing, not a fast machine.
 MAX_DECODE_TPS: Final = 10_000.0

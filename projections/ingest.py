@@ -44,8 +44,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, prompt_by_id
-from dispatch.payload import F_TASK, decode_task
-from dispatch.queues import RESULT_TTL_MS
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
 from events.errors import UndecodableEntryError
 from events.event import (
@@ -65,6 +63,8 @@ from events.event import (
 )
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import read_streams
+from tasks.payload import F_TASK, decode_task
+from tasks.queues import RESULT_TTL_MS
 
 log = logging.getLogger("routeledger.ingest")
 

@@ -30,7 +30,6 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.quota import Quotas
 from events.codec import DATA, TYPE, as_str, decode_rows
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskCompleted, TaskFailed, TaskSubmitted, now_ms
@@ -46,6 +45,7 @@ from projections.mention import Mention, read_mention
 from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from projections.store import TableChange
 from projections.tables import DEFAULT_TASK_RETENTION_DAYS, Tables, pair_key, split_pair
+from tasks.quota import Quotas
 
 log = logging.getLogger("routeledger.projector")
 
@@ -57,7 +57,7 @@ SAFETY_SHARE: Final = 0.25
 PRUNE_CLAIMS_EVERY_S: Final = 3600.0
 # A completion is charged to its task's API key when the live projector folds it no later than this
 # after it was written; an older one (a fold of old history into a new namespace) charges nothing,
-# since its day's count is gone. Shorter than dispatch.quota.CHARGED_TTL_MS, so never twice.
+# since its day's count is gone. Shorter than tasks.quota.CHARGED_TTL_MS, so never twice.
 CHARGE_HORIZON_MS: Final = 86_400_000
 
 
@@ -278,7 +278,7 @@ class Projector:
             if poison:
                 await self._dead_letter(poison)
             # Charged before the checkpoint moves: a crash in between folds the batch again, and
-            # the charge is once per task (dispatch.quota._SETTLE), so it is never lost nor doubled.
+            # the charge is once per task (tasks.quota._SETTLE), so it is never lost nor doubled.
             await self._charge(batch)
             result = await writer.apply(tables.checkpoint, checkpoint, folded, changes, drop)
         except BaseException:

@@ -25,11 +25,10 @@ from events.event import (
     TaskStalled,
     TaskSubmitted,
 )
+from tasks.payload import Outcome as Outcome
 
 # `submitted`: accepted, and not yet seen by whoever folds (the projector may lag).
 TaskStatus = Literal["submitted", "queued", "running", "stalled", "completed", "failed", "dead", "cancelled"]
-# What a task's stored outcome (its result) can say: the terminal statuses.
-Outcome = Literal["completed", "failed", "dead", "cancelled"]
 
 STATUSES: Final[frozenset[str]] = frozenset(get_args(TaskStatus))
 TERMINAL_RANK: Final[dict[str, int]] = {"failed": 1, "dead": 2, "cancelled": 3, "completed": 4}

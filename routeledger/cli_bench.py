@@ -12,9 +12,6 @@ from rich.table import Table
 
 from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
 from dispatch.gateway import Gateway
-from dispatch.lease import live_workers
-from dispatch.payload import EMBED, Message
-from dispatch.queues import TaskQueues, read_result
 from dispatch.serving import embedding_only, holdings
 from dispatch.submit import TaskRequest, preview_request
 from dispatch.view import LiveView
@@ -25,6 +22,9 @@ from projections.folder import decode_sample, prompt_tps
 from projections.reader import snapshot
 from routeledger.runtime import Instance, command, console, fail
 from router.choose import RouteQuery
+from tasks.lease import live_workers
+from tasks.payload import EMBED, Message
+from tasks.queues import TaskQueues, read_result
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True

@@ -18,12 +18,13 @@ import redis.asyncio as aioredis
 import typer
 from redis.exceptions import RedisError
 
-from dispatch.errors import DispatchError, ModelNotServedError
+from dispatch.errors import ModelNotServedError
 from dispatch.gateway import Gateway
-from dispatch.payload import Message
 from dispatch.submit import TaskRequest
 from events.keys import Keys
 from routeledger.runtime import Instance, command, setup_logging
+from tasks.errors import TaskError
+from tasks.payload import Message
 
 log = logging.getLogger("routeledger.traffic")
 
@@ -81,7 +82,7 @@ async def trickle(
             if model not in warned:
                 log.info("not sending %s yet: %s", model, exc)
                 warned.add(model)
-        except (DispatchError, RedisError, OSError) as exc:
+        except (TaskError, RedisError, OSError) as exc:
             log.warning("could not submit: %s", exc)
     return sent
 

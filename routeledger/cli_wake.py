@@ -13,7 +13,6 @@ import redis.asyncio as aioredis
 import typer
 
 from dispatch.errors import WakeError
-from dispatch.lease import live_workers
 from dispatch.view import LiveView
 from dispatch.wake import (
     DEFAULT_BROADCAST,
@@ -30,6 +29,7 @@ from dispatch.wake import (
 )
 from events.event import now_ms
 from routeledger.runtime import Instance, command, console, fail, print_json
+from tasks.lease import live_workers
 from workers.config import WORKER_NAME
 
 

@@ -17,9 +17,6 @@ from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, w
 
 from dispatch.errors import WakeError
 from dispatch.gateway import Gateway
-from dispatch.lease import decode_lease, live_workers
-from dispatch.payload import Message
-from dispatch.queues import read_result
 from dispatch.submit import TaskRequest
 from dispatch.wake import (
     DEFAULT_BROADCAST,
@@ -36,6 +33,9 @@ from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
+from tasks.lease import decode_lease, live_workers
+from tasks.payload import Message
+from tasks.queues import read_result
 from workers.admission import RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import make_backend

@@ -17,12 +17,12 @@ from typing import Any, Final
 import msgspec
 
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, DOMAIN_RULE, valid_domain
-from dispatch.quota import ApiKey, named_keys
 from events.connection import with_tls_files
 from events.keys import DEAD_MAX_ENTRIES, DEFAULT_PREFIX
 from events.singleton import DEFAULT_LEASE_MS
 from projections.snapshot import DEFAULT_DEMAND_HALF_LIFE_S, DEFAULT_HALF_LIFE_S
 from routeledger.errors import ConfigError, NotRunningError
+from tasks.quota import ApiKey, named_keys
 
 ENV_PREFIX: Final = "ROUTELEDGER_"
 # The largest clock shift a test may ask a worker for: a day, far past any skew worth playing.

@@ -10,7 +10,8 @@ projector, whose process imported this.
 from __future__ import annotations
 
 # Imported for the scripts they define, which join the library.
-from dispatch import lease, queues, view
+from dispatch import view
 from events import ledger
+from tasks import lease, queues
 
 MODULES = (ledger, queues, lease, view)

@@ -385,7 +385,7 @@ def learned_tokens(prompt_bytes: int, bytes_per_token: float) -> int:
 def _prompt_field(query: RouteQuery, prompt: int, default_prompt: int, learned: Field | None = None) -> Field:
     """The size estimate's prompt part and where it comes from: the request's own text, at the
     model's learned bytes per token (Estimator.bytes_per_token) or else at about 4 characters a
-    token before the backend counts it (dispatch.payload.estimate_tokens), or the plan's default
+    token before the backend counts it (tasks.payload.estimate_tokens), or the plan's default
     when the request said nothing."""
     n = 0
     if learned is not None:

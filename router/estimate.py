@@ -74,7 +74,7 @@ class EstimateParams(msgspec.Struct, kw_only=True, frozen=True):
     # The quantile of output length taken as "as long as a task plausibly runs".
     length_tail_quantile_z: float = 2.326  # the 99th percentile of a normal
 
-    # A prompt's UTF-8 bytes per token (dispatch.payload.estimate_tokens's figure) until a model's
+    # A prompt's UTF-8 bytes per token (tasks.payload.estimate_tokens's figure) until a model's
     # own is learned from `min_prompt_ratio_samples` runs (projections.folder.prompt_sample); a
     # learned one is held within [min_bytes_per_token, max_bytes_per_token].
     default_bytes_per_token: float = 4.0

@@ -32,7 +32,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-import msgspec
+from tasks.prefix import PromptChain as PromptChain
+from tasks.prefix import SlotCache as SlotCache
 
 # Characters per block of the chain (see the module docstring for the choice).
 BLOCK_CHARS = 256
@@ -40,31 +41,6 @@ BLOCK_CHARS = 256
 MAX_BLOCKS = 1024
 # Hashes are 48-bit: exact in every JSON reader (a dashboard's numbers are doubles).
 _MASK = (1 << 48) - 1
-
-
-class PromptChain(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
-    """A task's prompt as the cache sees it: the chain hash of each full block, and its length."""
-
-    hashes: tuple[int, ...] = ()
-    chars: int = 0
-
-
-class SlotCache(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
-    """What one backend slot holds, as its worker reports it in the lease."""
-
-    # (blocks, chain hash at that block) at 1, 2, 4, ... blocks and at the end, ascending.
-    marks: tuple[tuple[int, int], ...] = ()
-    # False: the slot is idle, and the next task the backend gives it may use what it holds.
-    busy: bool = False
-    # Epoch ms it was last given work (the backend reuses the least recently used slot first).
-    used_ms: int = 0
-    # The model whose KV cache it is (each model's runner has its own slots); '' : unknown.
-    digest: str = ""
-
-    @property
-    def blocks(self) -> int:
-        """How many blocks it holds."""
-        return self.marks[-1][0] if self.marks else 0
 
 
 def block_hashes(text: str, limit: int = MAX_BLOCKS) -> tuple[int, ...]:

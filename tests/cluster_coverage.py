@@ -58,6 +58,7 @@ PACKAGES: Final = (
     "projections",
     "replay",
     "routeledger",
+    "tasks",
     "workers",
 )
 _SCRIPT_COMMANDS: Final = frozenset({"FCALL", "FCALL_RO", "EVALSHA", "EVALSHA_RO"})

@@ -32,8 +32,6 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, Result
-from dispatch.queues import TaskQueues, read_result
 from dispatch.submit import Submitted, TaskRequest, route_and_submit, submit_task
 from dispatch.view import LiveView
 from events.keys import Keys
@@ -42,6 +40,8 @@ from projections.projector import Projector
 from projections.reader import snapshot
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
+from tasks.payload import Message, Result
+from tasks.queues import TaskQueues, read_result
 from tests.helpers import wait_until
 from tests.reliability.support import spawn_worker, stop_all
 

@@ -11,14 +11,14 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, Result, chunk_decoder, result_decoder
-from dispatch.queues import TaskQueues, parse_entry
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
+from tasks.payload import Message, Result, chunk_decoder, result_decoder
+from tasks.queues import TaskQueues, parse_entry
 from tests.helpers import (
     MODEL_DIGEST,
     SteppedLedgerClock,
@@ -165,8 +165,8 @@ async def _has_output(redis: aioredis.Redis, task_id: str) -> bool:
 async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalled_once(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    from dispatch.payload import TaskMessage
     from events.event import TaskStalled
+    from tasks.payload import TaskMessage
 
     queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
     queue = Keys.for_client(redis_client).queue("f" * 64)

@@ -27,8 +27,6 @@ import redis.asyncio as aioredis
 import tiktoken
 from langchain_openai import OpenAIEmbeddings
 
-from dispatch.lease import LeaseInfo
-from dispatch.payload import estimate_tokens, unpack_vector
 from dispatch.view import embedding_models
 from events.event import (
     BenchmarkRequested,
@@ -48,6 +46,8 @@ from projections.reader import snapshot
 from projections.snapshot import Snapshot, SpeedRow, Stat, fold
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
+from tasks.lease import LeaseInfo
+from tasks.payload import estimate_tokens, unpack_vector
 from tests.helpers import events_of, fast_config, running_agent, wait_until
 from tests.test_api_support import fleet_and_api, free_port, stored_results
 

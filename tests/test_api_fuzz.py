@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.app import AppConfig, create_app
-from dispatch.lease import LeaseInfo, encode_lease
 from events.event import ModelEntry
 from events.keys import Keys
+from tasks.lease import LeaseInfo, encode_lease
 from tests.helpers import MODEL_DIGEST
 from tests.test_api_support import free_port
 

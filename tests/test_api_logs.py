@@ -10,10 +10,10 @@ import sys
 import httpx
 import redis.asyncio as aioredis
 
-from dispatch.payload import result_decoder
 from events.keys import Keys
 from routeledger.embedded import free_port
 from sim.backends.hosts import SimHosts
+from tasks.payload import result_decoder
 from tests.helpers import fast_config, make_test_fleet, running_agent, wait_until
 
 SECRET_PROMPT = "the zebra-unicorn passphrase is 4711 mauve"

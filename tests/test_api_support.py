@@ -12,12 +12,12 @@ import redis.asyncio as aioredis
 import uvicorn
 
 from api.app import AppConfig, create_app
-from dispatch.lease import LeaseInfo, Leases
-from dispatch.payload import Result, result_decoder
 from events.event import ModelEntry
 from events.keys import Keys
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet
+from tasks.lease import LeaseInfo, Leases
+from tasks.payload import Result, result_decoder
 from tests.helpers import MODEL_DIGEST, fast_config, make_test_fleet, running_agent
 
 

@@ -10,10 +10,10 @@ import httpx
 import msgspec
 import pytest
 
-from dispatch.payload import Message, TaskMessage, Thought, ToolCall
 from events.event import TaskCompleted, Timings
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
+from tasks.payload import Message, TaskMessage, Thought, ToolCall
 from tests.helpers import MODEL_DIGEST, make_test_fleet
 from workers.backend import (
     Generated,

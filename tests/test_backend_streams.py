@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dispatch.payload import Message, TaskMessage
+from tasks.payload import Message, TaskMessage
 from workers.backend import Generated, LineStreams, OllamaBackend, backend_client
 from workers.errors import BackendError
 

@@ -10,9 +10,6 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import request_benchmark
-from dispatch.lease import LeaseInfo, RunningInfo
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import worker_views
 from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskFailed, TaskSubmitted
@@ -20,6 +17,9 @@ from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
+from tasks.lease import LeaseInfo, RunningInfo
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, running_agent, wait_until
 
 # One machine, one slot; a benchmark's 128-token answer takes 6.4 s there, a user task's 40 tokens 2 s.

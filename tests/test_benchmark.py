@@ -20,8 +20,6 @@ from dispatch.benchmark import (
     speed_prompts,
     ungraded,
 )
-from dispatch.lease import live_workers
-from dispatch.queues import TaskQueues
 from dispatch.serving import holdings
 from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskClaimed, TaskCompleted
 from events.keys import Keys
@@ -31,6 +29,8 @@ from projections.projector import Projector
 from projections.reader import snapshot
 from projections.snapshot import FleetRow, QualityRow, Snapshot, SpeedRow, Stamped, grade_mark
 from sim.backends.hosts import SimHosts
+from tasks.lease import live_workers
+from tasks.queues import TaskQueues
 from tests.helpers import (
     MODEL_DIGEST,
     events_of,

@@ -18,10 +18,10 @@ import psutil
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import F_TASK, decode_task
 from events.event import TaskStalled, now_ms
 from events.keys import Keys
 from routeledger.embedded import free_port
+from tasks.payload import F_TASK, decode_task
 from tests.helpers import MODEL_DIGEST
 from tests.test_api_support import ghost_worker
 

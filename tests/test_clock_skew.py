@@ -12,9 +12,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.lease import decode_lease
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import LiveView
 from events.clock import redis_ms
@@ -24,6 +21,9 @@ from events.ledger import Ledger
 from projections.projector import Projector
 from projections.reader import get_tasks, snapshot
 from sim.backends.hosts import SimHosts
+from tasks.lease import decode_lease
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until, worker_process
 from tests.test_api_support import serving
 

@@ -30,9 +30,6 @@ from redis.exceptions import RedisClusterException, RedisError
 from dispatch.errors import ModelNotServedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
 from dispatch.modelcard import ModelCard, publish_cards
-from dispatch.payload import Message
-from dispatch.queues import _DEPTH_DEF, TaskQueues, parse_entry
-from dispatch.quota import Quotas
 from dispatch.submit import Submitted, TaskRequest, submit_task
 from events.codec import as_str
 from events.connection import redis_client
@@ -41,6 +38,9 @@ from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import _DEPTH_DEF, TaskQueues, parse_entry
+from tasks.quota import Quotas
 from tests import cluster_coverage
 from tests.cluster_coverage import RECORD, Record, TierRun
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
@@ -55,8 +55,8 @@ def test_the_inventory_finds_the_known_scripts_and_multi_sites_of_the_code_base(
     assert len(defined) >= 20
     registered = cluster_coverage.registered_scripts()
     assert {
-        "dispatch.quota:_ADMIT",
-        "dispatch.quota:_SETTLE",
+        "tasks.quota:_ADMIT",
+        "tasks.quota:_SETTLE",
         "projections.store:_APPLY",
         "projections.projector:RENEW_LEASE",
         "events.singleton:RENEW_LEASE",
@@ -182,7 +182,7 @@ async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_o
             assert record.scripts == {"depth"}
             # A script registered by a module of the code base, called on its own.
             await Quotas(redis, keys, open_ttl_s=60).settle("ann", "t1", 5)
-            assert record.scripts == {"depth", "dispatch.quota:_SETTLE"}
+            assert record.scripts == {"depth", "tasks.quota:_SETTLE"}
             # A MULTI: recorded by the function that made it, once executed.
             unsent = redis.pipeline(transaction=True)
             unsent.set(keys.task("t1"), "1")

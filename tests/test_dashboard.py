@@ -29,9 +29,6 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from api.app import AppConfig
 from api.dashboard import CSP
-from dispatch.lease import LeaseInfo, Leases
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.event import ModelEntry, TaskCompleted, TaskStalled
@@ -41,6 +38,9 @@ from projections.projector import Projector
 from routeledger.cli_traffic import trickle
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
+from tasks.lease import LeaseInfo, Leases
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
 from tests.test_api_support import fleet_and_api, serving
 

@@ -9,8 +9,6 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, preview_request, route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskRouted, TaskSubmitted
@@ -18,6 +16,8 @@ from events.keys import Keys
 from events.ledger import Ledger
 from router.choose import RouteQuery
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 
 pytestmark = pytest.mark.cluster_tier

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.lease import LeaseInfo
 from dispatch.view import fleet_view
 from events.event import ModelEntry
 from projections.snapshot import FleetRow, Stamped
 from router.choose import RouteQuery, choose_model, rank_workers
 from router.estimate import EstimateParams, build_estimator
+from tasks.lease import LeaseInfo
 from tests.router_helpers import (
     ELYZA,
     NOW,

@@ -6,14 +6,14 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, fast_config, running_agent, wait_until
 from workers.admission import RouterGate
 

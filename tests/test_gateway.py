@@ -11,7 +11,14 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import TaskFailedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.payload import (
+from dispatch.submit import TaskRequest
+from events.connection import redis_client as make_client
+from events.event import TaskSubmitted
+from events.keys import Keys
+from events.ledger import Ledger
+from events.scripts import load_library
+from projections.projector import Projector
+from tasks.payload import (
     Chunk,
     Message,
     Result,
@@ -21,14 +28,7 @@ from dispatch.payload import (
     encode_chunk,
     encode_result,
 )
-from dispatch.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS, TaskQueues
-from dispatch.submit import TaskRequest
-from events.connection import redis_client as make_client
-from events.event import TaskSubmitted
-from events.keys import Keys
-from events.ledger import Ledger
-from events.scripts import load_library
-from projections.projector import Projector
+from tasks.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS, TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of
 from tests.reliability.proxy import redis_proxy
 from tests.test_api_support import ghost_worker

@@ -11,10 +11,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo, Leases
-from dispatch.payload import Message, TaskMessage
 from dispatch.prefix import render_messages
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit, submit_task
 from dispatch.view import LiveView
 from events.event import ModelEntry
@@ -24,6 +21,9 @@ from router.choose import RouteQuery, decide
 from router.handoff import HANDOFF_RATIO, handoff_worker
 from router.plan import WorkerView
 from router.prefix import SlotCache, block_hashes, chain_of, marks_of
+from tasks.lease import LeaseInfo, Leases
+from tasks.payload import Message, TaskMessage
+from tasks.queues import TaskQueues
 from tests.router_helpers import NOW, QWEN, busy, estimator, snapshot, speed_row, view
 from workers.reaper import Reaper, ReaperConfig
 

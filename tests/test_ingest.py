@@ -10,8 +10,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import REFERENCE, benchset
-from dispatch.payload import Message, Result, TaskMessage
-from dispatch.queues import TaskQueues
 from events.codec import encode_fields
 from events.connection import redis_client as redis_client_for
 from events.event import (
@@ -29,6 +27,8 @@ from events.event import (
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import Ledger
 from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
+from tasks.payload import Message, Result, TaskMessage
+from tasks.queues import TaskQueues
 from workers.reaper import Reaper, ReaperConfig
 
 DIGEST = "a" * 64

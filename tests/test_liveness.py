@@ -15,9 +15,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.gateway import Gateway
-from dispatch.lease import LeaseInfo, Leases, decode_lease, registered
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.recent import load_recent
 from dispatch.submit import TaskRequest, route_and_submit, submit_task
 from dispatch.view import LiveView
@@ -44,6 +41,9 @@ from replay.verify import diff_tables
 from router.choose import Decision, RouteQuery, decide
 from router.plan import FleetView
 from sim.backends.hosts import SimHosts
+from tasks.lease import LeaseInfo, Leases, decode_lease, registered
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.router_helpers import NOW, QWEN, estimator, speed_row, worker
 from tests.router_helpers import snapshot as router_snapshot

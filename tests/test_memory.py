@@ -22,10 +22,9 @@ from redis.exceptions import ResponseError
 from api.app import AppConfig
 from dispatch.errors import RedisMemoryFullError
 from dispatch.gateway import Gateway
-from dispatch.memory import REFUSE_AT, archive_info, is_oom, read_memory
-from dispatch.payload import Message, Result, TaskMessage, queue_fields
-from dispatch.queues import TaskQueues
+from dispatch.memory import REFUSE_AT, archive_info, read_memory
 from dispatch.submit import TaskRequest
+from events.connection import is_oom
 from events.event import TaskCompleted
 from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger
@@ -33,6 +32,8 @@ from routeledger.config import Settings, maxmemory_bytes
 from routeledger.embedded import EmbeddedRedis
 from routeledger.errors import ConfigError
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message, Result, TaskMessage, queue_fields
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import fleet_and_api, ghost_worker, serving
 

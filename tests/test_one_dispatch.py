@@ -26,8 +26,6 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskClaimed, TaskCompleted, TaskSubmitted, now_ms
@@ -40,6 +38,8 @@ from sim.fleetspec import parse_fleet
 from sim.scheduling.policies import Routeledger
 from sim.scheduling.schedule import simulate
 from sim.scheduling.workload import Job, WorkloadSpec, generate
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, wait_until
 from tests.reliability.support import spawn_worker, stop_all
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from dispatch.payload import EMBED, Message, TaskMessage
 from dispatch.serving import names_model
 from events.event import ModelEntry
+from tasks.payload import EMBED, Message, TaskMessage
 from tests.test_backend_streams import read_request, serving
 from workers.backend import Generated, OpenAIBackend, openai_digest, short_name, weights_digest
 from workers.errors import BackendError

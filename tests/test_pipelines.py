@@ -19,7 +19,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.payload import F_TASK, TaskMessage, decode_task
 from events.event import (
     Event,
     PipelineChildAdded,
@@ -37,6 +36,7 @@ from events.ledger import Ledger
 from projections.projector import Projector
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet, parse_fleet
+from tasks.payload import F_TASK, TaskMessage, decode_task
 from tests.helpers import (
     MODEL_DIGEST,
     events_of,

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch.payload import Message, TaskMessage
 from dispatch.prefix import render, render_messages, task_chain
 from events.event import Timings
 from projections.folder import prompt_tps
@@ -27,6 +26,7 @@ from router.prefix import (
     matched_blocks,
 )
 from sim.random_fleet import NOW_MS, FleetShape, random_fleet
+from tasks.payload import Message, TaskMessage
 from tests.router_helpers import NOW, QWEN, busy, estimator, fleet_shapes, snapshot, speed_row, view
 
 # The story's two machines, as far as prompts go: the laptop evaluates about 90 prompt tokens a

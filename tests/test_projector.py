@@ -13,9 +13,6 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
-from dispatch.quota import ApiKey, Quotas
 from dispatch.submit import TaskRequest, submit_task
 from events.event import (
     BenchmarkResult,
@@ -40,6 +37,9 @@ from projections.projector import Projector
 from projections.reader import get_task, lag, snapshot
 from replay.rebuild import build
 from replay.verify import diff_tables
+from tasks.payload import Message
+from tasks.queues import TaskQueues
+from tasks.quota import ApiKey, Quotas
 
 D1 = "a" * 64
 D2 = "b" * 64

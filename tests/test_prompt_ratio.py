@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskCompleted, TaskSubmitted, Timings, now_ms
@@ -15,6 +13,8 @@ from events.ledger import Ledger
 from projections.reader import snapshot
 from router.estimate import build_estimator
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 from tests.test_projector import D1, fold_all
 from tests.test_replay import _live_against_rebuild

@@ -22,8 +22,6 @@ from redis.exceptions import NoPermissionError
 from api.app import AppConfig
 from api.pulls import pull_targets
 from dispatch.control import ControlRequest, ControlTimeoutError, cursor, follow, new_id, send
-from dispatch.lease import LeaseInfo
-from dispatch.quota import ApiKey
 from events.codec import decode_entry
 from events.event import ModelEntry, WorkerChanged
 from events.keys import Keys
@@ -32,6 +30,8 @@ from routeledger.cli_acl import worker_acl_rules
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, parse_fleet
+from tasks.lease import LeaseInfo
+from tasks.quota import ApiKey
 from tests.helpers import fast_config, running_agent
 from tests.test_api_support import fleet_and_api, serving
 from workers.backend import OllamaBackend

@@ -1,4 +1,4 @@
-"""dispatch.queues.resend: what may be sent again is, after a failed sending, and nothing else is."""
+"""tasks.queues.resend: what may be sent again is, after a failed sending, and nothing else is."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from dispatch.queues import resend
+from tasks.queues import resend
 
 
 class _Flaky:

@@ -10,10 +10,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.errors import QuotaExceededError
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
-from dispatch.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import LiveView
 from events.event import TaskCompleted, TaskFailed, TaskSubmitted
@@ -21,6 +17,10 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.projector import Projector
+from tasks.errors import QuotaExceededError
+from tasks.payload import Message
+from tasks.queues import TaskQueues
+from tasks.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
 from tests.helpers import MODEL_DIGEST, events_of, wait_until
 from tests.test_api_native import has_output
 from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo, Leases
-from dispatch.payload import TaskMessage
-from dispatch.queues import TaskQueues
 from events.event import TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.lease import LeaseInfo, Leases
+from tasks.payload import TaskMessage
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of
 from workers.reaper import Reaper, ReaperConfig
 

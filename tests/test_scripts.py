@@ -12,13 +12,13 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo, Leases
 from events.connection import redis_client as open_redis
 from events.connection import send_all
 from events.errors import ScriptLibraryError
 from events.keys import Keys
 from events.scripts import LIBRARY, library_code, load_library
 from routeledger.embedded import find_redis_server, redis_version
+from tasks.lease import LeaseInfo, Leases
 from tests.test_layers import modules
 
 

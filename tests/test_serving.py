@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from dispatch.errors import ModelNotServedError
-from dispatch.lease import LeaseInfo
 from dispatch.serving import (
     capabilities,
     catalog,
@@ -17,6 +16,7 @@ from dispatch.serving import (
     served,
 )
 from events.event import ModelEntry
+from tasks.lease import LeaseInfo
 
 QWEN = ModelEntry(name="qwen3:8b", digest="a" * 64)
 QWEN_LATEST = ModelEntry(name="qwen3:latest", digest="a" * 64)

@@ -14,8 +14,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import PROBE_AFTER_S, PROBE_PROMPTS, needs_benchmark, request_benchmark
-from dispatch.lease import live_workers
-from dispatch.queues import TaskQueues
 from dispatch.view import fleet_view
 from events.event import BenchmarkResult, SpeedShiftDetected
 from events.keys import Keys
@@ -30,6 +28,8 @@ from router.choose import RouteQuery
 from router.estimate import build_estimator
 from router.preview import preview
 from sim.backends.hosts import SimHosts
+from tasks.lease import live_workers
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until
 from tests.reliability.support import spawn_worker, stop_all
 from tests.router_helpers import NOW, QWEN, backlog, estimator, view, worker

@@ -6,7 +6,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatch.gateway import task_status
-from dispatch.payload import Result
 from dispatch.recent import Recent
 from events.event import (
     Event,
@@ -23,6 +22,7 @@ from events.keys import Keys
 from projections.folder import Folder
 from projections.status import TERMINAL_RANK, TaskStatus, fold_status, settle
 from projections.tables import Tables
+from tasks.payload import Result
 
 DIGEST = "d" * 64
 TASK = "t1"

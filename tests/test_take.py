@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, Result, TaskMessage
-from dispatch.queues import (
+from dispatch.submit import TaskRequest, submit_task
+from events.event import TaskSubmitted
+from events.keys import REQUEUED_CONSUMER, Keys
+from events.ledger import Ledger
+from tasks.payload import Message, Result, TaskMessage
+from tasks.queues import (
     CANCEL_REMOVED,
     CANCEL_RUNNING,
     NOT_OURS,
@@ -15,10 +19,6 @@ from dispatch.queues import (
     REQUEUED,
     TaskQueues,
 )
-from dispatch.submit import TaskRequest, submit_task
-from events.event import TaskSubmitted
-from events.keys import REQUEUED_CONSUMER, Keys
-from events.ledger import Ledger
 from tests.helpers import events_of
 
 DIGEST = "ab" * 32

@@ -10,8 +10,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message, TaskMessage
-from dispatch.queues import CANCEL_RUNNING, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as redis_client_for
 from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskReclaimed
@@ -19,6 +17,8 @@ from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
 from router.gate import GateDecision, GateParams
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message, TaskMessage
+from tasks.queues import CANCEL_RUNNING, TaskQueues
 from tests.helpers import (
     MODEL_DIGEST,
     events_of,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo, RunningInfo
 from dispatch.view import LiveView, fleet_view, with_own, worker_views
 from events.event import ModelEntry
 from events.keys import Keys
 from projections.snapshot import DemandRow
+from tasks.lease import LeaseInfo, RunningInfo
 from tests.router_helpers import NOW, QWEN, backlog, snapshot, stat
 
 QWEN_ENTRY = ModelEntry(name="qwen3:8b", digest=QWEN)
@@ -77,8 +77,8 @@ async def test_a_model_is_resolved_once_per_read_of_the_leases(redis_client: aio
 
 
 def test_a_queued_task_read_as_it_streams_reaches_the_plan_paced_and_an_old_entry_does_not() -> None:
-    from dispatch.payload import F_TASK, TaskMessage, encode_task
     from dispatch.view import _entries
+    from tasks.payload import F_TASK, TaskMessage, encode_task
 
     rows = [
         ("1-0", {F_TASK: encode_task(TaskMessage(task_id="read", model="m", digest=QWEN, paced=True))}),
@@ -95,7 +95,7 @@ async def test_one_models_backlog_is_read_without_a_task_and_several_models_are_
     import asyncio
     from typing import Any
 
-    from dispatch.queues import TaskQueues
+    from tasks.queues import TaskQueues
 
     keys = Keys.for_client(redis_client)
     view = LiveView(redis_client, keys)

@@ -21,8 +21,6 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues, read_result
 from dispatch.submit import TaskRequest, preview_request, route_and_submit
 from dispatch.view import LiveView
 from dispatch.wake import (
@@ -44,6 +42,8 @@ from router.plan import BacklogEntry
 from router.wake import Sleeper, decide_wake
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet
+from tasks.payload import Message
+from tasks.queues import TaskQueues, read_result
 from tests.helpers import events_of, wait_until, worker_process
 from workers.reaper import Reaper, ReaperConfig
 from workers.waker import Waker, WakerConfig

@@ -5,9 +5,6 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.lease import live_workers
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from dispatch.view import worker_views
 from events.event import ModelEntry, TaskCompleted, Timings, now_ms
@@ -19,6 +16,9 @@ from router.estimate import build_estimator
 from router.plan import BacklogEntry, FleetView, plan_state
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
+from tasks.lease import live_workers
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import MODEL_DIGEST, TEST_FLEET, events_of, fast_config, running_agent, wait_until
 from workers.backend import Inventory
 from workers.warmth import Warmth

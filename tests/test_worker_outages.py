@@ -10,8 +10,6 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as open_redis
 from events.event import WorkerChanged, WorkerOnline
@@ -19,6 +17,8 @@ from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.faultproxy import fault_proxy
 from tests.helpers import (
     events_of,

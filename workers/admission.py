@@ -22,12 +22,12 @@ from typing import Protocol
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.lease import LeaseInfo
 from dispatch.view import LiveView, with_own, worker_views
 from events.event import ModelEntry
 from events.keys import Keys
 from router.gate import GateDecision, GateParams, decide_take
 from router.plan import BacklogEntry, WorkerView
+from tasks.lease import LeaseInfo
 
 log = logging.getLogger("routeledger.gate")
 

@@ -21,13 +21,13 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.lease import LeaseInfo, Leases
-from dispatch.payload import TaskMessage
-from dispatch.queues import TaskQueues
 from events.clock import LedgerClock
 from events.event import ModelEntry, Resources, WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.lease import LeaseInfo, Leases
+from tasks.payload import TaskMessage
+from tasks.queues import TaskQueues
 from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Inventory
 from workers.benchmarks import Benchmarks

@@ -54,10 +54,10 @@ import httpcore
 import httpx
 import msgspec
 
-from dispatch.lease import LoadedModel
 from dispatch.modelcard import ModelCard
-from dispatch.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from events.event import MAX_NS, ModelEntry, Timings, bounded_count
+from tasks.lease import LoadedModel
+from tasks.payload import EMBED, Message, TaskMessage, Thought, ToolCall, pack_vector
 from workers.errors import BackendError
 
 log = logging.getLogger("routeledger.worker")
@@ -81,7 +81,7 @@ class Generated(msgspec.Struct, frozen=True, kw_only=True):
 
     timings: Timings
     done_reason: str | None = None
-    # An embedding task's vectors (dispatch.payload.pack_vector), one per input in order; such a
+    # An embedding task's vectors (tasks.payload.pack_vector), one per input in order; such a
     # task yields nothing before its Generated.
     embeddings: list[bytes] | None = None
 

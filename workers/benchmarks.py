@@ -26,12 +26,12 @@ from dispatch.benchmark import (
     request_benchmark,
     ungraded,
 )
-from dispatch.queues import TaskQueues
 from dispatch.serving import embeds_only
 from events.clock import LedgerClock
 from events.errors import RouteledgerError
 from events.keys import Keys
 from projections.snapshot import Snapshot
+from tasks.queues import TaskQueues
 from workers.config import WorkerConfig
 from workers.consumer import Consumer
 from workers.holdings import Holdings

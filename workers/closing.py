@@ -12,8 +12,8 @@ import hashlib
 import msgspec
 
 from dispatch.benchmark import REFERENCE, grade, prompt_by_id
-from dispatch.payload import TaskMessage
 from events.event import BenchmarkResult, Event, QualityScored, TaskCompleted
+from tasks.payload import TaskMessage
 from workers.backend import Generated
 
 

@@ -17,11 +17,11 @@ from collections.abc import Awaitable
 import msgspec
 from redis.exceptions import RedisError
 
-from dispatch.lease import LeaseInfo
-from dispatch.queues import TaskQueues
 from events.event import ModelEntry
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.lease import LeaseInfo
+from tasks.queues import TaskQueues
 from workers.admission import Gate
 from workers.config import WorkerConfig
 from workers.endings import Endings

@@ -14,12 +14,12 @@ import time
 
 from redis.exceptions import RedisError
 
-from dispatch.payload import Result
-from dispatch.queues import Requeue, TaskQueues
 from events.clock import LedgerClock
 from events.event import TaskExpired, TaskFailed, Timings
 from events.ledger import Ledger
 from projections.status import Outcome
+from tasks.payload import Result
+from tasks.queues import Requeue, TaskQueues
 from workers.config import WorkerConfig
 from workers.errors import BackendError, TaskCancelledError
 from workers.heartbeat import Heartbeat

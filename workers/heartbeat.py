@@ -1,6 +1,6 @@
 """The worker's lease and its heartbeat: what keeps the worker, and each entry it runs, alive.
 
-The lease (`rl:live:{name}`, dispatch.lease.Leases) says what the worker is and runs now; it is
+The lease (`rl:live:{name}`, tasks.lease.Leases) says what the worker is and runs now; it is
 renewed by a loop of its own with a hard deadline, so that nothing else the worker does delays it.
 The heartbeat reads the inventory and the machine's resources, writes the model cards, keeps the
 entries of running tasks ours and tells the ledger what changed. A worker whose lease lapsed
@@ -19,11 +19,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
-from dispatch.queues import TaskQueues
 from events.clock import LedgerClock
 from events.event import now_ms
 from events.keys import Keys
+from tasks.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
+from tasks.queues import TaskQueues
 from workers.config import WorkerConfig
 from workers.errors import WorkerNameTakenError
 from workers.holdings import Holdings
@@ -77,7 +77,7 @@ class Heartbeat:
 
     async def take(self) -> None:
         """Take `rl:live:{name}`; wait out the lease of a previous life, refuse a live twin. The lease
-        is a token compare-and-set (dispatch.lease.Leases), so of two processes started at once with
+        is a token compare-and-set (tasks.lease.Leases), so of two processes started at once with
         one name exactly one gets it."""
         deadline = time.monotonic() + self.config.lease_ms / 1000 + 1.0
         while True:

@@ -16,10 +16,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
 from dispatch.modelcard import ModelCard, publish_cards
-from dispatch.payload import EMBED, TaskMessage
 from events.event import ModelEntry, Resources, WorkerOnline, now_ms
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.payload import EMBED, TaskMessage
 from workers.backend import Backend, Inventory, Refusing
 from workers.config import WorkerConfig
 from workers.errors import BackendError

@@ -28,9 +28,6 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.lease import Leases, decode_lease, live_workers, registered
-from dispatch.payload import F_ID
-from dispatch.queues import REQUEUED, TaskQueues
 from events.clock import LedgerClock
 from events.codec import as_str
 from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
@@ -40,6 +37,9 @@ from events.singleton import DEFAULT_LEASE_MS, SingletonLease
 from projections import store
 from projections.errors import ProjectionError
 from projections.snapshot import FleetRow
+from tasks.lease import Leases, decode_lease, live_workers, registered
+from tasks.payload import F_ID
+from tasks.queues import REQUEUED, TaskQueues
 from workers.waker import Waker, WakerConfig
 
 log = logging.getLogger("routeledger.reaper")

@@ -21,17 +21,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from dispatch.benchmark import prompt_by_id
-from dispatch.lease import Leases
-from dispatch.memory import is_oom
-from dispatch.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
 from dispatch.prefix import held_after, task_chain
-from dispatch.queues import OUTPUT_TTL_MS, Taken, TaskQueues, parse_entry
 from events.clock import LedgerClock
 from events.codec import encode_fields, encode_flat
-from events.connection import send_all
+from events.connection import is_oom, send_all
 from events.event import TaskClaimed
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.lease import Leases
+from tasks.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
+from tasks.queues import OUTPUT_TTL_MS, Taken, TaskQueues, parse_entry
 from workers.backend import Backend, Generated
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from dispatch.queues import QueueEntry
 from events.event import now_ms
+from tasks.queues import QueueEntry
 from workers.errors import TaskCancelledError
 
 

@@ -21,7 +21,6 @@ import msgspec
 import redis.asyncio as aioredis
 
 from dispatch.errors import WakeError
-from dispatch.lease import LeaseInfo, live_workers
 from dispatch.view import LiveView
 from dispatch.wake import (
     DEFAULT_WINDOW_S,
@@ -38,6 +37,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from projections.snapshot import FleetRow
 from router.wake import WakeDecision, WakeParams, decide_wake
+from tasks.lease import LeaseInfo, live_workers
 
 log = logging.getLogger("routeledger.waker")
 

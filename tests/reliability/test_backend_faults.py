@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskCompleted, TaskDeadLettered, TaskFailed
 from events.keys import Keys
 from events.ledger import Ledger
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, fast_config, wait_until
 from tests.reliability.faulty_backend import FaultyBackend, Mode
 from workers.agent import WorkerAgent

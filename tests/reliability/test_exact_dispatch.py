@@ -19,9 +19,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.lease import live_workers
-from dispatch.payload import Message, chunk_decoder
-from dispatch.queues import _REQUEUE, _REQUEUE_DEF, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.connection import redis_client as make_client
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed, WorkerOnline
@@ -30,6 +27,9 @@ from events.ledger import Ledger
 from events.scripts import load_library
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tasks.lease import live_workers
+from tasks.payload import Message, chunk_decoder
+from tasks.queues import _REQUEUE, _REQUEUE_DEF, TaskQueues
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.proxy import RedisProxy, redis_proxy
 from tests.reliability.support import counted_completions, reaper_process, spawn_worker, stop_all

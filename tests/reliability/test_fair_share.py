@@ -17,11 +17,11 @@ import httpx
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.quota import FAIR_QUANTUM, ApiKey
 from events.event import TaskClaimed, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
+from tasks.quota import FAIR_QUANTUM, ApiKey
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import fleet_and_api, ghost_worker, serving
 

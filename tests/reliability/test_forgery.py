@@ -20,8 +20,6 @@ from redis.exceptions import NoPermissionError, ResponseError
 from dispatch.benchmark import REFERENCE, benchset
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.payload import Chunk, Message, Result, TaskMessage, encode_chunk, encode_result
-from dispatch.queues import _CANCEL_QUEUED_DEF, _FINISH_DEF, TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.codec import encode_fields
 from events.event import Event, QualityScored, TaskClaimed, TaskCompleted, TaskReclaimed, Timings
@@ -31,6 +29,8 @@ from events.scripts import LIBRARY
 from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
+from tasks.payload import Chunk, Message, Result, TaskMessage, encode_chunk, encode_result
+from tasks.queues import _CANCEL_QUEUED_DEF, _FINISH_DEF, TaskQueues
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import acl_line, spawn_worker, stop_all
 from workers.reaper import UNACKNOWLEDGED, Reaper, ReaperConfig

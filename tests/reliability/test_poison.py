@@ -10,8 +10,6 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import TaskMessage
-from dispatch.queues import TaskQueues
 from events.event import QualityScored, TaskCompleted, TaskDeadLettered, TaskFailed, Timings
 from events.keys import Keys
 from events.ledger import Ledger
@@ -21,6 +19,8 @@ from projections.reader import lag, snapshot
 from replay.rebuild import build
 from replay.verify import diff_tables
 from sim.backends.hosts import SimHosts
+from tasks.payload import TaskMessage
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 
 D1 = "a" * 64

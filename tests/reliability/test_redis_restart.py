@@ -11,13 +11,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import make_test_fleet, wait_until
 from tests.reliability.support import (
     counted_completions,

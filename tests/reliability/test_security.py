@@ -15,8 +15,6 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from api.app import AppConfig, create_app
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskCompleted
 from events.keys import Keys
@@ -25,6 +23,8 @@ from events.scripts import LIBRARY
 from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import acl_line, spawn_worker, stop_all
 from tests.test_api_support import serving

@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed
 from events.keys import Keys
@@ -24,6 +22,8 @@ from events.ledger import Ledger
 from projections import store
 from projections.reader import lag
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.support import (
     counted_completions,

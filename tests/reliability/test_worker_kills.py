@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.payload import Message
-from dispatch.queues import TaskQueues
 from dispatch.submit import TaskRequest, submit_task
 from events.event import TaskDeadLettered, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
+from tasks.payload import Message
+from tasks.queues import TaskQueues
 from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
 from workers.crash import CRASH_POINTS

@@ -17,7 +17,7 @@ from redis.asyncio.client import Pipeline
 from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
 from events.scripts import ScriptDef
-from router.prefix import SlotCache
+from tasks.prefix import SlotCache
 
 
 class RunningInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

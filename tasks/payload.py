@@ -10,13 +10,12 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
 from events.event import Timings, now_ms
-from projections.status import Outcome
-from router.prefix import PromptChain
+from tasks.prefix import PromptChain
 
 # Fields of a queue entry. `attempt` sits outside the payload so that the reclaim script can raise
 # it without decoding the task.
@@ -26,6 +25,9 @@ F_ID: Final = b"id"
 
 # The kind of a task that asks for embeddings rather than a generation (others: chat, generate).
 EMBED: Final = "embed"
+
+# What a task's stored outcome (its result) can say: the terminal statuses (projections.status).
+Outcome = Literal["completed", "failed", "dead", "cancelled"]
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -19,8 +19,13 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from dispatch.memory import is_oom
-from dispatch.payload import (
+from events.codec import as_str, encode_batch, encode_flat
+from events.connection import is_oom, send_all
+from events.event import Event, TaskDeadLettered, now_ms
+from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
+from events.ledger import LUA_APPEND_BLOB, Ledger
+from events.scripts import ScriptDef
+from tasks.payload import (
     F_ATTEMPT,
     F_ID,
     F_TASK,
@@ -33,12 +38,6 @@ from dispatch.payload import (
     queue_fields,
     result_decoder,
 )
-from events.codec import as_str, encode_batch, encode_flat
-from events.connection import send_all
-from events.event import Event, TaskDeadLettered, now_ms
-from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
-from events.ledger import LUA_APPEND_BLOB, Ledger
-from events.scripts import ScriptDef
 
 # Acknowledge and delete a finished entry (prompts do not outlive their task), only while `owner`
 # holds it: a run that lost its entry (re-queued in place, perhaps taken again) must not remove it.

@@ -27,10 +27,10 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.errors import QuotaExceededError
 from events.codec import as_str
 from events.connection import is_cluster
 from events.keys import Keys
+from tasks.errors import QuotaExceededError
 
 # Settled tasks of one key in a row put its next one in a later fair-share round.
 FAIR_QUANTUM: Final = 4
