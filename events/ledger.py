@@ -18,37 +18,9 @@ from events.codec import as_str, decode_rows, encode_batch, encode_fields
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
 from events.keys import WORKERS_GROUP, Keys
-from events.scripts import ScriptDef
+from events.scripts import EVENTS_LUA, ScriptDef, read_lua
 
-# A Lua function that XADDs a packed batch of events to `stream`: `blob` is codec.encode_batch's
-# packing (per event the lengths of type, v and data (>HHI4), then the three strings); `given`, when
-# not nil, holds the ids to write them under (space-separated), else Redis makes them. Returns the
-# ids. Shared by every script that appends events together with another change.
-LUA_APPEND_BLOB: Final = """
-local function append_blob(stream, blob, given)
-  local size = #blob
-  local pos = 1
-  local next_given = given and string.gmatch(given, '%S+')
-  local ids = {}
-  local n = 0
-  while pos <= size do
-    local lt, lv, ld, at = struct.unpack('>HHI4', blob, pos)
-    local kind = string.sub(blob, at, at + lt - 1)
-    at = at + lt
-    local v = string.sub(blob, at, at + lv - 1)
-    at = at + lv
-    pos = at + ld
-    n = n + 1
-    local id = next_given and next_given() or '*'
-    ids[n] = redis.call('XADD', stream, id, 'type', kind, 'v', v, 'data', string.sub(blob, at, pos - 1))
-  end
-  return ids
-end
-"""
-
-# XADDs a whole batch in one round trip. ARGV[1] the packed batch; ARGV[2], when given, the ids to
-# write them under (for importing a history).
-_APPEND_MANY: Final = LUA_APPEND_BLOB + "return append_blob(KEYS[1], ARGV[1], ARGV[2])\n"
+_APPEND_MANY: Final = read_lua(EVENTS_LUA / "lib_append_blob.lua", EVENTS_LUA / "append_many.lua")
 # The scripts above as functions of the routeledger library (events/scripts.py), which a worker
 # calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
 _APPEND_MANY_DEF: Final = ScriptDef("append_many", _APPEND_MANY)

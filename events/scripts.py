@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -27,10 +28,19 @@ from redis.exceptions import NoPermissionError, ResponseError
 from events.errors import ScriptLibraryError
 
 LIBRARY: Final = "routeledger"
+# This layer's own Lua (the ledger's), beside the modules that run it.
+EVENTS_LUA: Final = Path(__file__).parent / "lua"
 # Function name -> (body, flags), for every script defined so far.
 _DEFINED: dict[str, tuple[str, tuple[str, ...]]] = {}
 # Per client: True, the server runs functions; False, it has none (6.2): EVALSHA.
 _HAS_FUNCTIONS: weakref.WeakKeyDictionary[aioredis.Redis, bool] = weakref.WeakKeyDictionary()
+
+
+def read_lua(*files: Path) -> str:
+    """A script's body from its .lua files, joined in order: the files of shared functions first
+    (`lib_*.lua`), then the script's own. Each file's header says what it does and names every
+    KEYS and ARGV it takes; read once, when the module that runs it is imported."""
+    return "".join(path.read_text(encoding="utf-8") for path in files)
 
 
 class ScriptDef:

@@ -8,6 +8,7 @@ A missing key means the worker is presumed dead: that, and only that, lets the r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -16,7 +17,7 @@ from redis.asyncio.client import Pipeline
 
 from events.event import ModelEntry, Resources, now_ms
 from events.keys import Keys
-from events.scripts import ScriptDef
+from events.scripts import ScriptDef, read_lua
 from tasks.prefix import SlotCache
 
 
@@ -96,6 +97,9 @@ class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return worker_ms - (self.ledger_offset_ms or 0)
 
 
+# The Lua this module runs (tasks/lua/*.lua), each file headed by the KEYS and ARGV it takes.
+_LUA: Final = Path(__file__).parent / "lua"
+
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(LeaseInfo)
 
@@ -113,50 +117,9 @@ def decode_lease(data: bytes) -> LeaseInfo:
     return _decoder.decode(data)
 
 
-# Take or renew a worker's lease, refusing a twin: the lease is written only when it is absent or
-# holds this process's token; a worker that takes a lease (anew, or after it lapsed) joins the
-# registry of workers. A renewal is a GET and a SET, nothing more (it runs every heartbeat of every
-# worker). KEYS[1] lease, KEYS[2] registry; ARGV token, value, ttl ms, worker name.
-# Returns {1, 1 when there was no lease (a first take, or it had lapsed) else 0} or {0, holder's token}.
-_LEASE: Final = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, info = pcall(cmsgpack.unpack, cur)
-  if ok and type(info) == 'table' and info['token'] ~= nil and info['token'] ~= ARGV[1] then
-    return {0, info['token']}
-  end
-end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if cur then return {1, 0} end
-redis.call('SADD', KEYS[2], ARGV[4])
-return {1, 1}
-"""
-
-# Drop from the registry the workers whose lease is gone, each only if it is still gone (a worker
-# that takes its lease again in between stays). KEYS[1] registry, KEYS[2..] their leases; ARGV their
-# names. Returns how many were dropped.
-_PRUNE: Final = """
-local dropped = 0
-for i = 2, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then
-    dropped = dropped + redis.call('SREM', KEYS[1], ARGV[i - 1])
-  end
-end
-return dropped
-"""
-
-# Give a lease up on the way out, only if it is still this process's. KEYS[1] lease, KEYS[2]
-# registry; ARGV token, worker name. Returns 1 if it was released.
-_RELEASE: Final = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  local ok, info = pcall(cmsgpack.unpack, cur)
-  if ok and type(info) == 'table' and info['token'] ~= ARGV[1] then return 0 end
-  redis.call('DEL', KEYS[1])
-end
-redis.call('SREM', KEYS[2], ARGV[2])
-return 1
-"""
+_LEASE: Final = read_lua(_LUA / "lease.lua")
+_PRUNE: Final = read_lua(_LUA / "prune_workers.lua")
+_RELEASE: Final = read_lua(_LUA / "release_lease.lua")
 # The scripts above as functions of the routeledger library (events/scripts.py), which a worker
 # calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
 _LEASE_DEF: Final = ScriptDef("lease", _LEASE)

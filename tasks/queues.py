@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -23,8 +24,8 @@ from events.codec import as_str, encode_batch, encode_flat
 from events.connection import is_oom, send_all
 from events.event import Event, TaskDeadLettered, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
-from events.ledger import LUA_APPEND_BLOB, Ledger
-from events.scripts import ScriptDef
+from events.ledger import Ledger
+from events.scripts import EVENTS_LUA, ScriptDef, read_lua
 from tasks.payload import (
     F_ATTEMPT,
     F_ID,
@@ -39,312 +40,21 @@ from tasks.payload import (
     result_decoder,
 )
 
-# Acknowledge and delete a finished entry (prompts do not outlive their task), only while `owner`
-# holds it: a run that lost its entry (re-queued in place, perhaps taken again) must not remove it.
-# KEYS[1] queue; ARGV group, entry id, owner ('' = whoever holds it). Returns 1 when acknowledged
-# here; 0 when the entry was not pending for the owner any more.
-_FINISH: Final = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if #p == 0 or (ARGV[3] ~= '' and p[1][2] ~= ARGV[3]) then return 0 end
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return 1
-"""
+# The Lua this module runs (tasks/lua/*.lua), each file headed by the KEYS and ARGV it takes.
+_LUA: Final = Path(__file__).parent / "lua"
 
-# Put a delivered entry back in its queue, in its place: it is handed, still pending, to the
-# REQUEUED consumer, whose entries a worker takes before any undelivered one (TaskQueues.take). The
-# entry never moves, so a re-queued task stays ahead of newer work, and its delivery count records
-# the attempts spent. A re-sent call (its reply was lost) finds its own work done and says so again,
-# so that the caller still records it.
-# KEYS[1] queue; ARGV group, entry id, owner ('' = any), min idle ms ('' = no check), delivery limit,
-# bump ('1': a delivery was spent; '0': handed back unrun), the attempt the caller ran ('' = unknown),
-# the REQUEUED consumer's name.
-# Returns {status, entry id or '', next attempt, task id}: status 1 re-queued; 0 not pending for that
-# owner (or not idle enough: its owner came back); -1 the entry vanished (acknowledged here);
-# 2 past the delivery limit: nothing moved, the caller dead-letters it first and then finishes it.
-_REQUEUE: Final = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if #p == 0 then return {0, '', 0, ''} end
-local holder, idle, count = p[1][2], tonumber(p[1][3]), tonumber(p[1][4])
-local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-local id = ''
-if #rows > 0 then
-  local flat = rows[1][2]
-  for i = 1, #flat, 2 do if flat[i] == 'id' then id = flat[i + 1] end end
-end
-if ARGV[3] ~= '' and holder ~= ARGV[3] then
-  if ARGV[7] ~= '' then
-    local ran = tonumber(ARGV[7])
-    if (holder == ARGV[8] and count >= ran - 1 and count <= ran) or count > ran then
-      return {1, ARGV[2], count + 1, id}
-    end
-  end
-  return {0, '', 0, ''}
-end
-if ARGV[4] ~= '' and idle < tonumber(ARGV[4]) then return {0, '', 0, ''} end
-if #rows == 0 then
-  -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry then.
-  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[2])
-  return {-1, '', 0, ''}
-end
-local spent = count
-if ARGV[6] == '1' then
-  if count + 1 > tonumber(ARGV[5]) then return {2, '', count, id} end
-else
-  spent = count - 1
-end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[8], 0, ARGV[2], 'RETRYCOUNT', spent, 'JUSTID')
-return {1, ARGV[2], spent + 1, id}
-"""
+_FINISH: Final = read_lua(_LUA / "finish.lua")
+_REQUEUE: Final = read_lua(_LUA / "requeue.lua")
+_KEEP: Final = read_lua(_LUA / "keep.lua")
+_TAKE: Final = read_lua(_LUA / "take.lua")
 
-# Keep a consumer's running entries alive: reset the idle time of each that is still pending for it
-# (XCLAIM JUSTID, which counts no delivery), and only those: a plain XCLAIM would take back an
-# entry that was re-queued in place, or taken by another worker since. KEYS[1] queue; ARGV group,
-# consumer, entry ids. Returns the ids still held.
-_KEEP: Final = """
-local held = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p > 0 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-    held[#held + 1] = ARGV[i]
-  end
-end
-return held
-"""
+_SUBMIT: Final = read_lua(EVENTS_LUA / "lib_append_blob.lua", _LUA / "lib_depth.lua", _LUA / "submit.lua")
 
-# Take exactly one entry for a consumer: the oldest re-queued one, else the head of what nobody has
-# read, and only when it is the entry the caller's gate decided on (ARGV[3]; '' takes the head,
-# whatever it is), or an equivalent: when the plan gave the caller task #k (ARGV[5] = k - 1, the
-# slack) and at most k - 1 entries from the expected one on were taken by others meanwhile, the
-# caller's place in that plan still stands, and the head now is what it takes (the tasks of one
-# queue are alike to the plan but for their order). A queue or group that a restart of Redis lost is
-# made again.
-# KEYS[1] queue; ARGV group, consumer, expected entry id, the REQUEUED consumer's name, slack.
-# Returns {entry id, attempt, fields, cursor}: entry id '' when nothing was taken, with the id of the
-# queue's last entry as `cursor` (XREAD from it wakes on the next new one); attempt -1 when the
-# taken entry had been deleted meanwhile (look again at once).
-_TAKE: Final = """
-local function cursor()
-  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  if #last == 0 then return '0-0' end
-  return last[1][1]
-end
-local again = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[4])
-if type(again) == 'table' and again.err then
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-  again = {}
-end
-if #again > 0 then
-  local id = again[1][1]
-  if ARGV[3] ~= '' and id ~= ARGV[3] then return {'', 0, {}, cursor()} end
-  local attempt = tonumber(again[1][4]) + 1
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', attempt, 'JUSTID')
-  local rows = redis.call('XRANGE', KEYS[1], id, id)
-  if #rows == 0 then
-    -- pcall: a worker's ACL has no XACK; the reaper acknowledges the empty entry later.
-    redis.pcall('XACK', KEYS[1], ARGV[1], id)
-    return {'', -1, {}, ''}
-  end
-  return {id, attempt, rows[1][2], ''}
-end
-if ARGV[3] ~= '' then
-  local last = '0-0'
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-    local name, delivered = nil, nil
-    for j = 1, #g, 2 do
-      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
-    end
-    if name == ARGV[1] and delivered ~= nil then last = delivered end
-  end
-  local head = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
-  if #head == 0 then return {'', 0, {}, cursor()} end
-  if head[1][1] ~= ARGV[3] then
-    local slack = tonumber(ARGV[5] or '0')
-    local function key(id)
-      local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-      return tonumber(ms), tonumber(seq)
-    end
-    local ems, eseq = key(ARGV[3])
-    local lms, lseq = key(last)
-    local delivered = ems ~= nil and lms ~= nil and (ems < lms or (ems == lms and eseq <= lseq))
-    if slack < 1 or not delivered then return {'', 0, {}, cursor()} end
-    local taken = redis.call('XRANGE', KEYS[1], ARGV[3], last, 'COUNT', slack + 1)
-    if #taken > slack then return {'', 0, {}, cursor()} end
-  end
-end
-local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
-if not got then return {'', 0, {}, cursor()} end
-local row = got[1][2][1]
-local attempt = 1
-local flat = row[2]
-for i = 1, #flat, 2 do if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end end
-if attempt > 1 then
-  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'JUSTID')
-end
-return {row[1], attempt, flat, ''}
-"""
-
-# How many entries one model's queues hold, all its bands together (queued, and delivered ones not
-# yet finished): `plain` its plain queue, `bands` its zset of bands.
-LUA_DEPTH: Final = """
-local function depth(plain, bands)
-  local n = 0
-  if redis.call('TYPE', plain).ok == 'stream' then n = redis.call('XLEN', plain) end
-  for _, q in ipairs(redis.call('ZRANGE', bands, 0, -1)) do
-    if q ~= plain and redis.call('TYPE', q).ok == 'stream' then n = n + redis.call('XLEN', q) end
-  end
-  return n
-end
-"""
-
-# Submit a task exactly once, keyed by its id: the ledger events, the queue entry and the task's
-# lookup hash (which records the entry, so that a cancel finds it without reading the queue), or
-# nothing if the task exists already (a re-sent submission). The queue and its group are made if
-# missing, and the queue joins the registry of queues.
-# A band queue (events.keys.Keys.band_queue) joins its model's zset of bands too. With a cap, a new
-# task is refused when the model's queues (see _DEPTH) hold that many entries already: checked in
-# the same call, so that a submission is one round trip.
-# KEYS[1] ledger, KEYS[2] task hash, KEYS[3] queue, KEYS[4] registry of queues, KEYS[5] the model's
-# bands, KEYS[6] the model's plain queue, KEYS[7] the model's bands (for the cap); ARGV[1] the packed
-# events, ARGV[2] the hash's ttl ms, ARGV[3] group, ARGV[4] n, ARGV[5] the queue's place among its
-# model's bands ('' = not a band queue), ARGV[6] the cap ('' = none), then n hash field/value items,
-# then the queue entry's field/value items. Returns {1, entry id} when queued now, {0, entry id}
-# when it was queued before, {-1, depth} when the model's queues are at the cap.
-_SUBMIT: Final = (
-    LUA_APPEND_BLOB
-    + LUA_DEPTH
-    + """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return {0, redis.call('HGET', KEYS[2], 'entry') or ''}
-end
-if ARGV[6] ~= '' then
-  local held = depth(KEYS[6], KEYS[7])
-  if held >= tonumber(ARGV[6]) then return {-1, held} end
-end
-local made = redis.pcall('XGROUP', 'CREATE', KEYS[3], ARGV[3], '0', 'MKSTREAM')
-if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
-  return redis.error_reply(made.err)
-end
-append_blob(KEYS[1], ARGV[1], nil)
-local n = tonumber(ARGV[4])
-local info = {}
-for i = 7, 6 + n do info[#info + 1] = ARGV[i] end
-local fields = {}
-for i = 7 + n, #ARGV do fields[#fields + 1] = ARGV[i] end
-local entry = redis.call('XADD', KEYS[3], '*', unpack(fields))
-redis.call('HSET', KEYS[2], 'entry', entry, unpack(info))
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('SADD', KEYS[4], KEYS[3])
-if ARGV[5] ~= '' then redis.call('ZADD', KEYS[5], ARGV[5], KEYS[3]) end
-return {1, entry}
-"""
-)
-
-# Store a task's outcome unless it has one: the first outcome stays, except that a genuine
-# completion replaces a dead letter (the run the reaper gave up on finished after all). With
-# `only_over_dead` it is stored only over a dead letter (a run that lost its entry still counts
-# then). Returns 1 when stored. Arguments: result hash; result (msgpack), status, worker, attempt,
-# ttl ms, only_over_dead ('1' or '').
-_LUA_STORE: Final = """
-local function store(key, result, status, worker, attempt, ttl, only_over_dead)
-  local cur = redis.call('HGET', key, 'status')
-  if cur and not (cur == 'dead' and status == 'completed') then return 0 end
-  if not cur and only_over_dead == '1' then return 0 end
-  if cur then redis.call('DEL', key) end
-  redis.call('HSET', key, 'result', result, 'status', status, 'worker', worker, 'attempt', attempt)
-  redis.call('PEXPIRE', key, ttl)
-  return 1
-end
-"""
-
-# Record a task's outcome (see _LUA_STORE). KEYS[1] result hash; ARGV result (msgpack), status,
-# worker, attempt, ttl ms. Returns 1 for the outcome that counts, 0 for any later one.
-_RESULT_ONCE: Final = _LUA_STORE + "return store(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], '')\n"
-
-# Close a run: its last text piece (if any), then its outcome (see _LUA_STORE), at once. The done
-# chunk follows with the closing events (TaskQueues.log_run), so that a client that sees it finds
-# the completion in the ledger. KEYS[1] result hash, KEYS[2] output stream; ARGV result (msgpack),
-# status, worker, attempt, ttl ms, text chunk ('' = none), output ttl ms, only_over_dead.
-# Returns 1 for the outcome that counts, 0 for any later one.
-_CLOSE_RUN: Final = (
-    _LUA_STORE
-    + """
-if ARGV[6] ~= '' then
-  redis.call('XADD', KEYS[2], '*', 'c', ARGV[6])
-  redis.call('PEXPIRE', KEYS[2], ARGV[7])
-end
-return store(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[8])
-"""
-)
-
-# A later run of a completed task finds a stored result whose writer never marked it `logged` (it
-# died between storing the result and appending TaskCompleted): the first such run takes over the
-# ledger record, so that the completion still counts once. KEYS[1] result hash; ARGV attempt.
-# Returns 1 to the one run that takes over, 0 to every other.
-_TAKE_OVER: Final = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'completed' then return 0 end
-if redis.call('HEXISTS', KEYS[1], 'logged') == 1 then return 0 end
-return redis.call('HSETNX', KEYS[1], 'taken', ARGV[1])
-"""
-
-# Withdraw a task that no worker runs, by its entry id (the task's lookup hash records it): delete
-# the entry unless a worker holds it (a running task's worker is told to stop instead); a re-queued
-# entry, which waits, is acknowledged and deleted. KEYS[1] queue; ARGV group, entry id, the REQUEUED
-# consumer's name. Returns {status, entry id, attempt}: 2 removed; 1 delivered (running, left
-# alone); 0 no such entry (finished, or never queued here).
-_CANCEL_QUEUED: Final = """
-local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-if #rows == 0 then return {0, '', 0} end
-local attempt = 1
-local flat = rows[1][2]
-for i = 1, #flat, 2 do if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) end end
-local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
-if type(p) == 'table' and p.err == nil and #p > 0 then
-  if p[1][2] ~= ARGV[3] then return {1, ARGV[2], tonumber(p[1][4])} end
-  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-  attempt = tonumber(p[1][4]) + 1
-end
-redis.call('XDEL', KEYS[1], ARGV[2])
-return {2, ARGV[2], attempt}
-"""
-# Find entries that were delivered and then left the pending list without being deleted, and put
-# each back as a re-queued entry, in its place (XCLAIM FORCE to the REQUEUED consumer). No routeledger
-# process makes one (every acknowledgement deletes its entry in the same script), but a consumer can:
-# XREADGROUP with NOACK, or XCLAIM with LASTID past entries nobody read; without this such a task
-# would wait forever, neither queued nor running. KEYS[1] queue; ARGV group, the REQUEUED consumer's
-# name, start id ('-' = the first), most entries to look at. Returns {revived, next start ('' = done)}
-# where revived holds {entry id, task id, attempt its next run gets} for each.
-_REVIVE: Final = """
-local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
-if type(groups) ~= 'table' or groups.err then return {{}, ''} end
-local last = nil
-for _, g in ipairs(groups) do
-  local name, delivered = nil, nil
-  for j = 1, #g, 2 do
-    if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
-  end
-  if name == ARGV[1] then last = delivered end
-end
-if last == nil or last == '0-0' then return {{}, ''} end
-local limit = tonumber(ARGV[4])
-local rows = redis.call('XRANGE', KEYS[1], ARGV[3], last, 'COUNT', limit)
-local revived = {}
-for _, row in ipairs(rows) do
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], row[1], row[1], 1) == 0 then
-    local attempt, id = 1, ''
-    local flat = row[2]
-    for i = 1, #flat, 2 do
-      if flat[i] == 'attempt' then attempt = tonumber(flat[i + 1]) or 1 end
-      if flat[i] == 'id' then id = flat[i + 1] end
-    end
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'FORCE', 'JUSTID')
-    revived[#revived + 1] = {row[1], id, attempt + 1}
-  end
-end
-if #rows < limit then return {revived, ''} end
-return {revived, '(' .. rows[#rows][1]}
-"""
+_RESULT_ONCE: Final = read_lua(_LUA / "lib_store.lua", _LUA / "result_once.lua")
+_CLOSE_RUN: Final = read_lua(_LUA / "lib_store.lua", _LUA / "close_run.lua")
+_TAKE_OVER: Final = read_lua(_LUA / "take_over.lua")
+_CANCEL_QUEUED: Final = read_lua(_LUA / "cancel_queued.lua")
+_REVIVE: Final = read_lua(_LUA / "revive.lua")
 
 # The scripts above as functions of the routeledger library (events/scripts.py), which a worker
 # calls with FCALL; allow_oom for those that free or keep entries (they ran at the memory limit).
@@ -356,190 +66,21 @@ _TAKE_OVER_DEF: Final = ScriptDef("take_over", _TAKE_OVER)
 _CLOSE_RUN_DEF: Final = ScriptDef("close_run", _CLOSE_RUN)
 _TAKE_DEF: Final = ScriptDef("take", _TAKE, allow_oom=True)
 
-# Lua helpers of the hand-off scripts: a stream id as (ms, seq) numbers, a group's last delivered id
-# (nil: the stream is gone), and the group made on a queue that may not have it yet.
-_LUA_HANDOFF: Final = """
-local function key(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local function last_delivered(stream, group)
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if not ok then return nil end
-  local last = '0-0'
-  for _, g in ipairs(groups) do
-    local name, delivered = nil, nil
-    for j = 1, #g, 2 do
-      if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'last-delivered-id' then delivered = g[j + 1] end
-    end
-    if name == group and delivered ~= nil then last = delivered end
-  end
-  return last
-end
-local function ensure_group(stream, group)
-  local made = redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-  if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP') then
-    return made.err
-  end
-  return nil
-end
-"""
-
-# The entries of a pinned stream nobody has taken yet: {id, task id, ...} in order, at most ARGV[2]
-# of them. KEYS[1] the pinned stream; ARGV[1] group, ARGV[2] count.
-_UNTAKEN: Final = (
-    _LUA_HANDOFF
-    + """
-local last = last_delivered(KEYS[1], ARGV[1])
-if last == nil then return {} end
-local out = {}
-for _, row in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', tonumber(ARGV[2]))) do
-  local ident = ''
-  local flat = row[2]
-  for i = 1, #flat, 2 do if flat[i] == 'id' then ident = flat[i + 1] end end
-  out[#out + 1] = row[1]
-  out[#out + 1] = ident
-end
-return out
-"""
-)
+_UNTAKEN: Final = read_lua(_LUA / "lib_handoff.lua", _LUA / "untaken.lua")
 
 _UNTAKEN_DEF: Final = ScriptDef("untaken", _UNTAKEN)
-
-# Take a queued entry that is not the head (the size-aware gate gave this worker a later task): the
-# consumer group hands out only the next undelivered entry, so the entry moves to the worker's
-# pinned stream and is delivered there at once, in one step. Only while it is still undelivered on
-# the shared queue (after the group's last delivered id), or waits there re-queued (it moves as its
-# next attempt, as _HAND_BACK_REQUEUED moves one), and is the task named; and only when the
-# pinned stream has nothing for the worker (no undelivered or re-queued entry): that work comes
-# first. The task's lookup hash follows the entry (a cancel finds it) and names the shared queue as
-# its `fallback`, so that, as a hand-off, the reaper moves it back there if the worker dies holding
-# it or gives it back. KEYS[1] the shared queue, KEYS[2] the worker's pinned stream, KEYS[3] the task
-# hash, KEYS[4] registry of queues; ARGV[1] group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] task
-# id, ARGV[5] the REQUEUED consumer's name.
-# Returns what _TAKE returns: {entry id on the pinned stream, attempt, fields, ''}, or {'', 0, {},
-# cursor of the shared queue} when nothing was taken.
-_TAKE_GIVEN: Final = (
-    _LUA_HANDOFF
-    + """
-local function nothing()
-  local tail = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-  if #tail == 0 then return {'', 0, {}, '0-0'} end
-  return {'', 0, {}, tail[1][1]}
-end
-local last = last_delivered(KEYS[1], ARGV[1])
-if last == nil then return nothing() end
-local ems, eseq = key(ARGV[3])
-local lms, lseq = key(last)
-if ems == nil then return nothing() end
--- Delivered: taken only when it waits re-queued (held by the REQUEUED consumer), as its next attempt.
-local held = nil
-if ems < lms or (ems == lms and eseq <= lseq) then
-  held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[5])
-  if #held == 0 then return nothing() end
-end
-local rows = redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3])
-if #rows == 0 then return nothing() end
-local given = rows[1][2]
-local ident, attempt = '', 1
-for i = 1, #given, 2 do
-  local f, v = given[i], given[i + 1]
-  if f == 'id' then ident = v elseif f == 'attempt' then attempt = tonumber(v) end
-end
-if ident ~= ARGV[4] then return nothing() end
-if held ~= nil then attempt = tonumber(held[1][4]) + 1 end
-local flat = {}
-for i = 1, #given, 2 do
-  flat[#flat + 1] = given[i]
-  if given[i] == 'attempt' then flat[#flat + 1] = tostring(attempt) else flat[#flat + 1] = given[i + 1] end
-end
-local failed = ensure_group(KEYS[2], ARGV[1])
-if failed then return redis.error_reply(failed) end
-local mine = last_delivered(KEYS[2], ARGV[1])
-if #redis.call('XRANGE', KEYS[2], '(' .. mine, '+', 'COUNT', 1) > 0 then return nothing() end
-if #redis.call('XPENDING', KEYS[2], ARGV[1], '-', '+', 1, ARGV[5]) > 0 then return nothing() end
-local id = redis.call('XADD', KEYS[2], '*', unpack(flat))
-if held ~= nil then redis.call('XACK', KEYS[1], ARGV[1], ARGV[3]) end
-redis.call('XDEL', KEYS[1], ARGV[3])
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSET', KEYS[3], 'entry', id, 'queue', KEYS[2], 'fallback', KEYS[1])
-end
-redis.call('SADD', KEYS[4], KEYS[2])
-local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', KEYS[2], '>')
-local row = got[1][2][1]
-if attempt > 1 then
-  redis.call('XCLAIM', KEYS[2], ARGV[1], ARGV[2], 0, row[1], 'RETRYCOUNT', attempt, 'JUSTID')
-end
-return {row[1], attempt, row[2], ''}
-"""
-)
+_TAKE_GIVEN: Final = read_lua(_LUA / "lib_handoff.lua", _LUA / "take_given.lua")
 
 _TAKE_GIVEN_DEF: Final = ScriptDef("take_given", _TAKE_GIVEN, allow_oom=True)
-
-# Move a handed-off task (router.handoff) its worker has not taken from its pinned stream to the
-# shared queue it would have joined, at once: the entry leaves the pinned stream only if nobody
-# has taken it, and the task's lookup hash follows it. KEYS[1] the pinned stream, KEYS[2] the task
-# hash, KEYS[3] the shared queue, KEYS[4] registry of queues; ARGV[1] group, ARGV[2] entry id.
-# Returns the new entry id, or '' (taken meanwhile, or gone).
-_HAND_BACK: Final = (
-    _LUA_HANDOFF
-    + """
-local last = last_delivered(KEYS[1], ARGV[1])
-if last == nil then return '' end
-local ems, eseq = key(ARGV[2])
-local lms, lseq = key(last)
-if ems == nil or (ems < lms or (ems == lms and eseq <= lseq)) then return '' end
-local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-if #rows == 0 then return '' end
-local failed = ensure_group(KEYS[3], ARGV[1])
-if failed then return redis.error_reply(failed) end
-local id = redis.call('XADD', KEYS[3], '*', unpack(rows[1][2]))
-redis.call('XDEL', KEYS[1], ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
-redis.call('SADD', KEYS[4], KEYS[3])
-return id
-"""
-)
+_HAND_BACK: Final = read_lua(_LUA / "lib_handoff.lua", _LUA / "hand_back.lua")
 
 _HAND_BACK_DEF: Final = ScriptDef("hand_back", _HAND_BACK)
-
-# Move a handed-off task its worker gave back (re-queued in place for ARGV[3], the re-queued
-# consumer: a retryable failure, a shutdown mid-run, or the reaper after its worker died) from the
-# pinned stream to the shared queue, as its next attempt: only while nobody has taken it again.
-# KEYS as _HAND_BACK; ARGV[1] group, ARGV[2] entry id, ARGV[3] the re-queued consumer.
-# Returns the new entry id, or '' (taken again meanwhile, or gone).
-_HAND_BACK_REQUEUED: Final = (
-    _LUA_HANDOFF
-    + """
-local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
-if #held == 0 then return '' end
-local rows = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-if #rows == 0 then return '' end
-local attempt = tostring(tonumber(held[1][4]) + 1)
-local fields = {}
-local flat = rows[1][2]
-for i = 1, #flat, 2 do
-  fields[#fields + 1] = flat[i]
-  if flat[i] == 'attempt' then fields[#fields + 1] = attempt else fields[#fields + 1] = flat[i + 1] end
-end
-local failed = ensure_group(KEYS[3], ARGV[1])
-if failed then return redis.error_reply(failed) end
-local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'entry', id, 'queue', KEYS[3]) end
-redis.call('SADD', KEYS[4], KEYS[3])
-return id
-"""
-)
+_HAND_BACK_REQUEUED: Final = read_lua(_LUA / "lib_handoff.lua", _LUA / "hand_back_requeued.lua")
 
 _HAND_BACK_REQUEUED_DEF: Final = ScriptDef("hand_back_requeued", _HAND_BACK_REQUEUED)
 _KEEP_DEF: Final = ScriptDef("keep", _KEEP, allow_oom=True)
 _SUBMIT_DEF: Final = ScriptDef("submit", _SUBMIT)
-
-# How many entries one model's queue holds, all its bands together (queued, and delivered ones not
-# yet finished). KEYS[1] the model's plain queue, KEYS[2] its zset of bands (same slot).
-_DEPTH: Final = LUA_DEPTH + "return depth(KEYS[1], KEYS[2])\n"
+_DEPTH: Final = read_lua(_LUA / "lib_depth.lua", _LUA / "depth.lua")
 _DEPTH_DEF: Final = ScriptDef("depth", _DEPTH)
 _REVIVE_DEF: Final = ScriptDef("revive", _REVIVE, allow_oom=True)
 

@@ -22,6 +22,7 @@ import asyncio
 import math
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -30,6 +31,7 @@ import redis.asyncio as aioredis
 from events.codec import as_str
 from events.connection import is_cluster
 from events.keys import Keys
+from events.scripts import read_lua
 from tasks.errors import QuotaExceededError
 
 # Settled tasks of one key in a row put its next one in a later fair-share round.
@@ -94,68 +96,11 @@ def round_of(open_tasks: int) -> int:
     return min(FAIR_ROUNDS - 1, open_tasks // FAIR_QUANTUM)
 
 
-# Admit one request for a key, or say which limit refuses it. KEYS[1] the key's usage hash, KEYS[2]
-# its open tasks (zset task id -> admitted at ms); ARGV task id, rpm, tokens per day, max queued
-# (0 = no limit), how long an unsettled task stays open (ms), 1 for a pipeline's child (held to
-# tokens per day and max queued, not to rpm: the pipeline's own request paid the rate). Returns
-# {0, 0, open tasks before this one, ''} when admitted (a re-sent admission of the same task is
-# admitted again, counted once); {1, retry after ms, 0, limit} when refused.
-_ADMIT: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local day = math.floor(now / 86400000)
-if tonumber(redis.call('HGET', KEYS[1], 'day') or '-1') ~= day then
-  redis.call('HSET', KEYS[1], 'day', day, 'tokens', 0)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[5]))
-local open = redis.call('ZCARD', KEYS[2])
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {0, 0, open - 1, ''} end
-local function refuse(limit, wait)
-  redis.call('HINCRBY', KEYS[1], 'refused', 1)
-  redis.call('HINCRBY', KEYS[1], 'refused:' .. limit, 1)
-  return {1, math.max(1, math.ceil(wait)), 0, limit}
-end
-local rpm, tpd, maxq = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if tpd > 0 and tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0') >= tpd then
-  return refuse('tokens_per_day', (day + 1) * 86400000 - now)
-end
-if maxq > 0 and open >= maxq then return refuse('max_queued', 1000) end
-if rpm > 0 and ARGV[6] ~= '1' then
-  local interval = 60000 / rpm
-  local tat = math.max(tonumber(redis.call('HGET', KEYS[1], 'tat') or '0'), now)
-  local early = tat + interval - 60000 - now
-  if early > 0 then return refuse('rpm', early) end
-  redis.call('HSET', KEYS[1], 'tat', string.format('%.3f', tat + interval))
-end
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'requests', 1)
-return {0, 0, open, ''}
-"""
+# The Lua this module runs (tasks/lua/quota_*.lua), each file headed by the KEYS and ARGV it takes.
+_LUA: Final = Path(__file__).parent / "lua"
+_ADMIT: Final = read_lua(_LUA / "quota_admit.lua")
 
-# Settle a key's task: drop it from the open set and charge its tokens to today's count once per
-# task, whoever settles it and whenever (the charged set remembers each task charged for longer
-# than any completion can come late, independent of the open set, whose tasks expire). A settlement
-# with no tokens only gives back the task's open place, so that a later one with its tokens (the
-# projector's, from the ledger) still charges it. KEYS[1] the usage hash, KEYS[2] its open tasks,
-# KEYS[3] its charged tasks (zset task id -> charged at ms); ARGV task id, tokens, how long a
-# charged task is remembered (ms). Returns 1 when this call charged it or gave back its place.
-_SETTLE: Final = """
-local was_open = redis.call('ZREM', KEYS[2], ARGV[1])
-local tokens = tonumber(ARGV[2])
-if tokens <= 0 then return was_open end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[3]))
-if redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1]) == 0 then return was_open end
-redis.call('PEXPIRE', KEYS[3], ARGV[3])
-local day = math.floor(now / 86400000)
-if tonumber(redis.call('HGET', KEYS[1], 'day') or '-1') ~= day then
-  redis.call('HSET', KEYS[1], 'day', day, 'tokens', 0)
-end
-redis.call('HINCRBY', KEYS[1], 'tokens', tokens)
-redis.call('HINCRBY', KEYS[1], 'tokens_total', tokens)
-return 1
-"""
+_SETTLE: Final = read_lua(_LUA / "quota_settle.lua")
 
 
 class Admitted(msgspec.Struct, frozen=True):
