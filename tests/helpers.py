@@ -101,6 +101,20 @@ async def wait_until(
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+def rl(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`routeledger ARGS` run as a user runs it (a process of its own), its output captured; wide
+    enough (COLUMNS) that rich does not wrap what a test reads."""
+    return subprocess.run(
+        [sys.executable, "-m", "routeledger", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
+
+
 async def events_of(ledger: Ledger, kind: type[T]) -> list[T]:
     return [e async for _, e in ledger.read() if isinstance(e, kind)]
 

@@ -4,10 +4,7 @@ poison entries and damaged segments."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -27,6 +24,7 @@ from replay.history import History
 from replay.rebuild import build
 from replay.verify import diff_tables
 from tests.factories import one_of_each
+from tests.helpers import rl
 from tests.test_projector import D1, D2, T0
 
 WORKERS = ["w1", "w2", "w3"]
@@ -208,18 +206,6 @@ async def test_poison_entries_are_archived_with_their_envelope_only_and_counted_
     again, poison_again = await build(redis_client, keys, archive_dir=report.directory)
     assert poison_again == poison_count == 4
     assert diff_tables(whole, again) == []
-
-
-def rl(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-    )
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)

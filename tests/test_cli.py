@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -22,20 +21,8 @@ from events.event import TaskStalled, now_ms
 from events.keys import Keys
 from routeledger.embedded import free_port
 from tasks.payload import F_TASK, decode_task
-from tests.helpers import MODEL_DIGEST
+from tests.helpers import MODEL_DIGEST, rl
 from tests.test_api_support import ghost_worker
-
-
-def rl(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 30
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 30) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 
@@ -17,17 +16,7 @@ from events.event import TaskCompleted, TaskDeadLettered, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
-from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
-
-
-def rl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, rl, running_agent, wait_until
 
 
 @pytest.fixture

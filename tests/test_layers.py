@@ -2,9 +2,10 @@
 
 `events` <- `tasks` and `projections` <- `router` <- `dispatch` <- `workers`, `pipelines` <- `api`
 (`tasks` on `events` alone), with `routeledger` (the composition root) above all; `replay` and
-`sim` sit beside them: nothing below `routeledger` imports them, except `replay` using the simulator; `api`, `workers` and `sim` never
-import one another. `events`, `tasks` and `projections` load no project module by name (importlib),
-and no two modules import each other, directly or round a loop.
+`sim` sit beside them: nothing below `routeledger` imports them, except `replay` using the
+simulator; `api`, `workers` and `sim` never import one another. `events`, `tasks` and
+`projections` load no project module by name (importlib), and no two modules import each other,
+directly or round a loop.
 
 What the code breaks today is listed here, each entry to be removed as it is fixed: the test fails
 on a new break and on a listed one that is gone, so the lists only shrink.

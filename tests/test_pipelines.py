@@ -9,8 +9,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +39,7 @@ from tests.helpers import (
     MODEL_DIGEST,
     events_of,
     fast_config,
+    rl,
     running_agent,
     running_reaper,
     wait_until,
@@ -284,26 +283,16 @@ async def test_a_fan_out_of_six_on_two_slots_completes_and_says_six_vs_two(
     assert sorted(e.role for e in added) == ["child"] * 6 + ["integration"]
 
     pid = body["pipeline_id"]
-    shown = await asyncio.to_thread(_rl, "pipeline", "show", pid, "--redis-url", redis_url)
+    shown = await asyncio.to_thread(rl, "pipeline", "show", pid, "--redis-url", redis_url)
     assert shown.returncode == 0, shown.stderr
     assert "6 vs 2" in shown.stdout and shown.stdout.count("child ") == 6 and "integration" in shown.stdout
     # Once the hash has expired, the ledger still tells the tree.
     await redis_client.delete(Keys().pipeline(pid))
-    told = await asyncio.to_thread(_rl, "pipeline", "show", pid, "--redis-url", redis_url, "--json")
+    told = await asyncio.to_thread(rl, "pipeline", "show", pid, "--redis-url", redis_url, "--json")
     assert told.returncode == 0, told.stderr
     from_ledger = json.loads(told.stdout)
     assert from_ledger["from_ledger"] and from_ledger["status"] == "completed"
     assert [c["worker"] for c in from_ledger["children"]] == [c["worker"] for c in body["children"]]
-
-
-def _rl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200"},
-    )
 
 
 async def test_a_decomposer_that_answers_garbage_twice_fails_the_request_and_queues_no_child(

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -52,6 +49,7 @@ from replay.frames import Frames
 from replay.rebuild import build, rebuild, until_to_stop
 from replay.verify import diff_tables
 from sim.synthetic import HistoryMaker
+from tests.helpers import rl
 from tests.test_projector import D1, D2, T0, completed, fold_all, timings
 
 DAY = 86_400_000
@@ -419,16 +417,6 @@ def test_until_accepts_a_stream_id_or_a_time_and_refuses_anything_else() -> None
     assert until_to_stop("2025-11-24T16:00:00+00:00") == "1764000000000"
     with pytest.raises(BadUntilError, match="neither a stream id"):
         until_to_stop("yesterday")
-
-
-def rl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "200"},
-    )
 
 
 async def test_verify_exits_0_on_matching_tables_and_1_on_a_tampered_table(

@@ -44,7 +44,7 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet
 from tasks.payload import Message
 from tasks.queues import TaskQueues, read_result
-from tests.helpers import events_of, wait_until, worker_process
+from tests.helpers import events_of, rl, wait_until, worker_process
 from workers.reaper import Reaper, ReaperConfig
 from workers.waker import Waker, WakerConfig
 
@@ -336,34 +336,24 @@ async def test_a_worker_started_with_a_wake_mac_keeps_its_record_from_its_lease(
     assert await redis.sismember(keys.sleepers, "rtx3070ti")
 
 
-def _rl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "routeledger", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200"},
-    )
-
-
 async def test_routeledger_wake_sends_by_hand_once_per_window_and_a_bad_name_exits_2(
     redis_url: str, redis_client: aioredis.Redis
 ) -> None:
     redis, keys = redis_client, Keys()
     async with SimHosts(_fleet(), time_scale=SCALE) as sim:
         port = str(sim.wake_port("rtx3070ti"))
-        unknown = await asyncio.to_thread(_rl, "wake", "nosuch", "--redis-url", redis_url)
+        unknown = await asyncio.to_thread(rl, "wake", "nosuch", "--redis-url", redis_url)
         assert unknown.returncode == 2
         assert "no sleeping machine named 'nosuch'" in unknown.stderr
-        bad = await asyncio.to_thread(_rl, "wake", "no/such", "--redis-url", redis_url)
+        bad = await asyncio.to_thread(rl, "wake", "no/such", "--redis-url", redis_url)
         assert bad.returncode == 2 and "not a worker name" in bad.stderr
-        badmac = await asyncio.to_thread(_rl, "wake", "rtx3070ti", "--mac", "zz", "--redis-url", redis_url)
+        badmac = await asyncio.to_thread(rl, "wake", "rtx3070ti", "--mac", "zz", "--redis-url", redis_url)
         assert badmac.returncode == 2 and "not a MAC address" in badmac.stderr
         args = ["--mac", MAC.lower(), "--broadcast", "127.0.0.1", "--port", port, "--wake-s", "1"]
-        sent = await asyncio.to_thread(_rl, "wake", "rtx3070ti", *args, "--json", "--redis-url", redis_url)
+        sent = await asyncio.to_thread(rl, "wake", "rtx3070ti", *args, "--json", "--redis-url", redis_url)
         assert sent.returncode == 0, sent.stderr
         assert msgspec.json.decode(sent.stdout)["status"] == "sent"
-        again = await asyncio.to_thread(_rl, "wake", "rtx3070ti", "--json", "--redis-url", redis_url)
+        again = await asyncio.to_thread(rl, "wake", "rtx3070ti", "--json", "--redis-url", redis_url)
         assert again.returncode == 0 and msgspec.json.decode(again.stdout)["status"] == "rate-limited"
         await wait_until(lambda: _delivered(sim), timeout=5)
         await asyncio.wait_for(sim.woken["rtx3070ti"].wait(), 30)
