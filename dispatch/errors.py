@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from events.errors import RouteledgerError
 from tasks.errors import TaskError
 
 
@@ -89,10 +88,6 @@ class RedisUnavailableError(DispatchError):
 class RedisMemoryFullError(DispatchError):
     """Raised when Redis is past the memory high-water mark (or refused a write: OOM), so a new task is
     refused while there is still room for the accepted ones to finish."""
-
-
-class BenchSetError(RouteledgerError):
-    """Raised when the benchmark prompt set is malformed."""
 
 
 class QueueFullError(DispatchError):

@@ -15,3 +15,7 @@ class LeaseLostError(ProjectionError):
 
 class NoProjectionError(ProjectionError):
     """Raised when a reader needs the projection tables and none is live yet (no `rl:p:current`)."""
+
+
+class BenchSetError(RouteledgerError):
+    """Raised when the benchmark prompt set is malformed."""

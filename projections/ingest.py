@@ -43,7 +43,6 @@ from typing import Any, Final
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.benchmark import REFERENCE, prompt_by_id
 from events.codec import DATA, TYPE, VERSION, as_str, decode_rows, flat_to_dict
 from events.errors import UndecodableEntryError
 from events.event import (
@@ -63,6 +62,7 @@ from events.event import (
 )
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import read_streams
+from projections.benchset import REFERENCE, prompt_by_id
 from tasks.payload import F_TASK, decode_task
 from tasks.queues import RESULT_TTL_MS
 

@@ -160,7 +160,7 @@ def test_a_prompt_set_with_a_bad_pattern_is_refused_naming_the_prompt() -> None:
     import pytest
 
     from dispatch.benchmark import parse_benchset
-    from dispatch.errors import BenchSetError
+    from projections.errors import BenchSetError
 
     text = '[[prompt]]\nid = "p1"\ndomain = "general"\nprompt = "?"\nexpect = ["(unclosed"]\n'
     with pytest.raises(BenchSetError, match="prompt p1 has a bad regex"):
