@@ -88,7 +88,9 @@ async def _is(redis: aioredis.Redis, task_id: str, status: str) -> bool:
 async def test_a_client_that_disconnects_mid_stream_cancels_its_task(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    async with fleet_and_api(redis_client, redis_url, time_scale=20.0) as (base, _):
+    # time_scale 60: a 12 s generation, so that the cancel lands mid-run on a busy machine too (at
+    # 20, 4 s, the run could end before the hang-up was noticed); a cancelled run ends at once.
+    async with fleet_and_api(redis_client, redis_url, time_scale=60.0) as (base, _):
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             body = {**CHAT, "stream": True}
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
