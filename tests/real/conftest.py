@@ -8,13 +8,14 @@ to a quarter of a core by `cpulimit`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.real.fleet import Machine, RealFleet
-from tests.real.llama import fast_server, model_path, slow_server
+from tests.real.llama import OTHER_CPUS, fast_server, model_path, slow_server
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -37,5 +38,12 @@ def fleet(gguf: Path, tmp_path: Path) -> Iterator[RealFleet]:
         tmp_path / "data",
         [Machine("fast", fast_server(gguf, tmp_path)), Machine("slow", slow_server(gguf, tmp_path))],
     )
-    with f:
-        yield f
+    # The test's own clients keep off the fast server's core too (tests.real.llama.FAST_CPUS).
+    before = os.sched_getaffinity(0)
+    if OTHER_CPUS is not None:
+        os.sched_setaffinity(0, {int(c) for c in OTHER_CPUS.split(",")})
+    try:
+        with f:
+            yield f
+    finally:
+        os.sched_setaffinity(0, before)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,14 +28,7 @@ import redis
 from events.codec import decode_entry
 from events.event import Event, TaskClaimed, TaskCompleted, TaskFailed, TaskRouted, TaskSubmitted
 from events.keys import Keys
-from tests.real.llama import LlamaServer, free_port
-
-# routeledger's own processes (`up`, the workers) run at a lower priority than the servers. Here
-# every machine shares this host's cores with them; on a real fleet a server has its machine to
-# itself, and a worker's few milliseconds per token do not take its cores. Without this a server's
-# decode speed followed how busy routeledger was (a streamed answer's relay, the projector's
-# batches), which no real machine shows.
-OURS = ["nice", "-n", "10"] if shutil.which("nice") else []
+from tests.real.llama import OTHER_CPUS, LlamaServer, free_port, pinned
 
 
 @dataclass
@@ -89,17 +81,19 @@ class RealFleet:
             self.true_tps = {m.name: tps for m, tps in zip(self.machines, speeds, strict=True)}
         up_log = (self.data / "up.log").open("wb")
         self.up = subprocess.Popen(
-            [
-                *OURS,
-                sys.executable,
-                "-m",
-                "routeledger",
-                "up",
-                "--data-dir",
-                str(self.data),
-                "--port",
-                str(self.port),
-            ],
+            pinned(
+                [
+                    sys.executable,
+                    "-m",
+                    "routeledger",
+                    "up",
+                    "--data-dir",
+                    str(self.data),
+                    "--port",
+                    str(self.port),
+                ],
+                OTHER_CPUS,
+            ),
             env=self._env(),
             stdout=up_log,
             stderr=subprocess.STDOUT,
@@ -114,22 +108,24 @@ class RealFleet:
         m.log = self.data / f"worker-{m.name}.log"
         out = m.log.open("ab")
         m.worker = subprocess.Popen(
-            [
-                *OURS,
-                sys.executable,
-                "-m",
-                "routeledger",
-                "worker",
-                "--backend",
-                m.server.url,
-                "--kind",
-                "openai",
-                "--id",
-                m.name,
-                "--data-dir",
-                str(self.data),
-                *extra,
-            ],
+            pinned(
+                [
+                    sys.executable,
+                    "-m",
+                    "routeledger",
+                    "worker",
+                    "--backend",
+                    m.server.url,
+                    "--kind",
+                    "openai",
+                    "--id",
+                    m.name,
+                    "--data-dir",
+                    str(self.data),
+                    *extra,
+                ],
+                OTHER_CPUS,
+            ),
             env=self._env(),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -252,6 +248,22 @@ class RealFleet:
         """Machine -> its server's own decode speed (`timings.predicted_per_second` of 128-token
         answers, measured before the workers started)."""
         return dict(self.true_tps)
+
+    def server_decode_tps_now(self) -> dict[str, float]:
+        """Machine -> its server's own decode speed measured again now (call it while the fleet is
+        idle): a shared machine's speed drifts over minutes, by 20% and more here."""
+        with ThreadPoolExecutor(len(self.machines)) as pool:
+            speeds = pool.map(lambda m: m.server.decode_tps(rounds=2), self.machines)
+            return {m.name: tps for m, tps in zip(self.machines, speeds, strict=True)}
+
+    def assert_learned_is_the_servers(self, learned: dict[str, float], within: float = 0.15) -> None:
+        """Each machine's learned decode speed within `within` of its server's own, as measured
+        before the workers started or again now: the figure the router uses is the machine's, not
+        an artefact of how it was sampled."""
+        before, now = self.server_decode_tps(), self.server_decode_tps_now()
+        for name in before:
+            ratios = [learned[name] / before[name], learned[name] / now[name]]
+            assert any(1 - within <= r <= 1 + within for r in ratios), (name, learned, before, now)
 
     def decode_samples(self) -> dict[str, int]:
         """Worker -> the decode-speed samples its speed row holds (what `/v1/stats` shows)."""

@@ -162,6 +162,7 @@ class LlamaServer:
         extra: tuple[str, ...] = (),
         log_dir: Path | None = None,
         name: str = "llama",
+        cpus: str | None = None,
     ) -> None:
         self.model = model
         self.port = free_port()
@@ -191,7 +192,7 @@ class LlamaServer:
                     "a slowed server needs `cpulimit` (Debian: apt install cpulimit)"
                 )
             command = ["cpulimit", "-l", str(cpu_limit), "-f", "--", *command]
-        self.command = command
+        self.command = pinned(command, cpus)
         self.log = (log_dir or Path(tempfile.gettempdir())) / f"llama-{name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -249,13 +250,38 @@ class LlamaServer:
         self.stop()
 
 
+def _cpu_split() -> tuple[str | None, str | None]:
+    """(the fast server's core, every other core) as taskset lists, or (None, None) where this
+    machine has one core or no taskset. A real server has its machine to itself: here the fast one
+    gets a core that nothing else of the fleet or the test runs on, so that its speed is its own and
+    not a function of how busy routeledger, the other server or the test's clients are."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or shutil.which("taskset") is None:
+        return None, None
+    return str(cores[-1]), ",".join(str(c) for c in cores[:-1])
+
+
+FAST_CPUS, OTHER_CPUS = _cpu_split()
+
+
+def pinned(command: list[str], cpus: str | None) -> list[str]:
+    """`command` held to the cores `cpus` names (taskset), or as it is without them."""
+    return command if cpus is None else ["taskset", "-c", cpus, *command]
+
+
 def fast_server(model: Path, log_dir: Path, name: str = "fast") -> LlamaServer:
-    """A server on one thread: the fleet's fast machine."""
-    return LlamaServer(model, threads=1, name=name, extra=PORTABLE, log_dir=log_dir)
+    """A server on one thread, on a core of its own: the fleet's fast machine."""
+    return LlamaServer(model, threads=1, name=name, extra=PORTABLE, log_dir=log_dir, cpus=FAST_CPUS)
 
 
 def slow_server(model: Path, log_dir: Path, name: str = "slow") -> LlamaServer:
     """A server on one thread held to SLOW_CPU_PERCENT of a core: the slow machine."""
     return LlamaServer(
-        model, threads=1, cpu_limit=SLOW_CPU_PERCENT, name=name, extra=PORTABLE, log_dir=log_dir
+        model,
+        threads=1,
+        cpu_limit=SLOW_CPU_PERCENT,
+        name=name,
+        extra=PORTABLE,
+        log_dir=log_dir,
+        cpus=OTHER_CPUS,
     )
