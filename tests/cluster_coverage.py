@@ -77,7 +77,12 @@ def defined_scripts() -> set[str]:
     holds, and every `ScriptDef("name", ...)` in the packages (one in a module the library does not
     import is found all the same)."""
     importlib.import_module("routeledger.library")
-    found = {_plain(name) for name in scripts.defined()}
+    return {_plain(name) for name in scripts.defined()} | written_scripts()
+
+
+def written_scripts() -> set[str]:
+    """The name of every `ScriptDef("name", ...)` written in the packages, read from their source."""
+    found: set[str] = set()
     for _module, tree in _modules("ScriptDef"):
         for node in ast.walk(tree):
             if (

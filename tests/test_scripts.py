@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from events.keys import Keys
 from events.scripts import LIBRARY, library_code, load_library
 from routeledger.embedded import find_redis_server, redis_version
 from tasks.lease import LeaseInfo, Leases
-from tests.test_layers import modules
+from tests.cluster_coverage import written_scripts
 
 
 async def test_a_lease_script_gives_the_same_answers_on_redis_7_and_6_2(any_redis_url: str) -> None:
@@ -103,17 +102,7 @@ async def test_a_script_becomes_a_command_to_send_with_others_only_once_its_clie
 
 def test_a_process_routeledger_starts_defines_every_script_of_the_code_base() -> None:
     # The library a projector loads is what its process defined: it must be every ScriptDef.
-    written: set[str] = set()
-    for path in modules().values():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id == "ScriptDef"
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-            ):
-                written.add(str(node.args[0].value))
+    written = written_scripts()
     code = "import routeledger.runtime, events.scripts as s; print(' '.join(s.defined()))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
