@@ -42,12 +42,12 @@ from api.errors import (
 )
 from api.metrics import CONTENT_TYPE, Metrics
 from api.schemas import MAX_DEPTH, TOO_DEEP, options_schema, refine
-from dispatch.benchmark import domains as bench_domains
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.memory import archive_info
 from dispatch.options import DEFAULT_DOMAINS, DEFAULT_MAX_NUM_CTX, OptionsPolicy
 from events.connection import is_cluster_url, redis_client
 from events.keys import DEFAULT_PREFIX, Keys
+from projections.benchset import domains as bench_domains
 from projections.errors import ProjectionError
 from projections.reader import lag
 from tasks.errors import TaskError

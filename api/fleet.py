@@ -10,12 +10,13 @@ from fastapi import APIRouter, Query, Request
 from api.common import JSON, gateway, options_policy
 from api.errors import NATIVE, READS, BadRequestError, answer, documented, model_not_found
 from api.schemas import MAX_TOKENS, BenchCreate
-from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
+from dispatch.benchmark import on_demand, request_benchmark
 from dispatch.errors import ModelNotServedError
 from dispatch.overview import clock_fields
 from dispatch.serving import catalog, embedding_only, holdings, served
 from dispatch.submit import preview_request
 from dispatch.view import LiveView
+from projections.benchset import BenchPrompt, SpeedPrompt, domains, pick_speed
 from projections.snapshot import Stamped, Stat
 from router.choose import RouteQuery
 from router.errors import RouterError

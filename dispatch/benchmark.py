@@ -30,19 +30,13 @@ from collections.abc import Sequence
 from typing import Final
 
 from events.event import BenchmarkRequested
-from projections.benchset import GRADE_MAX_TOKENS as GRADE_MAX_TOKENS
-from projections.benchset import REFERENCE as REFERENCE
-from projections.benchset import SPEED_MAX_TOKENS as SPEED_MAX_TOKENS
-from projections.benchset import BenchPrompt as BenchPrompt
-from projections.benchset import SpeedPrompt as SpeedPrompt
-from projections.benchset import benchset as benchset
-from projections.benchset import domains as domains
-from projections.benchset import final_answer as final_answer
-from projections.benchset import grade as grade
-from projections.benchset import parse_benchset as parse_benchset
-from projections.benchset import pick_speed as pick_speed
-from projections.benchset import prompt_by_id as prompt_by_id
-from projections.benchset import speed_prompts as speed_prompts
+from projections.benchset import (
+    REFERENCE,
+    BenchPrompt,
+    SpeedPrompt,
+    benchset,
+    pick_speed,
+)
 from projections.shift import CONFIRM, detect
 from projections.snapshot import Snapshot, grade_mark
 from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import typer
 from rich.table import Table
 
-from dispatch.benchmark import BenchPrompt, SpeedPrompt, domains, on_demand, pick_speed, request_benchmark
+from dispatch.benchmark import on_demand, request_benchmark
 from dispatch.gateway import Gateway
 from dispatch.serving import embedding_only, holdings
 from dispatch.submit import TaskRequest, preview_request
@@ -18,6 +18,7 @@ from dispatch.view import LiveView
 from events.errors import RouteledgerError
 from events.event import BenchmarkResult, QualityScored
 from events.ledger import Ledger
+from projections.benchset import BenchPrompt, SpeedPrompt, domains, pick_speed
 from projections.folder import decode_sample, prompt_tps
 from projections.reader import snapshot
 from routeledger.runtime import Instance, command, console, fail
@@ -204,7 +205,7 @@ def bench_judge(
     limit: Annotated[int, typer.Option(min=1, help="Grade at most this many answers.")] = 50,
 ) -> None:
     """Grade stored benchmark answers with a judge model (fixed rubric); appends QualityScored."""
-    from dispatch.benchmark import prompt_by_id
+    from projections.benchset import prompt_by_id
 
     keys = inst.keys
 

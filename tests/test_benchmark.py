@@ -6,24 +6,20 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from dispatch.benchmark import (
+from dispatch.benchmark import grader_for, on_demand, pick, request_benchmark, ungraded
+from dispatch.serving import holdings
+from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskClaimed, TaskCompleted
+from events.keys import Keys
+from events.ledger import Ledger
+from projections.benchset import (
     GRADE_MAX_TOKENS,
     SPEED_MAX_TOKENS,
     benchset,
     domains,
     grade,
-    grader_for,
-    on_demand,
-    pick,
     prompt_by_id,
-    request_benchmark,
     speed_prompts,
-    ungraded,
 )
-from dispatch.serving import holdings
-from events.event import BenchmarkRequested, BenchmarkResult, QualityScored, TaskClaimed, TaskCompleted
-from events.keys import Keys
-from events.ledger import Ledger
 from projections.folder import decode_sample
 from projections.projector import Projector
 from projections.reader import snapshot
@@ -159,7 +155,7 @@ def test_bench_run_without_a_holder_is_a_clear_error(redis_url: str) -> None:
 def test_a_prompt_set_with_a_bad_pattern_is_refused_naming_the_prompt() -> None:
     import pytest
 
-    from dispatch.benchmark import parse_benchset
+    from projections.benchset import parse_benchset
     from projections.errors import BenchSetError
 
     text = '[[prompt]]\nid = "p1"\ndomain = "general"\nprompt = "?"\nexpect = ["(unclosed"]\n'

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.benchmark import REFERENCE, benchset
 from events.codec import encode_fields
 from events.connection import redis_client as redis_client_for
 from events.event import (
@@ -26,6 +25,7 @@ from events.event import (
 )
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import Ledger
+from projections.benchset import REFERENCE, benchset
 from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
 from tasks.payload import Message, Result, TaskMessage
 from tasks.queues import TaskQueues

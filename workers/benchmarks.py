@@ -18,8 +18,6 @@ from redis.exceptions import RedisError
 
 from dispatch.benchmark import (
     PROBE_AFTER_S,
-    benchset,
-    domains,
     grader_for,
     is_probe,
     needs_benchmark,
@@ -30,6 +28,7 @@ from dispatch.serving import embeds_only
 from events.clock import LedgerClock
 from events.errors import RouteledgerError
 from events.keys import Keys
+from projections.benchset import benchset, domains
 from projections.snapshot import Snapshot
 from tasks.queues import TaskQueues
 from workers.config import WorkerConfig

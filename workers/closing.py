@@ -11,8 +11,8 @@ import hashlib
 
 import msgspec
 
-from dispatch.benchmark import REFERENCE, grade, prompt_by_id
 from events.event import BenchmarkResult, Event, QualityScored, TaskCompleted
+from projections.benchset import REFERENCE, grade, prompt_by_id
 from tasks.payload import TaskMessage
 from workers.backend import Generated
 

@@ -20,7 +20,6 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from dispatch.benchmark import prompt_by_id
 from dispatch.prefix import held_after, task_chain
 from events.clock import LedgerClock
 from events.codec import encode_fields, encode_flat
@@ -28,6 +27,7 @@ from events.connection import is_oom, send_all
 from events.event import TaskClaimed
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.benchset import prompt_by_id
 from tasks.lease import Leases
 from tasks.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
 from tasks.queues import OUTPUT_TTL_MS, Taken, TaskQueues, parse_entry

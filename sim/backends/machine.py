@@ -26,8 +26,8 @@ from typing import Literal
 
 import msgspec
 
-from dispatch.benchmark import SPEED_MAX_TOKENS
 from dispatch.ollama import rfc3339
+from projections.benchset import SPEED_MAX_TOKENS
 from sim.backends.ask import IMAGE_TOKENS, Answer, Ask
 from sim.backends.embedding import embedding_vector
 from sim.backends.schema import schema_value

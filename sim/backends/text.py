@@ -14,7 +14,7 @@ import random
 import re
 from functools import cache
 
-from dispatch.benchmark import BenchPrompt, benchset, speed_prompts
+from projections.benchset import BenchPrompt, benchset, speed_prompts
 from sim.fleetspec import OutputLength
 
 _CONSONANTS = "bdfgklmnprstvz"

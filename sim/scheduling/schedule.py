@@ -32,7 +32,7 @@ from typing import Protocol
 
 import msgspec
 
-from dispatch.benchmark import SPEED_MAX_TOKENS
+from projections.benchset import SPEED_MAX_TOKENS
 from projections.shift import MIN_RATIO
 from router.plan import BacklogEntry, FleetView, RunningTask, WorkerView
 from router.prefix import SlotCache, marks_of

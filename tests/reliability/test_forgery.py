@@ -17,7 +17,6 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from dispatch.benchmark import REFERENCE, benchset
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
 from dispatch.submit import TaskRequest, submit_task
@@ -26,6 +25,7 @@ from events.event import Event, QualityScored, TaskClaimed, TaskCompleted, TaskR
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import Ledger
 from events.scripts import LIBRARY
+from projections.benchset import REFERENCE, benchset
 from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
