@@ -40,6 +40,7 @@ from api.schemas import OllamaDelete, OllamaPull
 from dispatch.control import ControlRequest, ControlTimeoutError, Failure, Op, Progress, follow, new_id, send
 from dispatch.gateway import Gateway
 from dispatch.serving import names_model
+from events.cancellation import cancel_and_wait
 from tasks.lease import LeaseInfo
 from tasks.quota import ApiKey
 
@@ -218,8 +219,7 @@ async def _merged(gw: Gateway, started: dict[str, str]) -> AsyncIterator[tuple[s
                 if isinstance(item, Outcome):
                     break
     finally:
-        for task in tasks:
-            task.cancel()
+        await cancel_and_wait(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 

@@ -14,6 +14,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from events.cancellation import cancel_and_wait
 from events.codec import as_str, decode_rows, encode_batch, encode_fields
 from events.errors import LedgerError, UndecodableEntryError
 from events.event import Event
@@ -166,7 +167,7 @@ class Ledger:
                     return
         finally:
             if not pending.done():
-                pending.cancel()
+                await cancel_and_wait((pending,))
                 with contextlib.suppress(asyncio.CancelledError, RedisError):
                     await pending
 

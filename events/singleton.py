@@ -15,6 +15,7 @@ from typing import Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from events.cancellation import cancel_and_wait
 from events.keys import Keys
 
 log = logging.getLogger("routeledger.lease")
@@ -93,7 +94,7 @@ class SingletonLease:
 
     async def release(self) -> None:
         if self._renewer is not None:
-            self._renewer.cancel()
+            await cancel_and_wait((self._renewer,))
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
         with contextlib.suppress(RedisError, OSError):

@@ -33,6 +33,7 @@ from dispatch.gateway import TRANSIENT, Gateway
 from dispatch.serving import describe_fleet, require_model, served_models
 from dispatch.submit import TaskRequest
 from dispatch.view import LiveView, worker_views
+from events.cancellation import cancel_and_wait
 from events.event import Event, PipelineChildAdded, PipelineCompleted, PipelineStarted, now_ms
 from pipelines.decompose import DECOMPOSER_FORMAT, decomposer_system, parse_subtasks, retry_prompt
 from pipelines.errors import DecompositionError, PipelineFailedError
@@ -329,8 +330,7 @@ class Coordinator:
                                 extra={"pipeline_id": self.pipeline_id},
                             )
         finally:
-            for fut in waits:
-                fut.cancel()
+            await cancel_and_wait(waits)
             await asyncio.gather(*waits, return_exceptions=True)
         if len(self.state.failed_children) == len(self.state.children):
             raise PipelineFailedError(

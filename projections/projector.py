@@ -30,6 +30,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from events.cancellation import cancel_and_wait
 from events.codec import DATA, TYPE, as_str, decode_rows
 from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskCompleted, TaskFailed, TaskSubmitted, now_ms
@@ -159,7 +160,7 @@ class Projector:
     async def _stop_renewing(self) -> None:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
-            renewer.cancel()
+            await cancel_and_wait((renewer,))
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
         self._leased = False
@@ -443,7 +444,7 @@ class Projector:
                     await self._stop_renewing()
                     await _wait(stop, idle_s)
         finally:
-            ingesting.cancel()
+            await cancel_and_wait((ingesting,))
             with contextlib.suppress(asyncio.CancelledError):
                 await ingesting
             await self._stop_renewing()

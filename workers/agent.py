@@ -21,6 +21,7 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from events.cancellation import cancel_and_wait
 from events.clock import LedgerClock
 from events.event import ModelEntry, Resources, WorkerOffline
 from events.keys import Keys
@@ -290,10 +291,9 @@ class WorkerAgent:
                 # (one whose backend has answered finishes writing what it made).
                 run.task.cancel()
         if self._background:
-            # A cancel can be lost: on Python 3.11, asyncio.wait_for, which redis-py sends every
-            # command through, drops one that lands as the send completes. The loops end on
-            # `stopping` as well, so the heartbeat is over before the lease is deleted below and
-            # never renews it (or announces the worker again) after it left.
+            # A cancel can be lost (events.cancellation); the loops end on `stopping` as well, so
+            # the heartbeat is over before the lease is deleted below and never renews it (or
+            # announces the worker again) after it left.
             await asyncio.wait(self._background, timeout=self.config.lease_ms / 1000)
         await self.control.aclose()
         runs = [r.task for r in self.runs.running.values() if r.task is not None]
@@ -302,10 +302,7 @@ class WorkerAgent:
                 "draining: waiting up to %.0fs for %d running task(s)", self.config.drain_timeout_s, len(runs)
             )
             _, still = await asyncio.wait(runs, timeout=self.config.drain_timeout_s)
-            for task in still:
-                task.cancel()
-            if still:
-                await asyncio.wait(still)
+            await cancel_and_wait(still)
         self.heartbeat.left.set()
         if self._lease_task is not None:
             await asyncio.wait({self._lease_task}, timeout=self.config.lease_ms / 1000)

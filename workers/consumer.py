@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 import msgspec
 from redis.exceptions import RedisError
 
+from events.cancellation import cancel_and_wait
 from events.event import ModelEntry
 from events.keys import Keys
 from events.ledger import Ledger
@@ -243,7 +244,7 @@ class Consumer:
         finally:
             freed.cancel()
             if not read.done():
-                read.cancel()
+                await cancel_and_wait((read,))
                 with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
                     await read
         if read in done:

@@ -31,6 +31,7 @@ from dispatch.control import (
     report,
     requests,
 )
+from events.cancellation import cancel_and_wait
 from events.keys import Keys
 from workers.backend import Backend, Pulling
 from workers.errors import BackendError
@@ -130,9 +131,9 @@ class Control:
 
     async def aclose(self) -> None:
         """Stop what is under way; each says so at its end (the worker is stopping)."""
-        for task in list(self._doing):
-            task.cancel()
-        await asyncio.gather(*self._doing, return_exceptions=True)
+        doing = list(self._doing)
+        await cancel_and_wait(doing)
+        await asyncio.gather(*doing, return_exceptions=True)
 
     async def carry_out(self, request: ControlRequest, asked: int) -> None:
         """One request, from its acknowledgement to its end, which is written whatever happens."""
