@@ -3,7 +3,6 @@ and the fast one wins from the first requests, streamed or not, while both are f
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 
 from events.event import BenchmarkResult, TaskFailed
@@ -52,7 +51,13 @@ def test_sequential_requests_streamed_or_not_go_to_the_free_fast_server_from_a_c
 def test_the_join_benchmark_alone_learns_each_servers_decode_speed(fleet: RealFleet) -> None:
     fleet.wait_for(lambda: fleet.measured(3), 180, "the join benchmarks")
     fleet.assert_learned_is_the_servers(fleet.learned_decode_tps())
-    # Each benchmark answer was long enough to be a measurement, and they agree with each other.
+    # Each benchmark answer was a measurement of its server: within 1.5x of the server's own speed
+    # (measured before the workers started, and again now). Answers too short to measure gave 59-99
+    # tok/s for a true 23 (up to 4.3x), and the slow server runs at a quarter of the fast one's; a
+    # server alone on its core still answered 42-71 tok/s in one run here (a virtual machine's
+    # drift: decode shares memory bandwidth with the other core), so the samples are held to the
+    # server, not to each other.
+    before, now = fleet.server_decode_tps(), fleet.server_decode_tps_now()
     for name in ("fast", "slow"):
         samples = [
             s
@@ -62,10 +67,8 @@ def test_the_join_benchmark_alone_learns_each_servers_decode_speed(fleet: RealFl
             and (s := decode_sample(e.timings)) is not None
         ]
         assert len(samples) >= 3
-        # On a core of its own, one server's 128-token answers still ranged 60-78 tok/s here (1.31x,
-        # a virtual machine's drift); answers too short to measure gave 59-99 for a true 23 (1.7x).
-        assert max(samples) / min(samples) < 1.4, (name, samples)
-    assert statistics.median(samples) > 0
+        low, high = min(before[name], now[name]) / 1.5, max(before[name], now[name]) * 1.5
+        assert all(low <= s <= high for s in samples), (name, samples, before[name], now[name])
 
 
 def test_a_burst_right_after_joining_never_waits_while_the_fast_server_is_idle(fleet: RealFleet) -> None:
