@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, islice
+from pathlib import Path
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -41,6 +42,7 @@ import redis.asyncio as aioredis
 
 from events.codec import as_str
 from events.keys import Keys
+from events.scripts import read_lua
 from projections.errors import ProjectionError
 from projections.snapshot import (
     DemandRow,
@@ -90,39 +92,11 @@ _task_dec: Final = msgspec.msgpack.Decoder(TaskRow)
 _demand_dec: Final = msgspec.msgpack.Decoder(DemandRow)
 _pipeline_dec: Final = msgspec.msgpack.Decoder(PipelineRow)
 
-# The table update and the checkpoint in one step, refused unless the caller still owns the
-# namespace (fencing) and the checkpoint is where the caller last left it.
-# KEYS: owner, checkpoint, meta, the `ndrop` day shards that fell out of retention, then the tables
-# (or day shards) that changed.
-# ARGV: token, expected checkpoint ('' for none), new checkpoint, folded count, ndrop, then per
-# changed table its number of fields, then field, value pairs.
-_APPLY: Final = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local cp = redis.call('GET', KEYS[2]) or ''
-if cp ~= ARGV[2] then return -1 end
-local ndrop = tonumber(ARGV[5])
-for i = 4, 3 + ndrop do
-  redis.call('DEL', KEYS[i])
-end
-local pos = 6
-for i = 4 + ndrop, #KEYS do
-  local n = tonumber(ARGV[pos])
-  pos = pos + 1
-  for j = 1, n do
-    redis.call('HSET', KEYS[i], ARGV[pos], ARGV[pos + 1])
-    pos = pos + 2
-  end
-end
-redis.call('SET', KEYS[2], ARGV[3], 'KEEPTTL')
-redis.call('HSET', KEYS[3], 'folded', ARGV[4])
-return 1
-"""
-
-# Takes a namespace over for a new owner: the old owner's next write is refused from here on.
-_ADOPT: Final = """
-redis.call('SET', KEYS[1], ARGV[1])
-return redis.call('GET', KEYS[2])
-"""
+# The Lua this module runs (projections/lua/*.lua), each file headed by the KEYS and ARGV it takes.
+_LUA: Final = Path(__file__).parent / "lua"
+# The fenced write of a namespace's changed rows and checkpoint, and the take-over of a namespace.
+_APPLY: Final = read_lua(_LUA / "apply.lua")
+_ADOPT: Final = read_lua(_LUA / "adopt.lua")
 
 APPLIED: Final = 1
 NOT_OWNER: Final = 0
