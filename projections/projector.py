@@ -25,6 +25,7 @@ import logging
 import math
 import secrets
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -36,7 +37,7 @@ from events.errors import UndecodableEntryError
 from events.event import EVENT_TYPES, BenchmarkResult, Event, TaskCompleted, TaskFailed, TaskSubmitted, now_ms
 from events.keys import DEAD_MAX_ENTRIES, Keys
 from events.ledger import Ledger
-from events.scripts import load_library
+from events.scripts import load_library, read_lua
 from events.singleton import DEFAULT_LEASE_MS, RELEASE_LEASE, RENEW_LEASE
 from projections import store
 from projections.errors import LeaseLostError, ProjectionError
@@ -493,17 +494,13 @@ def _entry_ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
 
 
+# The Lua this module runs (projections/lua/field_of.lua), headed by the KEYS and ARGV it takes: one
+# field of many task records in one call.
+_LUA: Final = Path(__file__).parent / "lua"
+_FIELD_OF: Final = read_lua(_LUA / "field_of.lua")
+
 # Envelope tags of the standard entries the folder has no use for: skipped undecoded. An entry
 # of any other layout is decoded, so that poison is still dead-lettered.
-# One field of each hash in KEYS (task records, which share the core's slot on a cluster), in one
-# call: a pipeline of HGETs costs a cluster client far more per command than one script does.
-_FIELD_OF: Final = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  out[i] = redis.call('HGET', key, ARGV[1])
-end
-return out
-"""
 _IGNORED: Final = frozenset(t.__name__.encode() for t in EVENT_TYPES if t.__name__ not in FOLDED_TYPES)
 
 
