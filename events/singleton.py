@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from pathlib import Path
 from typing import Final
 
 import redis.asyncio as aioredis
@@ -17,6 +18,7 @@ from redis.exceptions import RedisError
 
 from events.cancellation import cancel_and_wait
 from events.keys import Keys
+from events.scripts import read_lua
 
 log = logging.getLogger("routeledger.lease")
 
@@ -26,20 +28,9 @@ DEFAULT_LEASE_MS: Final = 10_000
 
 # Compare-and-renew / compare-and-delete of a singleton lease: only the holder's token may act.
 # Shared by SingletonLease and the projector's own fenced lease.
-RENEW_LEASE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
-RELEASE_LEASE: Final = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
+_LUA: Final = Path(__file__).parent / "lua"
+RENEW_LEASE: Final = read_lua(_LUA / "renew_lease.lua")
+RELEASE_LEASE: Final = read_lua(_LUA / "release_lease.lua")
 
 
 class SingletonLease:
