@@ -19,11 +19,12 @@ with no threshold: `NODE_SETTINGS`), and when a cluster test of the tier ends, e
 the test began is read (`ClusterLog`), in one transaction with what the node holds and its counts of
 failed calls (`NodeRead`). From them (`ran_between`):
 - a defined script ran when an FCALL of its function (`rl_<name>_<hash>`, which names it) ran with
-  the function loaded and no error; a registered one when an EVALSHA of its body's sha1 ran with the
-  script in the cache and no error (a body that two modules register is told by the call's keys,
-  `_WHOSE`). What was only queued, or refused (CROSSSLOT, a key in two slots), never reaches the
-  log; a node logs a call that failed too, but counts its failures, and a script counts when the
-  calls that found it outnumber the failures of their command that may be theirs;
+  the function loaded and no error (on a Redis without functions, an EVALSHA of its body); a
+  registered one when an EVALSHA of its body's sha1 ran with the script in the cache and no error
+  (a body that two modules register is told by the call's keys, `_WHOSE`). What was only queued,
+  or refused (CROSSSLOT, a key in two slots), never reaches the log; a node logs a call that failed
+  too, but counts its failures, and a script counts when the calls that found it outnumber the
+  failures of their command that may be theirs;
 - a MULTI site ran when a transaction whose commands are those its source sends (and no other
   site's: `multi_commands`) ran, again beyond its command's failures.
 A command run by a product process the test started counts as one the test ran.
@@ -316,22 +317,26 @@ _WHOSE: Final[dict[str, Callable[[Sequence[str]], bool]]] = {
 class Inventory:
     """What the record tells the code base's scripts and MULTI sites by, on the server."""
 
-    # sha1 of a registered script's body -> its body and the registrations (`module:NAME`) of it.
+    # sha1 of a script's body -> its body, and the names the check knows it by: the registrations
+    # (`module:NAME`) of it, or the defined script (by its plain name) that a Redis without
+    # functions runs with EVALSHA.
     bodies: dict[str, bytes]
-    registered: dict[str, tuple[str, ...]]
+    names: dict[str, tuple[str, ...]]
     # MULTI site -> the commands its transaction sends (None where the source does not say).
     sites: dict[str, frozenset[str] | None]
 
     @classmethod
     def of_source(cls) -> Inventory:
+        importlib.import_module("routeledger.library")  # defines every script
         bodies: dict[str, bytes] = {}
-        registered: dict[str, list[str]] = {}
-        for name, body in registered_bodies().items():
+        names: dict[str, list[str]] = {}
+        known = [(_plain(f), b) for f, b in scripts.bodies().items()] + list(registered_bodies().items())
+        for name, body in known:
             if body is not None:
                 sha = hashlib.sha1(body.encode()).hexdigest()
                 bodies[sha] = body.encode()
-                registered.setdefault(sha, []).append(name)
-        return cls(bodies, {sha: tuple(sorted(n)) for sha, n in registered.items()}, multi_commands())
+                names.setdefault(sha, []).append(name)
+        return cls(bodies, {sha: tuple(sorted(n)) for sha, n in names.items()}, multi_commands())
 
     def loaded_by(self, body: bytes) -> set[str]:
         """The known scripts a SCRIPT LOAD (or EVAL) of `body`, as logged, puts in the cache."""
@@ -346,7 +351,7 @@ class Inventory:
         if entry.command in ("FCALL", "FCALL_RO"):
             function = entry.arg(1)
             return _plain(function) if _FUNCTION.fullmatch(function) else None
-        names = self.registered.get(entry.arg(1), ())
+        names = self.names.get(entry.arg(1), ())
         if len(names) <= 1:
             return names[0] if names else None
         keys = entry.keys()
@@ -400,11 +405,12 @@ class NodeRead:
     failed: dict[str, int]  # command, as INFO commandstats names it (`fcall`) -> failed calls
     noscript: int  # NOSCRIPT errors (an EVALSHA of a script not in the cache)
     scripts: frozenset[str]  # the inventory's registered scripts in the cache (by sha1)
-    functions: frozenset[str]  # the functions loaded
+    functions: frozenset[str]  # the functions loaded (none on a Redis without them)
     entries: tuple[Entry, ...]  # what it logged since the previous read, oldest first
 
     @classmethod
     def of(cls, client: redis.Redis, shas: Sequence[str]) -> NodeRead:
+        functions = int(str(client.info("server")["redis_version"]).split(".")[0]) >= 7
         pipe = client.pipeline(transaction=True)
         pipe.execute_command("SLOWLOG", "GET", "-1")
         pipe.execute_command("SLOWLOG", "RESET")
@@ -412,7 +418,10 @@ class NodeRead:
         pipe.info("commandstats")
         pipe.info("errorstats")
         pipe.execute_command("ROLE")
-        pipe.execute_command("FUNCTION", "LIST")
+        if functions:
+            pipe.execute_command("FUNCTION", "LIST")
+        else:
+            pipe.echo("Redis 6.2: no functions")
         if shas:
             pipe.script_exists(*shas)
         log, _, server, commands, errors, role, libraries, *exists = pipe.execute()
@@ -424,7 +433,7 @@ class NodeRead:
             scripts=frozenset(
                 sha for sha, held in zip(shas, exists[0] if exists else [], strict=True) if held
             ),
-            functions=frozenset(_functions(libraries)),
+            functions=frozenset(_functions(libraries) if functions else ()),
             entries=tuple(
                 Entry(
                     int(e[0]),
@@ -525,7 +534,7 @@ def _script_calls(
             last_change["script"] = i
         elif command in ("FUNCTION LOAD", "FUNCTION DELETE", "FUNCTION RESTORE"):
             held["function"], added["function"], last_change["function"] = None, set(), i
-        elif command in kinds and (kinds[command] == "function" or e.arg(1) in inventory.registered):
+        elif command in kinds and (kinds[command] == "function" or e.arg(1) in inventory.names):
             kind, name, now = kinds[command], e.arg(1), held[kinds[command]]
             calls.append((i, kind, True if name in added[kind] else None if now is None else name in now))
     final = {"script": end.scripts, "function": end.functions}
@@ -795,10 +804,10 @@ def _unseeable(wanted: str, inventory: Inventory) -> str | None:
         return None
     if ":" not in name:
         return None
-    shas = [sha for sha, names in inventory.registered.items() if name in names]
+    shas = [sha for sha, names in inventory.names.items() if name in names]
     if not shas:
         return "its body is not a string constant of its module, so its EVALSHA cannot be told"
-    others = [n for n in inventory.registered[shas[0]] if n != name]
+    others = [n for n in inventory.names[shas[0]] if n != name]
     if others:
         return f"{', '.join(others)} registers the same body: _WHOSE must tell their calls apart by key"
     return None

