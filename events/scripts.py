@@ -115,6 +115,12 @@ def defined() -> list[str]:
     return sorted(_DEFINED)
 
 
+def bodies() -> dict[str, str]:
+    """The body of every script defined so far, by function name (a Redis without functions runs
+    it by the body's sha1, with EVALSHA)."""
+    return {name: body for name, (body, _) in sorted(_DEFINED.items())}
+
+
 def library_code() -> str:
     """The `routeledger` library: every script defined so far, as a function.
 

@@ -1,4 +1,5 @@
-"""`routeledger sim schedule`: the scheduling simulator's table, plot and JSON."""
+"""`routeledger sim schedule`: the scheduling simulator's table, plot and JSON (routeledger/cli_sim.py
+makes it a command of `sim`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import msgspec
 import typer
 from rich.table import Table
 
-from routeledger.cli_sim import sim_app
 from routeledger.runtime import console, err_console, guarded
 from sim.errors import FleetError
 
@@ -31,7 +31,6 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "inf" if x == float("inf") else f"{x:.{digits}f}"
 
 
-@sim_app.command("schedule")
 @guarded
 def schedule(
     fleet: Annotated[str | None, typer.Option("--fleet", help="A shipped preset: seed, trio, lab.")] = None,

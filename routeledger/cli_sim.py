@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from routeledger.cli_schedule import schedule
 from routeledger.runtime import console, guarded, run_async
 from sim.errors import FleetError
 
@@ -86,5 +87,5 @@ def _run_fast(coro: Coroutine[Any, Any, None]) -> None:
     uvloop.run(coro)
 
 
-# `sim schedule` lives in its own module; importing it registers the command on sim_app.
-import routeledger.cli_schedule  # noqa: E402, F401
+# `sim schedule` lives in its own module.
+sim_app.command("schedule")(schedule)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -158,6 +158,7 @@ class EmbeddedRedis:
         client_certificate: ClientCertificate | None = None,
         password: str | None = None,
         cluster_node_timeout_ms: int = 0,
+        settings: Sequence[str] = (),
     ) -> None:
         self.data_dir = ensure_data_dir(Path(data_dir).resolve())
         self.bind = bind
@@ -183,6 +184,8 @@ class EmbeddedRedis:
         self.process: subprocess.Popen[bytes] | None = None
         # 0: no limit (the tests' servers); `up` passes redis_maxmemory.
         self.maxmemory = maxmemory
+        # More redis.conf lines, written on every start (a restart keeps them, as CONFIG SET would not).
+        self.settings = tuple(settings)
 
     @property
     def url(self) -> str:
@@ -250,6 +253,7 @@ class EmbeddedRedis:
                 # A replica authenticates to its master with the cluster's one password.
                 f'masterauth "{self.password}"',
             ]
+        lines += self.settings
         write_private(conf, "\n".join(lines) + "\n")
         return conf
 
@@ -404,7 +408,8 @@ class EmbeddedCluster:
     """A Redis Cluster of `masters` redis-server processes, each with `replicas` replicas, on free
     loopback ports under `data_dir`, sharing one password: for tests and benchmarks. It is made
     with CLUSTER commands (ADDSLOTSRANGE, MEET, REPLICATE), as `redis-cli --cluster create` makes
-    one, so that no other binary is needed."""
+    one, so that no other binary is needed. `settings` are more redis.conf lines for every node (the
+    test suite's cluster logs every command it runs, for its coverage check)."""
 
     def __init__(
         self,
@@ -414,6 +419,7 @@ class EmbeddedCluster:
         replicas: int = 0,
         binary: str | None = None,
         node_timeout_ms: int = 1_000,
+        settings: Sequence[str] = (),
     ) -> None:
         self.data_dir = ensure_data_dir(Path(data_dir).resolve())
         password = secrets.token_urlsafe(24)
@@ -424,6 +430,7 @@ class EmbeddedCluster:
                 binary=binary,
                 password=password,
                 cluster_node_timeout_ms=node_timeout_ms,
+                settings=settings,
             )
             for i in range(masters * (1 + replicas))
         ]

@@ -22,7 +22,7 @@ from events.ledger import Ledger
 from routeledger.certs import ensure_server_tls, issue_client_certificate, server_names
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis, find_redis_server, redis_version
 from routeledger.errors import RedisBinaryNotFoundError, RedisStartError
-from tests.cluster_coverage import TierRun, tier_modules
+from tests.cluster_coverage import NODE_SETTINGS, TierRun, tier_modules
 
 # Property tests explore new cases on every developer run; CI replays a fixed set, so that a landing
 # is decided by the code, not by the draw.
@@ -31,8 +31,9 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-# Every Lua script and MULTI of the code base must run on the cluster tier's cluster: recorded as the
-# tests run, checked at the end of a session that ran the tier whole (tests/cluster_coverage.py).
+# Every Lua script and MULTI of the code base must run on the cluster tier's cluster: read from the
+# cluster's own logs as the tests run, checked at the end of a session that ran the tier whole
+# (tests/cluster_coverage.py).
 _tier = TierRun()
 
 # In a parallel run (`pytest -n N`, pytest-xdist) each worker runs part of the tier: it writes what it
@@ -200,9 +201,12 @@ def _flushed(server: EmbeddedRedis) -> str:
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
-    """One 3-master Redis Cluster for the whole session (the cluster tier), on free ports."""
+    """One 3-master Redis Cluster for the whole session (the cluster tier), on free ports. Its nodes
+    log every command they run, which the cluster coverage check reads."""
     for attempt in range(3):
-        cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"), masters=3, binary=_binary())
+        cluster = EmbeddedCluster(
+            tmp_path_factory.mktemp("cluster"), masters=3, binary=_binary(), settings=NODE_SETTINGS
+        )
         try:
             cluster.start()
             break
@@ -211,9 +215,11 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
             cluster.stop()
             if attempt == 2:
                 raise
+    _tier.watch(cluster)
     try:
         yield cluster
     finally:
+        _tier.unwatch()  # what the test running now ran, before the nodes stop
         cluster.stop()
 
 

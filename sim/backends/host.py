@@ -80,7 +80,7 @@ import binascii
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgspec
 from starlette.types import Receive, Scope, Send
@@ -120,9 +120,6 @@ from sim.backends.wire import (
 )
 from sim.errors import BadRequestError, SimHostError, UnknownModelError
 
-if TYPE_CHECKING:
-    from sim.backends.hosts import SimHosts
-
 # What a runner crash looks like from the client's side (Ollama's own message).
 RUNNER_CRASH: Final = "llama runner process has terminated: exit status 2"
 
@@ -134,9 +131,8 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 class MachineApp:
     """The ASGI app of one simulated machine."""
 
-    def __init__(self, machine: SimMachine, hosts: SimHosts) -> None:
+    def __init__(self, machine: SimMachine) -> None:
         self.machine = machine
-        self.hosts = hosts
         self.listener: Listener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._openai_seq = 0
@@ -192,6 +188,14 @@ class MachineApp:
     def cancel_all(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+    async def power_off(self, keep: asyncio.Transport | None = None) -> None:
+        """Power the machine off: its port closes, open connections drop (but `keep`), loaded models
+        are lost."""
+        self.machine.power_off()
+        if self.listener is not None:
+            await self.listener.close(keep=keep)
+        self.cancel_all()
 
     # -- small endpoints ----------------------------------------------------------------------
 
@@ -582,7 +586,7 @@ class MachineApp:
     async def _sim_offline(self, scope: Scope, receive: Receive, send: Send) -> None:
         await read_body(receive)
         me = self.listener.transport_of(scope) if self.listener else None
-        await self.hosts.go_offline(self.machine.name, keep=me)
+        await self.power_off(keep=me)
         await respond(send, 200, _enc.encode(self.machine.state()))
         if me is not None:
             me.close()

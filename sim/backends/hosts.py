@@ -109,7 +109,7 @@ class SimHosts:
         self._apps: dict[str, MachineApp] = {}
         for spec in fleet.worker:
             machine = SimMachine(spec, fleet, time_scale=time_scale, seed=seed)
-            self._apps[spec.name] = MachineApp(machine, self)
+            self._apps[spec.name] = MachineApp(machine)
         self._control = Listener(ControlApp(self), host, control_port)
         self._windows = windows
         self._window_tasks: list[asyncio.Task[None]] = []
@@ -234,11 +234,7 @@ class SimHosts:
 
     async def go_offline(self, name: str, keep: asyncio.Transport | None = None) -> None:
         """Power the machine off: its port closes, open connections drop, loaded models are lost."""
-        app = self._app(name)
-        app.machine.power_off()
-        if app.listener is not None:
-            await app.listener.close(keep=keep)
-        app.cancel_all()
+        await self._app(name).power_off(keep=keep)
 
     async def go_online(self, name: str) -> None:
         """Power the machine on again, on the same port; nothing is loaded."""
