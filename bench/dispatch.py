@@ -44,7 +44,7 @@ from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from tasks.lease import live_workers
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 
 
 def fleet_toml(workers: int, slots: int) -> str:
@@ -90,7 +90,7 @@ async def count_completed(ledger: Ledger, after: str) -> tuple[int, str]:
         n += sum(1 for _, fields in rows if b"TaskCompleted" in fields[1:2])
 
 
-async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int, limit_s: float = 300) -> float:
+async def throughput(queues: TaskStore, ledger: Ledger, tasks: int, limit_s: float = 300) -> float:
     leases = await live_workers(queues.redis, queues.keys)
     start_id = await ledger.last_id() or "0-0"
     msgs = [Message(role="user", content="Say something short.")]
@@ -114,7 +114,7 @@ async def throughput(queues: TaskQueues, ledger: Ledger, tasks: int, limit_s: fl
     return tasks / (time.perf_counter() - t0)
 
 
-async def first_chunk_latency(queues: TaskQueues, samples: int) -> list[float]:
+async def first_chunk_latency(queues: TaskStore, samples: int) -> list[float]:
     leases = await live_workers(queues.redis, queues.keys)
     msgs = [Message(role="user", content="Say something short.")]
     out: list[float] = []
@@ -201,7 +201,7 @@ def measure(
             client = redis_client(url)
             keys = Keys.for_client(client)
             ledger = Ledger(client, keys)
-            queues = TaskQueues(client, keys, ledger)
+            queues = TaskStore(client, keys, ledger)
             try:
                 await wait_live(client, keys, workers)
                 await throughput(queues, ledger, 50, limit_s)  # warm-up: connections, models loaded

@@ -24,7 +24,7 @@ from events.ledger import Ledger
 from projections.ingest import Ingest
 from routeledger.embedded import redis_or_embedded
 from tasks.payload import Message, TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 
 D1 = "a" * 64
 
@@ -39,7 +39,7 @@ async def measure(url: str, tasks: int, workers: int) -> dict[str, float]:
     keys = Keys()
     try:
         await client.flushall()
-        queues = TaskQueues(client, keys, Ledger(client, keys))
+        queues = TaskStore(client, keys, Ledger(client, keys))
         queue = keys.queue(D1)
         names = [f"w{i}" for i in range(workers)]
         await client.sadd(keys.inboxes, *names)

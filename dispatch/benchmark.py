@@ -40,7 +40,7 @@ from projections.benchset import (
 from projections.shift import CONFIRM, detect
 from projections.snapshot import Snapshot, grade_mark
 from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 
 # A worker benchmarks a (worker, digest) pair whose speed row has fewer samples than this, or whose
 # newest sample is older than BENCH_STALE_AFTER_S (the worker's defaults; the simulator's too).
@@ -67,7 +67,7 @@ def pick(domain: str, count: int, start: int = 0) -> list[BenchPrompt]:
 
 
 async def request_benchmark(
-    queues: TaskQueues,
+    queues: TaskStore,
     *,
     worker: str,
     model: str,

@@ -49,15 +49,15 @@ from projections.snapshot import TaskRow
 from projections.status import TaskStatus, is_terminal, settle
 from tasks.lease import LeaseInfo
 from tasks.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
-from tasks.queues import (
+from tasks.quota import ApiKey, Quotas
+from tasks.store import (
     CANCEL_ABSENT,
     CANCEL_REMOVED,
     CANCEL_RUNNING,
-    TaskQueues,
+    TaskStore,
     read_result,
     run_writers,
 )
-from tasks.quota import ApiKey, Quotas
 
 log = logging.getLogger("routeledger.gateway")
 
@@ -78,7 +78,7 @@ TRANSIENT: Final = (
 _FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
-# How often a reader of a task's output looks again for the workers that run it (tasks.queues
+# How often a reader of a task's output looks again for the workers that run it (tasks.store
 # run_writers) and for the live workers that might (see _Outputs).
 _LOOK_MS: Final = 500
 # A waiting reader that has seen no output for this long checks that its task is still in Redis (see
@@ -250,7 +250,7 @@ class Gateway:
         self.paced_streams = paced_streams
         self.keys = keys
         self.ledger = Ledger(redis, keys)
-        self.queues = TaskQueues(redis, keys, self.ledger)
+        self.queues = TaskStore(redis, keys, self.ledger)
         self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
         self.workers = _Workers(redis, keys)
         self.memory = MemoryWatch(redis)
@@ -399,7 +399,7 @@ class Gateway:
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
         """The task's outcome, from its shared key or the own key of a worker that ran it
-        (tasks.queues.read_result)."""
+        (tasks.store.read_result)."""
         return await read_result(self.redis, self.keys, task_id)
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:

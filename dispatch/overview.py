@@ -25,7 +25,7 @@ from projections.reader import lag
 from projections.reader import snapshot as read_snapshot
 from projections.snapshot import FleetRow, Snapshot
 from tasks.lease import LeaseInfo, live_workers, resources_of
-from tasks.queues import band_queues, requeued_count
+from tasks.store import band_queues, requeued_count
 
 
 def model_names(leases: dict[str, LeaseInfo], fleet: dict[str, FleetRow]) -> dict[str, str]:

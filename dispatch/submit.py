@@ -42,7 +42,7 @@ from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 from tasks.lease import LeaseInfo, live_workers
 from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
-from tasks.queues import AtCapError, TaskQueues
+from tasks.store import AtCapError, TaskStore
 
 log = logging.getLogger("routeledger.dispatch")
 
@@ -159,7 +159,7 @@ class Submitted(msgspec.Struct, kw_only=True):
 
 
 async def route_and_submit(
-    queues: TaskQueues,
+    queues: TaskStore,
     view: LiveView,
     req: TaskRequest,
     *,
@@ -419,7 +419,7 @@ def _cannot_embed(
 
 
 async def submit_task(
-    queues: TaskQueues,
+    queues: TaskStore,
     req: TaskRequest,
     *,
     leases: dict[str, LeaseInfo] | None = None,
@@ -432,7 +432,7 @@ async def submit_task(
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
     `req.model` among live workers unless `digest` says what it is.
 
-    Everything is written in one script keyed by the task id (TaskQueues.submit): the ledger
+    Everything is written in one script keyed by the task id (TaskStore.submit): the ledger
     events, the queue entry, the task's lookup hash, so that no worker sees a task the ledger has
     not recorded, and a second submission of the same id (a re-send after a lost reply) queues
     nothing. Raises ModelNotServedError at once when no live worker serves the model, and
@@ -442,7 +442,7 @@ async def submit_task(
     (events.keys.Keys.band_queue): workers serve a model's bands highest priority first, and within
     a priority the earlier round first. With `pin` (router.handoff) it goes to that worker's
     pinned stream instead, and its lookup hash names the queue it would have joined (`fallback`),
-    where the reaper moves it if that worker does not take it (TaskQueues.hand_back).
+    where the reaper moves it if that worker does not take it (TaskStore.hand_back).
     """
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)

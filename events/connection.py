@@ -148,7 +148,7 @@ def redis_client(url: str, *, socket_timeout: float = 10.0, **options: Any) -> a
     - No command is sent twice by the client: redis-py would retry (and re-send a whole pipeline)
       after a connection error or timeout, and a write whose first sending was applied would be
       applied twice. Retries are explicit, and only of what is safe to repeat
-      (`tasks.queues.resend`, the gateway's submission keyed by task id).
+      (`tasks.store.resend`, the gateway's submission keyed by task id).
     - Every read has a deadline (`socket_timeout`, longer than any blocking read routeledger
       makes), and TCP keepalive is on, so that a half-open connection fails instead of hanging.
     - Maintenance notifications are off, so that a pooled connection the server closed is replaced

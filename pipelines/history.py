@@ -32,7 +32,7 @@ from projections.reader import get_tasks
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, fold_status
 from tasks.payload import Result
-from tasks.queues import read_result
+from tasks.store import read_result
 
 
 def _ran(status: TaskStatus, result: Result | None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from events.keys import Keys
-from tasks.queues import RESULT_TTL_MS
+from tasks.store import RESULT_TTL_MS
 
 Policy = Literal["fail_fast", "best_effort"]
 PipelineStatus = Literal["decomposing", "running", "integrating", "completed", "failed"]

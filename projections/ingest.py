@@ -66,7 +66,7 @@ from events.ledger import read_streams
 from events.scripts import read_lua
 from projections.benchset import REFERENCE, prompt_by_id
 from tasks.payload import F_TASK, decode_task
-from tasks.queues import RESULT_TTL_MS
+from tasks.store import RESULT_TTL_MS
 
 log = logging.getLogger("routeledger.ingest")
 

@@ -25,7 +25,7 @@ from routeledger.runtime import Instance, command, console, fail
 from router.choose import RouteQuery
 from tasks.lease import live_workers
 from tasks.payload import EMBED, Message
-from tasks.queues import TaskQueues, read_result
+from tasks.store import TaskStore, read_result
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True
@@ -67,7 +67,7 @@ def bench_run(
             what = f"model {model!r}" if model else "any model"
             fail(f"no live worker serves {what}{f' on {worker}' if worker else ''}")
         ledger = Ledger(client, keys)
-        queues = TaskQueues(client, keys, ledger)
+        queues = TaskStore(client, keys, ledger)
         start = await ledger.last_id() or "0-0"
         snap = await snapshot(client, keys)
         sent = {}

@@ -35,7 +35,7 @@ from events.ledger import Ledger
 from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
 from tasks.lease import decode_lease, live_workers
 from tasks.payload import Message
-from tasks.queues import read_result
+from tasks.store import read_result
 from workers.admission import RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import make_backend

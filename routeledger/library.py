@@ -12,6 +12,6 @@ from __future__ import annotations
 # Imported for the scripts they define, which join the library.
 from dispatch import view
 from events import ledger
-from tasks import lease, queues
+from tasks import lease, store
 
-MODULES = (ledger, queues, lease, view)
+MODULES = (ledger, store, lease, view)

@@ -65,8 +65,8 @@ class GateParams(msgspec.Struct, kw_only=True, frozen=True):
     # Starvation is bounded: a task that has waited `max_skip_wait_s` is laid out before every
     # task that has not, in queue order, so from then on no later task goes ahead of it by size.
     # Off by default; the scheduling simulator and the worker's gate (workers.admission.RouterGate)
-    # turn it on. A real worker's queue hands out its head only (tasks.queues.TaskQueues.take),
-    # so a worker takes a later task by moving it to its pinned stream (TaskQueues.take_given).
+    # turn it on. A real worker's queue hands out its head only (tasks.store.TaskStore.take),
+    # so a worker takes a later task by moving it to its pinned stream (TaskStore.take_given).
     skip_ahead: bool = False
     max_skip_wait_s: float = 120.0
 

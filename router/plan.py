@@ -165,7 +165,7 @@ class BacklogEntry(msgspec.Struct, kw_only=True, gc=False):
     prompt_tokens: int | None = None
     max_tokens: int | None = None
     # Its id in the queue ('' where no queue holds it: the simulator's, a preview's); a worker takes
-    # the entry its gate decided on only if it is still the head (tasks.queues.TaskQueues.take).
+    # the entry its gate decided on only if it is still the head (tasks.store.TaskStore.take).
     entry_id: str = ""
     # The queue that holds it (one of its model's band queues; '' where no queue holds it). A
     # model's backlog lists its band queues in serving order: higher priority first, then the

@@ -41,7 +41,7 @@ from projections.reader import snapshot
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.payload import Message, Result
-from tasks.queues import TaskQueues, read_result
+from tasks.store import TaskStore, read_result
 from tests.helpers import wait_until
 from tests.reliability.support import spawn_worker, stop_all
 
@@ -120,7 +120,7 @@ async def _idle(redis: aioredis.Redis, keys: Keys) -> bool:
 
 
 async def _chat(
-    redis: aioredis.Redis, keys: Keys, queues: TaskQueues, mode: str, seed: int
+    redis: aioredis.Redis, keys: Keys, queues: TaskStore, mode: str, seed: int
 ) -> tuple[list[float], list[str], list[Submitted]]:
     """One conversation in `mode` (priced, unpriced, sticky), after the GPU PC was given the long
     job: each turn's latency (s), the worker that answered it, and its submission."""
@@ -169,7 +169,7 @@ async def test_a_chat_priced_for_its_cache_beats_the_same_chat_unpriced_and_stic
             for spec in fleet.worker:
                 procs.append(spawn_worker(redis_url, hosts.url(spec.name), spec.name, log, bench=True))
             await wait_until(lambda: _measured(redis_client), timeout=60)
-            queues = TaskQueues(redis_client, keys, ledger)
+            queues = TaskStore(redis_client, keys, ledger)
             rng = random.Random(99)
             warm = [
                 await submit_task(

@@ -18,7 +18,7 @@ from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
 from tasks.payload import Message, Result, chunk_decoder, result_decoder
-from tasks.queues import TaskQueues, parse_entry
+from tasks.store import TaskStore, parse_entry
 from tests.helpers import (
     MODEL_DIGEST,
     SteppedLedgerClock,
@@ -45,9 +45,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
         yield sim
 
 
-async def submit(
-    queues: TaskQueues, model: str = "m", max_tokens: int | None = None, text: str = "hi"
-) -> str:
+async def submit(queues: TaskStore, model: str = "m", max_tokens: int | None = None, text: str = "hi") -> str:
     task = (
         await submit_task(
             queues,
@@ -65,7 +63,7 @@ async def completed(ledger: Ledger, n: int) -> bool:
 async def test_a_worker_without_the_model_never_receives_its_task(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     async with (
         running_agent(redis_client, hosts.url("a"), fast_config("a")),
         running_agent(redis_client, hosts.url("c"), fast_config("c")),
@@ -84,7 +82,7 @@ async def test_a_worker_without_the_model_never_receives_its_task(
 async def test_tasks_for_a_model_two_workers_hold_are_served_by_both_when_both_are_free(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     async with (
         running_agent(redis_client, hosts.url("a"), fast_config("a")),
         running_agent(redis_client, hosts.url("b"), fast_config("b")),
@@ -104,7 +102,7 @@ async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_wha
 ) -> None:
     from dispatch.errors import ModelNotServedError
 
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     async with running_agent(redis_client, hosts.url("c"), fast_config("c")):
         with pytest.raises(ModelNotServedError) as info:
             await submit(queues, model="m")
@@ -116,7 +114,7 @@ async def test_submitting_a_model_no_live_worker_serves_fails_at_once_naming_wha
 async def test_a_worker_killed_mid_generation_has_its_task_completed_by_the_other_once(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     procs = {name: worker_process(redis_url, hosts.url(name), name) for name in ("a", "b")}
     try:
         await wait_until(lambda: _both_live(redis_client), timeout=30)
@@ -168,7 +166,7 @@ async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalle
     from events.event import TaskStalled
     from tasks.payload import TaskMessage
 
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     queue = Keys.for_client(redis_client).queue("f" * 64)
     await queues.enqueue(queue, TaskMessage(task_id="orphan", model="x", digest="f" * 64))
     clock = await SteppedLedgerClock(redis_client).start()
@@ -192,7 +190,7 @@ async def test_an_entry_no_worker_took_is_never_reclaimed_and_is_reported_stalle
 async def test_a_live_worker_running_a_task_five_times_longer_than_its_lease_is_never_reaped(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     config = fast_config("a", lease_ms=600, heartbeat_ms=150)
     async with (
         running_reaper(redis_client, lease_ms=600),
@@ -212,7 +210,7 @@ async def test_a_live_worker_running_a_task_five_times_longer_than_its_lease_is_
 async def test_a_backend_fault_fails_the_run_with_its_kind_and_the_task_runs_elsewhere(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, fault: str, kind: str
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     hosts.set_faults("a", **{fault: 1.0})
     async with running_agent(redis_client, hosts.url("a"), fast_config("a"), idle_timeout_s=1.0):
         task_id = await submit(queues, max_tokens=60)
@@ -233,7 +231,7 @@ async def _failed(ledger: Ledger, task_id: str) -> bool:
 async def test_past_the_delivery_limit_a_failing_task_is_dead_lettered_with_the_reason(
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     hosts.set_faults("a", error_rate=1.0)
     async with running_agent(
         redis_client, hosts.url("a"), fast_config("a", cooldown_s=0.05, delivery_limit=3)
@@ -263,7 +261,7 @@ async def _dead(ledger: Ledger, task_id: str) -> bool:
 async def test_sigterm_drains_without_losing_or_repeating_a_task(
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     proc = worker_process(redis_url, hosts.url("a"), "a")
     try:
         await wait_until(
@@ -296,7 +294,7 @@ async def _claimed(ledger: Ledger, n: int) -> bool:
 async def test_the_seed_fleet_completes_three_qwen_tasks_and_the_ledger_says_who_ran_each(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys.for_client(redis_client), ledger)
+    queues = TaskStore(redis_client, Keys.for_client(redis_client), ledger)
     async with SimHosts(load_fleet("seed"), time_scale=0.05, seed=11) as sim:
         async with (
             running_agent(redis_client, sim.url("macbookair"), fast_config("macbookair")),
@@ -322,7 +320,7 @@ async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entr
     """The false alarm: a run that finished (entry acknowledged and deleted) between the heartbeat's
     list of running entries and its XCLAIM is not "no longer ours"; an entry really taken back is."""
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     digest = "cd" * 32
     queue = keys.queue(digest)
     for n in (1, 2):
@@ -355,7 +353,7 @@ async def test_a_task_cancelled_before_its_claim_returns_stops_at_its_first_toke
     # The claim's round trip (with its cancel check) is on its way while the backend is asked:
     # a cancel already there when the worker takes the task must still keep every word of it out.
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     task_id = "cancelled-before-its-claim"
     await redis_client.set(keys.cancel(task_id), b"1")
     # Streamed: its first token would be written at once, were the claim not settled first.
@@ -390,7 +388,7 @@ async def test_a_task_nobody_streams_writes_its_whole_text_in_its_done_chunk_alo
 ) -> None:
     # Its reader then wakes once, for the chunk that also carries the result.
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             request = TaskRequest(
@@ -408,7 +406,7 @@ async def test_a_result_stored_by_a_run_that_died_before_counting_it_is_counted_
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     request = TaskRequest(model="m", messages=[Message(role="user", content="hi")], max_tokens=8)
     task_id = (await submit_task(queues, request, digest=MODEL_DIGEST)).task.task_id
     # A run stored the task's result and died before appending its TaskCompleted (the entry stays).
@@ -448,7 +446,7 @@ async def test_a_worker_that_took_the_only_waiting_task_waits_without_asking_its
     redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, kind: str, slots: int
 ) -> None:
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     inner: Gate = PlainPull(redis_client, keys) if kind == "plain" else RouterGate(redis_client, keys)
     gate = _CountingGate(inner)
     # An idle worker asks again every block_ms; an ask that follows a take sooner than half of it

@@ -19,7 +19,7 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.lease import LeaseInfo, RunningInfo
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, running_agent, wait_until
 
 # One machine, one slot; a benchmark's 128-token answer takes 6.4 s there, a user task's 40 tokens 2 s.
@@ -39,16 +39,16 @@ load_s = 0.0
 
 
 @contextlib.asynccontextmanager
-async def one_machine(redis_client: aioredis.Redis, ledger: Ledger) -> AsyncIterator[TaskQueues]:
+async def one_machine(redis_client: aioredis.Redis, ledger: Ledger) -> AsyncIterator[TaskStore]:
     """The one-slot machine with its worker online; the queues to submit to."""
     async with (
         SimHosts(parse_fleet(FLEET, "one.toml"), time_scale=1.0, seed=1) as sim,
         running_agent(redis_client, sim.url("a"), fast_config("a")),
     ):
-        yield TaskQueues(redis_client, Keys(), ledger)
+        yield TaskStore(redis_client, Keys(), ledger)
 
 
-async def _user_task(queues: TaskQueues) -> str:
+async def _user_task(queues: TaskStore) -> str:
     req = TaskRequest(model="m", messages=[Message(role="user", content="hello there")], max_tokens=40)
     return (await submit_task(queues, req)).task_id
 

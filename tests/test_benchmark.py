@@ -26,7 +26,7 @@ from projections.reader import snapshot
 from projections.snapshot import FleetRow, QualityRow, Snapshot, SpeedRow, Stamped, grade_mark
 from sim.backends.hosts import SimHosts
 from tasks.lease import live_workers
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import (
     MODEL_DIGEST,
     events_of,
@@ -83,7 +83,7 @@ async def test_a_worker_that_joins_measures_its_speed_with_long_answers_and_grad
 async def test_bench_run_reaches_every_live_holder_not_only_the_fastest(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0, seed=5) as sim:
         async with (
             running_agent(redis_client, sim.url("a"), fast_config("a")),

@@ -23,7 +23,7 @@ from projections.reader import get_tasks, snapshot
 from sim.backends.hosts import SimHosts
 from tasks.lease import decode_lease
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until, worker_process
 from tests.test_api_support import serving
 
@@ -45,7 +45,7 @@ async def test_a_worker_90_s_ahead_changes_no_age_in_the_tables_and_only_it_is_f
     redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts
 ) -> None:
     keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     procs = {
         "a": worker_process(redis_url, hosts.url("a"), "a", clock_offset_ms=AHEAD_MS),
         "b": worker_process(redis_url, hosts.url("b"), "b"),

@@ -44,8 +44,8 @@ from projections.projector import ROLE as PROJECTOR_ROLE
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import _DEPTH_DEF, TaskQueues, parse_entry
 from tasks.quota import Quotas
+from tasks.store import _DEPTH_DEF, TaskStore, parse_entry
 from tests import cluster_coverage
 from tests.cluster_coverage import (
     NODE_SETTINGS,
@@ -286,7 +286,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
         yield sim
 
 
-async def _submit(queues: TaskQueues) -> Submitted:
+async def _submit(queues: TaskStore) -> Submitted:
     req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
     return await submit_task(queues, req)
 
@@ -319,7 +319,7 @@ async def test_the_fleet_carries_on_through_a_failover_of_the_ledgers_master_and
     try:
         keys = Keys.for_client(redis)
         ledger = Ledger(redis, keys)
-        queues = TaskQueues(redis, keys, ledger)
+        queues = TaskStore(redis, keys, ledger)
         acked: dict[str, str] = {}  # task id -> its queue
         refused = 0
         async with running_agent(redis, hosts.url("a"), fast_config("a", slots=2, lease_ms=5000)):

@@ -40,7 +40,7 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
 from tasks.lease import LeaseInfo, Leases
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
 from tests.test_api_support import fleet_and_api, serving
 
@@ -266,7 +266,7 @@ async def demo(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[str]:
             )
             await Leases(redis, keys).put(ghost, 120_000)
             await route_and_submit(
-                TaskQueues(redis, keys),
+                TaskStore(redis, keys),
                 LiveView(redis, keys),
                 TaskRequest(model="mistral:7b", messages=[Message(role="user", content="anyone there?")]),
             )
@@ -326,7 +326,7 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
             # A task submitted now appears without a reload: the stream carries it.
             live_id = f"live-{time.time_ns()}"
             await route_and_submit(
-                TaskQueues(redis_client, Keys()),
+                TaskStore(redis_client, Keys()),
                 LiveView(redis_client, Keys()),
                 TaskRequest(
                     model="qwen3:8b",

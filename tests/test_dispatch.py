@@ -17,7 +17,7 @@ from events.ledger import Ledger
 from router.choose import RouteQuery
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 
 pytestmark = pytest.mark.cluster_tier
@@ -27,7 +27,7 @@ async def test_a_routed_submission_records_the_whole_decision_before_the_task_is
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
@@ -53,7 +53,7 @@ async def test_auto_picks_a_served_model_and_the_domain_is_classified_from_the_p
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             msgs = [

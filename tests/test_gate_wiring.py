@@ -13,7 +13,7 @@ from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, running_agent, wait_until
 from workers.admission import RouterGate
 
@@ -61,7 +61,7 @@ async def _count(ledger: Ledger, kind: type, n: int) -> bool:
 async def test_with_one_task_and_the_fast_worker_free_soon_the_slow_worker_leaves_it(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     async with SimHosts(parse_fleet(FLEET, "two.toml"), time_scale=1.0, seed=1) as hosts:
         await _measure(redis_client, hosts, ledger)
         before = len(await events_of(ledger, TaskClaimed))
@@ -87,7 +87,7 @@ async def test_with_one_task_and_the_fast_worker_free_soon_the_slow_worker_leave
 async def test_with_a_long_enough_backlog_the_slow_worker_takes_a_share(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     async with SimHosts(parse_fleet(FLEET, "two.toml"), time_scale=1.0, seed=1) as hosts:
         await _measure(redis_client, hosts, ledger)
         before = len(await events_of(ledger, TaskClaimed))

@@ -28,7 +28,7 @@ from tasks.payload import (
     encode_chunk,
     encode_result,
 )
-from tasks.queues import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS, TaskQueues
+from tasks.store import _SUBMIT, _SUBMIT_DEF, OUTPUT_TTL_MS, TaskStore
 from tests.helpers import MODEL_DIGEST, events_of
 from tests.reliability.proxy import redis_proxy
 from tests.test_api_support import ghost_worker
@@ -144,7 +144,7 @@ async def test_a_relay_yields_thinking_before_the_text_and_any_thinking_the_chun
 async def test_a_relay_reads_the_own_output_of_the_worker_holding_the_task_and_never_another_s(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     queue = keys.queue(MODEL_DIGEST)
     task = TaskMessage(task_id="t9", model="m", digest=MODEL_DIGEST, messages=[])
     entry = await queues.enqueue(queue, task)
@@ -162,7 +162,7 @@ async def test_a_relay_reads_the_own_output_of_the_worker_holding_the_task_and_n
         },
     )
     await redis_client.hset(keys.run_result("b", "t9"), "result", encode_result(forged))
-    held = TaskQueues(redis_client, keys, ledger, writer="a")
+    held = TaskStore(redis_client, keys, ledger, writer="a")
     relay = Gateway(redis_client, keys).relay("t9", timeout_s=5)
     await held.close_run(done, "The sky")
     await held.log_run("t9", [], counts=True, done=Chunk(attempt=1, done=True, run="r1"), carried=done)

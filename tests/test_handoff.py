@@ -23,7 +23,7 @@ from router.plan import WorkerView
 from router.prefix import SlotCache, block_hashes, chain_of, marks_of
 from tasks.lease import LeaseInfo, Leases
 from tasks.payload import Message, TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.router_helpers import NOW, QWEN, busy, estimator, snapshot, speed_row, view
 from workers.reaper import Reaper, ReaperConfig
 
@@ -111,7 +111,7 @@ def test_a_narrow_lead_or_a_wait_keeps_the_turn_on_the_shared_queue() -> None:
     assert handoff_worker(waiting) is None
 
 
-async def _pinned(queues: TaskQueues, task_id: str, worker: str) -> str:
+async def _pinned(queues: TaskStore, task_id: str, worker: str) -> str:
     req = TaskRequest(model="m", messages=[Message(role="user", content="hello " * 100)], task_id=task_id)
     submitted = await submit_task(queues, req, digest=DIGEST, pin=worker)
     assert submitted.queue == queues.keys.pinned(worker)
@@ -125,7 +125,7 @@ async def _live(redis: aioredis.Redis, keys: Keys, name: str) -> None:
 async def test_a_hand_off_its_worker_never_takes_goes_back_to_the_shared_queue_once(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     pinned = await _pinned(queues, "t-dead", "gone")
     assert await redis_client.hget(keys.task("t-dead"), "fallback") == keys.queue(DIGEST).encode()
     reaper = Reaper(redis_client, keys, ReaperConfig(lease_ms=10))
@@ -144,7 +144,7 @@ async def test_a_hand_off_its_worker_never_takes_goes_back_to_the_shared_queue_o
 async def test_a_live_worker_keeps_a_fresh_hand_off_and_one_it_took_is_never_moved(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     await _live(redis_client, keys, "busy")
     pinned = await _pinned(queues, "t-fresh", "busy")
     reaper = Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=60_000))
@@ -161,7 +161,7 @@ async def test_a_live_worker_keeps_a_fresh_hand_off_and_one_it_took_is_never_mov
 async def test_a_live_worker_that_does_not_take_its_hand_off_in_time_loses_it_to_the_shared_queue(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     await _live(redis_client, keys, "stuck")
     await _pinned(queues, "t-stuck", "stuck")
     report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=60_000, handoff_wait_ms=0)).sweep()
@@ -172,7 +172,7 @@ async def test_a_live_worker_that_does_not_take_its_hand_off_in_time_loses_it_to
 async def test_a_benchmark_on_a_dead_workers_pinned_stream_stays_there(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     req = TaskRequest(model="m", messages=[Message(role="user", content="bench")], task_id="b1")
     await submit_task(queues, req, digest=DIGEST)  # the shared queue: untouched by hand-backs
     pinned = keys.pinned("gone")
@@ -184,7 +184,7 @@ async def test_a_benchmark_on_a_dead_workers_pinned_stream_stays_there(
 async def test_a_hand_off_its_worker_gave_back_goes_to_the_shared_queue_as_its_next_attempt(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     await _live(redis_client, keys, "flaky")
     pinned = await _pinned(queues, "t-back", "flaky")
     taken = await queues.take(pinned, "flaky")
@@ -203,7 +203,7 @@ async def test_a_hand_off_its_worker_gave_back_goes_to_the_shared_queue_as_its_n
 async def test_a_hand_off_taken_by_a_worker_that_died_is_reclaimed_into_the_shared_queue(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     pinned = await _pinned(queues, "t-died", "dead")
     assert (await queues.take(pinned, "dead")).entry_id
     await asyncio.sleep(0.05)
@@ -217,7 +217,7 @@ async def test_a_hand_off_taken_by_a_worker_that_died_is_reclaimed_into_the_shar
 async def test_a_worker_handed_a_turn_gets_no_other_until_its_lease_says_it_took_it(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     leases = Leases(redis_client, keys)
     text = _conversation()
     slot = SlotCache(marks=marks_of(block_hashes(text)), used_ms=NOW)

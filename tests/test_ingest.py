@@ -28,7 +28,7 @@ from events.ledger import Ledger
 from projections.benchset import REFERENCE, benchset
 from projections.ingest import CLAIM_TTL_MS, Ingest, decode_claims
 from tasks.payload import Message, Result, TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from workers.reaper import Reaper, ReaperConfig
 
 DIGEST = "a" * 64
@@ -43,7 +43,7 @@ async def _inbox(redis: aioredis.Redis, keys: Keys, worker: str, *events: Event)
         await redis.xadd(keys.inbox(worker), encode_fields(event))  # type: ignore[arg-type]
 
 
-async def _taken(queues: TaskQueues, queue: str, worker: str, task_id: str, **fields: Any) -> TaskClaimed:
+async def _taken(queues: TaskStore, queue: str, worker: str, task_id: str, **fields: Any) -> TaskClaimed:
     """A task queued and taken by `worker`, and the claim it appends for it."""
     task = TaskMessage(
         task_id=task_id, model="m", digest=DIGEST, messages=[Message(role="user", content="hi")], **fields
@@ -87,7 +87,7 @@ async def test_a_claimed_and_completed_run_is_moved_into_the_ledger_in_order_and
 
 
 async def _moved_in_order(redis_client: aioredis.Redis, keys: Keys, ledger: Ledger) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
     online = WorkerOnline(worker="a", slots=1)
     await _inbox(redis_client, keys, "a", online, claim, _done(claim))
@@ -107,7 +107,7 @@ async def _moved_in_order(redis_client: aioredis.Redis, keys: Keys, ledger: Ledg
 async def test_an_event_naming_another_worker_is_dead_lettered_and_the_ingest_goes_on(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
     forged = TaskCompleted(task_id="t1", worker="rtx3070ti", digest=DIGEST, attempt=1)
     await _inbox(redis_client, keys, "a", forged, claim, _done(claim))
@@ -121,7 +121,7 @@ async def test_an_event_naming_another_worker_is_dead_lettered_and_the_ingest_go
 async def test_a_completion_without_a_claim_and_a_second_completion_of_one_run_are_refused(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     claim = await _taken(queues, keys.queue(DIGEST), "a", "t1")
     unclaimed = TaskCompleted(task_id="t9", worker="a", digest=DIGEST, attempt=1)
     await _inbox(redis_client, keys, "a", unclaimed, claim, _done(claim), _done(claim, duplicate=True))
@@ -136,7 +136,7 @@ async def test_a_completion_without_a_claim_and_a_second_completion_of_one_run_a
 async def test_a_claim_of_an_entry_another_worker_holds_or_of_a_task_not_in_it_is_refused(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     theirs = await _taken(queues, keys.queue(DIGEST), "b", "t1")
     mine = await _taken(queues, keys.queue(DIGEST), "a", "t2")
     stolen = TaskClaimed(
@@ -157,7 +157,7 @@ async def test_a_claim_of_an_entry_another_worker_holds_or_of_a_task_not_in_it_i
 async def test_a_grade_counts_only_for_a_benchmark_run_the_worker_claimed_and_only_once(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     prompt = benchset()[0]
     bench = await _taken(queues, keys.pinned("a"), "a", "bench-b1-0", bench_id="b1", bench_prompt=prompt.id)
     shared = await _taken(queues, keys.queue(DIGEST), "a", "t1")
@@ -227,7 +227,7 @@ async def test_a_type_no_worker_writes_and_an_undecodable_entry_are_dead_lettere
 async def test_claims_no_completion_closed_are_forgotten_after_a_day_and_others_are_kept(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     old = await _taken(queues, keys.queue(DIGEST), "a", "t1")
     await _inbox(redis_client, keys, "a", old, await _taken(queues, keys.queue(DIGEST), "a", "t2"))
     ingest = Ingest(redis_client, keys)
@@ -256,7 +256,7 @@ async def test_the_ingest_finishes_the_entry_of_a_run_its_worker_closed_and_only
 
 
 async def _finished_by_ingest(redis_client: aioredis.Redis, keys: Keys, ledger: Ledger) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     queue = keys.queue(DIGEST)
     done = await _taken(queues, queue, "a", "t1")
     failed = await _taken(queues, queue, "a", "t2")
@@ -307,7 +307,7 @@ async def _finished_by_ingest(redis_client: aioredis.Redis, keys: Keys, ledger: 
 async def test_an_expiry_of_an_entry_the_worker_does_not_hold_is_refused_and_finishes_nothing(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     queue = keys.queue(DIGEST)
     theirs = await _taken(queues, queue, "b", "t1")
     await queues.enqueue(queue, TaskMessage(task_id="t2", model="m", digest=DIGEST, messages=[]))
@@ -330,14 +330,14 @@ async def test_an_expiry_of_an_entry_the_worker_does_not_hold_is_refused_and_fin
 async def test_the_reaper_leaves_a_closed_run_to_the_ingest_and_takes_it_back_after_the_grace(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     queue = keys.queue(DIGEST)
     closed = await _taken(queues, queue, "a", "t1")
     open_run = await _taken(queues, queue, "a", "t2")
     await redis_client.sadd(keys.inboxes, "a")
     # Worker a completed t1 (its result stored, its events appended: the `logged` mark) and died
     # before the ingest moved them; t2 it never finished. Its lease is gone.
-    own = TaskQueues(redis_client, keys, ledger, writer="a")
+    own = TaskStore(redis_client, keys, ledger, writer="a")
     await own.close_run(Result(task_id="t1", status="completed", worker="a", attempt=closed.attempt))
     await redis_client.hset(keys.run_result("a", "t1"), "logged", "1")
     await asyncio.sleep(0.05)
@@ -358,7 +358,7 @@ async def test_the_reaper_puts_back_an_entry_read_with_noack_on_every_redis(
 ) -> None:
     redis_client = redis_client_for(any_redis_url)
     try:
-        queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+        queues = TaskStore(redis_client, keys, Ledger(redis_client, keys))
         queue = keys.queue(DIGEST)
         task = TaskMessage(task_id="t1", model="m", digest=DIGEST, messages=[])
         entry = await queues.enqueue(queue, task)

@@ -43,7 +43,7 @@ from router.plan import FleetView
 from sim.backends.hosts import SimHosts
 from tasks.lease import LeaseInfo, Leases, decode_lease, registered
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.router_helpers import NOW, QWEN, estimator, speed_row, worker
 from tests.router_helpers import snapshot as router_snapshot
@@ -86,7 +86,7 @@ async def test_a_change_of_loaded_models_appends_exactly_one_change_event(
     redis_client: aioredis.Redis, ledger: Ledger
 ) -> None:
     keys = Keys.for_client(redis_client)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
             await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")]))
@@ -271,7 +271,7 @@ async def test_task_routed_keeps_three_candidates_and_counts_the_rest_while_the_
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
     decision = five_holders()
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     sub = await submit_task(
         queues,
         TaskRequest(model="qwen", messages=[Message(role="user", content="hi")]),
@@ -300,7 +300,7 @@ async def test_task_routed_keeps_three_candidates_and_counts_the_rest_while_the_
 async def test_a_routed_submission_through_live_workers_records_the_compact_form(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])

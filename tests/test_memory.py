@@ -33,7 +33,7 @@ from routeledger.embedded import EmbeddedRedis
 from routeledger.errors import ConfigError
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message, Result, TaskMessage, queue_fields
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.test_api_support import fleet_and_api, ghost_worker, serving
 
@@ -249,7 +249,7 @@ async def test_a_worker_refused_its_closing_writes_for_lack_of_memory_keeps_the_
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
     before: Any = await redis_client.config_get("maxmemory")
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with (
         SimHosts(make_test_fleet(), time_scale=10.0, seed=3) as hosts,
         running_agent(redis_client, hosts.url("a"), fast_config("a", lease_ms=10_000)),
@@ -289,7 +289,7 @@ async def test_a_worker_refused_its_closing_writes_for_lack_of_memory_keeps_the_
 async def test_rl_dead_stays_at_its_cap_and_holds_ids_and_a_reason_but_no_prompt(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys, dead_max_entries=1000)
+    queues = TaskStore(redis_client, keys, dead_max_entries=1000)
     task = TaskMessage(
         task_id="t1",
         model="m",
@@ -327,7 +327,7 @@ async def test_a_closing_script_redis_refuses_for_lack_of_memory_is_recognised_o
     before: Any = await client.config_get("maxmemory")
     await client.config_set("maxmemory", 1)
     try:
-        queues = TaskQueues(client, keys)
+        queues = TaskStore(client, keys)
         with pytest.raises(ResponseError) as refused:
             await queues.close_run(Result(task_id="t", status="completed", attempt=1, text="x"), "x")
         assert is_oom(refused.value)

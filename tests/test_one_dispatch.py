@@ -39,7 +39,7 @@ from sim.scheduling.policies import Routeledger
 from sim.scheduling.schedule import simulate
 from sim.scheduling.workload import Job, WorkloadSpec, generate
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, wait_until
 from tests.reliability.support import spawn_worker, stop_all
 
@@ -157,7 +157,7 @@ async def test_real_workers_and_the_simulator_share_tasks_alike_and_the_fast_pc_
             # What the projection knows when the workload starts is where the simulator starts.
             t0 = now_ms() + 500
             seed = await snapshot(redis_client, keys)
-            queues = TaskQueues(redis_client, keys, ledger)
+            queues = TaskStore(redis_client, keys, ledger)
             view = LiveView(redis_client, keys)
             start = time.monotonic() + (t0 - now_ms()) / 1000.0
             for job in plan:

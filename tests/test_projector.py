@@ -38,8 +38,8 @@ from projections.reader import get_task, lag, snapshot
 from replay.rebuild import build
 from replay.verify import diff_tables
 from tasks.payload import Message
-from tasks.queues import TaskQueues
 from tasks.quota import ApiKey, Quotas
+from tasks.store import TaskStore
 
 D1 = "a" * 64
 D2 = "b" * 64
@@ -582,7 +582,7 @@ async def test_completions_are_charged_to_their_keys_once_whoever_settles_them_f
 ) -> None:
     quotas = Quotas(redis_client, keys, open_ttl_s=3600)
     ann, bob = ApiKey(name="ann", key="a"), ApiKey(name="bob", key="b")
-    queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+    queues = TaskStore(redis_client, keys, Ledger(redis_client, keys))
     for task_id, key in [("t1", ann), ("t2", ann), ("t3", bob), ("t4", None)]:
         if key is not None:
             await quotas.admit(key, task_id, 0)

@@ -14,7 +14,7 @@ from projections.reader import snapshot
 from router.estimate import build_estimator
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 from tests.test_projector import D1, fold_all
 from tests.test_replay import _live_against_rebuild
@@ -77,7 +77,7 @@ async def test_a_submission_after_learning_counts_its_prompt_at_the_learned_rati
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
     await fold_all(redis_client, keys, _three_bytes_a_token(now_ms() - 1000, MODEL_DIGEST))
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
             req = TaskRequest(model="m", messages=[Message(role="user", content="x" * 600)])

@@ -1,4 +1,4 @@
-"""tasks.queues.resend: what may be sent again is, after a failed sending, and nothing else is."""
+"""tasks.store.resend: what may be sent again is, after a failed sending, and nothing else is."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from tasks.queues import resend
+from tasks.store import resend
 
 
 class _Flaky:

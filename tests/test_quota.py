@@ -19,8 +19,8 @@ from projections import store
 from projections.projector import Projector
 from tasks.errors import QuotaExceededError
 from tasks.payload import Message
-from tasks.queues import TaskQueues
 from tasks.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, wait_until
 from tests.test_api_native import has_output
 from tests.test_api_support import fleet_and_api, ghost_worker, serving, stored_result
@@ -135,7 +135,7 @@ def test_plain_keys_get_generated_names_and_repeated_names_are_refused() -> None
         named_keys([], [ApiKey(name="x", key="1", rpm=0)])
 
 
-async def queue(queues: TaskQueues, name: str, priority: int = 0, share_round: int = 0) -> None:
+async def queue(queues: TaskStore, name: str, priority: int = 0, share_round: int = 0) -> None:
     req = TaskRequest(
         model="m",
         messages=[Message(role="user", content=name)],
@@ -150,7 +150,7 @@ async def test_a_models_backlog_lists_higher_priority_first_then_earlier_rounds_
     redis_client: aioredis.Redis,
 ) -> None:
     keys = Keys()
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     await queue(queues, "low-r1", 0, 1)
     await queue(queues, "low-1", 0, 0)
     await queue(queues, "background", -3, 0)
@@ -168,7 +168,7 @@ async def test_a_take_of_the_head_takes_from_the_band_queue_that_holds_it(
     redis_client: aioredis.Redis,
 ) -> None:
     keys = Keys()
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     await queue(queues, "low", 0, 0)
     await queue(queues, "high", 9, 0)
     head = (await LiveView(redis_client, keys).backlog(MODEL_DIGEST))[0]

@@ -12,7 +12,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from tasks.lease import LeaseInfo, Leases
 from tasks.payload import TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of
 from workers.reaper import Reaper, ReaperConfig
 
@@ -26,7 +26,7 @@ async def _taken_by_a_live_worker(
 ) -> tuple[str, str]:
     """A task taken by live worker `w` whose lease record does not list it yet (a plain-gate
     worker lists a run from its next heartbeat); (queue, entry id)."""
-    queues = TaskQueues(redis, keys, ledger)
+    queues = TaskStore(redis, keys, ledger)
     queue = keys.queue(MODEL_DIGEST)
     await queues.enqueue(queue, TaskMessage(task_id="t", model="m", digest=MODEL_DIGEST))
     info = LeaseInfo(worker="w", token="tok", slots=1, lease_ms=worker_lease_ms)

@@ -29,7 +29,7 @@ from router.estimate import build_estimator
 from router.preview import preview
 from sim.backends.hosts import SimHosts
 from tasks.lease import live_workers
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until
 from tests.reliability.support import spawn_worker, stop_all
 from tests.router_helpers import NOW, QWEN, backlog, estimator, view, worker
@@ -272,7 +272,7 @@ async def test_a_sim_host_slowed_at_run_time_under_a_worker_process_is_noticed_i
     """The whole path: a `routeledger worker` process on a sim host, the projector folding as it
     runs, the host's speed changed through its control API, and the preview the API serves."""
     keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     stop = asyncio.Event()
     folding = asyncio.create_task(Projector(redis_client, keys).run(stop))
 

@@ -11,13 +11,13 @@ from events.event import TaskSubmitted
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
 from tasks.payload import Message, Result, TaskMessage
-from tasks.queues import (
+from tasks.store import (
     CANCEL_REMOVED,
     CANCEL_RUNNING,
     NOT_OURS,
     OVER_LIMIT,
     REQUEUED,
-    TaskQueues,
+    TaskStore,
 )
 from tests.helpers import events_of
 
@@ -32,7 +32,7 @@ def _task(n: int) -> TaskMessage:
     )
 
 
-async def _submit(queues: TaskQueues, n: int) -> str:
+async def _submit(queues: TaskStore, n: int) -> str:
     queue = queues.keys.queue(DIGEST)
     task = _task(n)
     event = TaskSubmitted(task_id=task.task_id, model="m", digest=DIGEST, queue=queue)
@@ -44,7 +44,7 @@ async def _submit(queues: TaskQueues, n: int) -> str:
 async def test_a_task_submitted_twice_under_one_id_is_queued_and_recorded_once(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     queue = keys.queue(DIGEST)
     task = _task(1)
     event = TaskSubmitted(task_id=task.task_id, model="m", digest=DIGEST, queue=queue)
@@ -60,7 +60,7 @@ async def test_a_task_submitted_twice_under_one_id_is_queued_and_recorded_once(
 async def test_a_worker_takes_exactly_the_head_its_gate_decided_on_and_nothing_else(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     first, second = await _submit(queues, 1), await _submit(queues, 2)
     # The gate decided on the second entry, but the first is still the head: nothing is taken.
@@ -77,7 +77,7 @@ async def test_a_worker_takes_exactly_the_head_its_gate_decided_on_and_nothing_e
 async def test_a_requeued_task_keeps_its_place_ahead_of_newer_work_with_its_next_attempt(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     first = await _submit(queues, 1)
     assert (await queues.take(queue, "w1")).entry_id == first
@@ -94,7 +94,7 @@ async def test_a_requeued_task_keeps_its_place_ahead_of_newer_work_with_its_next
 async def test_a_requeue_sent_again_after_its_reply_was_lost_reports_the_same_move(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     entry = await _submit(queues, 1)
     await queues.take(queue, "w1")
@@ -109,7 +109,7 @@ async def test_a_requeue_sent_again_after_its_reply_was_lost_reports_the_same_mo
 
 
 async def test_a_task_past_its_delivery_limit_is_not_moved(redis_client: aioredis.Redis, keys: Keys) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     entry = await _submit(queues, 1)
     for attempt, worker in ((1, "w1"), (2, "w2")):
@@ -125,7 +125,7 @@ async def test_a_task_past_its_delivery_limit_is_not_moved(redis_client: aioredi
 async def test_a_run_that_lost_its_entry_cannot_remove_it_from_the_queue(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     entry = await _submit(queues, 1)
     await queues.take(queue, "w1")
@@ -140,7 +140,7 @@ async def test_a_run_that_lost_its_entry_cannot_remove_it_from_the_queue(
 async def test_cancelling_finds_the_entry_by_its_index_and_spares_a_running_one(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     waiting, running, requeued = await _submit(queues, 1), await _submit(queues, 2), await _submit(queues, 3)
     await queues.take(queue, "w1", expected=waiting)
@@ -161,7 +161,7 @@ async def test_cancelling_finds_the_entry_by_its_index_and_spares_a_running_one(
 async def test_a_genuine_completion_replaces_a_dead_letter_but_nothing_else(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     dead = Result(task_id="t1", status="dead", attempt=3, error="delivery limit 3 reached")
     late = Result(task_id="t1", status="completed", worker="w1", attempt=1, text="ok", run="r1")
     assert await queues.record_result(dead)
@@ -180,7 +180,7 @@ async def test_a_genuine_completion_replaces_a_dead_letter_but_nothing_else(
 async def test_a_worker_the_plan_gave_task_k_takes_the_head_if_at_most_k_minus_1_went_to_others(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     queue = keys.queue(DIGEST)
     first, second, third, _ = [await _submit(queues, n) for n in range(4)]
     # w2 decided on the head `first` with the plan giving it task #2; w1 took `first` meanwhile.
@@ -197,7 +197,7 @@ async def test_a_worker_the_plan_gave_task_k_takes_the_head_if_at_most_k_minus_1
 async def test_a_models_depth_counts_the_entries_of_its_plain_queue_and_of_every_band_queue(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     assert await queues.depth(DIGEST) == 0
     # Priority 0 in round 0 joins the plain queue; the others join band queues of the model.
     for name, priority, share_round in [("plain", 0, 0), ("high", 9, 0), ("late", 0, 2), ("low", -3, 0)]:

@@ -1,5 +1,5 @@
 """Taking a queued task that is not the head (size-aware dispatch on real workers): the entry moves
-to the worker's pinned stream and is delivered there in one script (TaskQueues.take_given)."""
+to the worker's pinned stream and is delivered there in one script (TaskStore.take_given)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from events.ledger import Ledger
 from router.gate import GateDecision, GateParams
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message, TaskMessage
-from tasks.queues import CANCEL_RUNNING, TaskQueues
+from tasks.store import CANCEL_RUNNING, TaskStore
 from tests.helpers import (
     MODEL_DIGEST,
     events_of,
@@ -43,7 +43,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
         yield sim
 
 
-async def _queued(queues: TaskQueues, n: int) -> list[tuple[str, str]]:
+async def _queued(queues: TaskStore, n: int) -> list[tuple[str, str]]:
     """`n` tasks of model `m` on its shared queue: (task id, entry id) of each, head first."""
     for i in range(n):
         req = TaskRequest(model="m", messages=[Message(role="user", content=f"q{i}")], task_id=f"t{i}")
@@ -68,7 +68,7 @@ async def test_a_later_task_moves_to_the_workers_pinned_stream_and_is_delivered_
 
 
 async def _moves(redis_client: aioredis.Redis, keys: Keys) -> None:
-    queues = TaskQueues(redis_client, keys, Ledger(redis_client, keys))
+    queues = TaskStore(redis_client, keys, Ledger(redis_client, keys))
     (t0, _), (t1, e1), _ = await _queued(queues, 3)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("w")
     taken = await queues.take_given(shared, pinned, "w", e1, t1)
@@ -89,7 +89,7 @@ async def _moves(redis_client: aioredis.Redis, keys: Keys) -> None:
 async def test_a_later_task_taken_or_removed_meanwhile_is_not_taken(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (_, e0), (t1, e1), (t2, e2), (t3, e3) = await _queued(queues, 4)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("w")
     # Another worker read the head and the next: the second is delivered, not queued.
@@ -109,7 +109,7 @@ async def test_a_later_task_taken_or_removed_meanwhile_is_not_taken(
 async def test_a_worker_with_work_on_its_pinned_stream_takes_no_later_task(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     _, (t1, e1) = await _queued(queues, 2)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("w")
     await queues.enqueue(pinned, TaskMessage(task_id="bench", model="m", digest=MODEL_DIGEST, bench_id="x"))
@@ -123,7 +123,7 @@ async def test_a_worker_with_work_on_its_pinned_stream_takes_no_later_task(
 async def test_a_re_queued_later_task_moves_as_its_next_attempt(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (_, e0), (t1, e1) = await _queued(queues, 2)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("w")
     for entry in (e0, e1):
@@ -144,7 +144,7 @@ async def test_a_re_queued_later_task_moves_as_its_next_attempt(
 async def test_a_moved_task_whose_worker_died_goes_back_to_the_shared_queue_as_its_next_attempt(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     _, (t1, e1) = await _queued(queues, 2)
     shared, pinned = keys.queue(MODEL_DIGEST), keys.pinned("dead")
     assert (await queues.take_given(shared, pinned, "dead", e1, t1)).entry_id
@@ -193,7 +193,7 @@ async def test_a_worker_given_the_second_task_runs_exactly_that_one_and_leaves_t
     hosts: SimHosts,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (t0, _), (t1, e1) = await _queued(queues, 2)
     given = _Given([(t1, e1)])
     monkeypatch.setattr(admission, "decide_take", given)
@@ -222,7 +222,7 @@ async def test_a_worker_whose_given_task_was_removed_takes_nothing_and_asks_agai
     hosts: SimHosts,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (t0, _), (t1, e1), (t2, e2) = await _queued(queues, 3)
     given = _Given([(t1, e1), (t2, e2)])
     monkeypatch.setattr(admission, "decide_take", given)
@@ -267,7 +267,7 @@ def _idle_agent(redis: aioredis.Redis, keys: Keys, name: str, *, inbox: bool) ->
 async def test_the_gate_admits_a_later_task_to_be_moved_and_the_head_to_be_taken_in_place(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (t0, e0), (t1, e1) = await _queued(queues, 2)
     given = _Recorded([(t1, e1), (t0, e0)])
     monkeypatch.setattr(admission, "decide_take", given)
@@ -285,7 +285,7 @@ async def test_a_worker_that_writes_to_an_inbox_is_gated_by_the_size_blind_rule(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Its ACL may not delete a queue entry: it cannot move a later task to its pinned stream.
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (t0, e0), _ = await _queued(queues, 2)
     given = _Recorded([(t0, e0)])
     monkeypatch.setattr(admission, "decide_take", given)
@@ -298,7 +298,7 @@ async def test_a_worker_that_writes_to_an_inbox_is_gated_by_the_size_blind_rule(
 async def test_a_lone_worker_runs_a_small_task_queued_behind_a_big_one_first_through_its_pinned_stream(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     for task_id, max_tokens in (("big", None), ("small", 2)):
         req = TaskRequest(
             model="m", messages=[Message(role="user", content="x")], max_tokens=max_tokens, task_id=task_id
@@ -318,7 +318,7 @@ async def test_tasks_waiting_in_several_priority_bands_are_gated_by_the_size_bli
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Bands are served highest priority first; a size-aware order across them would not keep that.
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     for task_id, priority in (("low", 0), ("high", 5)):
         req = TaskRequest(
             model="m", messages=[Message(role="user", content="x")], task_id=task_id, priority=priority
@@ -334,7 +334,7 @@ async def test_tasks_waiting_in_several_priority_bands_are_gated_by_the_size_bli
 async def test_a_moved_task_whose_worker_died_is_run_by_another_worker_and_completed_once(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     (t0, _), (t1, e1) = await _queued(queues, 2)
     # A worker with no lease (it died) moved t1 to its pinned stream and took it there.
     assert (await queues.take_given(keys.queue(MODEL_DIGEST), keys.pinned("gone"), "gone", e1, t1)).entry_id

@@ -94,11 +94,11 @@ async def test_one_models_backlog_and_several_models_backlogs_are_each_read_whol
 ) -> None:
     # (How many asyncio tasks a read makes is redis-py's business now: routeledger reads through
     # its public client, whose commands make their own.)
-    from tasks.queues import TaskQueues
+    from tasks.store import TaskStore
 
     keys = Keys.for_client(redis_client)
     view = LiveView(redis_client, keys)
-    queues = TaskQueues(redis_client, keys)
+    queues = TaskStore(redis_client, keys)
     for digest in ("d1", "d2"):
         await queues.ensure_group(keys.queue(digest))
         await redis_client.xadd(keys.queue(digest), {"task": b"not a task", "id": f"t-{digest}"})

@@ -43,7 +43,7 @@ from router.wake import Sleeper, decide_wake
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet
 from tasks.payload import Message
-from tasks.queues import TaskQueues, read_result
+from tasks.store import TaskStore, read_result
 from tests.helpers import events_of, rl, wait_until, worker_process
 from workers.reaper import Reaper, ReaperConfig
 from workers.waker import Waker, WakerConfig
@@ -176,7 +176,7 @@ async def _submit(redis: aioredis.Redis, view: LiveView, text: str, max_tokens: 
     req = TaskRequest(
         model="qwen3:8b", messages=[Message(role="user", content=text)], max_tokens=max_tokens, client="test"
     )
-    sub = await route_and_submit(TaskQueues(redis, Keys()), view, req)
+    sub = await route_and_submit(TaskStore(redis, Keys()), view, req)
     return sub.task.task_id
 
 

@@ -18,7 +18,7 @@ from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.lease import live_workers
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, TEST_FLEET, events_of, fast_config, running_agent, wait_until
 from workers.backend import Inventory
 from workers.warmth import Warmth
@@ -86,7 +86,7 @@ def test_a_backend_that_cannot_list_is_judged_by_its_first_token_and_the_load_le
     assert warmth.after(MODEL_DIGEST, None, _first_token(100, 6.1), alone=False)[0] is None
 
 
-async def _submit(queues: TaskQueues, max_tokens: int = 40) -> None:
+async def _submit(queues: TaskStore, max_tokens: int = 40) -> None:
     # 40 tokens: the test fleet's whole answer, and long enough to be a speed sample
     # (projections.folder.MIN_DECODE_TOKENS).
     await submit_task(
@@ -100,7 +100,7 @@ async def _done(ledger: Ledger, n: int) -> list[TaskCompleted]:
 
 async def _run_tasks(redis: aioredis.Redis, ledger: Ledger, n: int) -> list[TaskCompleted]:
     """Submit `n` tasks one after another (each waits for the last), then fold the ledger."""
-    queues = TaskQueues(redis, Keys(), ledger)
+    queues = TaskStore(redis, Keys(), ledger)
     for i in range(n):
         await _submit(queues)
 

@@ -18,7 +18,7 @@ from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.faultproxy import fault_proxy
 from tests.helpers import (
     events_of,
@@ -44,7 +44,7 @@ async def test_a_connection_dropped_while_the_worker_appends_its_news_leaves_its
 ) -> None:
     keys = Keys()
     ledger = Ledger(redis_client, keys)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     parts = urlsplit(redis_url)
     async with redis_proxy(parts.hostname or "127.0.0.1", redis_server.port) as relay:
         worker_redis = open_redis(relay.url(parts.password))
@@ -73,7 +73,7 @@ async def test_a_worker_whose_queues_lost_their_groups_in_a_redis_restart_still_
 ) -> None:
     keys = Keys()
     ledger = Ledger(redis_client, keys)
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
 
     async def done(task_id: str) -> bool:
         return bool(await redis_client.hexists(keys.result(task_id), "result"))

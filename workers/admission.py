@@ -4,8 +4,8 @@
 for the system than leaving it to the others; the decision is pure (the scheduling simulator makes
 it through the same function), its facts come from `dispatch.view.LiveView`. `PlainPull` takes the
 head of whichever queue waited longest. Either way the worker then takes exactly that one entry,
-and only if it is still the head (`TaskQueues.take`), or, for a later task the size-aware plan gave
-it, only if it is still queued (`TaskQueues.take_given`, which moves it to the worker's pinned
+and only if it is still the head (`TaskStore.take`), or, for a later task the size-aware plan gave
+it, only if it is still queued (`TaskStore.take_given`, which moves it to the worker's pinned
 stream), and asks again for its next free slot.
 
 A gate reads the worker that asks it through `Applicant`, the few things it needs (what it
@@ -45,12 +45,12 @@ class Admission(msgspec.Struct, kw_only=True):
     queue: str | None = None
     # The entry decided on ('' = the head, whatever it is).
     entry_id: str = ""
-    # The plan gave the worker task #k of the queue: k - 1 others may take theirs first (TaskQueues.take).
+    # The plan gave the worker task #k of the queue: k - 1 others may take theirs first (TaskStore.take).
     slack: int = 0
     # Work waits that the gate leaves to others for now (the worker asks again when things change).
     held_back: bool = False
     # The entry decided on is not the head (the size-aware plan gave the worker a later task): the
-    # worker moves it to its pinned stream and takes it there (TaskQueues.take_given).
+    # worker moves it to its pinned stream and takes it there (TaskStore.take_given).
     ahead: bool = False
     # The task of `entry_id`, when known (a take ahead names its lookup hash).
     task_id: str = ""

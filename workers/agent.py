@@ -28,7 +28,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from tasks.lease import LeaseInfo, Leases
 from tasks.payload import TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from workers.admission import Gate, PlainPull
 from workers.backend import Backend, Inventory
 from workers.benchmarks import Benchmarks
@@ -74,7 +74,7 @@ class WorkerAgent:
         self.finishes = not config.inbox
         self.leases = Leases(redis, keys)
         # With an inbox, its output and results go to its own keys, the only ones its ACL lets it write.
-        self.queues = TaskQueues(
+        self.queues = TaskStore(
             redis,
             keys,
             self.ledger,

@@ -30,7 +30,7 @@ from events.errors import RouteledgerError
 from events.keys import Keys
 from projections.benchset import benchset, domains
 from projections.snapshot import Snapshot
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from workers.config import WorkerConfig
 from workers.consumer import Consumer
 from workers.holdings import Holdings
@@ -55,7 +55,7 @@ class Benchmarks:
         keys: Keys,
         config: WorkerConfig,
         clock: LedgerClock,
-        queues: TaskQueues,
+        queues: TaskStore,
         holdings: Holdings,
         runs: Runs,
         consumer: Consumer,

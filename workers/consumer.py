@@ -22,7 +22,7 @@ from events.event import ModelEntry
 from events.keys import Keys
 from events.ledger import Ledger
 from tasks.lease import LeaseInfo
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from workers.admission import Gate
 from workers.config import WorkerConfig
 from workers.endings import Endings
@@ -57,7 +57,7 @@ class Consumer:
         keys: Keys,
         config: WorkerConfig,
         ledger: Ledger,
-        queues: TaskQueues,
+        queues: TaskStore,
         gate: Gate,
         holdings: Holdings,
         heartbeat: Heartbeat,

@@ -19,7 +19,7 @@ from events.event import TaskExpired, TaskFailed, Timings
 from events.ledger import Ledger
 from projections.status import Outcome
 from tasks.payload import Result
-from tasks.queues import Requeue, TaskQueues
+from tasks.store import Requeue, TaskStore
 from workers.config import WorkerConfig
 from workers.errors import BackendError, TaskCancelledError
 from workers.heartbeat import Heartbeat
@@ -42,7 +42,7 @@ class Endings:
         config: WorkerConfig,
         clock: LedgerClock,
         ledger: Ledger,
-        queues: TaskQueues,
+        queues: TaskStore,
         holdings: Holdings,
         heartbeat: Heartbeat,
         pinned: PinnedStream,

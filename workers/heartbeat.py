@@ -23,7 +23,7 @@ from events.clock import LedgerClock
 from events.event import now_ms
 from events.keys import Keys
 from tasks.lease import LeaseInfo, Leases, LeaseTaken, RunningInfo
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from workers.config import WorkerConfig
 from workers.errors import WorkerNameTakenError
 from workers.holdings import Holdings
@@ -43,7 +43,7 @@ class Heartbeat:
         config: WorkerConfig,
         leases: Leases,
         clock: LedgerClock,
-        queues: TaskQueues,
+        queues: TaskStore,
         holdings: Holdings,
         runs: Runs,
         stopping: asyncio.Event,
@@ -249,7 +249,7 @@ class Heartbeat:
             await self.holdings.report_changes()
 
     async def keep_entries_alive(self) -> None:
-        """Reset the idle time of every running entry still ours (TaskQueues.keep). A run
+        """Reset the idle time of every running entry still ours (TaskStore.keep). A run
         that is closing (its entry acknowledged, or about to be) is left out and never reported lost."""
         by_queue: dict[str, list[str]] = {}
         for run in self.runs.running.values():

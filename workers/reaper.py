@@ -6,9 +6,9 @@ was killed, or lost its machine): the projected fleet would otherwise say "onlin
 A worker that writes to an inbox does not acknowledge its entries: the ingest finishes an entry as it
 moves the event that closes the run. Until then the entry stays pending for a worker that is no
 longer running it; the reaper leaves such an entry alone while its owner's stored outcome says the
-run closed (`TaskQueues.closed`), for up to `ingest_grace_ms`, so that the ingest's lag never makes
+run closed (`TaskStore.closed`), for up to `ingest_grace_ms`, so that the ingest's lag never makes
 a finished task run again. It also revives entries that were delivered and then acknowledged
-without being deleted (`TaskQueues.revive`): a consumer's XREADGROUP NOACK or XCLAIM LASTID would
+without being deleted (`TaskStore.revive`): a consumer's XREADGROUP NOACK or XCLAIM LASTID would
 otherwise leave a task neither queued nor running, with no event.
 
 Design rule 5: nothing unowned is reaped. An entry enters a consumer's pending list only when a
@@ -39,7 +39,7 @@ from projections.errors import ProjectionError
 from projections.snapshot import FleetRow
 from tasks.lease import Leases, decode_lease, live_workers, registered
 from tasks.payload import F_ID
-from tasks.queues import REQUEUED, TaskQueues
+from tasks.store import REQUEUED, TaskStore
 from workers.waker import Waker, WakerConfig
 
 log = logging.getLogger("routeledger.reaper")
@@ -99,7 +99,7 @@ class Reaper:
         # Queue entries' waits are stream ids (the ledger's clock): judged on that clock (a test
         # hands in one it moves, rather than waiting for a stall in real time).
         self.clock = clock or LedgerClock(redis)
-        self.queues = TaskQueues(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
+        self.queues = TaskStore(redis, keys, self.ledger, dead_max_entries=config.dead_max_entries)
         self._seeded = False
         self.leases = Leases(redis, keys)
         # Workers that write to an inbox (their entries are finished by the ingest), as of this sweep.
@@ -227,7 +227,7 @@ class Reaper:
     async def _hand_back(self, queue: str, live: set[str], report: Sweep) -> None:
         """Move handed-off tasks nobody took from a pinned stream to their shared queue: all of
         them when its worker's lease is gone, those waiting past `handoff_wait_ms` otherwise.
-        Benchmarks stay: they are meant for that worker alone (TaskQueues.hand_back)."""
+        Benchmarks stay: they are meant for that worker alone (TaskStore.hand_back)."""
         worker = self.keys.pinned_worker(queue)
         if worker is None:
             return
@@ -284,7 +284,7 @@ class Reaper:
                 start = next_id(batch[-1].entry_id)
 
     async def _revive(self, queue: str, report: Sweep) -> None:
-        """Re-queue entries that left the pending list without being deleted (see TaskQueues.revive)."""
+        """Re-queue entries that left the pending list without being deleted (see TaskStore.revive)."""
         for entry_id, task_id, attempt in await self.queues.revive(queue):
             report.revived += 1
             log.warning(

@@ -30,7 +30,7 @@ from events.ledger import Ledger
 from projections.benchset import prompt_by_id
 from tasks.lease import Leases
 from tasks.payload import EMBED, Chunk, Result, Thought, ToolCall, encode_chunk
-from tasks.queues import OUTPUT_TTL_MS, Taken, TaskQueues, parse_entry
+from tasks.store import OUTPUT_TTL_MS, Taken, TaskStore, parse_entry
 from workers.backend import Backend, Generated
 from workers.closing import FinishedRun
 from workers.config import WorkerConfig
@@ -60,7 +60,7 @@ class Runner:
         backend: Backend,
         clock: LedgerClock,
         ledger: Ledger,
-        queues: TaskQueues,
+        queues: TaskStore,
         leases: Leases,
         holdings: Holdings,
         heartbeat: Heartbeat,

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from events.event import now_ms
-from tasks.queues import QueueEntry
+from tasks.store import QueueEntry
 from workers.errors import TaskCancelledError
 
 

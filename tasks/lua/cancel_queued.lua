@@ -1,4 +1,4 @@
--- cancel_queued.lua (script; loaded by tasks/queues.py)
+-- cancel_queued.lua (script; loaded by tasks/store.py)
 -- Withdraw a task that no worker runs, by its entry id (the task's lookup hash records it): delete
 -- the entry unless a worker holds it (a running task's worker is told to stop instead); a re-queued
 -- entry, which waits, is acknowledged and deleted. KEYS[1] queue; ARGV group, entry id, the REQUEUED

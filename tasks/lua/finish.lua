@@ -1,4 +1,4 @@
--- finish.lua (script; loaded by tasks/queues.py)
+-- finish.lua (script; loaded by tasks/store.py)
 -- Acknowledge and delete a finished entry (prompts do not outlive their task), only while `owner`
 -- holds it: a run that lost its entry (re-queued in place, perhaps taken again) must not remove it.
 -- KEYS[1] queue; ARGV group, entry id, owner ('' = whoever holds it). Returns 1 when acknowledged

@@ -1,4 +1,4 @@
--- hand_back.lua (script; loaded by tasks/queues.py)
+-- hand_back.lua (script; loaded by tasks/store.py)
 -- Move a handed-off task (router.handoff) its worker has not taken from its pinned stream to the
 -- shared queue it would have joined, at once: the entry leaves the pinned stream only if nobody
 -- has taken it, and the task's lookup hash follows it. KEYS[1] the pinned stream, KEYS[2] the task

@@ -1,4 +1,4 @@
--- hand_back_requeued.lua (script; loaded by tasks/queues.py)
+-- hand_back_requeued.lua (script; loaded by tasks/store.py)
 -- Move a handed-off task its worker gave back (re-queued in place for ARGV[3], the re-queued
 -- consumer: a retryable failure, a shutdown mid-run, or the reaper after its worker died) from the
 -- pinned stream to the shared queue, as its next attempt: only while nobody has taken it again.

@@ -1,4 +1,4 @@
--- keep.lua (script; loaded by tasks/queues.py)
+-- keep.lua (script; loaded by tasks/store.py)
 -- Keep a consumer's running entries alive: reset the idle time of each that is still pending for it
 -- (XCLAIM JUSTID, which counts no delivery), and only those: a plain XCLAIM would take back an
 -- entry that was re-queued in place, or taken by another worker since. KEYS[1] queue; ARGV group,

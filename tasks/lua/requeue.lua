@@ -1,6 +1,6 @@
--- requeue.lua (script; loaded by tasks/queues.py)
+-- requeue.lua (script; loaded by tasks/store.py)
 -- Put a delivered entry back in its queue, in its place: it is handed, still pending, to the
--- REQUEUED consumer, whose entries a worker takes before any undelivered one (TaskQueues.take). The
+-- REQUEUED consumer, whose entries a worker takes before any undelivered one (TaskStore.take). The
 -- entry never moves, so a re-queued task stays ahead of newer work, and its delivery count records
 -- the attempts spent. A re-sent call (its reply was lost) finds its own work done and says so again,
 -- so that the caller still records it.

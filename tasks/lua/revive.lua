@@ -1,4 +1,4 @@
--- revive.lua (script; loaded by tasks/queues.py)
+-- revive.lua (script; loaded by tasks/store.py)
 -- Find entries that were delivered and then left the pending list without being deleted, and put
 -- each back as a re-queued entry, in its place (XCLAIM FORCE to the REQUEUED consumer). No routeledger
 -- process makes one (every acknowledgement deletes its entry in the same script), but a consumer can:

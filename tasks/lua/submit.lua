@@ -1,4 +1,4 @@
--- submit.lua (script; loaded by tasks/queues.py)
+-- submit.lua (script; loaded by tasks/store.py)
 -- Submit a task exactly once, keyed by its id: the ledger events, the queue entry and the task's
 -- lookup hash (which records the entry, so that a cancel finds it without reading the queue), or
 -- nothing if the task exists already (a re-sent submission). The queue and its group are made if

@@ -1,4 +1,4 @@
--- take.lua (script; loaded by tasks/queues.py)
+-- take.lua (script; loaded by tasks/store.py)
 -- Take exactly one entry for a consumer: the oldest re-queued one, else the head of what nobody has
 -- read, and only when it is the entry the caller's gate decided on (ARGV[3]; '' takes the head,
 -- whatever it is), or an equivalent: when the plan gave the caller task #k (ARGV[5] = k - 1, the

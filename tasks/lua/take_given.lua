@@ -1,4 +1,4 @@
--- take_given.lua (script; loaded by tasks/queues.py)
+-- take_given.lua (script; loaded by tasks/store.py)
 -- Take a queued entry that is not the head (the size-aware gate gave this worker a later task): the
 -- consumer group hands out only the next undelivered entry, so the entry moves to the worker's
 -- pinned stream and is delivered there at once, in one step. Only while it is still undelivered on

@@ -1,4 +1,4 @@
--- take_over.lua (script; loaded by tasks/queues.py)
+-- take_over.lua (script; loaded by tasks/store.py)
 -- A later run of a completed task finds a stored result whose writer never marked it `logged` (it
 -- died between storing the result and appending TaskCompleted): the first such run takes over the
 -- ledger record, so that the completion still counts once. KEYS[1] result hash; ARGV attempt.

@@ -1,4 +1,4 @@
--- untaken.lua (script; loaded by tasks/queues.py)
+-- untaken.lua (script; loaded by tasks/store.py)
 -- The entries of a pinned stream nobody has taken yet: {id, task id, ...} in order, at most ARGV[2]
 -- of them. KEYS[1] the pinned stream; ARGV[1] group, ARGV[2] count.
 local last = last_delivered(KEYS[1], ARGV[1])

@@ -18,7 +18,7 @@ from events.event import TaskCompleted, TaskDeadLettered, TaskFailed
 from events.keys import Keys
 from events.ledger import Ledger
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, wait_until
 from tests.reliability.faulty_backend import FaultyBackend, Mode
 from workers.agent import WorkerAgent
@@ -35,7 +35,7 @@ async def backend() -> AsyncIterator[FaultyBackend]:
         yield server
 
 
-async def _submit(queues: TaskQueues, text: str) -> str:
+async def _submit(queues: TaskStore, text: str) -> str:
     task = (
         await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content=text)]))
     ).task
@@ -49,7 +49,7 @@ async def test_a_network_fault_times_out_or_fails_retries_to_the_limit_and_the_w
     redis_client: aioredis.Redis, ledger: Ledger, backend: FaultyBackend, mode: Mode, kind: str
 ) -> None:
     keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     client = OllamaBackend(backend.url, timeout_s=RUN_TIMEOUT_S, idle_timeout_s=IDLE_TIMEOUT_S)
     config = fast_config("a", delivery_limit=LIMIT, cooldown_s=0.05)
     agent = WorkerAgent(redis_client, keys, client, config)

@@ -29,7 +29,7 @@ from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.lease import live_workers
 from tasks.payload import Message, chunk_decoder
-from tasks.queues import _REQUEUE, _REQUEUE_DEF, TaskQueues
+from tasks.store import _REQUEUE, _REQUEUE_DEF, TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.proxy import RedisProxy, redis_proxy
 from tests.reliability.support import counted_completions, reaper_process, spawn_worker, stop_all
@@ -74,7 +74,7 @@ def _claims_per_run(claims: list[TaskClaimed]) -> collections.Counter[tuple[str,
 async def test_a_worker_whose_connections_go_half_open_keeps_its_lease_and_runs_each_task_once(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     async with (
         SimHosts(make_test_fleet(), time_scale=0.2, seed=3) as hosts,
         _proxied(redis_url, socket_timeout=10.0) as (proxy, client),
@@ -113,7 +113,7 @@ async def _all_counted(ledger: Ledger, task_ids: list[str]) -> bool:
 async def test_a_black_holed_worker_stops_taking_before_its_lease_expires_and_its_task_runs_once(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     # Slow enough that the first task is still running when the network goes.
     async with SimHosts(make_test_fleet(), time_scale=1.0, seed=3) as hosts:
         async with (
@@ -166,7 +166,7 @@ async def test_a_reclaim_whose_reply_was_lost_is_sent_again_and_recorded(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
     keys = Keys()
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     req = TaskRequest(model="m", messages=[Message(role="user", content="x")])
     task = (await submit_task(queues, req, digest=MODEL_DIGEST)).task
     queue = keys.queue(MODEL_DIGEST)
@@ -199,7 +199,7 @@ async def test_two_processes_started_at_once_with_one_name_leave_exactly_one_run
             await wait_until(lambda: _one_exited(twins), timeout=30)
             task = (
                 await submit_task(
-                    TaskQueues(redis_client, Keys(), ledger),
+                    TaskStore(redis_client, Keys(), ledger),
                     TaskRequest(model="m", messages=[Message(role="user", content="x")]),
                 )
             ).task

@@ -30,7 +30,7 @@ from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
 from tasks.payload import Chunk, Message, Result, TaskMessage, encode_chunk, encode_result
-from tasks.queues import _CANCEL_QUEUED_DEF, _FINISH_DEF, TaskQueues
+from tasks.store import _CANCEL_QUEUED_DEF, _FINISH_DEF, TaskStore
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import acl_line, spawn_worker, stop_all
 from workers.reaper import UNACKNOWLEDGED, Reaper, ReaperConfig
@@ -65,7 +65,7 @@ async def _append(redis: aioredis.Redis, stream: str, events: list[Event]) -> No
 
 
 async def _submit(redis: aioredis.Redis, ledger: Ledger) -> str:
-    queues = TaskQueues(redis, Keys(), ledger)
+    queues = TaskStore(redis, Keys(), ledger)
     request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
     return (await submit_task(queues, request)).task.task_id
 
@@ -188,7 +188,7 @@ async def _queued_tasks_do_not_vanish(
 ) -> None:
     """Tasks queued for a model the worker's queues let it read: it cannot remove one (Redis refuses),
     and one it reads past without holding it (NOACK, or XCLAIM LASTID) the reaper puts back."""
-    queues = TaskQueues(admin, keys, ledger)
+    queues = TaskStore(admin, keys, ledger)
     queue = keys.queue("c" * 64)
     ids = [
         await queues.enqueue(
@@ -272,7 +272,7 @@ async def _answers_only_for_its_own_runs(
 
 async def _queued_elsewhere(admin: aioredis.Redis, keys: Keys, ledger: Ledger) -> str:
     """A task submitted for a model no live worker serves: it waits in its queue."""
-    queues = TaskQueues(admin, keys, ledger)
+    queues = TaskStore(admin, keys, ledger)
     queue = keys.queue("d" * 64)
     task = TaskMessage(task_id="victim-answer", model="m", digest="d" * 64, messages=[])
     entry = await queues.enqueue(queue, task)

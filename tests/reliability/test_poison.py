@@ -20,7 +20,7 @@ from replay.rebuild import build
 from replay.verify import diff_tables
 from sim.backends.hosts import SimHosts
 from tasks.payload import TaskMessage
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 
 D1 = "a" * 64
@@ -114,7 +114,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
 async def test_a_task_for_a_model_its_worker_does_not_hold_and_a_malformed_entry_are_dead_lettered(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger, hosts: SimHosts
 ) -> None:
-    queues = TaskQueues(redis_client, keys, ledger)
+    queues = TaskStore(redis_client, keys, ledger)
     other = make_test_fleet().model["other"].digest
     # Pinned to `a`, which holds only `m`: a forged or stale pin.
     await queues.enqueue(keys.pinned("a"), TaskMessage(task_id="not-held", model="other", digest=other))

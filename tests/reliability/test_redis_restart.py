@@ -17,7 +17,7 @@ from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import make_test_fleet, wait_until
 from tests.reliability.support import (
     counted_completions,
@@ -40,7 +40,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
 
 
 async def _submit_for(
-    queues: TaskQueues, seconds: float, every: float, acked: dict[str, float], label: str
+    queues: TaskStore, seconds: float, every: float, acked: dict[str, float], label: str
 ) -> int:
     """Submit a task every `every` s for `seconds` s; record when each submission returned."""
     refused = 0
@@ -78,7 +78,7 @@ async def test_tasks_acknowledged_two_seconds_before_redis_is_killed_complete_on
     procs.append(reaper_process(url, log))
     client = aioredis.Redis.from_url(url)
     ledger = Ledger(client, Keys())
-    queues = TaskQueues(client, Keys(), ledger)
+    queues = TaskStore(client, Keys(), ledger)
     acked: dict[str, float] = {}
     try:
         await wait_until(lambda: _live(client), timeout=60)

@@ -24,7 +24,7 @@ from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import acl_line, spawn_worker, stop_all
 from tests.test_api_support import serving
@@ -56,7 +56,7 @@ async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projectio
     worker = aioredis.Redis.from_url(worker_url)
     try:
         await wait_until(lambda: _exists(redis_client, Keys().live("a")), timeout=60)
-        queues = TaskQueues(redis_client, Keys(), ledger)
+        queues = TaskStore(redis_client, Keys(), ledger)
         task = (
             await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")]))
         ).task

@@ -23,7 +23,7 @@ from projections import store
 from projections.reader import lag
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.support import (
     counted_completions,
@@ -71,7 +71,7 @@ async def test_the_projector_and_reaper_killed_and_restarted_leave_tables_equal_
 ) -> None:
     rng = random.Random(4242)
     log = tmp_path / "singletons.log"
-    queues = TaskQueues(redis_client, Keys(), ledger)
+    queues = TaskStore(redis_client, Keys(), ledger)
     every: list[subprocess.Popen[bytes]] = []
     ids: list[str] = []
     kills = 0

@@ -25,7 +25,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message
-from tasks.queues import TaskQueues
+from tasks.store import TaskStore
 from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
 from workers.crash import CRASH_POINTS
@@ -67,7 +67,7 @@ async def test_workers_killed_at_every_step_of_fifty_tasks_lose_none_and_complet
     restarts = 0
     try:
         await wait_until(lambda: _live(redis_client, "a", "b"), timeout=60)
-        queues = TaskQueues(redis_client, Keys(), ledger)
+        queues = TaskStore(redis_client, Keys(), ledger)
         async with running_reaper(redis_client, lease_ms=1500, delivery_limit=LIMIT):
             ids = []
             for i in range(TASKS):

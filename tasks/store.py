@@ -223,7 +223,7 @@ def band_list(plain: str, scored: Sequence[tuple[str, int]]) -> list[str]:
     return sorted(rows, key=lambda q: (rows[q], q))
 
 
-class TaskQueues:
+class TaskStore:
     """Operations on the task queues, shared by the submitter, the workers and the reaper."""
 
     def __init__(
