@@ -41,22 +41,21 @@ from events.codec import as_str
 from events.connection import is_oom
 from events.event import Event, TaskCancelled, TaskSubmitted
 from events.keys import Keys
-from events.ledger import Ledger, read_streams
+from events.ledger import Ledger
 from projections.errors import ProjectionError
 from projections.index import Found, task_events
 from projections.reader import get_task
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, is_terminal, settle
 from tasks.lease import LeaseInfo
-from tasks.payload import Chunk, Relayed, Result, Thought, chunk_decoder, result_decoder
+from tasks.outputs import Outputs, RegisteredWorkers
+from tasks.payload import Chunk, Relayed, Result, Thought
 from tasks.quota import ApiKey, Quotas
 from tasks.store import (
     CANCEL_ABSENT,
     CANCEL_REMOVED,
     CANCEL_RUNNING,
     TaskStore,
-    read_result,
-    run_writers,
 )
 
 log = logging.getLogger("routeledger.gateway")
@@ -78,9 +77,6 @@ TRANSIENT: Final = (
 _FIRST_PAUSE_S: Final = 0.05
 # The longest one blocking read waits: under the client's socket timeout, so a read never times out.
 _BLOCK_MS: Final = 2000
-# How often a reader of a task's output looks again for the workers that run it (tasks.store
-# run_writers) and for the live workers that might (see _Outputs).
-_LOOK_MS: Final = 500
 # A waiting reader that has seen no output for this long checks that its task is still in Redis (see
 # Gateway._still_there); right away after a read failed (a failover may have lost the task).
 _LOST_CHECK_S: Final = 2.0
@@ -89,112 +85,13 @@ _LOST_CHECK_S: Final = 2.0
 _READ_PAUSE_S: Final = 0.25
 
 
-async def _registered(outputs: _Outputs) -> set[str]:
-    raw: Any = await outputs.redis.smembers(outputs.keys.workers)
-    return {as_str(n) for n in raw}
-
-
-class _Workers:
-    """The names of the registered workers, read at most once per _LOOK_MS for every reader that
-    starts in between (a reader's first look), instead of once for each."""
-
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self.redis = redis
-        self.keys = keys
-        self._names: set[str] = set()
-        self._read_at = -float("inf")
-
-    async def names(self) -> set[str]:
-        now = time.monotonic()
-        if (now - self._read_at) * 1000 >= _LOOK_MS:
-            raw: Any = await self.redis.smembers(self.keys.workers)
-            self._names, self._read_at = {as_str(n) for n in raw}, now
-        return self._names
-
-
-class _Outputs:
-    """The output streams of one task a reader follows: the task's shared stream (trusted writers,
-    and workers that run with the server's credentials) and the own stream of each worker that
-    runs or ran it; never what a worker that does not run it wrote.
-
-    So that the first chunk waits for nobody's bookkeeping, the reader blocks on the own streams of
-    every live worker as well; a stream that has something is read only once its worker is found
-    to hold the task's entry (or to have had its claim accepted), and one whose worker does not is
-    dropped from the reader with what it had written (it wrote for a task it does not run)."""
-
-    def __init__(
-        self, redis: aioredis.Redis, keys: Keys, task_id: str, workers: _Workers | None = None
-    ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.task_id = task_id
-        self._workers = workers
-        self.cursors: dict[str, str] = {keys.out(task_id): "0-0"}
-        self.writers: list[str] = []
-        # Stream -> its worker, for every worker's own stream followed; dropped stream -> its cursor.
-        self._names: dict[str, str] = {}
-        self._dropped: dict[str, str] = {}
-        self._looked = -float("inf")
-
-    async def _look(self) -> None:
-        first = self._looked == -float("inf")
-        self._looked = time.monotonic()
-        if first:
-            # Nothing was read yet, so nothing waits on knowing the writers: a chunk on a worker's
-            # own stream makes the reader look them up before it is used (read). The workers' names
-            # may be a moment old (_Workers): the reader's next look, within _LOOK_MS, reads them
-            # afresh, so a worker registered in between is followed at most that much later.
-            names = await self._workers.names() if self._workers is not None else await _registered(self)
-        else:
-            self.writers = await run_writers(self.redis, self.keys, self.task_id)
-            names = await _registered(self)
-        for name in {*self.writers, *names}:
-            stream = self.keys.run_out(name, self.task_id)
-            self._names[stream] = name
-            if stream in self._dropped and name in self.writers:
-                # It took the task since: what it writes from now on is its run's.
-                self.cursors[stream] = self._dropped.pop(stream)
-            elif stream not in self._dropped:
-                self.cursors.setdefault(stream, "0-0")
-
-    async def read(self, block_ms: int) -> list[tuple[Chunk, Result | None]]:
-        """Chunks after the cursors (waiting up to `block_ms`), each with the result a done chunk
-        carries (the first outcome's)."""
-        if (time.monotonic() - self._looked) * 1000 >= _LOOK_MS:
-            await self._look()
-        streams: Any = dict(self.cursors)
-        reply: Any = await self.redis.xread(streams, count=256, block=max(1, min(block_ms, _LOOK_MS)))
-        out: list[tuple[Chunk, Result | None]] = []
-        for stream, rows in read_streams(reply):
-            name = self._names.get(stream)
-            if name is not None and name not in self.writers:
-                await self._look()  # it may have just taken the task
-                if name not in self.writers:
-                    del self.cursors[stream]
-                    self._dropped[stream] = as_str(rows[-1][0])
-                    continue
-            for entry_id, flat in rows:
-                self.cursors[stream] = as_str(entry_id)
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                raw = fields.get(b"c")
-                if raw is not None:
-                    carried = fields.get(b"r")
-                    out.append(
-                        (
-                            chunk_decoder.decode(raw),
-                            None if carried is None else result_decoder.decode(carried),
-                        )
-                    )
-        return out
-
-
 class _Watch:
     """A waiting client's reads of its task's output: read failures are waited out until the
     client's deadline (a read is safe to repeat, and Redis may be promoting a replica), and a task
     that shows nothing for a while, or after a failure, is checked to be still there
     (Gateway.still_there), so that a lost one ends the wait with TaskLostError."""
 
-    def __init__(self, gateway: Gateway, outputs: _Outputs) -> None:
+    def __init__(self, gateway: Gateway, outputs: Outputs) -> None:
         self.gateway = gateway
         self.outputs = outputs
         self._checked = time.monotonic()
@@ -252,7 +149,7 @@ class Gateway:
         self.ledger = Ledger(redis, keys)
         self.queues = TaskStore(redis, keys, self.ledger)
         self.fleet = LiveView(redis, keys, snapshot_every_s=2.0, leases_every_s=0.5)
-        self.workers = _Workers(redis, keys)
+        self.workers = RegisteredWorkers(redis, keys)
         self.memory = MemoryWatch(redis)
         self.retry_budget_s = retry_budget_s
         self.wait_timeout_s = wait_timeout_s
@@ -399,13 +296,13 @@ class Gateway:
     # -- results ----------------------------------------------------------------------------------
     async def result(self, task_id: str) -> Result | None:
         """The task's outcome, from its shared key or the own key of a worker that ran it
-        (tasks.store.read_result)."""
-        return await read_result(self.redis, self.keys, task_id)
+        (TaskStore.result)."""
+        return await self.queues.result(task_id)
 
     async def wait(self, task_id: str, timeout_s: float | None = None) -> Result:
         """Block on the task's output stream until it ends, then return its result."""
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        watch = _Watch(self, _Outputs(self.redis, self.keys, task_id, self.workers))
+        watch = _Watch(self, self.queues.relay(task_id, self.workers))
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -433,7 +330,7 @@ class Gateway:
         letter, an expiry: its chunk has no run nonce) ends the stream whichever run it follows.
         """
         deadline = time.monotonic() + (timeout_s or self.wait_timeout_s)
-        watch = _Watch(self, _Outputs(self.redis, self.keys, task_id, self.workers))
+        watch = _Watch(self, self.queues.relay(task_id, self.workers))
         followed: tuple[int, str] | None = None
         relayed = False
         calls = 0

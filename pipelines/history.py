@@ -32,7 +32,7 @@ from projections.reader import get_tasks
 from projections.snapshot import TaskRow
 from projections.status import TaskStatus, fold_status
 from tasks.payload import Result
-from tasks.store import read_result
+from tasks.store import TaskStore
 
 
 def _ran(status: TaskStatus, result: Result | None) -> dict[str, Any]:
@@ -58,7 +58,8 @@ async def pipeline_view(redis: aioredis.Redis, keys: Keys, pipeline_id: str) -> 
     if state is None:
         return None
     ids = state.task_ids()
-    found = await asyncio.gather(*(read_result(redis, keys, t) for t in ids))
+    store = TaskStore(redis, keys)
+    found = await asyncio.gather(*(store.result(t) for t in ids))
     results = dict(zip(ids, found, strict=True))
     try:
         rows: dict[str, TaskRow] = await get_tasks(redis, keys, ids)

@@ -370,7 +370,15 @@ def api_cmd(
         access_log=False,
         loop="uvloop",
         http="httptools",
+        # Longer than a client keeps an idle connection (httpx 5 s, aiohttp 15 s): a server that
+        # closes one first races the client reusing it, which reads a reset (httpx.ReadError) for
+        # a request that never arrived. uvicorn's default is 5 s, httpx's very figure.
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
+
+
+# Seconds the API keeps an idle client connection open (see api's uvicorn.run).
+KEEP_ALIVE_S: Final = 65
 
 
 def api_from_env() -> Any:

@@ -38,7 +38,7 @@ entry that a consumer read with NOACK or skipped with XCLAIM LASTID (workers/rea
 ledger says cannot be forged (the ingest checks it); what a worker does with the tasks it takes
 (its answers, or holding them unanswered while its lease lives) is trusted. Its answers go to keys
 of its own (`Keys.run_out`, `Keys.run_result`), which the API serves only for a task the worker
-holds or held (tasks/store.py `run_writers`): what it writes for another task is never read.
+holds or held (tasks/outputs.py `run_writers`): what it writes for another task is never read.
 
 Read-only keys use Redis 7's `%R~` and the last line is a Redis 7 *selector*: Redis 6.2 rejects
 both, and has no functions, so these lines need Redis 7 to mean what they say.

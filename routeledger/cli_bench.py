@@ -25,7 +25,7 @@ from routeledger.runtime import Instance, command, console, fail
 from router.choose import RouteQuery
 from tasks.lease import live_workers
 from tasks.payload import EMBED, Message
-from tasks.store import TaskStore, read_result
+from tasks.store import TaskStore
 
 bench_app = typer.Typer(
     help="Benchmark every live holder of a model, and grade answers.", no_args_is_help=True
@@ -217,7 +217,7 @@ def bench_judge(
         async for _, result in _of(ledger, BenchmarkResult):
             if graded + skipped >= limit or result.task_id in judged:
                 continue
-            stored = await read_result(client, keys, result.task_id)
+            stored = await gateway.queues.result(result.task_id)
             prompt = prompt_by_id(result.prompt_id)
             if stored is None or prompt is None:
                 skipped += 1
@@ -262,7 +262,7 @@ async def _result_text(client: Any, keys: Any, task_id: str, wait_s: float = 300
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
-        stored = await read_result(client, keys, task_id)
+        stored = await TaskStore(client, keys).result(task_id)
         if stored is not None:
             return stored.text
         await asyncio.sleep(0.2)

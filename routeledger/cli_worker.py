@@ -35,7 +35,7 @@ from events.ledger import Ledger
 from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
 from tasks.lease import decode_lease, live_workers
 from tasks.payload import Message
-from tasks.store import read_result
+from tasks.store import TaskStore
 from workers.admission import RouterGate
 from workers.agent import WorkerAgent
 from workers.backend import make_backend
@@ -324,7 +324,7 @@ async def _wait_result(client: aioredis.Redis, keys: Keys, task_id: str, wait_s:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
-        result = await read_result(client, keys, task_id)
+        result = await TaskStore(client, keys).result(task_id)
         if result is not None:
             return msgspec.to_builtins(result)  # type: ignore[no-any-return]
         await asyncio.sleep(0.1)

@@ -26,6 +26,7 @@ from events.event import Event, TaskDeadLettered, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys, band_order
 from events.ledger import Ledger
 from events.scripts import EVENTS_LUA, ScriptDef, read_lua
+from tasks.outputs import Outputs, RegisteredWorkers, run_writers
 from tasks.payload import (
     F_ATTEMPT,
     F_ID,
@@ -122,6 +123,17 @@ class QueueEntry(msgspec.Struct, frozen=True):
     entry_id: str
     attempt: int
     task: TaskMessage
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """How a run's close went (TaskStore.complete)."""
+
+    # Its completion is the task's one that counts (it stored the first outcome, or took over one
+    # whose writer died before logging it).
+    counts: bool
+    # What acknowledging its entry did (TaskStore.finish: 0 when someone had reclaimed it); None
+    # when the ingest finishes it.
+    acked: int | None
 
 
 class Taken(msgspec.Struct, frozen=True):
@@ -660,46 +672,93 @@ class TaskStore:
         """True if this run must append the counting TaskCompleted its result's writer never did."""
         return bool(await self._take_over(keys=[self.result_key(task_id)], args=[str(attempt)]))
 
+    async def complete(
+        self,
+        result: Result,
+        *,
+        rest: str,
+        done: Chunk,
+        closing: Callable[[bool], Sequence[Event]],
+        entry: QueueEntry,
+        owner: str,
+        acknowledge: bool = True,
+        lost: bool = False,
+        wait_for_room: Callable[[str, int], Awaitable[None]],
+        at: Callable[[str], None] = lambda step: None,
+    ) -> Completion:
+        """Close a completed run: the one protocol a worker follows, whose steps are correct only
+        in this order.
 
-async def run_writers(redis: aioredis.Redis, keys: Keys, task_id: str) -> list[str]:
-    """The workers whose own output keys (Keys.run_out, Keys.run_result) may be served for a task:
-    those whose claim of it the ingest accepted (Keys.ran), and the one that holds its queue entry
-    now (before its claim reaches the ledger). A worker that neither holds nor held the task is
-    never among them, whatever it wrote."""
-    pipe = redis.pipeline(transaction=False)
-    pipe.smembers(keys.ran(task_id))
-    pipe.hmget(keys.task(task_id), ["queue", "entry"])
-    ran, (queue, entry) = await pipe.execute()
-    names = {as_str(n) for n in ran}
-    if queue and entry:
-        try:
-            rows: Any = await redis.xpending_range(as_str(queue), WORKERS_GROUP, entry, entry, 1)
-        except ResponseError:
-            rows = []
-        if rows and (holder := as_str(rows[0]["consumer"])) != REQUEUED_CONSUMER:
-            names.add(holder)
-    return sorted(names)
+        1. The run's last `rest` text and its outcome, in one script (close_run): the first outcome
+           stored counts. A run that `lost` its entry (the reaper took it back) stores it only over
+           a dead letter.
+        2. A stored outcome without its TaskCompleted (its writer died between the two) is taken
+           over: this run appends the counting completion (take_over_log).
+        3. The closing events (`closing(counts)`, counts: this run's completion is the one that
+           counts) and the `done` chunk, carrying the stored outcome (log_run).
+        4. The queue `entry`, which `owner` holds, acknowledged (finish); not where the worker does
+           not `acknowledge` its own entries: the ingest finishes it as it moves the TaskCompleted
+           into the ledger.
 
+        Redis refusing a write for lack of memory is waited out at steps 1 and 3 (`wait_for_room`
+        with what was refused and the round's number): the outcome stays with the caller and its
+        entry pending, so nothing is lost. `at` is called after step 1 ("result") and after step 3
+        ("ack"): where a crash would leave the most to recover (the reliability tests kill a
+        worker there).
+        """
+        rounds = 0
+        while True:
+            try:
+                stored = await self.close_run(result, rest, only_over_dead=lost)
+                break
+            except ResponseError as exc:
+                if not is_oom(exc):
+                    raise
+            rounds += 1
+            await wait_for_room("result", rounds)
+        at("result")
+        counts = stored
+        if not stored and not lost:
+            # A stored result without its TaskCompleted: its writer died in between; count ours.
+            counts = await self.take_over_log(result.task_id, result.attempt)
+        await self.log_run(
+            result.task_id,
+            closing(counts),
+            counts=counts,
+            done=done,
+            carried=result if stored else None,
+            wait_for_room=lambda rounds: wait_for_room("completion", rounds),
+        )
+        at("ack")
+        acked = await self.finish(entry.queue, entry.entry_id, owner) if acknowledge else None
+        return Completion(counts=counts, acked=acked)
 
-async def read_result(
-    redis: aioredis.Redis, keys: Keys, task_id: str, writers: Sequence[str] | None = None
-) -> Result | None:
-    """A task's outcome: the one in its shared key (written by trusted processes, and by workers
-    that run with the server's credentials), unless that is a dead letter or missing; then a
-    completion one of its `writers` (default: run_writers) stored in its own key (the earliest
-    attempt), else the dead letter, else any such writer's outcome."""
-    if writers is None:
-        writers = await run_writers(redis, keys, task_id)
-    pipe = redis.pipeline(transaction=False)
-    pipe.hget(keys.result(task_id), "result")
-    for name in writers:
-        pipe.hget(keys.run_result(name, task_id), "result")
-    raw: list[Any] = await pipe.execute()
-    shared = None if raw[0] is None else result_decoder.decode(raw[0])
-    if shared is not None and shared.status != "dead":
-        return shared
-    own = sorted((result_decoder.decode(r) for r in raw[1:] if r is not None), key=lambda r: r.attempt)
-    done = [r for r in own if r.status == "completed"]
-    if done:
-        return done[0]
-    return shared or (own[0] if own else None)
+    async def writers(self, task_id: str) -> list[str]:
+        """The workers whose own output and outcome may be served for a task (outputs.run_writers)."""
+        return await run_writers(self.redis, self.keys, task_id)
+
+    def relay(self, task_id: str, workers: RegisteredWorkers | None = None) -> Outputs:
+        """A reader of a task's output streams, from the first chunk (tasks.outputs.Outputs);
+        `workers`: the registered workers' names, shared by the readers of one process."""
+        return Outputs(self.redis, self.keys, task_id, workers)
+
+    async def result(self, task_id: str, writers: Sequence[str] | None = None) -> Result | None:
+        """A task's outcome: the one in its shared key (written by trusted processes, and by workers
+        that run with the server's credentials), unless that is a dead letter or missing; then a
+        completion one of its `writers` (default: those of `writers()`) stored in its own key (the
+        earliest attempt), else the dead letter, else any such writer's outcome."""
+        if writers is None:
+            writers = await self.writers(task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.result(task_id), "result")
+        for name in writers:
+            pipe.hget(self.keys.run_result(name, task_id), "result")
+        raw: list[Any] = await pipe.execute()
+        shared = None if raw[0] is None else result_decoder.decode(raw[0])
+        if shared is not None and shared.status != "dead":
+            return shared
+        own = sorted((result_decoder.decode(r) for r in raw[1:] if r is not None), key=lambda r: r.attempt)
+        done = [r for r in own if r.status == "completed"]
+        if done:
+            return done[0]
+        return shared or (own[0] if own else None)

@@ -41,7 +41,7 @@ from projections.reader import snapshot
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.payload import Message, Result
-from tasks.store import TaskStore, read_result
+from tasks.store import TaskStore
 from tests.helpers import wait_until
 from tests.reliability.support import spawn_worker, stop_all
 
@@ -100,7 +100,7 @@ def _text(rng: random.Random, tokens: int) -> str:
 async def _result(redis: aioredis.Redis, keys: Keys, task_id: str, timeout_s: float = 60.0) -> Result:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = await read_result(redis, keys, task_id)
+        found = await TaskStore(redis, keys).result(task_id)
         if found is not None:
             return found
         await asyncio.sleep(0.005)

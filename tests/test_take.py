@@ -3,21 +3,26 @@ what is one's own, cancel by the task's index, and a dead letter that gives way 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
 
 from dispatch.submit import TaskRequest, submit_task
-from events.event import TaskSubmitted
+from events.event import Event, TaskCompleted, TaskSubmitted
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
-from tasks.payload import Message, Result, TaskMessage
+from tasks.payload import Chunk, Message, Result, TaskMessage, chunk_decoder
 from tasks.store import (
     CANCEL_REMOVED,
     CANCEL_RUNNING,
     NOT_OURS,
     OVER_LIMIT,
     REQUEUED,
+    Completion,
+    QueueEntry,
     TaskStore,
+    parse_entry,
 )
 from tests.helpers import events_of
 
@@ -218,3 +223,79 @@ async def test_a_models_depth_counts_the_entries_of_its_plain_queue_and_of_every
     assert await queues.finish(high, taken.entry_id, "w1") == 1
     assert await queues.depth(DIGEST) == 3
     assert await queues.depth("cd" * 32) == 0  # another model's
+
+
+async def _taken(queues: TaskStore, n: int, owner: str) -> QueueEntry:
+    entry = await _submit(queues, n)
+    queue = queues.keys.queue(DIGEST)
+    taken = await queues.take(queue, owner, expected=entry)
+    assert taken.entry_id == entry
+    return parse_entry(queue, taken.entry_id, taken.fields, taken.attempt)
+
+
+def _completed(n: int, attempt: int, counts: bool) -> list[Event]:
+    return [TaskCompleted(task_id=f"t{n}", worker="w1", digest=DIGEST, attempt=attempt)] if counts else []
+
+
+async def test_a_run_closes_in_one_call_its_outcome_its_completion_its_done_chunk_and_its_entry(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    entry = await _taken(queues, 1, "w1")
+    steps: list[str] = []
+    result = Result(task_id="t1", status="completed", worker="w1", attempt=1, text="hello", run="r1")
+
+    async def no_room(what: str, rounds: int) -> None:
+        raise AssertionError(f"Redis had room, yet {what} waited")
+
+    closed = await queues.complete(
+        result,
+        rest="lo",
+        done=Chunk(attempt=1, done=True, run="r1"),
+        closing=lambda counts: _completed(1, 1, counts),
+        entry=entry,
+        owner="w1",
+        wait_for_room=no_room,
+        at=steps.append,
+    )
+    assert closed.counts and closed.acked == 1
+    assert steps == ["result", "ack"]
+    assert (await queues.result("t1")) == result
+    assert await redis_client.hget(keys.result("t1"), "logged") == b"1"
+    assert [e.task_id for e in await events_of(ledger, TaskCompleted)] == ["t1"]
+    rows: Any = await redis_client.xrange(keys.out("t1"))
+    chunks = [chunk_decoder.decode(fields[b"c"]) for _, fields in rows]
+    assert [(c.text, c.done) for c in chunks] == [("lo", False), ("", True)]
+    assert await redis_client.xlen(keys.queue(DIGEST)) == 0
+
+
+async def test_a_close_that_finds_an_outcome_logged_by_nobody_counts_its_own_completion_once(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    entry = await _taken(queues, 1, "w1")
+    # An earlier run stored its outcome and died before it appended its TaskCompleted.
+    assert await queues.close_run(Result(task_id="t1", status="completed", worker="w0", attempt=1, text="a"))
+
+    async def no_room(what: str, rounds: int) -> None:
+        raise AssertionError(what)
+
+    async def close(attempt: int, acknowledge: bool) -> Completion:
+        return await queues.complete(
+            Result(task_id="t1", status="completed", worker="w1", attempt=attempt, text="b"),
+            rest="",
+            done=Chunk(attempt=attempt, done=True),
+            closing=lambda counts: _completed(1, attempt, counts),
+            entry=entry,
+            owner="w1",
+            acknowledge=acknowledge,
+            wait_for_room=no_room,
+        )
+
+    first = await close(1, acknowledge=True)
+    assert first.counts and first.acked == 1
+    # The run's outcome never replaces the stored one, and a later close counts nothing more.
+    again = await close(1, acknowledge=False)
+    assert not again.counts and again.acked is None
+    assert (await queues.result("t1")).text == "a"  # type: ignore[union-attr]
+    assert len(await events_of(ledger, TaskCompleted)) == 1

@@ -43,7 +43,7 @@ from router.wake import Sleeper, decide_wake
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet
 from tasks.payload import Message
-from tasks.store import TaskStore, read_result
+from tasks.store import TaskStore
 from tests.helpers import events_of, rl, wait_until, worker_process
 from workers.reaper import Reaper, ReaperConfig
 from workers.waker import Waker, WakerConfig
@@ -202,7 +202,7 @@ async def test_a_burst_wakes_the_sleeping_gpu_pc_once_and_ends_sooner_than_the_l
                 gpu = _gpu_worker(redis_url, sim.url("rtx3070ti"), sim.wake_port("rtx3070ti"))
 
                 async def all_done() -> bool:
-                    return all([await read_result(redis, keys, t) is not None for t in ids])
+                    return all([await TaskStore(redis, keys).result(t) is not None for t in ids])
 
                 await wait_until(all_done, timeout=120, every=0.1)
                 makespan_s = (time.monotonic() - started) / SCALE
@@ -370,7 +370,7 @@ async def _exists(redis: aioredis.Redis, key: str) -> bool:
 
 
 async def _result(redis: aioredis.Redis, task_id: str) -> bool:
-    return await read_result(redis, Keys(), task_id) is not None
+    return await TaskStore(redis, Keys()).result(task_id) is not None
 
 
 async def _measured(redis: aioredis.Redis) -> bool:

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -43,7 +43,6 @@ from workers.runs import Claim, Running, Runs
 
 log = logging.getLogger("routeledger.worker")
 
-T = TypeVar("T")
 
 # Longest pause between tries of a write Redis refused for lack of memory.
 _ROOM_WAIT_MAX_S = 2.0
@@ -401,14 +400,6 @@ class Runner:
             # for the done chunk. The outcome is stored first all the same (close_run).
             done = Chunk(attempt=entry.attempt, done=True, run=run.run_id, text=rest)
             rest = ""
-        lost = run.lost
-        first = stored = await self._until_room(
-            task.task_id, "result", lambda: self.queues.close_run(result, rest, only_over_dead=lost)
-        )
-        crash_here("result", run.ordinal)
-        if not first and not run.lost:
-            # A stored result without its TaskCompleted: its writer died in between; count ours.
-            first = await self.queues.take_over_log(task.task_id, entry.attempt)
         finished = FinishedRun(
             worker=self.name,
             task=task,
@@ -420,30 +411,33 @@ class Runner:
             in_flight=len(self.runs.running),
             cold=cold,
         )
-        closing = finished.closing_events(counts=first)
-        carried = result if stored else None
-        # The closing events and the done chunk, written in full (Redis out of memory is waited
-        # out: the result stays here, the entry pending and kept alive); only then the acknowledgement.
-        await self.queues.log_run(
-            task.task_id,
-            closing,
-            counts=first,
+
+        def at(step: str) -> None:
+            crash_here(step, run.ordinal)
+            if step == "ack":
+                run.closing = True
+
+        # Outcome, closing events and done chunk written in full (Redis out of memory is waited out:
+        # the result stays here, the entry pending and kept alive); only then the acknowledgement.
+        closed = await self.queues.complete(
+            result,
+            rest=rest,
             done=done,
-            carried=carried,
-            wait_for_room=lambda rounds: self._wait_for_room(task.task_id, "completion", rounds),
+            closing=lambda counts: finished.closing_events(counts=counts),
+            entry=entry,
+            owner=self.name,
+            acknowledge=self.finishes,
+            lost=run.lost,
+            wait_for_room=lambda what, rounds: self._wait_for_room(task.task_id, what, rounds),
+            at=at,
         )
-        crash_here("ack", run.ordinal)
-        run.closing = True
-        if not self.finishes:
-            return  # the ingest finishes the entry as it moves the TaskCompleted into the ledger
-        acked = await self.queues.finish(entry.queue, entry.entry_id, self.name)
-        if acked == 0 and first:
+        if closed.acked == 0 and closed.counts:
             log.warning(
                 "task %s completed on %s after it was dead-lettered: the completion counts",
                 task.task_id,
                 self.name,
             )
-        elif acked == 0:
+        elif closed.acked == 0:
             log.warning(
                 "entry %s on %s was reclaimed while we ran it; this completion is a duplicate",
                 entry.entry_id,
@@ -472,18 +466,6 @@ class Runner:
             raise
         finally:
             run.reading = False
-
-    async def _until_room(self, task_id: str, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """`op`, tried again for as long as Redis refuses it for lack of memory (OOM)."""
-        rounds = 0
-        while True:
-            try:
-                return await op()
-            except ResponseError as exc:
-                if not is_oom(exc):
-                    raise
-            rounds += 1
-            await self._wait_for_room(task_id, what, rounds)
 
     async def _wait_for_room(self, task_id: str, what: str, rounds: int) -> None:
         """Pause before writing again what Redis refused for lack of memory: the run keeps its result,
