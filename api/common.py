@@ -28,9 +28,9 @@ from api.schemas import MAX_DEPTH
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway, unavailable
 from dispatch.options import OptionsPolicy
-from dispatch.submit import Submitted, TaskRequest
+from dispatch.submit import Submitted
 from tasks.errors import TaskError
-from tasks.payload import Relayed, Result
+from tasks.payload import Relayed, Result, TaskMessage
 
 _enc: Final = msgspec.json.Encoder()
 _msgpack: Final = msgspec.msgpack.Encoder()
@@ -78,7 +78,7 @@ def check_messages(request: Request, count: int) -> None:
 
 
 async def submit(
-    request: Request, req: TaskRequest, *, waits: bool = True, timeout_s: float | None = None
+    request: Request, req: TaskMessage, *, waits: bool = True, timeout_s: float | None = None
 ) -> Submitted:
     """Check what a surface built, then route and queue it (dispatch.gateway); marks the request
     with its model and task for the metrics and the access log. `waits`: the client waits for the

@@ -41,8 +41,8 @@ from api.errors import (
 from api.schemas import EmbeddingsCreate, OllamaEmbed, OllamaEmbeddings
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.submit import Submitted, TaskRequest, embedding_parts
-from tasks.payload import EMBED, Result, unpack_vector
+from dispatch.submit import Submitted, embedding_parts
+from tasks.payload import EMBED, Result, TaskMessage, unpack_vector
 
 router = APIRouter(tags=["embeddings"])
 
@@ -232,7 +232,7 @@ def _none_empty(texts: list[str]) -> None:
         )
 
 
-async def _embed(request: Request, req: TaskRequest) -> Embedded:
+async def _embed(request: Request, req: TaskMessage) -> Embedded:
     """Submit the request (whole, or as the parts the plan splits it into) and wait for every
     part: a client that leaves, or a wait that times out, cancels every part still open."""
     gw = gateway(request)
@@ -311,7 +311,7 @@ async def create_embeddings(body: EmbeddingsCreate, request: Request) -> JSON:
         raise BadRequestError(
             f"encoding_format must be float or base64, got {encoding!r}", param="encoding_format"
         )
-    req = TaskRequest(
+    req = TaskMessage(
         model=body.model,
         kind=EMBED,
         inputs=texts,
@@ -349,7 +349,7 @@ async def embed(body: OllamaEmbed, request: Request) -> JSON:
         return await _loaded(request, body.model)
     _none_empty(texts)
     started = time.perf_counter_ns()
-    req = TaskRequest(
+    req = TaskMessage(
         model=body.model,
         kind=EMBED,
         inputs=texts,
@@ -380,7 +380,7 @@ async def embeddings(body: OllamaEmbeddings, request: Request) -> JSON:
     if not body.prompt:
         await _loaded(request, body.model)
         return JSON({"embedding": []})
-    req = TaskRequest(
+    req = TaskMessage(
         model=body.model,
         kind=EMBED,
         inputs=[body.prompt],

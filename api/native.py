@@ -34,20 +34,20 @@ from api.errors import (
 from api.schemas import TaskCreate
 from api.tools import check_tools, openai_calls
 from dispatch.gateway import Gateway
-from dispatch.submit import Submitted, TaskRequest
+from dispatch.submit import Submitted
 from events.codec import event_fields
-from tasks.payload import Thought
+from tasks.payload import TaskMessage, Thought
 
 router = APIRouter(tags=["tasks"])
 
 
-def _request(body: TaskCreate, client: str | None) -> TaskRequest:
+def _request(body: TaskCreate, client: str | None) -> TaskMessage:
     messages = [m.to_message() for m in body.messages or []]
     kind = "generate" if body.prompt is not None and not messages else "chat"
     tools = check_tools(body.tools)
     if tools is not None and kind != "chat":
         raise BadRequestError("tools need messages: a plain prompt cannot call tools", param="tools")
-    return TaskRequest(
+    return TaskMessage(
         model=body.model,
         kind=kind,
         messages=messages,

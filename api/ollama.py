@@ -34,12 +34,11 @@ from api.tools import check_tools, ollama_calls
 from dispatch.modelcard import details, facts, read_card
 from dispatch.ollama import OLLAMA_VERSION, final_fields, rfc3339
 from dispatch.serving import ModelInfo, catalog
-from dispatch.submit import TaskRequest
 from events.event import ModelEntry
 from pipelines.coordinator import PIPELINE_MODEL
 from router.choose import AUTO_MODEL
 from tasks.lease import LeaseInfo, LoadedModel
-from tasks.payload import Result, Thought
+from tasks.payload import Result, TaskMessage, Thought
 
 router = APIRouter(tags=["ollama"])
 
@@ -299,7 +298,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
         refuse_unsupported(messages, format=body.format, think=body.think)
         ans = pipeline_answer(request, messages, _max_tokens(body.options))
     else:
-        req = TaskRequest(
+        req = TaskMessage(
             model=body.model,
             messages=messages,
             options=body.options or {},
@@ -319,7 +318,7 @@ async def chat(body: OllamaChat, request: Request) -> Response:
 async def generate(body: OllamaGenerate, request: Request) -> Response:
     if not body.prompt:
         return await _loaded(request, body.model, "response")
-    req = TaskRequest(
+    req = TaskMessage(
         model=body.model,
         kind="generate",
         prompt=body.prompt,

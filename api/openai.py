@@ -37,9 +37,8 @@ from api.schemas import ChatCompletionCreate, CompletionCreate
 from api.tools import check_tool_choice, check_tools, openai_calls, openai_deltas
 from dispatch.response_format import ollama_format
 from dispatch.serving import catalog
-from dispatch.submit import TaskRequest
 from pipelines.coordinator import PIPELINE_MODEL
-from tasks.payload import Result, Thought
+from tasks.payload import Result, TaskMessage, Thought
 
 router = APIRouter(tags=["openai"])
 
@@ -125,7 +124,7 @@ async def chat_completions(body: ChatCompletionCreate, request: Request) -> Resp
         )
         ans = pipeline_answer(request, messages, max_tokens)
     else:
-        req = TaskRequest(
+        req = TaskMessage(
             model=body.model,
             messages=messages,
             domain=body.domain,
@@ -216,7 +215,7 @@ async def completions(body: CompletionCreate, request: Request) -> Response:
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1:
         raise BadRequestError("exactly one prompt is supported", param="prompt")
-    req = TaskRequest(
+    req = TaskMessage(
         model=body.model,
         kind="generate",
         prompt=prompts[0],

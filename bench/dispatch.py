@@ -37,13 +37,13 @@ from typing import Any
 import psutil
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.connection import redis_client
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from tasks.lease import live_workers
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 
 
@@ -99,7 +99,7 @@ async def throughput(queues: TaskStore, ledger: Ledger, tasks: int, limit_s: flo
 
     async def one() -> None:
         async with sem:
-            await submit_task(queues, TaskRequest(model="m", messages=msgs), leases=leases)
+            await submit_task(queues, TaskMessage(model="m", messages=msgs), leases=leases)
 
     await asyncio.gather(*(one() for _ in range(tasks)))
     done = 0
@@ -120,7 +120,7 @@ async def first_chunk_latency(queues: TaskStore, samples: int) -> list[float]:
     out: list[float] = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        task = (await submit_task(queues, TaskRequest(model="m", messages=msgs), leases=leases)).task
+        task = (await submit_task(queues, TaskMessage(model="m", messages=msgs), leases=leases)).task
         reply: Any = await queues.redis.xread({queues.keys.out(task.task_id): "0"}, count=1, block=10_000)
         if not reply:
             raise SystemExit(f"task {task.task_id} produced no output in 10 s")

@@ -1,6 +1,6 @@
 """Where clients of the fleet meet Redis: submit, wait, relay, cancel, look up a task.
 
-The HTTP surfaces (native, OpenAI, Ollama) and pipelines turn their requests into a TaskRequest
+The HTTP surfaces (native, OpenAI, Ollama) and pipelines turn their requests into a TaskMessage
 and their responses out of a Result or a relayed stream; nothing here knows any wire format, and
 every error is a dispatch error that each surface renders in its own shape.
 """
@@ -35,7 +35,7 @@ from dispatch.errors import (
 )
 from dispatch.memory import MemoryWatch, full_error
 from dispatch.serving import find_holders, require_model
-from dispatch.submit import Submitted, TaskRequest, route_and_submit
+from dispatch.submit import Submitted, route_and_submit
 from dispatch.view import LiveView
 from events.codec import as_str
 from events.connection import is_oom
@@ -49,7 +49,7 @@ from projections.snapshot import TaskRow
 from projections.status import TaskStatus, is_terminal, settle
 from tasks.lease import LeaseInfo
 from tasks.outputs import Outputs, RegisteredWorkers
-from tasks.payload import Chunk, Relayed, Result, Thought
+from tasks.payload import Chunk, Relayed, Result, TaskMessage, Thought
 from tasks.quota import ApiKey, Quotas
 from tasks.store import (
     CANCEL_ABSENT,
@@ -143,7 +143,7 @@ class Gateway:
         self.redis = redis
         # Tasks carry their prompt's chain (router.prefix), which the plan prices.
         self.prefix_pricing = prefix_pricing
-        # A streamed request is paced (TaskRequest.paced); False: none is.
+        # A streamed request is paced (TaskMessage.paced); False: none is.
         self.paced_streams = paced_streams
         self.keys = keys
         self.ledger = Ledger(redis, keys)
@@ -207,7 +207,7 @@ class Gateway:
     # -- submission -----------------------------------------------------------------------------
     async def submit(
         self,
-        req: TaskRequest,
+        req: TaskMessage,
         *,
         waits: bool = True,
         timeout_s: float | None = None,
@@ -269,7 +269,7 @@ class Gateway:
             tokens = (result.timings.prompt_eval_count or 0) + (result.timings.eval_count or 0)
         await self.quotas.settle(as_str(name), task_id, tokens)
 
-    async def _submit_routed(self, req: TaskRequest) -> Submitted:
+    async def _submit_routed(self, req: TaskMessage) -> Submitted:
         try:
             return await self.retrying(
                 lambda: route_and_submit(

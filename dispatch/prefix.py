@@ -35,7 +35,7 @@ def _render_message(m: Message) -> str:
 
 
 class Prompted(Protocol):
-    """What the rendering reads of a request or a task (dispatch.submit.TaskRequest, TaskMessage)."""
+    """What the rendering reads of a task, as a request or as queued (tasks.payload.TaskMessage)."""
 
     @property
     def kind(self) -> str: ...

@@ -1,19 +1,20 @@
 """The one submission path: resolve the model (or `auto`), rank its holders, record it, queue the task.
 
 The API, the CLI, pipelines and the demo traffic submit through the gateway's one way in
-(`dispatch.gateway.Gateway.submit`), each with one TaskRequest: it holds the task to its checks
-(memory, the queue's depth cap, the key's limits, a deadline) and then calls `route_and_submit`
-here, which nothing else calls (tests/test_layers.py checks). The decision (every candidate, every
-term and source) is appended as TaskRouted together with TaskSubmitted, before any worker can see
-the task; workers still pull, so the decision's taker is the plan's expectation, checked later
-against who ran it.
+(`dispatch.gateway.Gateway.submit`), each with one TaskMessage, the task as the request made it:
+the gateway holds it to its checks (memory, the queue's depth cap, the key's limits, a deadline)
+and then calls `route_and_submit` here, which nothing else calls (tests/test_layers.py checks);
+`submit_task` fills in its id, digest, domain and planned size and queues it. The decision (every
+candidate, every term and source) is appended as TaskRouted together with TaskSubmitted, before any
+worker can see the task; workers still pull, so the decision's taker is the plan's expectation,
+checked later against who ran it.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
@@ -31,17 +32,16 @@ from dispatch.serving import (
 )
 from dispatch.view import LiveView
 from dispatch.wake import sleeping_candidates
-from events.event import Event, TaskRouted, TaskSubmitted
+from events.event import Event, TaskRouted, TaskSubmitted, now_ms
 from events.keys import band_order
 from router.choose import STORED_CANDIDATES, Decision, RouteQuery, classify_domain, decide, learned_tokens
 from router.errors import RouterError
 from router.estimate import DEFAULT_IMAGE_TOKENS
 from router.handoff import handoff_worker
-from router.prefix import PromptChain
 from router.preview import preview
 from router.split import SPLIT_MIN_INPUTS, Reader, split_sizes
 from tasks.lease import LeaseInfo, live_workers
-from tasks.payload import EMBED, Message, TaskMessage, estimate_tokens, prompt_text, sha256_hex
+from tasks.payload import EMBED, TaskMessage, estimate_tokens, sha256_hex
 from tasks.store import AtCapError, TaskStore
 
 log = logging.getLogger("routeledger.dispatch")
@@ -55,93 +55,25 @@ POLICY_VERSION: Final = 1
 QUEUE_FULL_RETRY_S: Final = 5
 
 
-class TaskRequest(msgspec.Struct, kw_only=True):
-    """A request for one generation, whichever surface or command it came through: the one value
-    passed down the submission path."""
+def text_tokens(task: TaskMessage) -> int:
+    """The prompt's text size before the backend counts it: an embedding's inputs one by one (each
+    is a sequence of its own), anything else as one text; at its model's learned ratio
+    (`task.bytes_per_token`) where routing found one."""
+    if task.bytes_per_token is not None:
+        ratio = task.bytes_per_token
+        if task.kind == EMBED and task.inputs:
+            return sum(learned_tokens(len(text.encode()), ratio) for text in task.inputs)
+        return learned_tokens(len(task.prompt_text().encode()), ratio)
+    if task.kind == EMBED and task.inputs:
+        return sum(estimate_tokens(text) for text in task.inputs)
+    return estimate_tokens(task.prompt_text())
 
-    model: str
-    kind: str = "chat"  # chat | generate | embed
-    messages: list[Message] = msgspec.field(default_factory=list)
-    prompt: str | None = None
-    system: str | None = None
-    # None: classified from the text (router.choose.classify_domain).
-    domain: str | None = None
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    max_tokens: int | None = None
-    format: Any = None
-    priority: int = 0
-    # Who asked (a user agent, `cli`, `judge`…), recorded on TaskSubmitted.
-    client: str | None = None
-    pipeline_id: str | None = None
-    # None: a new id.
-    task_id: str | None = None
-    # False when the caller only waits for the result (see TaskMessage.stream).
-    stream: bool = True
-    # A person reads its answer as it streams (see TaskMessage.paced): an API client streaming a
-    # chat or a completion.
-    paced: bool = False
-    # Epoch ms after which nobody waits for it (see TaskMessage.deadline_ms); None: no deadline.
-    deadline_ms: int | None = None
-    # Its options change how the backend runs the model (dispatch/options.py): recorded on
-    # TaskSubmitted, so that its run is never a speed sample.
-    runtime_options: bool = False
-    # The name of the API key it came with (recorded, never the key itself).
-    key: str | None = None
-    # Its fair-share round within its priority band (tasks.quota.round_of): which of the model's
-    # band queues it joins.
-    share_round: int = 0
-    # Function tools offered to the model (see TaskMessage.tools): only models whose holders may
-    # call tools are routed to.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    # See TaskMessage.images, .response_format and .think: images go only to models whose holders
-    # may see them, thinking only to models that may think.
-    images: list[str] | None = None
-    response_format: dict[str, Any] | None = None
-    think: bool | str | None = None
-    # An embedding's inputs and its options (see TaskMessage.inputs): only models whose holders
-    # may embed are routed to.
-    inputs: list[str] | None = None
-    truncate: bool | None = None
-    dimensions: int | None = None
-    keep_alive: str | float | None = None
-    # One part of a split request (see TaskSubmitted.split_of): recorded on TaskSubmitted.
-    split_of: str | None = None
-    part: int = 0
-    parts: int = 1
-    # Its prompt's chain (dispatch.prefix), where routing computed it already; else computed at
-    # submission.
-    prefix: PromptChain | None = None
-    # Its model's learned prompt bytes per token (router.estimate.Estimator.bytes_per_token), where
-    # routing found one: its text is counted at that ratio instead of about 4 bytes a token.
-    bytes_per_token: float | None = None
 
-    def text(self) -> str:
-        """All the text the model reads (its size and its domain are read from it)."""
-        return prompt_text(self.kind, self.messages, self.prompt, self.system, self.inputs)
-
-    def text_tokens(self) -> int:
-        """The prompt's text size before the backend counts it: an embedding's inputs one by one
-        (each is a sequence of its own), anything else as one text."""
-        if self.bytes_per_token is not None:
-            ratio = self.bytes_per_token
-            if self.kind == EMBED and self.inputs:
-                return sum(learned_tokens(len(text.encode()), ratio) for text in self.inputs)
-            return learned_tokens(len(self.text().encode()), ratio)
-        if self.kind == EMBED and self.inputs:
-            return sum(estimate_tokens(text) for text in self.inputs)
-        return estimate_tokens(self.text())
-
-    def image_count(self) -> int:
-        """How many images the model reads (the prompt's and its messages')."""
-        return len(self.images or []) + sum(len(m.images or []) for m in self.messages)
-
-    def prompt_tokens(self) -> int:
-        """Its prompt tokens as planned before the backend counts them: the text's estimate and
-        each image at the router's per-image figure (router.estimate.DEFAULT_IMAGE_TOKENS), which
-        the backend's prompt_eval_count includes too."""
-        return self.text_tokens() + self.image_count() * DEFAULT_IMAGE_TOKENS
+def planned_prompt_tokens(task: TaskMessage) -> int:
+    """Its prompt tokens as planned before the backend counts them: the text's estimate and each
+    image at the router's per-image figure (router.estimate.DEFAULT_IMAGE_TOKENS), which the
+    backend's prompt_eval_count includes too."""
+    return text_tokens(task) + task.image_count() * DEFAULT_IMAGE_TOKENS
 
 
 class Submitted(msgspec.Struct, kw_only=True):
@@ -161,7 +93,7 @@ class Submitted(msgspec.Struct, kw_only=True):
 async def route_and_submit(
     queues: TaskStore,
     view: LiveView,
-    req: TaskRequest,
+    req: TaskMessage,
     *,
     max_depth: int | None = None,
     prefixes: bool = True,
@@ -174,7 +106,7 @@ async def route_and_submit(
     when the chosen model's queue holds `max_depth` tasks already. A named model the router cannot
     rank (it never should) is still queued, without a TaskRouted.
     """
-    text = req.text()
+    text = req.prompt_text()
     domain = req.domain or classify_domain(text)
     chain = task_chain(req) if prefixes else None
     # What the workers' slots hold changes as each run ends, and a chat's next turn can follow its
@@ -196,7 +128,7 @@ async def route_and_submit(
     query = RouteQuery(
         model=req.model,
         domain=domain,
-        prompt_tokens=req.text_tokens(),
+        prompt_tokens=text_tokens(req),
         prompt_bytes=len(text.encode()),
         max_tokens=req.max_tokens,
         images=req.image_count(),
@@ -282,7 +214,7 @@ _NEEDS: Final = {
 }
 
 
-def needs(req: TaskRequest) -> list[str]:
+def needs(req: TaskMessage) -> list[str]:
     """The capabilities the request needs of its model (`_NEEDS`)."""
     if req.kind == EMBED:
         return ["embedding"]
@@ -335,7 +267,7 @@ def _able(
     )
 
 
-async def embedding_parts(view: LiveView, req: TaskRequest) -> list[TaskRequest]:
+async def embedding_parts(view: LiveView, req: TaskMessage) -> list[TaskMessage]:
     """The requests an embedding request runs as: itself, or (a large batch the plan finishes
     sooner on several holders: router.split) its parts, in input order, each for the model the
     whole batch was routed to (the parts of an `auto` request must share one model's vectors),
@@ -356,7 +288,7 @@ async def embedding_parts(view: LiveView, req: TaskRequest) -> list[TaskRequest]
     except CapabilityMissingError:
         return [req]
     fleet, est, now, _ = await view.fleet(set(candidates.values()), leases)
-    domain = req.domain or classify_domain(req.text())
+    domain = req.domain or classify_domain(req.prompt_text())
     tokens = [estimate_tokens(text) for text in inputs]
     query = RouteQuery(model=req.model, domain=domain, prompt_tokens=sum(tokens))
     try:
@@ -385,7 +317,7 @@ async def embedding_parts(view: LiveView, req: TaskRequest) -> list[TaskRequest]
                 model=decision.model,
                 domain=domain,
                 inputs=inputs[start : start + n],
-                task_id=None,
+                task_id="",
                 split_of=split_of,
                 part=i,
                 parts=len(sizes),
@@ -420,7 +352,7 @@ def _cannot_embed(
 
 async def submit_task(
     queues: TaskStore,
-    req: TaskRequest,
+    req: TaskMessage,
     *,
     leases: dict[str, LeaseInfo] | None = None,
     digest: str | None = None,
@@ -430,7 +362,9 @@ async def submit_task(
     prefixes: bool = True,
 ) -> Submitted:
     """Record TaskSubmitted (and TaskRouted, given the decision) and queue the task, resolving
-    `req.model` among live workers unless `digest` says what it is.
+    `req.model` among live workers unless `digest` says what it is. The queued task is `req` with
+    its id (drawn where it has none), digest, domain (classified where it has none), planned prompt
+    tokens, chain and time of submission filled in, and its request-only fields cleared.
 
     Everything is written in one script keyed by the task id (TaskStore.submit): the ledger
     events, the queue entry, the task's lookup hash, so that no worker sees a task the ledger has
@@ -447,37 +381,28 @@ async def submit_task(
     if digest is None:
         live = leases if leases is not None else await live_workers(queues.redis, queues.keys)
         digest = require_model(req.model, live)
-    text = req.text()
+    text = req.prompt_text()
     domain = req.domain or classify_domain(text)
-    task = TaskMessage(
+    task = msgspec.structs.replace(
+        req,
         task_id=req.task_id or uuid.uuid4().hex,
-        model=req.model,
         digest=digest,
-        kind=req.kind,
-        messages=list(req.messages),
-        prompt=req.prompt,
-        system=req.system,
         domain=domain,
-        options=req.options,
-        max_tokens=req.max_tokens,
-        format=req.format,
-        priority=req.priority,
-        pipeline_id=req.pipeline_id,
-        stream=req.stream,
-        paced=req.paced,
-        prompt_tokens=req.prompt_tokens(),
-        deadline_ms=req.deadline_ms,
-        tools=req.tools,
-        tool_choice=req.tool_choice,
-        parallel_tool_calls=req.parallel_tool_calls,
-        images=req.images,
-        response_format=req.response_format,
-        think=req.think,
-        inputs=req.inputs,
-        truncate=req.truncate,
-        dimensions=req.dimensions,
-        keep_alive=req.keep_alive,
+        prompt_tokens=planned_prompt_tokens(req),
         prefix=(req.prefix or task_chain(req)) if prefixes else None,
+        # Its time of submission, not of the request's making.
+        submitted_at=now_ms(),
+        # What only submission reads (recorded on TaskSubmitted below, or read to route it) is
+        # cleared in the queued copy: no worker needs it (nor the name of the key it came with),
+        # and its entry holds what it held when a request was a struct of its own.
+        client=None,
+        runtime_options=False,
+        key=None,
+        share_round=0,
+        split_of=None,
+        part=0,
+        parts=1,
+        bytes_per_token=None,
     )
     keys = queues.keys
     shared = keys.band_queue(digest, task.priority, req.share_round)

@@ -31,7 +31,6 @@ from redis.exceptions import RedisError
 from dispatch.errors import ModelNotServedError, TaskTimeoutError
 from dispatch.gateway import TRANSIENT, Gateway
 from dispatch.serving import describe_fleet, require_model, served_models
-from dispatch.submit import TaskRequest
 from dispatch.view import LiveView, worker_views
 from events.cancellation import cancel_and_wait
 from events.event import Event, PipelineChildAdded, PipelineCompleted, PipelineStarted, now_ms
@@ -140,7 +139,7 @@ class Coordinator:
         if self.deadline_ms is None:
             # On the ledger's clock, as every task's deadline: the pipeline's, for all its tasks.
             self.deadline_ms = await self.gw.fleet.clock.now_ms() + int(self._left_s() * 1000)
-        req = TaskRequest(
+        req = TaskMessage(
             model=model,
             messages=messages,
             domain=domain,

@@ -13,7 +13,7 @@ from rich.table import Table
 from dispatch.benchmark import on_demand, request_benchmark
 from dispatch.gateway import Gateway
 from dispatch.serving import embedding_only, holdings
-from dispatch.submit import TaskRequest, preview_request
+from dispatch.submit import preview_request
 from dispatch.view import LiveView
 from events.errors import RouteledgerError
 from events.event import BenchmarkResult, QualityScored
@@ -24,7 +24,7 @@ from projections.reader import snapshot
 from routeledger.runtime import Instance, command, console, fail
 from router.choose import RouteQuery
 from tasks.lease import live_workers
-from tasks.payload import EMBED, Message
+from tasks.payload import EMBED, Message, TaskMessage
 from tasks.store import TaskStore
 
 bench_app = typer.Typer(
@@ -224,7 +224,7 @@ def bench_judge(
                 continue
             answer = stored.text
             text = RUBRIC.format(question=prompt.prompt, answer=answer)
-            req = TaskRequest(
+            req = TaskMessage(
                 model=judge, messages=[Message(role="user", content=text)], max_tokens=16, client="judge"
             )
             task = (await gateway.submit(req, waits=False)).task

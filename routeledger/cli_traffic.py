@@ -20,11 +20,10 @@ from redis.exceptions import RedisError
 
 from dispatch.errors import ModelNotServedError
 from dispatch.gateway import Gateway
-from dispatch.submit import TaskRequest
 from events.keys import Keys
 from routeledger.runtime import Instance, command, setup_logging
 from tasks.errors import TaskError
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 
 log = logging.getLogger("routeledger.traffic")
 
@@ -68,7 +67,7 @@ async def trickle(
             break
         model = rng.choice(models)
         try:
-            req = TaskRequest(
+            req = TaskMessage(
                 model=model,
                 messages=[Message(role="user", content=rng.choice(PROMPTS))],
                 max_tokens=rng.randint(*max_tokens),

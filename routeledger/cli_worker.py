@@ -17,7 +17,6 @@ from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, w
 
 from dispatch.errors import WakeError
 from dispatch.gateway import Gateway
-from dispatch.submit import TaskRequest
 from dispatch.wake import (
     DEFAULT_BROADCAST,
     DEFAULT_PORT,
@@ -34,7 +33,7 @@ from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
 from tasks.lease import decode_lease, live_workers
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from workers.admission import RouterGate
 from workers.agent import WorkerAgent
@@ -280,7 +279,7 @@ def task_submit(
     if not prompt.strip():
         fail("--prompt is empty; give the model something to answer")
     keys = inst.keys
-    req = TaskRequest(
+    req = TaskMessage(
         model=model,
         messages=[Message(role="user", content=prompt)],
         domain=domain,

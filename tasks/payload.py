@@ -66,16 +66,28 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A task as a worker receives it."""
+    """A task: as a client's request for one generation, whichever surface or command it came
+    through, it is the one value passed down the submission path (dispatch.submit); as submission
+    queues it, with its id, digest, domain and planned size filled in, it is what a worker receives.
 
-    task_id: str
+    Its fields only ever grow, each with a default that reads an entry queued by an earlier version
+    as that version meant it (entries leave out their defaults)."""
+
+    # "": a new id, drawn at submission (dispatch.submit.submit_task).
+    task_id: str = ""
     model: str
-    digest: str
+    # "": the model's, found at submission (routing, or the live workers' leases).
+    digest: str = ""
     kind: str = "chat"  # chat | generate | embed
     messages: list[Message] = msgspec.field(default_factory=list)
     prompt: str | None = None
     system: str | None = None
-    domain: str = "general"
+    # None in a request: classified from the text at submission (router.choose.classify_domain),
+    # and a queued task always carries the domain it was routed under. Not "general" by default:
+    # an explicit "general" must be kept, not classified. An entry queued before this default
+    # changed left out "general" (then the default) and decodes as None: read a queued task's
+    # domain through `domain_or_general`.
+    domain: str | None = None
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     max_tokens: int | None = None
     format: Any = None
@@ -118,10 +130,39 @@ class TaskMessage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Its prompt's chain (router.prefix, dispatch.prefix), computed once at submission: the plan
     # prices a holder whose idle slot holds part of it. None: under a block, or not a prompt.
     prefix: PromptChain | None = None
+    # What only the submission path reads, recorded on TaskSubmitted or read by routing; submission
+    # clears them in the copy it queues (dispatch.submit.submit_task), so a worker never sees them.
+    # Who asked (a user agent, `cli`, `judge`…), recorded on TaskSubmitted.
+    client: str | None = None
+    # Its options change how the backend runs the model (dispatch/options.py): recorded on
+    # TaskSubmitted, so that its run is never a speed sample.
+    runtime_options: bool = False
+    # The name of the API key it came with (recorded, never the key itself).
+    key: str | None = None
+    # Its fair-share round within its priority band (tasks.quota.round_of): which of the model's
+    # band queues it joins.
+    share_round: int = 0
+    # One part of a split request (see TaskSubmitted.split_of): recorded on TaskSubmitted.
+    split_of: str | None = None
+    part: int = 0
+    parts: int = 1
+    # Its model's learned prompt bytes per token (router.estimate.Estimator.bytes_per_token), where
+    # routing found one: its text is counted at that ratio instead of about 4 bytes a token.
+    bytes_per_token: float | None = None
 
     def prompt_text(self) -> str:
-        """All the text the model reads, for sizes and digests (never for the ledger itself)."""
+        """All the text the model reads, for its size, its domain and digests (never for the ledger
+        itself)."""
         return prompt_text(self.kind, self.messages, self.prompt, self.system, self.inputs)
+
+    def image_count(self) -> int:
+        """How many images the model reads (the prompt's and its messages')."""
+        return len(self.images or []) + sum(len(m.images or []) for m in self.messages)
+
+    def domain_or_general(self) -> str:
+        """The domain a queued task was routed under: None (an entry queued while "general" was the
+        default, and left out as such) reads as "general"."""
+        return "general" if self.domain is None else self.domain
 
 
 def prompt_text(
@@ -161,7 +202,14 @@ def encode_task(task: TaskMessage) -> bytes:
 
 
 def decode_task(data: bytes) -> TaskMessage:
-    return _task_decoder.decode(data)
+    """A queued task; msgspec.ValidationError for one without an id or a digest: a request may
+    lack them, but submission fills both in, so a queue entry without them is malformed (as it was
+    when they had no default) and is dead-lettered, not run."""
+    task = _task_decoder.decode(data)
+    for name, value in (("task_id", task.task_id), ("digest", task.digest)):
+        if not value:
+            raise msgspec.ValidationError(f"a queued task has no `{name}`")
+    return task
 
 
 def queue_fields(task: TaskMessage, attempt: int = 1) -> dict[bytes, bytes]:

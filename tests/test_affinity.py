@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import Submitted, TaskRequest, route_and_submit, submit_task
+from dispatch.submit import Submitted, route_and_submit, submit_task
 from dispatch.view import LiveView
 from events.keys import Keys
 from events.ledger import Ledger
@@ -40,7 +40,7 @@ from projections.projector import Projector
 from projections.reader import snapshot
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
-from tasks.payload import Message, Result
+from tasks.payload import Message, Result, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import wait_until
 from tests.reliability.support import spawn_worker, stop_all
@@ -126,7 +126,7 @@ async def _chat(
     job: each turn's latency (s), the worker that answered it, and its submission."""
     rng = random.Random(seed)
     view = LiveView(redis, keys)
-    background = TaskRequest(
+    background = TaskMessage(
         model="qwen3:8b", messages=[Message(role="user", content=_text(rng, BACKGROUND_TOKENS))], max_tokens=1
     )
     await submit_task(queues, background, pin=GPU, prefixes=False)
@@ -138,7 +138,7 @@ async def _chat(
     for turn in range(TURNS):
         if turn:
             messages.append(Message(role="user", content=_text(rng, QUESTION_TOKENS)))
-        req = TaskRequest(model="qwen3:8b", messages=list(messages), stream=False)
+        req = TaskMessage(model="qwen3:8b", messages=list(messages), stream=False)
         t0 = time.monotonic()
         if mode == "sticky" and workers:
             sub = await submit_task(queues, req, pin=workers[0], prefixes=False)
@@ -174,7 +174,7 @@ async def test_a_chat_priced_for_its_cache_beats_the_same_chat_unpriced_and_stic
             warm = [
                 await submit_task(
                     queues,
-                    TaskRequest(
+                    TaskMessage(
                         model="qwen3:8b",
                         messages=[Message(role="user", content=_text(rng, 1000))],
                     ),

@@ -11,13 +11,13 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
-from tasks.payload import Message, Result, chunk_decoder, result_decoder
+from tasks.payload import Message, Result, TaskMessage, chunk_decoder, result_decoder
 from tasks.store import TaskStore, parse_entry
 from tests.helpers import (
     MODEL_DIGEST,
@@ -49,7 +49,7 @@ async def submit(queues: TaskStore, model: str = "m", max_tokens: int | None = N
     task = (
         await submit_task(
             queues,
-            TaskRequest(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens),
+            TaskMessage(model=model, messages=[Message(role="user", content=text)], max_tokens=max_tokens),
         )
     ).task
     return task.task_id
@@ -325,7 +325,7 @@ async def test_the_heartbeat_never_reports_lost_a_run_that_acknowledged_its_entr
     queue = keys.queue(digest)
     for n in (1, 2):
         await submit_task(
-            queues, TaskRequest(model="m", messages=[Message(role="user", content=f"{n}")]), digest=digest
+            queues, TaskMessage(model="m", messages=[Message(role="user", content=f"{n}")]), digest=digest
         )
     agent = WorkerAgent(redis_client, keys, OllamaBackend("http://127.0.0.1:9"), fast_config("w"))
     closing_entry = await queues.take(queue, "w")
@@ -357,7 +357,7 @@ async def test_a_task_cancelled_before_its_claim_returns_stops_at_its_first_toke
     task_id = "cancelled-before-its-claim"
     await redis_client.set(keys.cancel(task_id), b"1")
     # Streamed: its first token would be written at once, were the claim not settled first.
-    request = TaskRequest(
+    request = TaskMessage(
         model="m", messages=[Message(role="user", content="a long answer")], max_tokens=400, task_id=task_id
     )
     await submit_task(queues, request, digest=make_test_fleet().model["m"].digest)
@@ -391,7 +391,7 @@ async def test_a_task_nobody_streams_writes_its_whole_text_in_its_done_chunk_alo
     queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=0.0, seed=3) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-            request = TaskRequest(
+            request = TaskMessage(
                 model="m", messages=[Message(role="user", content="hi")], max_tokens=8, stream=False
             )
             task_id = (await submit_task(queues, request)).task.task_id
@@ -407,7 +407,7 @@ async def test_a_result_stored_by_a_run_that_died_before_counting_it_is_counted_
 ) -> None:
     keys = Keys.for_client(redis_client)
     queues = TaskStore(redis_client, keys, ledger)
-    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")], max_tokens=8)
+    request = TaskMessage(model="m", messages=[Message(role="user", content="hi")], max_tokens=8)
     task_id = (await submit_task(queues, request, digest=MODEL_DIGEST)).task.task_id
     # A run stored the task's result and died before appending its TaskCompleted (the entry stays).
     first = Result(task_id=task_id, status="completed", worker="a", attempt=1, text="first", run="r0")

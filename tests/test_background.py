@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from dispatch.benchmark import request_benchmark
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from dispatch.view import worker_views
 from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskFailed, TaskSubmitted
 from events.keys import Keys
@@ -18,7 +18,7 @@ from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.lease import LeaseInfo, RunningInfo
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, running_agent, wait_until
 
@@ -49,7 +49,7 @@ async def one_machine(redis_client: aioredis.Redis, ledger: Ledger) -> AsyncIter
 
 
 async def _user_task(queues: TaskStore) -> str:
-    req = TaskRequest(model="m", messages=[Message(role="user", content="hello there")], max_tokens=40)
+    req = TaskMessage(model="m", messages=[Message(role="user", content="hello there")], max_tokens=40)
     return (await submit_task(queues, req)).task_id
 
 

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from dispatch.view import LiveView
 from events.clock import redis_ms
 from events.event import TaskClaimed, TaskCompleted, TaskExpired
@@ -22,7 +22,7 @@ from projections.projector import Projector
 from projections.reader import get_tasks, snapshot
 from sim.backends.hosts import SimHosts
 from tasks.lease import decode_lease
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, make_test_fleet, wait_until, worker_process
 from tests.test_api_support import serving
@@ -69,7 +69,7 @@ async def test_a_worker_90_s_ahead_changes_no_age_in_the_tables_and_only_it_is_f
         # its own clock, 90 s ahead, would expire each one it took instead of running it.
         deadline = await redis_ms(redis_client) + 30_000
         for i in range(TASKS):
-            request = TaskRequest(
+            request = TaskMessage(
                 model="m",
                 messages=[Message(role="user", content=f"question {i}")],
                 max_tokens=200,  # 1 s each at the simulated 200 tok/s

@@ -33,7 +33,7 @@ from dispatch.control import Progress, report
 from dispatch.errors import ModelNotServedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
 from dispatch.modelcard import ModelCard, publish_cards
-from dispatch.submit import Submitted, TaskRequest, submit_task
+from dispatch.submit import Submitted, submit_task
 from events.codec import as_str
 from events.connection import redis_client
 from events.event import TaskCompleted, TaskSubmitted
@@ -43,7 +43,7 @@ from events.singleton import RENEW_LEASE
 from projections.projector import ROLE as PROJECTOR_ROLE
 from routeledger.embedded import EmbeddedCluster, EmbeddedRedis
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.quota import Quotas
 from tasks.store import _DEPTH_DEF, TaskStore, parse_entry
 from tests import cluster_coverage
@@ -287,7 +287,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
 
 
 async def _submit(queues: TaskStore) -> Submitted:
-    req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+    req = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
     return await submit_task(queues, req)
 
 
@@ -457,8 +457,8 @@ async def test_a_task_whose_writes_died_with_its_master_is_reported_lost_to_the_
         seen: list[str] = []
         gateway.on_lost = seen.append
 
-        def request(text: str) -> TaskRequest:
-            return TaskRequest(model="m", messages=[Message(role="user", content=text)])
+        def request(text: str) -> TaskMessage:
+            return TaskMessage(model="m", messages=[Message(role="user", content=text)])
 
         kept = await gateway.submit(request("kept"))
         core: Any = redis.get_node_from_key(keys.events)  # type: ignore[attr-defined]

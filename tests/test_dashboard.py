@@ -29,7 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from api.app import AppConfig
 from api.dashboard import CSP
-from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.submit import route_and_submit
 from dispatch.view import LiveView
 from events.event import ModelEntry, TaskCompleted, TaskStalled
 from events.keys import Keys
@@ -39,7 +39,7 @@ from routeledger.cli_traffic import trickle
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
 from tasks.lease import LeaseInfo, Leases
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
 from tests.test_api_support import fleet_and_api, serving
@@ -268,7 +268,7 @@ async def demo(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[str]:
             await route_and_submit(
                 TaskStore(redis, keys),
                 LiveView(redis, keys),
-                TaskRequest(model="mistral:7b", messages=[Message(role="user", content="anyone there?")]),
+                TaskMessage(model="mistral:7b", messages=[Message(role="user", content="anyone there?")]),
             )
             sent = await trickle(redis, keys, rate=20.0, count=10, seed=7, max_tokens=(40, 120))
             assert sent == 10
@@ -328,7 +328,7 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
             await route_and_submit(
                 TaskStore(redis_client, Keys()),
                 LiveView(redis_client, Keys()),
-                TaskRequest(
+                TaskMessage(
                     model="qwen3:8b",
                     messages=[Message(role="user", content="one more, please")],
                     max_tokens=40,

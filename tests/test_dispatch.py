@@ -9,14 +9,14 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, preview_request, route_and_submit
+from dispatch.submit import preview_request, route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskRouted, TaskSubmitted
 from events.keys import Keys
 from events.ledger import Ledger
 from router.choose import RouteQuery
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 
@@ -30,7 +30,7 @@ async def test_a_routed_submission_records_the_whole_decision_before_the_task_is
     queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-            req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+            req = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
             sub = await route_and_submit(queues, LiveView(redis_client, keys), req)
             task, queue, decision = sub.task, sub.queue, sub.decision
     submitted = await events_of(ledger, TaskSubmitted)
@@ -60,7 +60,7 @@ async def test_auto_picks_a_served_model_and_the_domain_is_classified_from_the_p
                 Message(role="user", content="def add(a, b):\n    return a + b  # fix this Python function")
             ]
             sub = await route_and_submit(
-                queues, LiveView(redis_client, keys), TaskRequest(model="auto", messages=msgs)
+                queues, LiveView(redis_client, keys), TaskMessage(model="auto", messages=msgs)
             )
             task, decision = sub.task, sub.decision
     assert task.model in ("m", "m:latest") and task.digest == MODEL_DIGEST

@@ -6,13 +6,13 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskClaimed, TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, running_agent, wait_until
 from workers.admission import RouterGate
@@ -74,7 +74,7 @@ async def test_with_one_task_and_the_fast_worker_free_soon_the_slow_worker_leave
             for _ in range(3):
                 await submit_task(
                     queues,
-                    TaskRequest(model="m", messages=[Message(role="user", content="x")], max_tokens=40),
+                    TaskMessage(model="m", messages=[Message(role="user", content="x")], max_tokens=40),
                 )
                 before += 1
                 await wait_until(lambda n=before: _count(ledger, TaskClaimed, n), timeout=20)
@@ -103,7 +103,7 @@ async def test_with_a_long_enough_backlog_the_slow_worker_takes_a_share(
             # The fast machine alone would need 2.4 s for these; the slow one finishes one in 1 s.
             await asyncio.gather(
                 *(
-                    submit_task(queues, TaskRequest(model="m", messages=msgs, max_tokens=40))
+                    submit_task(queues, TaskMessage(model="m", messages=msgs, max_tokens=40))
                     for _ in range(24)
                 )
             )

@@ -11,7 +11,6 @@ import redis.asyncio as aioredis
 
 from dispatch.errors import TaskFailedError, TaskLostError, TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.submit import TaskRequest
 from events.connection import redis_client as make_client
 from events.event import TaskSubmitted
 from events.keys import Keys
@@ -53,7 +52,7 @@ async def test_a_submission_whose_reply_was_lost_is_sent_again_and_queued_once(
         try:
             proxy.mute_reply_after(call.encode() if isinstance(call, str) else call)
             sub = await gateway.submit(
-                TaskRequest(model="m", messages=[Message(role="user", content="once")])
+                TaskMessage(model="m", messages=[Message(role="user", content="once")])
             )
         finally:
             await client.aclose()
@@ -178,8 +177,8 @@ async def test_a_client_waiting_on_a_task_redis_lost_is_told_so_within_seconds_a
     gateway = Gateway(redis_client, keys)
     seen: list[str] = []
     gateway.on_lost = seen.append
-    kept = await gateway.submit(TaskRequest(model="m", messages=[Message(role="user", content="kept")]))
-    lost = await gateway.submit(TaskRequest(model="m", messages=[Message(role="user", content="lost")]))
+    kept = await gateway.submit(TaskMessage(model="m", messages=[Message(role="user", content="kept")]))
+    lost = await gateway.submit(TaskMessage(model="m", messages=[Message(role="user", content="lost")]))
     waiting = asyncio.create_task(gateway.wait(lost.task_id, timeout_s=30))
     # A task that is only slow to start is waited for until its deadline, never called lost.
     with pytest.raises(TaskTimeoutError):
@@ -198,7 +197,7 @@ async def test_looking_up_a_task_the_tables_saw_submitted_but_redis_lost_says_it
     await ghost_worker(redis_client)
     gateway = Gateway(redis_client, keys)
     sub = await gateway.submit(
-        TaskRequest(model="m", messages=[Message(role="user", content="hi")]), waits=False
+        TaskMessage(model="m", messages=[Message(role="user", content="hi")]), waits=False
     )
     projector = Projector(redis_client, keys)
     await projector.start()

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.prefix import render_messages
-from dispatch.submit import TaskRequest, route_and_submit, submit_task
+from dispatch.submit import route_and_submit, submit_task
 from dispatch.view import LiveView
 from events.event import ModelEntry
 from events.keys import Keys
@@ -112,7 +112,7 @@ def test_a_narrow_lead_or_a_wait_keeps_the_turn_on_the_shared_queue() -> None:
 
 
 async def _pinned(queues: TaskStore, task_id: str, worker: str) -> str:
-    req = TaskRequest(model="m", messages=[Message(role="user", content="hello " * 100)], task_id=task_id)
+    req = TaskMessage(model="m", messages=[Message(role="user", content="hello " * 100)], task_id=task_id)
     submitted = await submit_task(queues, req, digest=DIGEST, pin=worker)
     assert submitted.queue == queues.keys.pinned(worker)
     return submitted.queue
@@ -173,7 +173,7 @@ async def test_a_benchmark_on_a_dead_workers_pinned_stream_stays_there(
     redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
 ) -> None:
     queues = TaskStore(redis_client, keys, ledger)
-    req = TaskRequest(model="m", messages=[Message(role="user", content="bench")], task_id="b1")
+    req = TaskMessage(model="m", messages=[Message(role="user", content="bench")], task_id="b1")
     await submit_task(queues, req, digest=DIGEST)  # the shared queue: untouched by hand-backs
     pinned = keys.pinned("gone")
     await queues.enqueue(pinned, TaskMessage(task_id="bench-1", model="m", digest=DIGEST, bench_id="x"))
@@ -234,7 +234,7 @@ async def test_a_worker_handed_a_turn_gets_no_other_until_its_lease_says_it_took
     ]
 
     async def send(n: int) -> str:
-        sub = await route_and_submit(queues, view, TaskRequest(model="m", messages=turn, task_id=f"turn{n}"))
+        sub = await route_and_submit(queues, view, TaskMessage(model="m", messages=turn, task_id=f"turn{n}"))
         return sub.queue
 
     # Equal machines by their priors: the one whose slot holds the conversation wins by far.

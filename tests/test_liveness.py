@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from dispatch.gateway import Gateway
 from dispatch.recent import load_recent
-from dispatch.submit import TaskRequest, route_and_submit, submit_task
+from dispatch.submit import route_and_submit, submit_task
 from dispatch.view import LiveView
 from events.codec import event_fields
 from events.event import (
@@ -42,7 +42,7 @@ from router.choose import Decision, RouteQuery, decide
 from router.plan import FleetView
 from sim.backends.hosts import SimHosts
 from tasks.lease import LeaseInfo, Leases, decode_lease, registered
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.router_helpers import NOW, QWEN, estimator, speed_row, worker
@@ -89,7 +89,7 @@ async def test_a_change_of_loaded_models_appends_exactly_one_change_event(
     queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a", heartbeat_ms=100)):
-            await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")]))
+            await submit_task(queues, TaskMessage(model="m", messages=[Message(role="user", content="hi")]))
 
             async def changed() -> bool:
                 return bool(await events_of(ledger, WorkerChanged))
@@ -274,7 +274,7 @@ async def test_task_routed_keeps_three_candidates_and_counts_the_rest_while_the_
     queues = TaskStore(redis_client, keys, ledger)
     sub = await submit_task(
         queues,
-        TaskRequest(model="qwen", messages=[Message(role="user", content="hi")]),
+        TaskMessage(model="qwen", messages=[Message(role="user", content="hi")]),
         digest=QWEN,
         decision=decision,
     )
@@ -303,7 +303,7 @@ async def test_a_routed_submission_through_live_workers_records_the_compact_form
     queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-            req = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+            req = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
             sub = await route_and_submit(queues, LiveView(redis_client, keys), req)
     (routed,) = await events_of(ledger, TaskRouted)
     assert routed.breakdown["others"] == {"count": 0, "best_finish_s": None}

@@ -23,7 +23,6 @@ from api.app import AppConfig
 from dispatch.errors import RedisMemoryFullError
 from dispatch.gateway import Gateway
 from dispatch.memory import REFUSE_AT, archive_info, read_memory
-from dispatch.submit import TaskRequest
 from events.connection import is_oom
 from events.event import TaskCompleted
 from events.keys import WORKERS_GROUP, Keys
@@ -212,7 +211,7 @@ async def test_a_submission_redis_refuses_with_oom_is_the_same_refusal_and_queue
     before: Any = await redis_client.config_get("maxmemory")
     await redis_client.config_set("maxmemory", 1)
     try:
-        request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+        request = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
         with pytest.raises(RedisMemoryFullError, match="memory limit"):
             await gw.submit(request)
     finally:
@@ -256,7 +255,7 @@ async def test_a_worker_refused_its_closing_writes_for_lack_of_memory_keeps_the_
     ):
         from dispatch.submit import submit_task
 
-        request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+        request = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
         task_id = (await submit_task(queues, request)).task_id
         queue = keys.queue(MODEL_DIGEST)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.submit import route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskClaimed, TaskCompleted, TaskSubmitted, now_ms
 from events.keys import Keys
@@ -38,7 +38,7 @@ from sim.fleetspec import parse_fleet
 from sim.scheduling.policies import Routeledger
 from sim.scheduling.schedule import simulate
 from sim.scheduling.workload import Job, WorkloadSpec, generate
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, wait_until
 from tests.reliability.support import spawn_worker, stop_all
@@ -165,7 +165,7 @@ async def test_real_workers_and_the_simulator_share_tasks_alike_and_the_fast_pc_
                 await route_and_submit(
                     queues,
                     view,
-                    TaskRequest(
+                    TaskMessage(
                         model="m",
                         messages=[Message(role="user", content="Tell me a story.")],
                         domain="general",

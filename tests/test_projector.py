@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import (
     BenchmarkResult,
     Event,
@@ -37,7 +37,7 @@ from projections.projector import Projector
 from projections.reader import get_task, lag, snapshot
 from replay.rebuild import build
 from replay.verify import diff_tables
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.quota import ApiKey, Quotas
 from tasks.store import TaskStore
 
@@ -586,7 +586,7 @@ async def test_completions_are_charged_to_their_keys_once_whoever_settles_them_f
     for task_id, key in [("t1", ann), ("t2", ann), ("t3", bob), ("t4", None)]:
         if key is not None:
             await quotas.admit(key, task_id, 0)
-        req = TaskRequest(
+        req = TaskMessage(
             model="m",
             messages=[Message(role="user", content=task_id)],
             task_id=task_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, route_and_submit
+from dispatch.submit import route_and_submit
 from dispatch.view import LiveView
 from events.event import TaskCompleted, TaskSubmitted, Timings, now_ms
 from events.keys import Keys
@@ -13,7 +13,7 @@ from events.ledger import Ledger
 from projections.reader import snapshot
 from router.estimate import build_estimator
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent
 from tests.test_projector import D1, fold_all
@@ -80,7 +80,7 @@ async def test_a_submission_after_learning_counts_its_prompt_at_the_learned_rati
     queues = TaskStore(redis_client, keys, ledger)
     async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
         async with running_agent(redis_client, sim.url("a"), fast_config("a")):
-            req = TaskRequest(model="m", messages=[Message(role="user", content="x" * 600)])
+            req = TaskMessage(model="m", messages=[Message(role="user", content="x" * 600)])
             sub = await route_and_submit(queues, LiveView(redis_client, keys), req)
     assert sub.decision is not None
     best = sub.decision.ranking.candidates[0]

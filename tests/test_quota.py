@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from dispatch.view import LiveView
 from events.event import TaskCompleted, TaskFailed, TaskSubmitted
 from events.keys import Keys
@@ -18,7 +18,7 @@ from events.ledger import Ledger
 from projections import store
 from projections.projector import Projector
 from tasks.errors import QuotaExceededError
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.quota import FAIR_QUANTUM, FAIR_ROUNDS, ApiKey, Quotas, band_of, named_keys, round_of
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, wait_until
@@ -136,7 +136,7 @@ def test_plain_keys_get_generated_names_and_repeated_names_are_refused() -> None
 
 
 async def queue(queues: TaskStore, name: str, priority: int = 0, share_round: int = 0) -> None:
-    req = TaskRequest(
+    req = TaskMessage(
         model="m",
         messages=[Message(role="user", content=name)],
         task_id=name,

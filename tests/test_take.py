@@ -8,11 +8,21 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
-from events.event import Event, TaskCompleted, TaskSubmitted
+from dispatch.submit import submit_task
+from events.event import Event, TaskCompleted, TaskSubmitted, now_ms
 from events.keys import REQUEUED_CONSUMER, Keys
 from events.ledger import Ledger
-from tasks.payload import Chunk, Message, Result, TaskMessage, chunk_decoder
+from router.choose import learned_tokens
+from tasks.payload import (
+    F_TASK,
+    Chunk,
+    Message,
+    Result,
+    TaskMessage,
+    chunk_decoder,
+    decode_task,
+    estimate_tokens,
+)
 from tasks.store import (
     CANCEL_REMOVED,
     CANCEL_RUNNING,
@@ -27,6 +37,8 @@ from tasks.store import (
 from tests.helpers import events_of
 
 DIGEST = "ab" * 32
+# A prompt router.choose.classify_domain reads as code.
+CODE = "def add(a, b):\n    return a + b  # fix this Python function"
 
 pytestmark = pytest.mark.cluster_tier
 
@@ -206,7 +218,7 @@ async def test_a_models_depth_counts_the_entries_of_its_plain_queue_and_of_every
     assert await queues.depth(DIGEST) == 0
     # Priority 0 in round 0 joins the plain queue; the others join band queues of the model.
     for name, priority, share_round in [("plain", 0, 0), ("high", 9, 0), ("late", 0, 2), ("low", -3, 0)]:
-        req = TaskRequest(
+        req = TaskMessage(
             model="m",
             messages=[Message(role="user", content=name)],
             task_id=name,
@@ -299,3 +311,48 @@ async def test_a_close_that_finds_an_outcome_logged_by_nobody_counts_its_own_com
     assert not again.counts and again.acked is None
     assert (await queues.result("t1")).text == "a"  # type: ignore[union-attr]
     assert len(await events_of(ledger, TaskCompleted)) == 1
+
+
+async def test_a_submitted_task_is_queued_filled_in_and_without_what_only_its_submission_reads(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    req = TaskMessage(
+        model="m",
+        messages=[
+            Message(role="user", content="def add(a, b):\n    return a + b  # fix this Python function")
+        ],
+        client="cli",
+        runtime_options=True,
+        key="team-a",
+        split_of="whole",
+        part=1,
+        parts=3,
+        bytes_per_token=2.0,
+        submitted_at=1,
+    )
+    before = now_ms()
+    sub = await submit_task(queues, req, digest=DIGEST)
+    queued = decode_task((await redis_client.xrange(sub.queue))[0][1][F_TASK])
+    # Filled in: a drawn id, the digest, the classified domain, the size (at the learned ratio),
+    # and the time of submission, not of the request's making.
+    assert queued == sub.task and len(queued.task_id) == 32 and queued.digest == DIGEST
+    assert queued.domain == "code" and queued.submitted_at >= before
+    assert queued.prompt_tokens == learned_tokens(len(CODE.encode()), 2.0) != estimate_tokens(CODE)
+    # Cleared: its entry holds what a worker reads, no more.
+    assert (queued.client, queued.runtime_options, queued.key, queued.split_of) == (None, False, None, None)
+    assert (queued.part, queued.parts, queued.bytes_per_token) == (0, 1, None)
+    (submitted,) = await events_of(ledger, TaskSubmitted)
+    assert (submitted.client, submitted.runtime_options, submitted.key) == ("cli", True, "team-a")
+    assert (submitted.split_of, submitted.part, submitted.parts) == ("whole", 1, 3)
+    assert submitted.domain == "code" and sub.key == "team-a"
+
+
+async def test_an_explicit_domain_is_kept_general_included(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    code = [Message(role="user", content=CODE)]
+    sub = await submit_task(queues, TaskMessage(model="m", messages=code, domain="general"), digest=DIGEST)
+    assert sub.task.domain == "general"
+    assert decode_task((await redis_client.xrange(sub.queue))[0][1][F_TASK]).domain == "general"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.connection import redis_client as redis_client_for
 from events.event import ModelEntry, TaskClaimed, TaskCompleted, TaskReclaimed
 from events.keys import REQUEUED_CONSUMER, Keys
@@ -46,7 +46,7 @@ async def hosts() -> AsyncIterator[SimHosts]:
 async def _queued(queues: TaskStore, n: int) -> list[tuple[str, str]]:
     """`n` tasks of model `m` on its shared queue: (task id, entry id) of each, head first."""
     for i in range(n):
-        req = TaskRequest(model="m", messages=[Message(role="user", content=f"q{i}")], task_id=f"t{i}")
+        req = TaskMessage(model="m", messages=[Message(role="user", content=f"q{i}")], task_id=f"t{i}")
         await submit_task(queues, req, digest=MODEL_DIGEST)
     rows: Any = await queues.redis.xrange(queues.keys.queue(MODEL_DIGEST))
     return [(fields[b"id"].decode(), entry.decode()) for entry, fields in rows]
@@ -300,7 +300,7 @@ async def test_a_lone_worker_runs_a_small_task_queued_behind_a_big_one_first_thr
 ) -> None:
     queues = TaskStore(redis_client, keys, ledger)
     for task_id, max_tokens in (("big", None), ("small", 2)):
-        req = TaskRequest(
+        req = TaskMessage(
             model="m", messages=[Message(role="user", content="x")], max_tokens=max_tokens, task_id=task_id
         )
         await submit_task(queues, req, digest=MODEL_DIGEST)
@@ -320,7 +320,7 @@ async def test_tasks_waiting_in_several_priority_bands_are_gated_by_the_size_bli
     # Bands are served highest priority first; a size-aware order across them would not keep that.
     queues = TaskStore(redis_client, keys, ledger)
     for task_id, priority in (("low", 0), ("high", 5)):
-        req = TaskRequest(
+        req = TaskMessage(
             model="m", messages=[Message(role="user", content="x")], task_id=task_id, priority=priority
         )
         await submit_task(queues, req, digest=MODEL_DIGEST)

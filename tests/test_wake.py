@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, preview_request, route_and_submit
+from dispatch.submit import preview_request, route_and_submit
 from dispatch.view import LiveView
 from dispatch.wake import (
     CONFIGURED,
@@ -42,7 +42,7 @@ from router.plan import BacklogEntry
 from router.wake import Sleeper, decide_wake
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import Fleet, load_fleet
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, rl, wait_until, worker_process
 from workers.reaper import Reaper, ReaperConfig
@@ -173,7 +173,7 @@ async def _setup(redis: aioredis.Redis, sim: SimHosts) -> None:
 
 
 async def _submit(redis: aioredis.Redis, view: LiveView, text: str, max_tokens: int | None = None) -> str:
-    req = TaskRequest(
+    req = TaskMessage(
         model="qwen3:8b", messages=[Message(role="user", content=text)], max_tokens=max_tokens, client="test"
     )
     sub = await route_and_submit(TaskStore(redis, Keys()), view, req)

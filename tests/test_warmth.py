@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from dispatch.view import worker_views
 from events.event import ModelEntry, TaskCompleted, Timings, now_ms
 from events.keys import Keys
@@ -17,7 +17,7 @@ from router.plan import BacklogEntry, FleetView, plan_state
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import parse_fleet
 from tasks.lease import live_workers
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import MODEL_DIGEST, TEST_FLEET, events_of, fast_config, running_agent, wait_until
 from workers.backend import Inventory
@@ -90,7 +90,7 @@ async def _submit(queues: TaskStore, max_tokens: int = 40) -> None:
     # 40 tokens: the test fleet's whole answer, and long enough to be a speed sample
     # (projections.folder.MIN_DECODE_TOKENS).
     await submit_task(
-        queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")], max_tokens=max_tokens)
+        queues, TaskMessage(model="m", messages=[Message(role="user", content="hi")], max_tokens=max_tokens)
     )
 
 

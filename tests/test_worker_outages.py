@@ -10,14 +10,14 @@ from urllib.parse import urlsplit
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.connection import redis_client as open_redis
 from events.event import WorkerChanged, WorkerOnline
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.faultproxy import fault_proxy
 from tests.helpers import (
@@ -54,7 +54,7 @@ async def test_a_connection_dropped_while_the_worker_appends_its_news_leaves_its
                 # WorkerChanged; the connection it is sent on drops.
                 relay.drop_on(b"WorkerChanged")
                 await submit_task(
-                    queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+                    queues, TaskMessage(model="m", messages=[Message(role="user", content="hi")])
                 )
                 await asyncio.wait_for(relay.dropped.wait(), 15)
 
@@ -78,7 +78,7 @@ async def test_a_worker_whose_queues_lost_their_groups_in_a_redis_restart_still_
     async def done(task_id: str) -> bool:
         return bool(await redis_client.hexists(keys.result(task_id), "result"))
 
-    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+    request = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
     async with running_agent(redis_client, hosts.url("a"), fast_config("a")):
         first = (await submit_task(queues, request)).task
         await wait_until(lambda: done(first.task_id), timeout=10)

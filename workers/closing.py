@@ -45,7 +45,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                     bench_id=task.bench_id,
                     worker=self.worker,
                     digest=task.digest,
-                    domain=task.domain,
+                    domain=task.domain_or_general(),
                     task_id=task.task_id,
                     timings=self.generated.timings,
                     ttft_ms=self.ttft_ms,
@@ -65,7 +65,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
                 worker=self.worker,
                 digest=task.digest,
                 attempt=self.attempt,
-                domain=task.domain,
+                domain=task.domain_or_general(),
                 timings=self.generated.timings,
                 ttft_ms=self.ttft_ms,
                 wall_ms=self.wall_ms,
@@ -90,7 +90,7 @@ class FinishedRun(msgspec.Struct, kw_only=True, frozen=True):
             return None
         return QualityScored(
             digest=task.digest,
-            domain=task.domain,
+            domain=task.domain_or_general(),
             score=grade(prompt, self.text),
             grader=REFERENCE,
             task_id=task.task_id,

@@ -115,7 +115,7 @@ class Heartbeat:
                     task_id=r.entry.task.task_id,
                     digest=r.entry.task.digest,
                     started_at=r.started_at_ms,
-                    domain=r.entry.task.domain,
+                    domain=r.entry.task.domain_or_general(),
                     prompt_tokens=r.entry.task.prompt_tokens,
                     max_tokens=r.entry.task.max_tokens,
                     answered=r.answered,

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskCompleted, TaskDeadLettered, TaskFailed
 from events.keys import Keys
 from events.ledger import Ledger
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, wait_until
 from tests.reliability.faulty_backend import FaultyBackend, Mode
@@ -37,7 +37,7 @@ async def backend() -> AsyncIterator[FaultyBackend]:
 
 async def _submit(queues: TaskStore, text: str) -> str:
     task = (
-        await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content=text)]))
+        await submit_task(queues, TaskMessage(model="m", messages=[Message(role="user", content=text)]))
     ).task
     return task.task_id
 

@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.connection import redis_client as make_client
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed, WorkerOnline
 from events.keys import Keys
@@ -28,7 +28,7 @@ from events.scripts import load_library
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
 from tasks.lease import live_workers
-from tasks.payload import Message, chunk_decoder
+from tasks.payload import Message, TaskMessage, chunk_decoder
 from tasks.store import _REQUEUE, _REQUEUE_DEF, TaskStore
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.proxy import RedisProxy, redis_proxy
@@ -92,7 +92,7 @@ async def test_a_worker_whose_connections_go_half_open_keeps_its_lease_and_runs_
         tasks = [
             (
                 await submit_task(
-                    queues, TaskRequest(model="m", messages=[Message(role="user", content=f"{i}")])
+                    queues, TaskMessage(model="m", messages=[Message(role="user", content=f"{i}")])
                 )
             ).task
             for i in range(4)
@@ -120,7 +120,7 @@ async def test_a_black_holed_worker_stops_taking_before_its_lease_expires_and_it
             _proxied(redis_url) as (proxy, client),
             running_agent(client, hosts.url("a"), fast_config("a")) as a,
         ):
-            long = TaskRequest(model="m", messages=[Message(role="user", content="long")], max_tokens=400)
+            long = TaskMessage(model="m", messages=[Message(role="user", content="long")], max_tokens=400)
             task = (await submit_task(queues, long)).task
             await wait_until(lambda: _claimed(ledger, task.task_id), timeout=15)
             async with (
@@ -143,7 +143,7 @@ async def test_a_black_holed_worker_stops_taking_before_its_lease_expires_and_it
                 await wait_until(lambda: _live(redis_client, "a"), timeout=15)
                 after = (
                     await submit_task(
-                        queues, TaskRequest(model="m", messages=[Message(role="user", content="x")])
+                        queues, TaskMessage(model="m", messages=[Message(role="user", content="x")])
                     )
                 ).task
                 await wait_until(lambda: _all_counted(ledger, [after.task_id]), timeout=30)
@@ -167,7 +167,7 @@ async def test_a_reclaim_whose_reply_was_lost_is_sent_again_and_recorded(
 ) -> None:
     keys = Keys()
     queues = TaskStore(redis_client, keys, ledger)
-    req = TaskRequest(model="m", messages=[Message(role="user", content="x")])
+    req = TaskMessage(model="m", messages=[Message(role="user", content="x")])
     task = (await submit_task(queues, req, digest=MODEL_DIGEST)).task
     queue = keys.queue(MODEL_DIGEST)
     # A worker that took it and died (it has no lease).
@@ -200,7 +200,7 @@ async def test_two_processes_started_at_once_with_one_name_leave_exactly_one_run
             task = (
                 await submit_task(
                     TaskStore(redis_client, Keys(), ledger),
-                    TaskRequest(model="m", messages=[Message(role="user", content="x")]),
+                    TaskMessage(model="m", messages=[Message(role="user", content="x")]),
                 )
             ).task
             await wait_until(lambda: _all_counted(ledger, [task.task_id]), timeout=30)

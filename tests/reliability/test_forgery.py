@@ -19,7 +19,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from dispatch.errors import TaskTimeoutError
 from dispatch.gateway import Gateway
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.codec import encode_fields
 from events.event import Event, QualityScored, TaskClaimed, TaskCompleted, TaskReclaimed, Timings
 from events.keys import REQUEUED_CONSUMER, WORKERS_GROUP, Keys
@@ -66,7 +66,7 @@ async def _append(redis: aioredis.Redis, stream: str, events: list[Event]) -> No
 
 async def _submit(redis: aioredis.Redis, ledger: Ledger) -> str:
     queues = TaskStore(redis, Keys(), ledger)
-    request = TaskRequest(model="m", messages=[Message(role="user", content="hi")])
+    request = TaskMessage(model="m", messages=[Message(role="user", content="hi")])
     return (await submit_task(queues, request)).task.task_id
 
 

@@ -11,12 +11,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.keys import Keys
 from events.ledger import Ledger
 from routeledger.embedded import EmbeddedRedis
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import make_test_fleet, wait_until
 from tests.reliability.support import (
@@ -52,7 +52,7 @@ async def _submit_for(
             task = (
                 await submit_task(
                     queues,
-                    TaskRequest(
+                    TaskMessage(
                         model="m", messages=[Message(role="user", content=f"{label} {i}")], max_tokens=60
                     ),
                 )

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from api.app import AppConfig, create_app
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskCompleted
 from events.keys import Keys
 from events.ledger import Ledger
@@ -23,7 +23,7 @@ from events.scripts import LIBRARY
 from projections.projector import Projector
 from routeledger.embedded import find_redis_server, redis_version
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, make_test_fleet, wait_until
 from tests.reliability.support import acl_line, spawn_worker, stop_all
@@ -58,7 +58,7 @@ async def test_a_worker_under_its_acl_serves_a_task_and_cannot_write_a_projectio
         await wait_until(lambda: _exists(redis_client, Keys().live("a")), timeout=60)
         queues = TaskStore(redis_client, Keys(), ledger)
         task = (
-            await submit_task(queues, TaskRequest(model="m", messages=[Message(role="user", content="hi")]))
+            await submit_task(queues, TaskMessage(model="m", messages=[Message(role="user", content="hi")]))
         ).task
         await wait_until(lambda: _completed(ledger, task.task_id), timeout=30)
         refused = []

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskClaimed, TaskCompleted, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
 from projections import store
 from projections.reader import lag
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, make_test_fleet, running_agent, wait_until
 from tests.reliability.support import (
@@ -88,7 +88,7 @@ async def test_the_projector_and_reaper_killed_and_restarted_leave_tables_equal_
                     task = (
                         await submit_task(
                             queues,
-                            TaskRequest(
+                            TaskMessage(
                                 model="m",
                                 messages=[Message(role="user", content=f"round {round_} task {i}")],
                                 max_tokens=60,

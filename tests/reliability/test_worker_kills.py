@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from dispatch.submit import TaskRequest, submit_task
+from dispatch.submit import submit_task
 from events.event import TaskDeadLettered, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
-from tasks.payload import Message
+from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
@@ -74,7 +74,7 @@ async def test_workers_killed_at_every_step_of_fifty_tasks_lose_none_and_complet
                 task = (
                     await submit_task(
                         queues,
-                        TaskRequest(
+                        TaskMessage(
                             model="m", messages=[Message(role="user", content=f"task {i}")], max_tokens=20
                         ),
                     )
