@@ -18,15 +18,11 @@ demo: $(STAMP)
 	$(BIN)/routeledger up --demo --data-dir ./.routeledger
 
 # The suite waits (on Redis, subprocesses, simulated machines) more than it computes, so it runs in
-# more processes than a 2-core machine has cores (pytest-xdist); each process starts its own Redis
-# servers. Three, measured on two cores: 14 files that take 350 s in one process took 163 s in 3
-# and 333 s in 6, where each process's 20 s of collection and the CPU-heavy tests crowd the cores
-# (and time-bound tests failed). A file's tests stay in one process (--dist loadfile):
-# tests/clients shares a routeledger per module. `make test TEST_PROCESSES=3` runs in three: the
-# whole suite took 15.6 minutes that way here against about 28 in one, but tests that hold a
-# latency to a bound (tests/reliability/test_fair_share.py) or race a run against a hang-up fail
-# under the processes' own load, so one process stays the default (and CI's) until they do not.
-TEST_PROCESSES ?= 0
+# three processes on a 2-core machine (pytest-xdist), each with its own Redis servers; more crowd the
+# cores (6 took twice as long as 3 for the same files). A file's tests stay in one process (--dist
+# loadfile): tests/clients shares a routeledger per module. `make test TEST_PROCESSES=0` runs it in
+# this process alone (about twice as long).
+TEST_PROCESSES ?= 3
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
