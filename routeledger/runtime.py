@@ -18,7 +18,7 @@ from typing import Annotated, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 import typer
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 from rich.console import Console
 
 from events.connection import is_cluster_url, redis_client
@@ -185,6 +185,9 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
             fail(str(exc))
         except AuthenticationError as exc:
             fail(f"Redis refused the password ({exc}); check --redis-url or the data dir's redis.url")
+        except NoPermissionError as exc:
+            # Redis answered: its ACL refused this user a command or a key, which no retry mends.
+            fail(f"Redis refused this user a permission it needs ({exc}); check the user in --redis-url")
         except (RedisError, ConnectionError) as exc:
             fail(unreachable(exc))
         except KeyboardInterrupt:
@@ -208,6 +211,14 @@ def _exit_now() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(130)
+
+
+def cancel_soon(task: asyncio.Task[Any]) -> None:
+    """Cancel a command's task, and end the process CANCEL_GRACE_S later if it has not ended: a
+    cancelled Redis read has been seen, rarely, to leave the task waiting for ever, and a user who
+    pressed Ctrl-C is not made to wait for that."""
+    task.cancel()
+    asyncio.get_running_loop().call_later(CANCEL_GRACE_S, _exit_now)
 
 
 def on_signals(callback: Callable[[], None], *, exit_after_s: float | None = None) -> None:
@@ -253,15 +264,8 @@ def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
     async def main() -> T | None:
         nonlocal interrupted
         task = asyncio.ensure_future(coro)
-        loop = asyncio.get_running_loop()
 
-        def on_signal() -> None:
-            task.cancel()
-            # A cancelled Redis read has been seen, rarely, to leave the task waiting for ever;
-            # a user who pressed Ctrl-C is not made to wait for that.
-            loop.call_later(CANCEL_GRACE_S, _exit_now)
-
-        on_signals(on_signal)
+        on_signals(lambda: cancel_soon(task))
         try:
             return await task
         except asyncio.CancelledError:
