@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
 import secrets
 import shlex
 import signal
@@ -37,7 +38,15 @@ from routeledger.cli_status import status_cmd
 from routeledger.cli_traffic import traffic_cmd
 from routeledger.cli_wake import wake_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
-from routeledger.config import FIELDS, Settings, maxmemory_bytes, redis_url_for, url_file
+from routeledger.config import (
+    FIELDS,
+    Settings,
+    default_data_dir,
+    maxmemory_bytes,
+    pointer_file,
+    redis_url_for,
+    url_file,
+)
 from routeledger.embedded import EmbeddedRedis, free_port, is_loopback, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
 from routeledger.runtime import Instance, command, console, err_console, fail, print_json, setup_logging
@@ -84,8 +93,17 @@ def root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="Data directory for every command (as ROUTELEDGER_DATA_DIR)."),
+    ] = None,
 ) -> None:
     """routeledger: a ledger-driven router for a home LLM fleet."""
+    if data_dir is not None:
+        # Given before the subcommand, it is what ROUTELEDGER_DATA_DIR would be: every command
+        # resolves it (a --data-dir after the subcommand still wins), and so do the processes `up`
+        # starts, which inherit this environment.
+        os.environ["ROUTELEDGER_DATA_DIR"] = str(data_dir.expanduser().resolve())
 
 
 def _mask(url: str) -> str:
@@ -117,7 +135,8 @@ ALLOW_HOST: Final = typer.Option(
 
 
 @app.command()
-@command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"))
+# `up` starts an instance where it is told, or in the default data dir: never in one already running.
+@command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"), find_running=False)
 def up(
     inst: Instance,
     host: Annotated[str | None, typer.Option(help="Address the API binds.")] = None,
@@ -178,6 +197,12 @@ def up(
         url = embedded.start()
     Path(s.data_dir).mkdir(parents=True, exist_ok=True)
     write_private(url_file(s), url + "\n")
+    here = Path(s.data_dir).resolve()
+    pointed = here != default_data_dir().resolve()
+    if pointed:
+        # Commands run with no data dir find this instance (config.running_elsewhere).
+        pointer_file().parent.mkdir(parents=True, exist_ok=True)
+        write_private(pointer_file(), f"{here}\n")
 
     stop = False
 
@@ -221,6 +246,9 @@ def up(
             embedded.stop()
         with contextlib.suppress(OSError):
             url_file(s).unlink()
+        with contextlib.suppress(OSError):
+            if pointed and pointer_file().read_text().strip() == str(here):
+                pointer_file().unlink()
 
 
 def _check_external_memory(url: str) -> None:

@@ -49,12 +49,14 @@ def settings_from(
     data_dir: Path | None = None,
     redis_url: str | None = None,
     config: Path | None = None,
+    *,
+    find_running: bool = True,
     **flags: Any,
 ) -> Resolved:
     """Resolve the configuration from the command's flags, the environment and the file."""
     merged: dict[str, Any] = {"data_dir": str(data_dir) if data_dir else None, "redis_url": redis_url}
     merged.update(flags)
-    return resolve(merged, config_file=config)
+    return resolve(merged, config_file=config, find_running=find_running)
 
 
 def connect(resolved: Resolved) -> aioredis.Redis:
@@ -107,11 +109,12 @@ _SHARED_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 
 def command(
-    *, settings: Sequence[str] = ()
+    *, settings: Sequence[str] = (), find_running: bool = True
 ) -> Callable[[Callable[Concatenate[Instance, P], T]], Callable[P, T]]:
     """A command that works with a running routeledger: it gets `--data-dir`, `--redis-url` and
     `--config`, its settings resolved once (with its own options named in `settings` as flags), the
-    Instance as its first argument, and `guarded`'s clean errors."""
+    Instance as its first argument, and `guarded`'s clean errors. `find_running`: with no data dir
+    given, it works with the instance running elsewhere (config.running_elsewhere)."""
 
     def wrap(fn: Callable[Concatenate[Instance, P], T]) -> Callable[P, T]:
         own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
@@ -128,6 +131,7 @@ def command(
                 shared_values["data_dir"],  # type: ignore[arg-type]
                 shared_values["redis_url"],  # type: ignore[arg-type]
                 shared_values["config"],  # type: ignore[arg-type]
+                find_running=find_running,
                 **flags,
             )
             return fn(Instance(resolved), *args, **kwargs)

@@ -423,3 +423,58 @@ async def test_task_submit_queues_through_the_apis_one_way_in_with_its_deadline(
     # longer, as a request the API took without waiting.
     assert task.deadline_ms is not None
     assert before + 3_600_000 <= task.deadline_ms <= after + 3_600_000
+
+
+def test_every_command_finds_an_instance_running_outside_the_default_data_dir_with_no_flag(
+    running_up: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    _, _, data_dir = running_up
+    # As after `make demo` (its data dir is ./.routeledger): no flag, no environment.
+    found = rl("events", "count", "--json")
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout) == {"events": 0}
+    # --data-dir is taken before the subcommand too.
+    before = rl("--data-dir", str(data_dir), "events", "count", "--json")
+    assert json.loads(before.stdout) == {"events": 0}, before.stderr
+    nowhere = rl("--data-dir", str(data_dir.parent / "none"), "events", "count")
+    assert nowhere.returncode == 2 and "no running routeledger found in" in nowhere.stderr
+
+
+def _up(port: int, data_dir: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "routeledger", "up", "--port", str(port), "--data-dir", str(data_dir)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_status_watch_rides_through_a_restart_of_the_instance(tmp_path: Path) -> None:
+    port, data_dir = free_port(), tmp_path / ".routeledger"
+    up = _up(port, data_dir)
+    watch: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", up)
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "routeledger", "status", "--watch", "--interval", "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        time.sleep(3)
+        # Stopped and started again, as a user restarts the demo: its Redis on another port.
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        time.sleep(1)
+        up = _up(port, data_dir)
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", up)
+        time.sleep(2)
+        assert watch.poll() is None, watch.stderr.read() if watch.stderr else ""
+    finally:
+        if watch is not None:
+            watch.send_signal(signal.SIGINT)
+            out, err = watch.communicate(timeout=15)
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(30)
+    shown = out.decode(errors="replace")
+    assert "waiting for routeledger to come back" in shown, err.decode(errors="replace")[-2000:]
+    # The tables came back after the wait.
+    assert "routeledger status at" in shown.rsplit("waiting for routeledger to come back", 1)[1]
+    assert b"Traceback" not in err and b"cannot reach Redis" not in err
