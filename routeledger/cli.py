@@ -6,6 +6,9 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
+import secrets
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -25,7 +28,7 @@ from events.connection import check_tls
 from events.event import TYPE_NAMES, Event
 from events.ledger import Ledger
 from routeledger.certs import WILDCARD_BINDS, ensure_server_tls, interface_addresses, server_names
-from routeledger.cli_acl import acl_app
+from routeledger.cli_acl import acl_app, worker_acl_rules, worker_command, worker_url
 from routeledger.cli_bench import bench_app
 from routeledger.cli_pipeline import pipeline_app
 from routeledger.cli_replay import archive_cmd, projector_cmd, replay_app
@@ -35,7 +38,15 @@ from routeledger.cli_status import status_cmd
 from routeledger.cli_traffic import traffic_cmd
 from routeledger.cli_wake import wake_cmd
 from routeledger.cli_worker import reaper_cmd, task_app, worker_app
-from routeledger.config import FIELDS, Settings, maxmemory_bytes, redis_url_for, url_file
+from routeledger.config import (
+    FIELDS,
+    Settings,
+    default_data_dir,
+    maxmemory_bytes,
+    pointer_file,
+    redis_url_for,
+    url_file,
+)
 from routeledger.embedded import EmbeddedRedis, free_port, is_loopback, port_is_free, write_private
 from routeledger.errors import ConfigError, PortTakenError
 from routeledger.runtime import Instance, command, console, err_console, fail, print_json, setup_logging
@@ -82,8 +93,17 @@ def root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="Data directory for every command (as ROUTELEDGER_DATA_DIR)."),
+    ] = None,
 ) -> None:
     """routeledger: a ledger-driven router for a home LLM fleet."""
+    if data_dir is not None:
+        # Given before the subcommand, it is what ROUTELEDGER_DATA_DIR would be: every command
+        # resolves it (a --data-dir after the subcommand still wins), and so do the processes `up`
+        # starts, which inherit this environment.
+        os.environ["ROUTELEDGER_DATA_DIR"] = str(data_dir.expanduser().resolve())
 
 
 def _mask(url: str) -> str:
@@ -115,7 +135,8 @@ ALLOW_HOST: Final = typer.Option(
 
 
 @app.command()
-@command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"))
+# `up` starts an instance where it is told, or in the default data dir: never in one already running.
+@command(settings=("host", "port", "redis_bind", "redis_port", "redis_tls"), find_running=False)
 def up(
     inst: Instance,
     host: Annotated[str | None, typer.Option(help="Address the API binds.")] = None,
@@ -132,6 +153,15 @@ def up(
     ] = None,
     demo: Annotated[bool, typer.Option("--demo", help="Also run a simulated fleet.")] = False,
     allow_host: Annotated[list[str] | None, ALLOW_HOST] = None,
+    worker: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--worker",
+            metavar="NAME",
+            help="With --tls: make a Redis user for remote worker NAME and print the command its "
+            "machine runs (repeatable).",
+        ),
+    ] = None,
 ) -> None:
     """Start everything one machine needs: Redis (embedded unless --redis-url), the API, and more."""
     s = inst.settings
@@ -167,6 +197,12 @@ def up(
         url = embedded.start()
     Path(s.data_dir).mkdir(parents=True, exist_ok=True)
     write_private(url_file(s), url + "\n")
+    here = Path(s.data_dir).resolve()
+    pointed = here != default_data_dir().resolve()
+    if pointed:
+        # Commands run with no data dir find this instance (config.running_elsewhere).
+        pointer_file().parent.mkdir(parents=True, exist_ok=True)
+        write_private(pointer_file(), f"{here}\n")
 
     stop = False
 
@@ -194,7 +230,9 @@ def up(
             fail(f"the API did not come up on {base}; see its log above")
         _print_banner(base, url, s.data_dir, embedded is not None, demo_hosts)
         if embedded is not None and embedded.tls is not None:
-            _print_worker_line(s, embedded)
+            _print_worker_lines(s, embedded, url, worker or [])
+        elif worker:
+            err_console.print("[yellow]--worker makes users on the Redis that `up --tls` starts; ignored[/]")
         while not stop:
             sup.poll()
             if embedded is not None and not embedded.running:
@@ -208,6 +246,9 @@ def up(
             embedded.stop()
         with contextlib.suppress(OSError):
             url_file(s).unlink()
+        with contextlib.suppress(OSError):
+            if pointed and pointer_file().read_text().strip() == str(here):
+                pointer_file().unlink()
 
 
 def _check_external_memory(url: str) -> None:
@@ -293,18 +334,24 @@ def _advertised_host(bind: str) -> str:
     return (ipv4 or [f"[{a}]" for a in addresses] or ["127.0.0.1"])[0]
 
 
-def _print_worker_line(s: Settings, embedded: EmbeddedRedis) -> None:
-    """How a worker on another machine connects: the CA file to copy and the command to run there.
-    The user and password are its own (`acl worker`), never the admin's, which is not printed."""
+def _print_worker_lines(s: Settings, embedded: EmbeddedRedis, url: str, names: list[str]) -> None:
+    """How a worker on another machine connects: the CA file to copy and, for each worker named
+    with --worker, its Redis user (made now) and the whole command its machine runs. The admin's
+    password is never printed; a worker's own is, as part of its command."""
     assert embedded.tls is not None
     host = _advertised_host(s.redis_bind)
-    url = f"rediss://NAME:PASSWORD@{host}:{embedded.port}/0"
-    lines = [
-        f"remote worker: copy {embedded.tls.ca} to its machine as ~/routeledger-ca.crt, make its Redis "
-        "user with `routeledger acl worker NAME` (NAME, PASSWORD), and run there:",
-        f"  ROUTELEDGER_REDIS_CA=~/routeledger-ca.crt routeledger worker --id NAME "
-        f"--backend http://127.0.0.1:11434 --redis-url '{url}'",
-    ]
+    lines = [f"remote workers: copy {embedded.tls.ca} to the same path on each worker's machine"]
+    if not names:
+        data = f" --data-dir {shlex.quote(s.data_dir)}"
+        lines.append(
+            f"  then make each one's Redis user here, which prints the command its machine runs: "
+            f"routeledger acl worker NAME --apply{data} --host {host}"
+        )
+    for name in names:
+        password = _worker_password(Path(s.data_dir), name)
+        _make_worker_user(url, name, password)
+        lines.append(f"  worker {name} (Redis user {name}, made now), on its machine:")
+        lines.append("  " + worker_command(name, worker_url(url, name, password, host=host)))
     if is_loopback(s.redis_bind):
         lines.append(
             f"  (Redis listens on {s.redis_bind} only: start with --redis-bind ADDRESS to let others in)"
@@ -312,6 +359,32 @@ def _print_worker_line(s: Settings, embedded: EmbeddedRedis) -> None:
     # One line each, never wrapped, so that the command can be copied as it is.
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _worker_password(data_dir: Path, name: str) -> str:
+    """Worker `name`'s Redis password, made once and kept in the data dir: the worker's machine
+    keeps the command it was given through every restart of `up` (embedded Redis forgets its
+    users when it stops, so `up` makes them again each time)."""
+    path = data_dir / "workers" / f"{name}.pass"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(24)
+    write_private(path, password + "\n")
+    return password
+
+
+def _make_worker_user(url: str, name: str, password: str) -> None:
+    import redis as sync_redis
+
+    client = sync_redis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        # A synchronous client's execute_command is untyped (as routeledger.embedded's _command says).
+        client.execute_command(  # type: ignore[no-untyped-call]
+            "ACL", "SETUSER", name, *worker_acl_rules(name, password)
+        )
+    finally:
+        client.close()
 
 
 @app.command("api")

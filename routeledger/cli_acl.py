@@ -48,11 +48,16 @@ from __future__ import annotations
 
 import secrets
 import shlex
-from typing import Annotated
+from typing import Annotated, Final
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
+import redis.asyncio as aioredis
 import typer
 
+from events.connection import send_all
+from events.errors import RouteledgerError
 from events.keys import Keys
+from routeledger.config import redis_url_for
 from routeledger.runtime import Instance, command, fail
 
 acl_app = typer.Typer(help="Redis ACLs for processes on other machines.", no_args_is_help=True)
@@ -167,6 +172,35 @@ def worker_acl_rules(name: str, password: str, keys: Keys | None = None) -> list
     return rules
 
 
+# The backend a worker's line names when none is given: Ollama's own address on the worker's machine.
+DEFAULT_BACKEND: Final = "http://127.0.0.1:11434"
+
+
+def worker_url(admin_url: str, name: str, password: str, *, host: str | None = None, ca: str = "") -> str:
+    """The URL worker `name` connects with: the instance's scheme, address and database, the
+    worker's own user and password instead of the admin's, and the CA file a TLS connection
+    trusts in its query (so that the one URL is the whole setting; no client certificate: `up
+    --tls` asks for none). `host`: the address the worker's machine dials, when not the URL's."""
+    parts = urlsplit(admin_url)
+    query = dict(parse_qsl(parts.query))
+    address = parts.netloc.rpartition("@")[2]
+    if host is not None:
+        address = f"{host}:{parts.port}" if parts.port else host
+    trusted = ca or query.get("ssl_ca_certs", "")
+    netloc = f"{quote(name, safe='')}:{quote(password, safe='')}@{address}"
+    tls = parts.scheme in ("rediss", "rediss+cluster")
+    return urlunsplit(
+        parts._replace(netloc=netloc, query=urlencode({"ssl_ca_certs": trusted}) if tls and trusted else "")
+    )
+
+
+def worker_command(name: str, url: str, *, backend: str = DEFAULT_BACKEND) -> str:
+    """The one command worker `name`'s machine runs, quoted for a POSIX shell: its own id, --inbox
+    (its ACL lets it append events only to its inbox) and its whole URL."""
+    argv = ["routeledger", "worker", "--id", name, "--inbox", "--backend", backend, "--redis-url", url]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
 @acl_app.command("worker")
 @command()
 def acl_worker(
@@ -175,18 +209,64 @@ def acl_worker(
     password: Annotated[
         str | None, typer.Option(help="The user's password (default: a new random one, printed).")
     ] = None,
+    apply: Annotated[
+        bool,
+        typer.Option(
+            "--apply",
+            help="Make the user on the running routeledger now (as its admin) and print only the "
+            "command the worker's machine runs.",
+        ),
+    ] = False,
+    backend: Annotated[
+        str, typer.Option(help="The backend URL as the worker's machine reaches it.")
+    ] = DEFAULT_BACKEND,
+    host: Annotated[
+        str | None,
+        typer.Option(help="The address the worker's machine dials to reach Redis (default: the instance's)."),
+    ] = None,
+    ca: Annotated[
+        str | None,
+        typer.Option(
+            help="Where the worker's machine keeps its copy of the CA file (default: this machine's "
+            "path, right for a worker here or a copy made at the same path)."
+        ),
+    ] = None,
 ) -> None:
-    """Print the ACL SETUSER line that lets worker NAME touch only what a worker needs (Redis 7)."""
+    """Print the ACL SETUSER line that lets worker NAME touch only what a worker needs (Redis 7), and
+    the command the worker's machine runs (with --apply: make the user, print the command)."""
     keys = inst.keys
     secret = password or secrets.token_urlsafe(24)
     try:
         rules = worker_acl_rules(name, secret, keys)
     except ValueError as exc:
         fail(str(exc))
+    acl = ["ACL", "SETUSER", name, *rules]
+    try:
+        admin_url = redis_url_for(inst.settings)
+    except RouteledgerError:
+        if apply:
+            raise
+        admin_url = ""
+    run = (
+        worker_command(name, worker_url(admin_url, name, secret, host=host, ca=ca or ""), backend=backend)
+        if admin_url
+        else f"routeledger worker --id {name} --inbox --backend {backend} --redis-url "
+        f"'redis://{name}:{secret}@HOST:PORT/0' (rediss:// and ?ssl_ca_certs=CA_FILE for a TLS Redis)"
+    )
+    if apply:
+
+        async def make_user(client: aioredis.Redis) -> None:
+            await send_all(client, [acl], raise_on_error=True)
+
+        inst.run(make_user)
+        typer.echo(f"# made Redis user {name}; on the worker's machine run:", err=True)
+        typer.echo(run)
+        return
     # Only the ACL line goes to stdout, so that `... > file; redis-cli < file` sends nothing else.
     typer.echo(
-        f"# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < FILE; then run the worker with\n"
-        f"#   routeledger worker --id {name} --inbox --redis-url redis://{name}:PASSWORD@HOST:PORT/0",
+        "# Redis >= 7. Apply with: redis-cli -u ADMIN_URL < FILE (or run this with --apply); then on\n"
+        "# the worker's machine run:",
         err=True,
     )
-    typer.echo(" ".join(shlex.quote(p) for p in ["ACL", "SETUSER", name, *rules]))
+    typer.echo(run, err=True)
+    typer.echo(" ".join(shlex.quote(p) for p in acl))

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import redis.asyncio as aioredis
 import typer
+from redis.exceptions import RedisError
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
@@ -22,6 +23,9 @@ from rich.text import Text
 
 from dispatch.memory import MemoryWatch, human_bytes
 from dispatch.overview import overview
+from events.connection import redis_client
+from events.errors import RouteledgerError
+from routeledger.config import redis_url_for
 from routeledger.runtime import Instance, command, console, print_json
 
 _STATUS_STYLE = {
@@ -218,14 +222,60 @@ def status_cmd(
         return
 
     async def follow(client: aioredis.Redis) -> None:
-        memory = MemoryWatch(client)
-        with Live(
-            render(await overview(client, keys, memory=memory)), console=console, auto_refresh=False
-        ) as live:
-            while True:
-                started = time.monotonic()
-                live.update(render(await overview(client, keys, memory=memory)), refresh=True)
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        first = render(await overview(client, keys, memory=MemoryWatch(client)))
+        with Live(first, console=console, auto_refresh=False) as live:
+            await _keep_showing(inst, live, interval)
 
     with contextlib.suppress(KeyboardInterrupt):
         inst.run(follow)
+
+
+def _mask_url(url: str) -> str:
+    """A Redis URL's address only (never its password or files)."""
+    return url.split("?", 1)[0].rpartition("@")[2]
+
+
+async def _keep_showing(inst: Instance, live: Live, interval: float) -> None:
+    """Refresh the tables until Ctrl-C, riding through a restart of the instance: while Redis
+    cannot be reached the screen says so and the last tables stay under it; the URL is read again
+    on every try (a restarted `up` may have recorded another port)."""
+    keys = inst.keys
+    url = ""
+    client: aioredis.Redis | None = None
+    memory: MemoryWatch | None = None
+    shown: Any = None
+    lost = False
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                current = redis_url_for(inst.settings)
+                if client is None or memory is None or current != url:
+                    if client is not None:
+                        await client.aclose()
+                    url, client = current, redis_client(current)
+                    memory = MemoryWatch(client)
+                shown = render(await overview(client, keys, memory=memory))
+                live.update(shown, refresh=True)
+                if lost:
+                    # Said above the tables as well, so that a log of the screen keeps it.
+                    live.console.print(f"routeledger is back ({_mask_url(url)})", highlight=False)
+                    lost = False
+            except (RouteledgerError, RedisError, OSError) as exc:
+                if not lost:
+                    live.console.print(
+                        f"waiting for routeledger to come back ({str(exc) or type(exc).__name__})",
+                        highlight=False,
+                        markup=False,
+                    )
+                    lost = True
+                waiting = Text(
+                    f"waiting for routeledger to come back ({str(exc) or type(exc).__name__}); "
+                    f"trying again every {interval:g}s · Ctrl-C stops",
+                    style="yellow",
+                )
+                live.update(waiting if shown is None else Group(waiting, shown), refresh=True)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        if client is not None:
+            await client.aclose()

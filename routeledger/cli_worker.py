@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 import redis.asyncio as aioredis
 import typer
-from redis.exceptions import RedisError
-from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
+from redis.exceptions import NoPermissionError, RedisError
 
 from dispatch.errors import WakeError
 from dispatch.gateway import Gateway
@@ -31,7 +30,19 @@ from events.clock import set_offset_ms
 from events.event import WorkerOffline
 from events.keys import Keys
 from events.ledger import Ledger
-from routeledger.runtime import Instance, command, console, fail, print_json, setup_logging
+from routeledger.config import redis_url_for
+from routeledger.errors import RedisSettingsError
+from routeledger.runtime import (
+    Instance,
+    cancel_soon,
+    command,
+    console,
+    fail,
+    on_signals,
+    print_json,
+    setup_logging,
+)
+from routeledger.startup import permission_problem, wait_for_redis
 from tasks.lease import decode_lease, live_workers
 from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
@@ -50,22 +61,17 @@ worker_app = typer.Typer(
 task_app = typer.Typer(help="Submit and inspect tasks.", no_args_is_help=True)
 
 
-async def wait_for_redis(client: aioredis.Redis) -> None:
-    """Retry until Redis answers, saying so in the log (a worker may start before Redis)."""
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type((RedisError, OSError)),
-        wait=wait_exponential(multiplier=0.2, max=5),
-        before_sleep=before_sleep_log(log, logging.WARNING),
-        reraise=True,
-    ):
-        with attempt:
-            await client.ping()
+def _stop_on_signals(stop: asyncio.Event, starting: Callable[[], bool]) -> None:
+    """SIGINT or SIGTERM sets `stop` (a running process drains); while `starting()` it also cancels
+    the command, which has nothing to drain yet and may be waiting on a Redis that never answers."""
+    main = asyncio.current_task()
 
+    def on_signal() -> None:
+        stop.set()
+        if main is not None and starting():
+            cancel_soon(main)
 
-def _stop_on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_signals(on_signal)
 
 
 @worker_app.callback()
@@ -149,10 +155,13 @@ def worker(
         inbox=inbox,
     )
 
+    url = redis_url_for(s)
+
     async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()
-        _stop_on_signals(stop)
-        await wait_for_redis(client)
+        agent: WorkerAgent | None = None
+        _stop_on_signals(stop, lambda: agent is None or not agent.online)
+        await wait_for_redis(client, url)
         be = make_backend(
             backend, kind, timeout_s=s.backend_timeout_s, idle_timeout_s=min(120.0, s.backend_timeout_s)
         )
@@ -169,6 +178,9 @@ def worker(
             )
         try:
             await agent.run()
+        except NoPermissionError as exc:
+            # Said as what it is: Redis answered, and its ACL refused this user something.
+            raise RedisSettingsError(permission_problem(exc, url, inbox=inbox)) from None
         finally:
             watcher.cancel()
             if sleeper is not None:
@@ -252,8 +264,10 @@ def reaper_cmd(inst: Instance) -> None:
 
     async def go(client: aioredis.Redis) -> None:
         stop = asyncio.Event()
-        _stop_on_signals(stop)
-        await wait_for_redis(client)
+        connected = False
+        _stop_on_signals(stop, lambda: not connected)
+        await wait_for_redis(client, redis_url_for(s))
+        connected = True
         await Reaper(client, inst.keys, cfg).run(stop)
 
     inst.run(go, fast=True)

@@ -211,8 +211,11 @@ def resolve(
     *,
     config_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
+    find_running: bool = True,
 ) -> Resolved:
-    """Merge defaults, file, environment and flags (None flags are ignored)."""
+    """Merge defaults, file, environment and flags (None flags are ignored). A data dir given
+    nowhere is the default one, or, with `find_running`, that of the instance running elsewhere
+    (`running_elsewhere`); `up` itself starts in the default one."""
     env = os.environ if environ is None else environ
     layered: dict[str, tuple[Any, str]] = {}
     path: Path | None = None
@@ -238,6 +241,10 @@ def resolve(
     sources = {name: layered[name][1] if name in layered else "default" for name in FIELDS}
     if not settings.data_dir:
         settings.data_dir = str(default_data_dir())
+        running = running_elsewhere() if find_running else None
+        if running is not None:
+            settings.data_dir = str(running)
+            sources["data_dir"] = f"running instance ({pointer_file()})"
     if not settings.archive_dir:
         settings.archive_dir = str(Path(settings.data_dir) / "archive")
     _validate(settings)
@@ -333,6 +340,30 @@ def maxmemory_bytes(s: Settings) -> int:
             f"redis_maxmemory {raw!r} is {value} bytes, under the least that works ({MIN_MAXMEMORY}, 16mb)"
         )
     return value
+
+
+def pointer_file() -> Path:
+    """Where `up` records the data dir it runs in, when that is not the default one."""
+    return default_data_dir() / "running"
+
+
+def running_elsewhere() -> Path | None:
+    """The data dir of an instance `up` runs outside the default data dir (`make demo` runs in
+    ./.routeledger), when none runs in the default one: every command run with no data dir finds it.
+
+    A pointer in the default data dir rather than a look in ./.routeledger: a command run from
+    another directory (a second terminal, a cron job) finds the instance too, and what it finds
+    does not change with the directory it runs in; a data dir given (flag, ROUTELEDGER_DATA_DIR,
+    the config file) always wins."""
+    if (default_data_dir() / "redis.url").is_file():
+        return None
+    try:
+        named = Path(pointer_file().read_text().strip())
+    except OSError:
+        return None
+    # A pointer left by an `up` that was killed names a dir whose URL file is gone (or stale: then
+    # the command says it cannot reach Redis there, naming the dir).
+    return named if named.is_absolute() and (named / "redis.url").is_file() else None
 
 
 def url_file(settings: Settings) -> Path:

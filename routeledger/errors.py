@@ -36,3 +36,8 @@ class CertificateError(RouteledgerError):
 class RedisTooOldError(RouteledgerError):
     """Raised when embedded Redis would listen beyond loopback but its version cannot enforce a
     remote worker's limits (ACL selectors and key checks inside scripts need Redis 7)."""
+
+
+class RedisSettingsError(RouteledgerError):
+    """Raised when Redis refuses a process's connection settings at its start (a wrong password, CA,
+    address, or a user without a permission it needs): waiting cannot mend them, so it stops."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 import msgspec
 import redis.asyncio as aioredis
 import typer
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
 from rich.console import Console
 
 from events.connection import is_cluster_url, redis_client
@@ -49,12 +49,14 @@ def settings_from(
     data_dir: Path | None = None,
     redis_url: str | None = None,
     config: Path | None = None,
+    *,
+    find_running: bool = True,
     **flags: Any,
 ) -> Resolved:
     """Resolve the configuration from the command's flags, the environment and the file."""
     merged: dict[str, Any] = {"data_dir": str(data_dir) if data_dir else None, "redis_url": redis_url}
     merged.update(flags)
-    return resolve(merged, config_file=config)
+    return resolve(merged, config_file=config, find_running=find_running)
 
 
 def connect(resolved: Resolved) -> aioredis.Redis:
@@ -107,11 +109,12 @@ _SHARED_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 
 def command(
-    *, settings: Sequence[str] = ()
+    *, settings: Sequence[str] = (), find_running: bool = True
 ) -> Callable[[Callable[Concatenate[Instance, P], T]], Callable[P, T]]:
     """A command that works with a running routeledger: it gets `--data-dir`, `--redis-url` and
     `--config`, its settings resolved once (with its own options named in `settings` as flags), the
-    Instance as its first argument, and `guarded`'s clean errors."""
+    Instance as its first argument, and `guarded`'s clean errors. `find_running`: with no data dir
+    given, it works with the instance running elsewhere (config.running_elsewhere)."""
 
     def wrap(fn: Callable[Concatenate[Instance, P], T]) -> Callable[P, T]:
         own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
@@ -128,6 +131,7 @@ def command(
                 shared_values["data_dir"],  # type: ignore[arg-type]
                 shared_values["redis_url"],  # type: ignore[arg-type]
                 shared_values["config"],  # type: ignore[arg-type]
+                find_running=find_running,
                 **flags,
             )
             return fn(Instance(resolved), *args, **kwargs)
@@ -185,6 +189,9 @@ def guarded(fn: Callable[P, T]) -> Callable[P, T]:
             fail(str(exc))
         except AuthenticationError as exc:
             fail(f"Redis refused the password ({exc}); check --redis-url or the data dir's redis.url")
+        except NoPermissionError as exc:
+            # Redis answered: its ACL refused this user a command or a key, which no retry mends.
+            fail(f"Redis refused this user a permission it needs ({exc}); check the user in --redis-url")
         except (RedisError, ConnectionError) as exc:
             fail(unreachable(exc))
         except KeyboardInterrupt:
@@ -208,6 +215,14 @@ def _exit_now() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(130)
+
+
+def cancel_soon(task: asyncio.Task[Any]) -> None:
+    """Cancel a command's task, and end the process CANCEL_GRACE_S later if it has not ended: a
+    cancelled Redis read has been seen, rarely, to leave the task waiting for ever, and a user who
+    pressed Ctrl-C is not made to wait for that."""
+    task.cancel()
+    asyncio.get_running_loop().call_later(CANCEL_GRACE_S, _exit_now)
 
 
 def on_signals(callback: Callable[[], None], *, exit_after_s: float | None = None) -> None:
@@ -253,15 +268,8 @@ def run_async(coro: Coroutine[Any, Any, T], *, fast: bool = False) -> T:
     async def main() -> T | None:
         nonlocal interrupted
         task = asyncio.ensure_future(coro)
-        loop = asyncio.get_running_loop()
 
-        def on_signal() -> None:
-            task.cancel()
-            # A cancelled Redis read has been seen, rarely, to leave the task waiting for ever;
-            # a user who pressed Ctrl-C is not made to wait for that.
-            loop.call_later(CANCEL_GRACE_S, _exit_now)
-
-        on_signals(on_signal)
+        on_signals(lambda: cancel_soon(task))
         try:
             return await task
         except asyncio.CancelledError:

@@ -30,6 +30,11 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# The default data dir is the session's own: an `up` a test starts records itself there for the
+# commands that find it (routeledger.config.running_elsewhere), never in the user's home, where a
+# routeledger of the user's (or another session's tests) would be found instead.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="routeledger-data-home-")
+
 
 # Every Lua script and MULTI of the code base must run on the cluster tier's cluster: read from the
 # cluster's own logs as the tests run, checked at the end of a session that ran the tier whole

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -11,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -19,10 +24,17 @@ import redis.asyncio as aioredis
 
 from events.event import TaskStalled, now_ms
 from events.keys import Keys
-from routeledger.embedded import free_port
+from routeledger.certs import ensure_server_tls
+from routeledger.embedded import find_redis_server, free_port, redis_version
+from sim.backends.hosts import SimHosts
 from tasks.payload import F_TASK, decode_task
-from tests.helpers import MODEL_DIGEST, rl
+from tests.helpers import MODEL_DIGEST, make_test_fleet, rl
 from tests.test_api_support import ghost_worker
+
+
+def _redis_7() -> bool:
+    version = redis_version(find_redis_server())
+    return version is not None and version >= (7,)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 30) -> None:
@@ -209,7 +221,7 @@ def _read_until(proc: subprocess.Popen[str], marker: str, limit: int = 60) -> li
 
 
 @pytest.mark.tls
-def test_up_tls_makes_the_certificates_and_prints_the_line_a_remote_worker_runs(tmp_path: Path) -> None:
+def test_up_tls_makes_the_certificates_and_says_how_to_make_a_remote_worker_s_user(tmp_path: Path) -> None:
     port = free_port()
     data_dir = tmp_path / "data"
     proc = subprocess.Popen(
@@ -230,21 +242,20 @@ def test_up_tls_makes_the_certificates_and_prints_the_line_a_remote_worker_runs(
     )
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
-        printed = _read_until(proc, "routeledger worker")
+        printed = _read_until(proc, "routeledger acl worker NAME --apply")
         tls = data_dir / "tls"
         assert {"ca.crt", "ca.key", "server.crt", "server.key"} <= {p.name for p in tls.iterdir()}
         recorded = (data_dir / "redis.url").read_text().strip()
         assert recorded.startswith("rediss://") and "ssl_ca_certs=" in recorded
 
-        # The line names the CA file to copy, and the command to run with a rediss:// URL.
-        copy, command = printed[-2], printed[-1]
+        # Without --worker it names the CA file to copy and the command that makes a worker's user.
+        copy, make = printed[-2], printed[-1]
         assert str(tls / "ca.crt") in copy
-        url = command.split("--redis-url ", 1)[1].strip("'")
-        assert url.startswith("rediss://NAME:PASSWORD@127.0.0.1:") and "ROUTELEDGER_REDIS_CA=" in command
+        assert f"--data-dir {data_dir}" in make and "--host 127.0.0.1" in make
 
-        # That command's URL and CA setting reach this Redis (as the admin here: no ACL user was made).
+        # The URL and CA reach this Redis (as the admin here), and the other commands find it too.
         password = (data_dir / "redis.pass").read_text().strip()
-        as_admin = url.replace("NAME:PASSWORD", f":{password}")
+        as_admin = f"rediss://:{password}@127.0.0.1:{urlsplit(recorded).port}/0"
         counted = rl(
             "events",
             "count",
@@ -254,7 +265,6 @@ def test_up_tls_makes_the_certificates_and_prints_the_line_a_remote_worker_runs(
             env={"ROUTELEDGER_REDIS_CA": str(tls / "ca.crt")},
         )
         assert json.loads(counted.stdout) == {"events": 0}, counted.stderr
-        # So do the other commands, through the URL `up` recorded in the data dir.
         assert json.loads(rl("events", "count", "--json", "--data-dir", str(data_dir)).stdout) == {
             "events": 0
         }
@@ -266,6 +276,113 @@ def test_up_tls_makes_the_certificates_and_prints_the_line_a_remote_worker_runs(
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
+
+
+def _up_tls(port: int, data_dir: Path, *args: str) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "routeledger",
+        "up",
+        "--tls",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+    ]
+    return subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _as_run(line: str, backend: str | None = None) -> list[str]:
+    """A printed `routeledger worker ...` line as argv, run by this interpreter; `backend` replaces
+    the line's --backend (the worker machine's own Ollama, simulated here) and nothing else."""
+    argv = shlex.split(line.strip())
+    assert argv[:2] == ["routeledger", "worker"], line
+    if backend is not None:
+        argv[argv.index("--backend") + 1] = backend
+    return [sys.executable, "-m", "routeledger", *argv[1:]]
+
+
+def _worker(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "ROUTELEDGER_LEASE_MS": "3000", "ROUTELEDGER_HEARTBEAT_MS": "300"}
+    with log.open("ab") as out:
+        return subprocess.Popen([*argv, "--no-bench"], env=env, stdout=subprocess.DEVNULL, stderr=out)
+
+
+def _exit_of(proc: subprocess.Popen[bytes], within_s: float, log: Path) -> int:
+    try:
+        return proc.wait(within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the worker still ran after {within_s}s: {log.read_text()}") from None
+
+
+async def _answered_by(base: str, worker: str) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    deadline = time.monotonic() + 30
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        while True:
+            response = await http.post("/v1/chat/completions", json=body)
+            if response.status_code == 200 or time.monotonic() > deadline:
+                break
+            # Until the worker is online and the projector has its inbox, no worker serves `m`.
+            await asyncio.sleep(0.3)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-routeledger-worker"] == worker
+
+
+@pytest.mark.tls
+async def test_the_worker_lines_of_up_tls_and_acl_worker_run_verbatim_and_a_wrong_password_or_ca_exits_2(
+    tmp_path: Path,
+) -> None:
+    if not _redis_7():
+        pytest.skip("a worker's Redis user needs Redis 7 (ACL selectors)")
+    port = free_port()
+    data_dir = tmp_path / "data"
+    log = tmp_path / "workers.log"
+    up = _up_tls(port, data_dir, "--worker", "a")
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        async with SimHosts(make_test_fleet(), time_scale=0.01) as hosts:
+            await asyncio.to_thread(_wait_healthy, f"http://127.0.0.1:{port}/healthz", up)
+            line_a = (await asyncio.to_thread(_read_until, up, "routeledger worker --id a"))[-1]
+            made = rl(
+                "acl", "worker", "b", "--apply", "--backend", hosts.url("b"), "--data-dir", str(data_dir)
+            )
+            assert made.returncode == 0, made.stderr
+            (line_b,) = made.stdout.splitlines()
+            for line in (line_a, line_b):
+                assert "rediss://" in line and "--inbox" in line and "ssl_ca_certs=" in line
+                assert str(data_dir / "tls" / "ca.crt").replace("/", "%2F") in line
+
+            workers.append(_worker(_as_run(line_a, hosts.url("a")), log))
+            await _answered_by(f"http://127.0.0.1:{port}", "a")
+            workers[-1].terminate()
+            assert await asyncio.to_thread(_exit_of, workers[-1], 15, log) == 0
+            workers.append(_worker(_as_run(line_b), log))
+            await _answered_by(f"http://127.0.0.1:{port}", "b")
+
+            # The same line with a wrong password, and with a CA that did not sign the server's.
+            wrong_password = re.sub(r"rediss://b:[^@]+@", "rediss://b:wrong@", line_b)
+            assert wrong_password != line_b
+            other_ca = ensure_server_tls(tmp_path / "other", ["127.0.0.1"]).ca
+            wrong_ca = re.sub(r"ssl_ca_certs=[^' ]+", f"ssl_ca_certs={other_ca}", line_b)
+            for line, setting in ((wrong_password, "refused the password"), (wrong_ca, "ssl_ca_certs")):
+                started = time.monotonic()
+                bad = _worker(_as_run(line), tmp_path / "bad.log")
+                workers.append(bad)
+                assert await asyncio.to_thread(_exit_of, bad, 10, tmp_path / "bad.log") == 2
+                assert time.monotonic() - started < 10
+                said = " ".join((tmp_path / "bad.log").read_text().split())
+                assert setting in said and "Traceback" not in said, said
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(15)
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(30)
 
 
 def test_up_refuses_to_let_redis_older_than_7_listen_beyond_loopback(tmp_path: Path) -> None:
@@ -306,3 +423,58 @@ async def test_task_submit_queues_through_the_apis_one_way_in_with_its_deadline(
     # longer, as a request the API took without waiting.
     assert task.deadline_ms is not None
     assert before + 3_600_000 <= task.deadline_ms <= after + 3_600_000
+
+
+def test_every_command_finds_an_instance_running_outside_the_default_data_dir_with_no_flag(
+    running_up: tuple[subprocess.Popen[str], int, Path],
+) -> None:
+    _, _, data_dir = running_up
+    # As after `make demo` (its data dir is ./.routeledger): no flag, no environment.
+    found = rl("events", "count", "--json")
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout) == {"events": 0}
+    # --data-dir is taken before the subcommand too.
+    before = rl("--data-dir", str(data_dir), "events", "count", "--json")
+    assert json.loads(before.stdout) == {"events": 0}, before.stderr
+    nowhere = rl("--data-dir", str(data_dir.parent / "none"), "events", "count")
+    assert nowhere.returncode == 2 and "no running routeledger found in" in nowhere.stderr
+
+
+def _up(port: int, data_dir: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "routeledger", "up", "--port", str(port), "--data-dir", str(data_dir)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_status_watch_rides_through_a_restart_of_the_instance(tmp_path: Path) -> None:
+    port, data_dir = free_port(), tmp_path / ".routeledger"
+    up = _up(port, data_dir)
+    watch: subprocess.Popen[bytes] | None = None
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", up)
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "routeledger", "status", "--watch", "--interval", "0.3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        time.sleep(3)
+        # Stopped and started again, as a user restarts the demo: its Redis on another port.
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        time.sleep(1)
+        up = _up(port, data_dir)
+        _wait_healthy(f"http://127.0.0.1:{port}/healthz", up)
+        time.sleep(2)
+        assert watch.poll() is None, watch.stderr.read() if watch.stderr else ""
+    finally:
+        if watch is not None:
+            watch.send_signal(signal.SIGINT)
+            out, err = watch.communicate(timeout=15)
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(30)
+    shown = out.decode(errors="replace")
+    assert "waiting for routeledger to come back" in shown, err.decode(errors="replace")[-2000:]
+    # The tables came back after the wait.
+    assert "routeledger status at" in shown.rsplit("waiting for routeledger to come back", 1)[1]
+    assert b"Traceback" not in err and b"cannot reach Redis" not in err

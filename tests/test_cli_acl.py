@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from events.keys import Keys
-from routeledger.cli_acl import WORKER_COMMANDS, worker_acl_rules
+from routeledger.cli_acl import WORKER_COMMANDS, worker_acl_rules, worker_command, worker_url
 
 
 def test_a_worker_appends_only_to_its_own_inbox_and_the_dead_letters_and_reads_the_ledger() -> None:
@@ -61,3 +63,15 @@ def test_a_worker_writes_only_its_own_sleeper_record_and_may_only_list_it() -> N
     assert f"(~{keys.sleepers} +sadd)" in rules
     # Nobody's rate limit or pending wakes: only the waker and an operator send a packet.
     assert not [r for r in rules if "woken" in r or "waking" in r]
+
+
+def test_a_worker_s_url_carries_its_own_user_password_and_ca_and_never_the_admin_s() -> None:
+    admin = "rediss://:admin-secret@127.0.0.1:6390/0?ssl_ca_certs=%2Fd%2Ftls%2Fca.crt&ssl_certfile=%2Fx"
+    url = worker_url(admin, "gpu", "p@ss", host="10.0.0.5")
+    assert url == "rediss://gpu:p%40ss@10.0.0.5:6390/0?ssl_ca_certs=%2Fd%2Ftls%2Fca.crt"
+    assert worker_url("redis://:admin@h:1/0", "gpu", "pw") == "redis://gpu:pw@h:1/0"
+    line = worker_command("gpu", url, backend="http://127.0.0.1:11434")
+    assert shlex.split(line) == [
+        *("routeledger", "worker", "--id", "gpu", "--inbox", "--backend", "http://127.0.0.1:11434"),
+        *("--redis-url", url),
+    ]

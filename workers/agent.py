@@ -48,6 +48,9 @@ from workers.warmth import Warmth
 
 log = logging.getLogger("routeledger.worker")
 
+# Seconds each step of undoing a failed start may take (see WorkerAgent._abandon_start).
+ABANDON_S = 2.0
+
 
 class WorkerAgent:
     """One worker process's loop over its streams."""
@@ -85,6 +88,9 @@ class WorkerAgent:
         # (a deadline, a submission, a sample's age); its lease says the offset to readers.
         self.clock = LedgerClock(redis)
         self.stopping = asyncio.Event()
+        # Set once started (lease taken, life announced, loops running): before that, a stop has
+        # nothing to drain, and `start` gives back what it took.
+        self.online = False
         # The loops beside consumption (heartbeat, control, benchmarks) and a malformed entry's
         # rejection: cancelled when the worker drains.
         self._background: list[asyncio.Task[None]] = []
@@ -251,34 +257,61 @@ class WorkerAgent:
 
     # -- start and stop -------------------------------------------------------------------------
     async def run(self) -> None:
-        """Run until `stopping` is set, then drain and leave."""
+        """Start, run until `stopping` is set, then drain and leave."""
+        await self.start()
+        try:
+            await self.consumer.consume()
+        finally:
+            await self._drain()
+
+    async def start(self) -> None:
+        """Take the lease, announce this worker's life and start its loops. A start that fails (or is
+        cancelled: a signal while it starts) gives back what it took, so that no lease shows the
+        machine online after it, and the next start does not wait for that lease to expire."""
         await self.holdings.refresh(first=True)
         self.holdings.resources = read_resources()
         await self.clock.sync()
         # Before the lease: what the API asks once it sees this worker live comes after the cursor.
         await self.control.start()
-        await self.heartbeat.take()
-        await self.holdings.announce()
-        await self.queues.ensure_group(self.pinned)
-        await self.queues.ensure_group(self.background)
-        for queue in self.shared_queues():
-            await self.queues.ensure_group(queue)
-        await self.endings.recover_own_pending()
+        try:
+            await self.heartbeat.take()
+            await self.holdings.announce()
+            await self.queues.ensure_group(self.pinned)
+            await self.queues.ensure_group(self.background)
+            for queue in self.shared_queues():
+                await self.queues.ensure_group(queue)
+            await self.endings.recover_own_pending()
+        except BaseException:
+            await self._abandon_start()
+            raise
         self._lease_task = asyncio.create_task(self.heartbeat.keep_lease(), name="lease")
         self._background.append(asyncio.create_task(self.heartbeat.beat(), name="heartbeat"))
         self._background.append(asyncio.create_task(self.control.run(self.stopping), name="control"))
         if self.config.auto_bench:
             self._background.append(asyncio.create_task(self.benchmarks.run(), name="benchmarks"))
+        self.online = True
         log.info(
             "worker %s online: %d slot(s), serving %s",
             self.name,
             self.config.slots,
             ", ".join(m.name for m in self.serving()) or "nothing",
         )
-        try:
-            await self.consumer.consume()
-        finally:
-            await self._drain()
+
+    async def _abandon_start(self) -> None:
+        """Undo a start that failed: the lease back (if this process holds it), and the life it may
+        have announced ended in the ledger. Each step has a deadline: the start may have failed
+        because Redis stopped answering."""
+        await self.control.aclose()
+        if self.heartbeat.evicted:
+            return
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            if self.holdings.liveness.announced:
+                await asyncio.wait_for(
+                    self.ledger.append(WorkerOffline(worker=self.name, reason="shutdown")), ABANDON_S
+                )
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            if await asyncio.wait_for(self.leases.release(self.name, self.heartbeat.token), ABANDON_S):
+                log.info("worker %s: its start failed; its lease is given back", self.name)
 
     async def _drain(self) -> None:
         """Stop taking work, let running tasks finish for a while, hand back the rest, leave."""

@@ -33,6 +33,13 @@ from workers.runs import Runs
 log = logging.getLogger("routeledger.worker")
 
 
+def _said(exc: BaseException) -> str:
+    """An exception for a log line: a timeout's str() is empty (an exception is truthy even then,
+    so `exc or "timeout"` printed "()"); its type says what happened."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class Heartbeat:
     """Takes and renews one worker's lease, and beats: inventory, resources, running entries, news."""
 
@@ -80,6 +87,7 @@ class Heartbeat:
         is a token compare-and-set (tasks.lease.Leases), so of two processes started at once with
         one name exactly one gets it."""
         deadline = time.monotonic() + self.config.lease_ms / 1000 + 1.0
+        waiting = False
         while True:
             sent = time.monotonic()
             taken = await self.leases.put(self.info(), self.config.lease_ms)
@@ -90,6 +98,17 @@ class Heartbeat:
                 raise WorkerNameTakenError(
                     f"a live worker named {self.name!r} already holds its lease; give this one another --id"
                 )
+            if not waiting:
+                # Silence here read as a hang: a previous life of this name that did not give its
+                # lease back (killed, or cut off from Redis) holds it until it expires.
+                log.warning(
+                    "worker %s: another process (token %s) holds this name's lease, a previous life "
+                    "or a twin; waiting up to %.0fs for it to expire",
+                    self.name,
+                    taken.holder,
+                    deadline - time.monotonic(),
+                )
+                waiting = True
             await asyncio.sleep(0.2)
         await self.redis.srem(self.keys.forgotten, self.name)
 
@@ -167,7 +186,9 @@ class Heartbeat:
         for run in self.runs.running.values():
             if not run.lost and not run.closing and run.task is not None:
                 log.warning(
-                    "task %s: this worker's lease expired; stopping the run (it runs elsewhere)",
+                    "task %s: this worker could not renew its lease in time (Redis unreachable), so the "
+                    "reaper may give the task to another worker; stopping the run here so that it "
+                    "does not run twice",
                     run.entry.task.task_id,
                 )
                 run.lost = True
@@ -201,9 +222,7 @@ class Heartbeat:
                     self._lapsed = False
             except (RedisError, OSError, TimeoutError) as exc:
                 if not self._lease_failing:
-                    log.warning(
-                        "worker %s: could not renew its lease (%s); retrying", self.name, exc or "timeout"
-                    )
+                    log.warning("worker %s: could not renew its lease (%s); retrying", self.name, _said(exc))
                     self._lease_failing = True
                 pause = min(pause, 0.5)
                 if time.monotonic() > self._lease_until:
@@ -238,7 +257,7 @@ class Heartbeat:
                     await self.keep_entries_alive()
                     await self.holdings.report_changes()
             except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, exc or "timeout")
+                log.warning("heartbeat %d could not reach Redis (%s); will retry", beat, _said(exc))
 
     async def models_changed(self) -> None:
         """After a pull or a delete: what the machine holds, in the lease and the ledger at once."""

@@ -26,6 +26,11 @@ class Liveness:
         self.serves = serves
         self._said: tuple[int, list[ModelEntry], list[str], list[str] | None] | None = None
 
+    @property
+    def announced(self) -> bool:
+        """Whether this life's WorkerOnline is in the ledger (its end must be too)."""
+        return self._said is not None
+
     def online(self, event: WorkerOnline) -> None:
         """The agent appended `event`: that is what the ledger knows now (nothing loaded yet)."""
         self._said = (event.slots, _models(event.inventory), [], event.serves)
