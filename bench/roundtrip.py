@@ -40,7 +40,6 @@ import hiredis
 import psutil
 import redis.asyncio as aioredis
 import uvloop
-from redis._parsers.hiredis import NOT_ENOUGH_DATA
 
 from events.connection import redis_client
 from routeledger.embedded import EmbeddedRedis
@@ -49,17 +48,21 @@ COMMAND = ("XADD", "bench:s", "MAXLEN", "~", "1000", "*", "type", "bench", "v", 
 WARM_UP = 500
 
 
+_PENDING: Any = object()
+
+
 class _Floor(asyncio.Protocol):
     """One command at a time: the reply's future, resolved when hiredis has a whole reply."""
 
     def __init__(self) -> None:
-        self.reader = hiredis.Reader()
+        # hiredis's own sentinel for "no whole reply yet" (its public `notEnoughData`), not redis-py's.
+        self.reader = hiredis.Reader(notEnoughData=_PENDING)
         self.waiting: asyncio.Future[Any] | None = None
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
         reply = self.reader.gets()
-        if reply is not NOT_ENOUGH_DATA and self.waiting is not None:
+        if reply is not _PENDING and self.waiting is not None:
             self.waiting.set_result(reply)
 
 
