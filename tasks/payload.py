@@ -202,13 +202,13 @@ def encode_task(task: TaskMessage) -> bytes:
 
 
 def decode_task(data: bytes) -> TaskMessage:
-    """A queued task; msgspec.ValidationError for one without an id or a digest: a request may
-    lack them, but submission fills both in, so a queue entry without them is malformed (as it was
-    when they had no default) and is dead-lettered, not run."""
+    """A queued task; msgspec.ValidationError for one without an id: a request may lack it, but
+    submission fills it in, so a queue entry without one is malformed (as it was when the id had no
+    default) and is dead-lettered, not run. An empty digest is a model its server reports none for,
+    and runs."""
     task = _task_decoder.decode(data)
-    for name, value in (("task_id", task.task_id), ("digest", task.digest)):
-        if not value:
-            raise msgspec.ValidationError(f"a queued task has no `{name}`")
+    if not task.task_id:
+        raise msgspec.ValidationError("a queued task has no `task_id`")
     return task
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -49,30 +51,34 @@ async def steady_latencies(http: httpx.AsyncClient) -> list[float]:
 
 @contextlib.asynccontextmanager
 async def flooding(base: str, counts: dict[int, int]) -> AsyncIterator[None]:
-    """FLOODERS clients sending as fast as they are answered (a refusal is retried after 50 ms)."""
-    stop = asyncio.Event()
-
-    async def one() -> None:
-        headers = {"Authorization": "Bearer flood-key"}
-        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as http:
-            while not stop.is_set():
-                reply = await http.post("/v1/tasks", json={**CHAT, "wait": True})
-                counts[reply.status_code] = counts.get(reply.status_code, 0) + 1
-                if reply.status_code == 429:
-                    await asyncio.sleep(0.05)
-
-    tasks = [asyncio.create_task(one()) for _ in range(FLOODERS)]
+    """FLOODERS clients sending as fast as they are answered (a refusal is retried after 50 ms), in
+    a process of their own (tests/reliability/flooder.py); `counts` gets their statuses at the end."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.reliability.flooder",
+        base,
+        "flood-key",
+        str(FLOODERS),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None
     try:
-        # The flood is under way before the steady key measures anything.
-        await wait_until(lambda: _busy(counts), timeout=20)
+        # The flood is under way before the steady key measures anything: it is being refused.
+        await wait_until(lambda: _refusing(base), timeout=20)
         yield
     finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        proc.stdin.close()
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    counts.update({int(status): n for status, n in json.loads(out).items()})
 
 
-async def _busy(counts: dict[int, int]) -> bool:
-    return counts.get(429, 0) > 0 and counts.get(200, 0) > 0
+async def _refusing(base: str) -> bool:
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": "Bearer steady-key"}) as http:
+        usage = {k["name"]: k for k in (await http.get("/v1/stats")).json()["keys"]}
+    flood = usage.get("flood", {})
+    return bool(flood.get("refused")) and bool(flood.get("requests"))
 
 
 async def test_a_flooding_key_gets_429s_and_the_other_keys_p95_stays_within_1_5x_of_its_solo_run(
