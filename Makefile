@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-clients test-real lint bench clean
+.PHONY: install demo test test-clients test-real lint docs bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The manual (docs/, configured by mkdocs.yml) as a site in site/. --strict: a link to a page that
+# does not exist, or a page missing from the nav, fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # Each script prints its figures and a JSON line last; together they take several minutes.
 bench: $(STAMP)
 	$(BIN)/python -m bench.ledger
@@ -64,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.real_fleet
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site
