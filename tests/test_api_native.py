@@ -117,7 +117,9 @@ async def test_a_hundred_concurrent_streams_all_complete_each_with_its_own_text(
     redis_client: aioredis.Redis, redis_url: str, ledger: Ledger
 ) -> None:
     async with (
-        fleet_and_api(redis_client, redis_url, workers=("a", "b"), time_scale=0.0, slots=8) as (base, _),
+        fleet_and_api(
+            redis_client, redis_url, workers=("a", "b"), time_scale=0.0, slots=8, lease_ms=10_000
+        ) as (base, _),
         httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=100)) as http,
     ):
 

@@ -56,17 +56,25 @@ async def fleet_and_api(
     slots: int = 1,
     fleet: Fleet | None = None,
     kind: str = "ollama",
+    lease_ms: int = 1500,
     **config: object,
 ) -> AsyncIterator[tuple[str, SimHosts]]:
     """Simulated machines (of `fleet`, else the test fleet), one worker agent per name in
-    `workers`, each speaking `kind` (ollama or openai) to its machine, and the API in front."""
+    `workers`, each speaking `kind` (ollama or openai) to its machine, and the API in front.
+    `lease_ms`: the workers' lease; a test of load rather than of death gives a long one, so that
+    its own crowding of this process's one event loop never lapses a lease."""
     async with (
         SimHosts(fleet or make_test_fleet(), time_scale=time_scale, seed=5) as hosts,
         contextlib.AsyncExitStack() as stack,
     ):
         for name in workers:
             await stack.enter_async_context(
-                running_agent(redis_client, hosts.url(name), fast_config(name, slots=slots), kind=kind)
+                running_agent(
+                    redis_client,
+                    hosts.url(name),
+                    fast_config(name, slots=slots, lease_ms=lease_ms),
+                    kind=kind,
+                )
             )
         async with serving(AppConfig(redis_url=redis_url, **config)) as base:  # type: ignore[arg-type]
             yield base, hosts
