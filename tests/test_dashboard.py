@@ -353,6 +353,17 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
                 what="the new task, run, in the recent tasks",
             )
 
+            # Whatever the traffic did: a task taken by another worker than the expected one says
+            # why, and a busy slot's user task is one of the task rows (one render, one look).
+            agreement = await page.evaluate(
+                "(() => { const rows = [...document.querySelectorAll('#tasks tbody tr[data-task]')];"
+                " const ids = new Set(rows.map(tr => tr.dataset.task));"
+                " return {unexplained: rows.filter(tr => tr.querySelector('.taker.changed')"
+                " && /does not say why|^$/.test(tr.querySelector('.reason')?.innerText.trim() || ''))"
+                ".map(tr => tr.innerText),"
+                " orphans: [...document.querySelectorAll('#fleet .slot-task:not(.muted)')]"
+                ".map(s => s.dataset.task).filter(id => !ids.has(id))}; })()"
+            )
             # Clicking a task shows its routing breakdown with every field's source (first: the worker
             # filter below hides the task when the other machine ran it).
             await page.click(f"#tasks tbody tr[data-task='{live_id}']")
@@ -394,6 +405,7 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
     assert ran_on and set(ran_on) == {"rtx3070ti"}
     assert dimmed and "rtx3070ti" not in dimmed
     assert "decode_tps" in breakdown and "worker n=" in breakdown
+    assert agreement == {"unexplained": [], "orphans": []}
 
     # Nothing left this origin: every request went to the API that served the page.
     outside = [u for u in requests if not u.startswith((base + "/", "data:"))]
