@@ -148,8 +148,9 @@ def create_app(config: AppConfig) -> FastAPI:
         max_num_ctx=config.max_num_ctx,
     )
     # The shell is inside the guard (added first): its page loads only under an allowed host name,
-    # and without a key (a browser cannot send one with a page load; the shell holds no data).
-    app.add_middleware(dashboard.Shell)
+    # and without a key (a browser cannot send one with a page load; with keys configured the shell
+    # holds no data).
+    app.add_middleware(dashboard.Shell, keyed=bool(api_keys))
     app.add_middleware(
         Guard,
         api_keys=api_keys,

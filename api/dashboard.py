@@ -15,6 +15,7 @@ too, from Redis directly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Final
@@ -66,17 +67,28 @@ def _asset(name: str) -> bytes:
     return resources.files("api").joinpath("static", name).read_bytes()
 
 
+# How long the page waits for the overview it carries; past it the page is sent without one and
+# fetches it, as it does with keys configured.
+FIRST_OVERVIEW_S: Final = 1.0
+_BODY_END: Final = b"</body>"
+
+
 class Shell:
     """Serves the page's static files, and sends browsers that open `/` to it, inside the guard's
     host and origin checks but exempt from its key (Guard's `pages`).
 
-    A browser cannot attach a Bearer key to a page navigation, so the shell must load without one;
-    it holds no data (every number on the page comes from the guarded /v1 endpoints). Any other
-    request to `/` (the ollama CLI and clients probe it) still gets "Ollama is running".
+    A browser cannot attach a Bearer key to a page navigation, so the shell must load without one.
+    With keys configured it holds no data (every number on the page comes from the guarded /v1
+    endpoints). Without keys, where GET /v1/dashboard/overview answers anyone the page reaches,
+    the page carries the overview in a JSON data block: the tables are filled by the script that
+    runs before the load event, so that a capture at load (a headless screenshot) is complete,
+    not only the tables' heads. Any other request to `/` (the ollama CLI and clients probe it)
+    still gets "Ollama is running".
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, keyed: bool = True) -> None:
         self.app = app
+        self.keyed = keyed
         # Read once: the files are package data and do not change while the process runs.
         self.files = {path: (_asset(name), kind) for path, (name, kind) in _ASSETS.items()}
 
@@ -93,8 +105,23 @@ class Shell:
             await self.app(scope, receive, send)
             return
         body, kind = found
+        if path.rstrip("/") == PAGE_PATH and not self.keyed and scope["method"] == "GET":
+            body = await self._with_overview(scope, body)
         headers = [(b"content-type", kind.encode()), *_SECURITY_HEADERS]
         await _send(send, 200, b"" if scope["method"] == "HEAD" else body, headers, len(body))
+
+    async def _with_overview(self, scope: Scope, page: bytes) -> bytes:
+        """The page with the overview in a data block (not a script: the CSP runs none inline), or
+        the page alone when Redis does not answer in time."""
+        gw = gateway(Request(scope))
+        try:
+            data = await asyncio.wait_for(overview(gw.redis, gw.keys, memory=gw.memory), FIRST_OVERVIEW_S)
+        except (TimeoutError, RedisError, *TRANSIENT):
+            return page
+        # "<" never occurs outside a JSON string, and inside one \u003c reads the same: no "</script>".
+        block = msgspec.json.encode(data).replace(b"<", b"\\u003c")
+        tag = b'<script type="application/json" id="first-overview">' + block + b"</script>\n"
+        return page.replace(_BODY_END, tag + _BODY_END, 1)
 
 
 async def _send(

@@ -71,6 +71,8 @@ def worker_row(
                     "task_id": r.task_id,
                     "model": names.get(r.digest, r.digest[:DIGEST_PREFIX_LEN]),
                     "started_at": info.on_ledger(r.started_at),
+                    # A benchmark or grading answer: not a task of the recent tasks' rows.
+                    "background": r.background,
                 }
                 for r in info.running
             ],

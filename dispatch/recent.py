@@ -16,22 +16,28 @@ from events.codec import decode_rows
 from events.event import (
     BenchmarkResult,
     Event,
+    TaskCancelled,
     TaskClaimed,
     TaskCompleted,
     TaskDeadLettered,
+    TaskExpired,
     TaskFailed,
     TaskReclaimed,
     TaskRouted,
     TaskStalled,
     TaskSubmitted,
+    WorkerOffline,
+    WorkerOnline,
 )
 from events.keys import Keys
 from events.ledger import Ledger, RawEntry, wire_rows
 from projections.folder import decode_tps
-from projections.status import TaskStatus, fold_status
+from projections.status import TERMINAL_RANK, TaskStatus, fold_status
 
 SAMPLE_TYPES: Final = frozenset({b"TaskCompleted", b"BenchmarkResult"})
 _INCIDENT_TYPES: Final = frozenset({b"TaskReclaimed", b"TaskStalled", b"TaskDeadLettered"})
+# A worker's comings and goings: whether the expected worker was there when another took its task.
+_WORKER_TYPES: Final = frozenset({b"WorkerOnline", b"WorkerOffline"})
 TASK_TYPES: Final = frozenset(
     {
         b"TaskSubmitted",
@@ -43,7 +49,10 @@ TASK_TYPES: Final = frozenset(
         b"TaskExpired",
     }
     | _INCIDENT_TYPES
+    | _WORKER_TYPES
 )
+# The events after which a claimed task no longer holds its worker's slot.
+_RUN_ENDS: Final = (TaskCompleted, TaskFailed, TaskReclaimed, TaskDeadLettered, TaskCancelled, TaskExpired)
 # How far back the recent tasks and incidents are looked for (ledger entries, newest first).
 RECENT_WINDOW: Final = 5000
 MAX_SAMPLES: Final = 5000
@@ -117,11 +126,20 @@ class TaskView(msgspec.Struct, kw_only=True):
     tps: float | None = None
     wall_ms: float | None = None
     finished_at: int | None = None
+    # The queue the router put it on (a worker's pinned stream for a hand-off), and the last
+    # attempt that ended before it finished: what changed the plan when another worker took it.
+    routed_queue: str = ""
+    setback: str | None = None
+    # Why the worker that took it is not the expected one (None when it is, or before a claim).
+    reason: str | None = None
+    # The workers that took it, one per attempt, oldest first.
+    claims: list[str] = msgspec.field(default_factory=list)
 
     def fold(self, event: Event) -> None:
         """One more event of this task (its status by projections.status, the one rule)."""
         self.status = fold_status(self.status, event)
         if isinstance(event, TaskRouted):
+            self.routed_queue = event.queue
             self.expected_worker = event.expected_worker
             self.expected_finish_s = event.expected_finish_s
             self.ranking = _ranking(event.breakdown)
@@ -129,6 +147,7 @@ class TaskView(msgspec.Struct, kw_only=True):
             self.auto = "auto" in event.breakdown
         elif isinstance(event, TaskClaimed):
             self.attempts = max(self.attempts, event.attempt)
+            self.claims.append(event.worker)
             if self.finished_at is None:
                 self.worker = event.worker
         elif isinstance(event, TaskCompleted) and not event.duplicate and self.finished_at is None:
@@ -137,6 +156,17 @@ class TaskView(msgspec.Struct, kw_only=True):
             self.wall_ms, self.finished_at = event.wall_ms, event.at
         elif isinstance(event, TaskFailed) and self.finished_at is None:
             self.worker = event.worker
+            if event.retryable:
+                what = f"{event.kind}: {event.message}" if event.message else event.kind
+                self.setback = f"attempt {event.attempt} failed on {event.worker} ({what[:80]})"
+        elif isinstance(event, TaskReclaimed):
+            self.setback = (
+                f"{event.owner} stopped answering during attempt {event.attempt - 1} (lease expired)"
+            )
+
+    @property
+    def taker(self) -> str | None:
+        return self.claims[-1] if self.claims else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -150,6 +180,9 @@ class TaskView(msgspec.Struct, kw_only=True):
             "attempts": self.attempts,
             "expected_worker": self.expected_worker,
             "expected_finish_s": self.expected_finish_s,
+            # The worker that took it (its latest claim), beside the one the router expected.
+            "taker": self.taker,
+            "reason": self.reason,
             "ranking": [{"worker": w, "expected_finish_s": s} for w, s in self.ranking],
             "others": {"count": self.others, "best_finish_s": self.others_best_finish_s},
             "auto": self.auto,
@@ -203,9 +236,29 @@ class Recent:
         self.max_tasks = tasks
         self.tasks: OrderedDict[str, TaskView] = OrderedDict()
         self.incidents: deque[dict[str, Any]] = deque(maxlen=incidents)
+        # What the window says of each worker: the reason of its last WorkerOffline (gone while
+        # it is offline), and the tasks it claimed and has not finished.
+        self.offline: dict[str, str] = {}
+        self.running: dict[str, dict[str, None]] = {}
 
     def add(self, entry_id: str, event: Event) -> bool:
         """Fold one event; True when it changed what is shown."""
+        if isinstance(event, WorkerOnline):
+            self.offline.pop(event.worker, None)
+            return False
+        if isinstance(event, WorkerOffline):
+            self.offline[event.worker] = event.reason
+            self.running.pop(event.worker, None)
+            return False
+        if isinstance(event, TaskClaimed):
+            # Judged before the claim is counted: what the taker saw of the expected worker.
+            view = self.tasks.get(event.task_id)
+            if view is not None:
+                view.reason = self._why(view, event)
+            self._forget_run(event.task_id)
+            self.running.setdefault(event.worker, {})[event.task_id] = None
+        elif isinstance(event, _RUN_ENDS):
+            self._forget_run(event.task_id)
         incident = False
         if isinstance(event, TaskReclaimed | TaskStalled | TaskDeadLettered):
             self.incidents.append(self._incident(entry_id, event))
@@ -222,7 +275,7 @@ class Recent:
             view.fold(event)
             self.tasks[event.task_id] = view
             while len(self.tasks) > self.max_tasks:
-                self.tasks.popitem(last=False)
+                self._evict()
             return True
         task_id = getattr(event, "task_id", None)
         found = self.tasks.get(task_id) if isinstance(task_id, str) else None
@@ -230,6 +283,42 @@ class Recent:
             return incident
         found.fold(event)
         return True
+
+    def _evict(self) -> None:
+        """Drop the oldest finished task; the oldest of all when none has finished. A task still
+        running stays while it can: a busy slot on the page names it, and so must a task row."""
+        for task_id, view in self.tasks.items():
+            if view.status in TERMINAL_RANK:
+                del self.tasks[task_id]
+                return
+        self.tasks.popitem(last=False)
+
+    def _forget_run(self, task_id: str) -> None:
+        for runs in self.running.values():
+            runs.pop(task_id, None)
+
+    def _why(self, view: TaskView, claim: TaskClaimed) -> str | None:
+        """Why `claim`'s worker took a task the router expected elsewhere, from what the ledger
+        says had happened by then; None when the expected worker took it (or none was expected)."""
+        expected, taker = view.expected_worker, claim.worker
+        if expected is None or expected == taker:
+            return None
+        if view.setback is not None:
+            return f"re-queued after {view.setback}; {taker} took attempt {claim.attempt}"
+        handed = self.keys.pinned_worker(view.routed_queue)
+        if handed is not None and claim.queue != view.routed_queue:
+            return (
+                f"handed off to {handed}, who did not take it in time; {taker} took it from the shared queue"
+            )
+        if self.keys.pinned_worker(claim.queue) == taker:
+            return f"pinned to {taker}"
+        if expected in self.offline:
+            return f"{expected} was offline ({self.offline[expected]}); {taker} took it"
+        busy = list(self.running.get(expected, {}))
+        if busy:
+            shown = ", ".join(t[:8] for t in busy[:3]) + (" …" if len(busy) > 3 else "")
+            return f"{expected} was busy (running {shown}); {taker} had a free slot first"
+        return f"{taker} took it from the shared queue before {expected} did"
 
     def _incident(
         self, entry_id: str, event: TaskReclaimed | TaskStalled | TaskDeadLettered

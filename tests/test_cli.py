@@ -478,3 +478,81 @@ def test_status_watch_rides_through_a_restart_of_the_instance(tmp_path: Path) ->
     # The tables came back after the wait.
     assert "routeledger status at" in shown.rsplit("waiting for routeledger to come back", 1)[1]
     assert b"Traceback" not in err and b"cannot reach Redis" not in err
+
+
+def _up_demo(port: int, data_dir: Path) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "routeledger",
+        "up",
+        "--demo",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+    ]
+    # A session of its own: Ctrl-C in a terminal signals the whole foreground process group, so
+    # every child (sim hosts, workers, projector) gets SIGINT at once, not only `up`.
+    return subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _ctrl_c(proc: subprocess.Popen[str]) -> str:
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    return err
+
+
+def _wait_demo_online(port: int, proc: subprocess.Popen[str], names: set[str], timeout: float = 60) -> None:
+    _wait_healthy(f"http://127.0.0.1:{port}/healthz", proc)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"http://127.0.0.1:{port}/v1/dashboard/overview", timeout=5).json()["workers"]
+        if {w["id"] for w in workers if w["status"] == "online"} >= names:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the demo's workers {sorted(names)} did not come online in {timeout}s")
+
+
+async def _offline_reasons(url: str) -> dict[str, list[str]]:
+    from events.event import WorkerOffline
+    from events.ledger import Ledger
+
+    client = aioredis.Redis.from_url(url)
+    try:
+        reasons: dict[str, list[str]] = {}
+        async for _, event in Ledger(client, Keys()).read():
+            if isinstance(event, WorkerOffline):
+                reasons.setdefault(event.worker, []).append(event.reason)
+        return reasons
+    finally:
+        await client.aclose()
+
+
+def test_ctrl_c_of_up_demo_prints_no_traceback_and_a_restart_adds_no_second_worker_offline(
+    tmp_path: Path,
+) -> None:
+    port, data_dir = free_port(), tmp_path / ".routeledger"
+    names = {"macbookair", "rtx3070ti", "ai-core"}
+    up = _up_demo(port, data_dir)
+    try:
+        _wait_demo_online(port, up, names)
+        time.sleep(2)  # the trickle of traffic has requests in flight on the simulated machines
+        first = _ctrl_c(up)
+        up = _up_demo(port, data_dir)
+        _wait_demo_online(port, up, names)
+        # The reaper sweeps every second: several sweeps see the restarted fleet.
+        time.sleep(4)
+        url = (data_dir / "redis.url").read_text().strip()
+        reasons = asyncio.run(_offline_reasons(url))
+        second = _ctrl_c(up)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait(10)
+    for err in (first, second):
+        assert "Traceback" not in err and "ValueError" not in err, err[-3000:]
+    # One goodbye per shutdown, each said by the worker itself; no "lease expired" after it.
+    assert {name: reasons.get(name) for name in names} == {name: ["shutdown"] for name in names}

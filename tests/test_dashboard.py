@@ -31,14 +31,26 @@ from api.app import AppConfig
 from api.dashboard import CSP
 from dispatch.submit import route_and_submit
 from dispatch.view import LiveView
-from events.event import ModelEntry, TaskCompleted, TaskStalled
+from events.event import (
+    Event,
+    ModelEntry,
+    TaskClaimed,
+    TaskCompleted,
+    TaskFailed,
+    TaskRouted,
+    TaskStalled,
+    TaskSubmitted,
+    WorkerOffline,
+    WorkerOnline,
+    now_ms,
+)
 from events.keys import Keys
 from events.ledger import Ledger
 from projections.projector import Projector
 from routeledger.cli_traffic import trickle
 from sim.backends.hosts import SimHosts
 from sim.fleetspec import load_fleet
-from tasks.lease import LeaseInfo, Leases
+from tasks.lease import LeaseInfo, Leases, RunningInfo
 from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
 from tests.helpers import events_of, fast_config, running_agent, running_reaper, wait_until
@@ -341,6 +353,17 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
                 what="the new task, run, in the recent tasks",
             )
 
+            # Whatever the traffic did: a task taken by another worker than the expected one says
+            # why, and a busy slot's user task is one of the task rows (one render, one look).
+            agreement = await page.evaluate(
+                "(() => { const rows = [...document.querySelectorAll('#tasks tbody tr[data-task]')];"
+                " const ids = new Set(rows.map(tr => tr.dataset.task));"
+                " return {unexplained: rows.filter(tr => tr.querySelector('.taker.changed')"
+                " && /does not say why|^$/.test(tr.querySelector('.reason')?.innerText.trim() || ''))"
+                ".map(tr => tr.innerText),"
+                " orphans: [...document.querySelectorAll('#fleet .slot-task:not(.muted)')]"
+                ".map(s => s.dataset.task).filter(id => !ids.has(id))}; })()"
+            )
             # Clicking a task shows its routing breakdown with every field's source (first: the worker
             # filter below hides the task when the other machine ran it).
             await page.click(f"#tasks tbody tr[data-task='{live_id}']")
@@ -382,6 +405,7 @@ async def test_the_dashboard_shows_the_live_demo_in_chromium_and_fetches_nothing
     assert ran_on and set(ran_on) == {"rtx3070ti"}
     assert dimmed and "rtx3070ti" not in dimmed
     assert "decode_tps" in breakdown and "worker n=" in breakdown
+    assert agreement == {"unexplained": [], "orphans": []}
 
     # Nothing left this origin: every request went to the API that served the page.
     outside = [u for u in requests if not u.startswith((base + "/", "data:"))]
@@ -458,3 +482,181 @@ async def test_with_keys_the_page_loads_without_one_but_its_data_and_stream_need
     assert kind.startswith("text/event-stream")
     assert first["event"] == "overview" and "-" in first["id"]
     assert msgspec.json.decode(first["data"])["tasks"][0]["worker"] == "a"
+
+
+# -- expected and actual takers, busy slots, the first paint ----------------------------------------
+
+QWEN = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"
+
+
+def _routed(keys: Keys, task_id: str, expected: str, *, queue: str | None = None) -> list[Event]:
+    """A task submitted and routed as route_and_submit records it: the expected worker first in
+    the ranking, the other after it."""
+    other = "rtx3070ti" if expected == "macbookair" else "macbookair"
+    candidates = [
+        {"worker": expected, "expected_finish_s": 2.1},
+        {"worker": other, "expected_finish_s": 4.9},
+    ]
+    return [
+        TaskSubmitted(task_id=task_id, model="qwen3:8b", digest=QWEN, queue=keys.queue(QWEN)),
+        TaskRouted(
+            task_id=task_id,
+            digest=QWEN,
+            queue=queue or keys.queue(QWEN),
+            breakdown={"candidates": candidates},
+            expected_worker=expected,
+            expected_finish_s=2.1,
+        ),
+    ]
+
+
+def _claim(keys: Keys, task_id: str, worker: str, attempt: int = 1, queue: str | None = None) -> TaskClaimed:
+    return TaskClaimed(
+        task_id=task_id, worker=worker, digest=QWEN, attempt=attempt, queue=queue or keys.queue(QWEN)
+    )
+
+
+async def _plan_changes(redis: aioredis.Redis) -> None:
+    """A ledger where the router expected macbookair for each task and rtx3070ti took most of them,
+    each for another reason, and one task as planned; rtx3070ti's lease runs `t-busy`."""
+    keys = Keys()
+    events: list[Event] = [
+        WorkerOnline(worker="macbookair", slots=1),
+        WorkerOnline(worker="rtx3070ti", slots=1),
+        # macbookair is busy with a long task when t-busy comes.
+        *_routed(keys, "t-long-running", "macbookair"),
+        _claim(keys, "t-long-running", "macbookair"),
+        *_routed(keys, "t-busy", "macbookair"),
+        _claim(keys, "t-busy", "rtx3070ti"),
+        *_routed(keys, "t-planned", "rtx3070ti"),
+        _claim(keys, "t-planned", "rtx3070ti"),
+        TaskCompleted(task_id="t-planned", worker="rtx3070ti", digest=QWEN, attempt=1, wall_ms=900.0),
+        # Its first attempt failed on macbookair; the second went to rtx3070ti.
+        *_routed(keys, "t-retried", "macbookair"),
+        TaskCompleted(task_id="t-long-running", worker="macbookair", digest=QWEN, attempt=1),
+        _claim(keys, "t-retried", "macbookair"),
+        TaskFailed(
+            task_id="t-retried",
+            worker="macbookair",
+            digest=QWEN,
+            attempt=1,
+            kind="unreachable",
+            retryable=True,
+        ),
+        _claim(keys, "t-retried", "rtx3070ti", attempt=2),
+        TaskCompleted(task_id="t-retried", worker="rtx3070ti", digest=QWEN, attempt=2),
+        # Handed off to macbookair's pinned stream, then taken from the shared queue.
+        *_routed(keys, "t-handed", "macbookair", queue=keys.pinned("macbookair")),
+        _claim(keys, "t-handed", "rtx3070ti"),
+        TaskCompleted(task_id="t-handed", worker="rtx3070ti", digest=QWEN, attempt=1),
+        # macbookair left before its task was taken.
+        *_routed(keys, "t-left", "macbookair"),
+        WorkerOffline(worker="macbookair", reason="shutdown"),
+        _claim(keys, "t-left", "rtx3070ti"),
+        TaskCompleted(task_id="t-left", worker="rtx3070ti", digest=QWEN, attempt=1),
+        TaskCompleted(task_id="t-busy", worker="rtx3070ti", digest=QWEN, attempt=1),
+        *_routed(keys, "t-running-now", "rtx3070ti"),
+        _claim(keys, "t-running-now", "rtx3070ti"),
+    ]
+    await Ledger(redis, keys).append_many(events)
+    lease = LeaseInfo(
+        worker="rtx3070ti",
+        token="t",
+        slots=1,
+        in_flight=1,
+        inventory=[ModelEntry(name="qwen3:8b", digest=QWEN)],
+        running=[RunningInfo(task_id="t-running-now", digest=QWEN, started_at=now_ms())],
+    )
+    await Leases(redis, keys).put(lease, 120_000)
+    projector = Projector(redis, keys)
+    await projector.start()
+    await projector.catch_up()
+
+
+async def test_the_overview_shows_the_expected_and_the_actual_taker_and_why_they_differ(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await _plan_changes(redis_client)
+    async with (
+        serving(AppConfig(redis_url=redis_url)) as base,
+        httpx.AsyncClient(base_url=base, timeout=10) as http,
+    ):
+        overview = (await http.get("/v1/dashboard/overview")).json()
+    tasks = {t["task_id"]: t for t in overview["tasks"]}
+    taken = {i: (t["expected_worker"], t["taker"]) for i, t in tasks.items()}
+    reasons = {i: t["reason"] for i, t in tasks.items()}
+    assert taken["t-busy"] == ("macbookair", "rtx3070ti")
+    assert reasons["t-busy"] == "macbookair was busy (running t-long-r); rtx3070ti had a free slot first"
+    assert taken["t-planned"] == ("rtx3070ti", "rtx3070ti") and reasons["t-planned"] is None
+    assert reasons["t-retried"] == (
+        "re-queued after attempt 1 failed on macbookair (unreachable); rtx3070ti took attempt 2"
+    )
+    assert reasons["t-handed"] == (
+        "handed off to macbookair, who did not take it in time; rtx3070ti took it from the shared queue"
+    )
+    assert reasons["t-left"] == "macbookair was offline (shutdown); rtx3070ti took it"
+    # The busy slot names the task the task rows show.
+    (rtx,) = [w for w in overview["workers"] if w["id"] == "rtx3070ti"]
+    assert rtx["busy"] == 1 and [r["task_id"] for r in rtx["running"]] == ["t-running-now"]
+    assert tasks["t-running-now"]["status"] == "running"
+
+
+async def test_chromium_fills_the_tables_within_2_s_and_shows_both_takers_the_reason_and_each_slot_s_task(
+    redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await _plan_changes(redis_client)
+    async with serving(AppConfig(redis_url=redis_url)) as base, chromium() as browser:
+        page = await browser.new_page()
+        loaded = time.monotonic()
+        await page.call("Page.navigate", url=base + "/dashboard")
+        await page.wait_for(
+            "document.querySelectorAll('#fleet tbody tr[data-worker]').length >= 2"
+            " && document.querySelectorAll('#tasks tbody tr[data-task]').length >= 7"
+            " && document.querySelectorAll('#models tbody tr[data-model]').length >= 1",
+            timeout=10,
+            what="the fleet, models and tasks tables filled",
+        )
+        filled_s = time.monotonic() - loaded
+        row = await page.evaluate(
+            "(() => { const tr = document.querySelector('#tasks tr[data-task=\"t-busy\"]');"
+            " return {expected: tr.querySelector('.expected').innerText,"
+            " ranOn: tr.querySelector('.ran-on').innerText, ranking: tr.querySelector('.ranking').innerText,"
+            " bold: tr.querySelector('.ranking b').innerText}; })()"
+        )
+        planned = await page.evaluate(
+            "document.querySelector('#tasks tr[data-task=\"t-planned\"] .ran-on').innerText"
+        )
+        slot = await page.evaluate(
+            "[...document.querySelectorAll('#fleet tr[data-worker=\"rtx3070ti\"] .slot-task')]"
+            ".map(s => [s.dataset.task, s.innerText])"
+        )
+        shown = await page.evaluate(
+            "[...document.querySelectorAll('#tasks tbody tr[data-task]')]"
+            ".map(tr => [tr.dataset.task, tr.children[1].innerText])"
+        )
+        await page.click("#fleet tr[data-worker='rtx3070ti'] .slot-task")
+        opened = await page.wait_for(
+            "document.querySelector('#tasks tr.selected')?.dataset.task", what="the slot's task opened"
+        )
+        thrown = browser.of("Runtime.exceptionThrown")
+        # `chromium --headless --dump-dom` (as --screenshot) takes the page at its load event.
+        dumped = await asyncio.create_subprocess_exec(
+            chromium_binary(),
+            *("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--dump-dom"),
+            base + "/dashboard",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        at_load = (await asyncio.wait_for(dumped.communicate(), 60))[0].decode()
+    assert filled_s < 2.0, f"the tables were filled {filled_s:.2f}s after the navigation"
+    assert 'data-ready="1"' in at_load and 'data-task="t-busy"' in at_load and "was busy" in at_load
+    assert row["expected"] == "macbookair"
+    assert row["ranOn"].startswith("rtx3070ti") and "macbookair was busy" in row["ranOn"]
+    # The taker is the bold one, the expected one is marked as such.
+    assert row["bold"].startswith("rtx3070ti") and "macbookair 2.1s (expected)" in row["ranking"]
+    assert planned.strip() == "rtx3070ti"  # as planned: no reason
+    # The busy slot shows the task's id as the task rows show it.
+    assert slot == [["t-running-now", "t-runnin"]]
+    assert ["t-running-now", "t-runnin"] in shown
+    assert opened == "t-running-now"
+    assert not thrown, thrown

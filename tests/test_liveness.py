@@ -242,6 +242,27 @@ async def test_a_clean_shutdown_says_goodbye_itself_and_the_reaper_adds_nothing(
     assert [e.reason for e in await events_of(ledger, WorkerOffline)] == ["shutdown"]
 
 
+async def test_a_goodbye_the_projector_has_not_folded_yet_is_not_followed_by_a_lease_expired(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    # As after a Ctrl-C of `up`: the projector stopped before it folded the workers' goodbyes, and
+    # the restarted reaper sweeps before the restarted projector has caught up.
+    projector = Projector(redis_client, keys)
+    await projector.start()
+    async with SimHosts(make_test_fleet(), time_scale=1.0) as sim:
+        async with running_agent(redis_client, sim.url("a"), fast_config("a")):
+            await projector.catch_up()
+    stale = await snapshot(redis_client, keys)
+    reaper = Reaper(redis_client, keys, ReaperConfig(lease_ms=1500))
+    before = await reaper.sweep()
+    await projector.catch_up()
+    after = await reaper.sweep()
+    assert stale.fleet["a"].status == "online"
+    assert before.offline == 0 and after.offline == 0
+    assert [e.reason for e in await events_of(ledger, WorkerOffline)] == ["shutdown"]
+    assert (await snapshot(redis_client, keys)).fleet["a"].status == "offline"
+
+
 async def test_a_lease_is_given_up_only_by_the_process_whose_token_holds_it(
     redis_client: aioredis.Redis, keys: Keys
 ) -> None:

@@ -22,9 +22,10 @@ import openai
 import pytest
 
 from sim.backends.hosts import SimHosts
-from sim.backends.machine import keep_alive_seconds
+from sim.backends.machine import SimMachine, keep_alive_seconds
 from sim.backends.text import benchset, count_tokens
 from sim.fleetspec import Fleet, load_fleet, parse_fleet
+from tests.helpers import make_test_fleet
 
 SEED = 1234
 QWEN_DIGEST = "500a1f067a9f782620b40bee6f7b0c89e17ae61f686b92c24933e4ca4b2b8b41"
@@ -857,3 +858,23 @@ def test_sim_hosts_with_an_unknown_preset_fails_in_one_line() -> None:
     assert done.returncode == 2
     assert "no fleet preset 'nope'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+async def test_a_slot_released_while_its_cancelled_waiters_unwind_raises_nothing_and_frees_the_slot() -> None:
+    # As at a shutdown: every request is cancelled at once, and the one holding the slot releases
+    # it before the waiters' own handlers run (the ValueError "<Future cancelled> is not in deque").
+    fleet = make_test_fleet()
+    machine = SimMachine(fleet.worker[0], fleet, time_scale=0)
+    slots = machine.slots
+    for _ in range(slots):
+        await machine.acquire()
+    waiters = [asyncio.create_task(machine.acquire()) for _ in range(2)]
+    await asyncio.sleep(0)
+    for task in waiters:
+        task.cancel()  # cancels the future it waits on now; its handler runs on the next turn
+    machine.release()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+    assert machine.queued == 0 and machine.running == slots - 1
+    await asyncio.wait_for(machine.acquire(), 1)
+    assert machine.running == slots

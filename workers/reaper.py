@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from events.clock import LedgerClock
-from events.codec import as_str
-from events.event import TaskReclaimed, TaskStalled, WorkerOffline, now_ms
+from events.codec import as_str, decode_rows
+from events.event import TaskReclaimed, TaskStalled, WorkerOffline, WorkerOnline, now_ms
 from events.keys import DEAD_MAX_ENTRIES, REQUEUED_CONSUMER, WORKERS_GROUP, Keys
 from events.ledger import Ledger, PendingEntry, next_id
 from events.singleton import DEFAULT_LEASE_MS, SingletonLease
@@ -49,6 +49,11 @@ LEASE_EXPIRED = "lease expired"
 UNACKNOWLEDGED = "(unacknowledged)"
 # Projected statuses of a worker that is still taking part: its death must be recorded.
 _ALIVE_STATUSES = frozenset({"online", "draining"})
+# The events that begin or end a worker's life (an entry's type is its second value).
+_LIFE_TYPES: Final = frozenset({b"WorkerOnline", b"WorkerOffline"})
+# The most ledger entries past the projection's checkpoint a sweep reads to judge a death: a
+# projector that far behind is catching up, and deaths wait for it rather than cost every sweep.
+_TAIL_MAX: Final = 20_000
 
 
 class ReaperConfig(msgspec.Struct, kw_only=True):
@@ -176,10 +181,10 @@ class Reaper:
         report = Sweep()
         # The projection first, then the leases: a worker that starts in between has its lease
         # already, and a death is dated before the sweep looked (a new WorkerOnline is later).
-        fleet = await self._fleet()
+        fleet, checkpoint = await self._fleet()
         at = now_ms()
         live = await self._live()
-        await self._end_expired(fleet, live, at, report)
+        await self._end_expired(fleet, checkpoint, live, at, report)
         raw: Any = await self.redis.smembers(self.keys.inboxes)
         self._inboxes = {as_str(n) for n in raw}
         for queue in await self._queue_names():
@@ -192,33 +197,69 @@ class Reaper:
                 await self._report_stalls(queue, report)
         return report
 
-    async def _fleet(self) -> dict[str, FleetRow]:
-        """The projected fleet, or nothing when there is no projection (yet) or it does not decode."""
+    async def _fleet(self) -> tuple[dict[str, FleetRow], str]:
+        """The projected fleet and the last ledger id folded into it, or nothing when there is no
+        projection (yet) or it does not decode."""
         try:
             ns = await store.current(self.redis, self.keys)
             if ns is None:
-                return {}
-            raw: Any = await self.redis.hgetall(self.keys.table(ns, store.FLEET))
-            return store.decode_fleet(raw)
+                return {}, "0-0"
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(self.keys.table(ns, store.FLEET))
+            pipe.get(self.keys.checkpoint(ns))
+            raw, checkpoint = await pipe.execute()
+            return store.decode_fleet(raw), "0-0" if checkpoint is None else as_str(checkpoint)
         except (msgspec.DecodeError, msgspec.ValidationError, ProjectionError) as exc:
             log.warning("cannot read the projected fleet (%s); worker deaths wait", exc)
-            return {}
+            return {}, "0-0"
 
-    async def _end_expired(self, fleet: dict[str, FleetRow], live: set[str], at: int, report: Sweep) -> None:
+    async def _unfolded_lives(self, checkpoint: str) -> set[str] | None:
+        """Workers with a WorkerOnline or WorkerOffline in the ledger past `checkpoint` (what the
+        projection has not folded yet), or None when that tail is too long to read every sweep.
+
+        The projection's "online" is only as fresh as its checkpoint: a worker that said goodbye
+        while the projector was stopping (Ctrl-C stops them all at once) is still online there
+        after a restart, though its lease is gone because it left, not because it died."""
+        workers: set[str] = set()
+        read = 0
+        async for batch in self.ledger.read_raw(next_id(checkpoint), "+", count=_TAIL_MAX + 1):
+            read += len(batch)
+            if read > _TAIL_MAX:
+                return None
+            lives = [(i, flat) for i, flat in batch if len(flat) > 1 and flat[1] in _LIFE_TYPES]
+            for _, event in decode_rows(lives, lambda exc: None):
+                if isinstance(event, WorkerOnline | WorkerOffline):
+                    workers.add(event.worker)
+        return workers
+
+    async def _end_expired(
+        self, fleet: dict[str, FleetRow], checkpoint: str, live: set[str], at: int, report: Sweep
+    ) -> None:
         """WorkerOffline(reason="lease expired") for each worker the projection says is online whose
         lease is gone, once per death: `rl:expired` remembers which life (its `status_since`) was
-        ended, across sweeps and restarts, until the projection has folded the event."""
+        ended, across sweeps and restarts, until the projection has folded the event; and a worker
+        whose life changed in the ledger past the projection's checkpoint is left until the
+        projector has folded that change (its goodbye, most often)."""
         raw: Any = await self.redis.hgetall(self.keys.expired)
         ended = {as_str(k): as_str(v) for k, v in raw.items()}
         settled = [w for w in ended if w not in fleet or fleet[w].status not in _ALIVE_STATUSES]
         if settled:
             await self.redis.hdel(self.keys.expired, *settled)
-        for name, row in sorted(fleet.items()):
-            if row.status not in _ALIVE_STATUSES or name in live:
-                continue
-            life = str(row.status_since)
-            if ended.get(name) == life:
-                continue  # appended already; the projector has not folded it yet
+        gone = [
+            name
+            for name, row in sorted(fleet.items())
+            if row.status in _ALIVE_STATUSES and name not in live and ended.get(name) != str(row.status_since)
+        ]
+        if not gone:
+            return
+        unfolded = await self._unfolded_lives(checkpoint)
+        if unfolded is None:
+            log.debug("the projection is over %d entries behind the ledger; worker deaths wait", _TAIL_MAX)
+            return
+        for name in gone:
+            if name in unfolded:
+                continue  # it said goodbye (or came back) after the projection's checkpoint
+            life = str(fleet[name].status_since)
             await self.ledger.append(WorkerOffline(at=at, worker=name, reason=LEASE_EXPIRED))
             await self.redis.hset(self.keys.expired, name, life)
             report.offline += 1

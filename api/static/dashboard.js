@@ -134,7 +134,7 @@ function renderFleet() {
       },
       h("td", {}, h("b", {}, w.id)),
       h("td", {}, h("span", { class: `status ${w.status}` }, w.status), " since ", clock(w.since), h("span", { class: "muted" }, ` (${ago(w.since)})`)),
-      h("td", { class: "slots" }, bar, `${w.busy ?? "?"} / ${w.slots ?? "?"}`),
+      h("td", { class: "slots" }, bar, `${w.busy ?? "?"} / ${w.slots ?? "?"}`, slotTasks(w)),
       h("td", {}, models),
       h("td", { class: "muted" }, w.lease_age_s === null ? "expired" : `renewed ${num(w.lease_age_s)}s ago`),
       h("td", { class: "muted" }, machine(w.resources)),
@@ -142,6 +142,30 @@ function renderFleet() {
   });
   fill($("#fleet tbody"), rows, 6, "no worker has ever registered");
   renderWorkerDetail();
+}
+
+// Each busy slot names its task, as the task rows do (the same short id); a click opens it there.
+function slotTasks(w) {
+  if (!w.running.length) return "";
+  return h("span", { class: "slot-tasks" }, w.running.map((r) =>
+    h("span", {
+      class: `slot-task mono${r.background ? " muted" : ""}`,
+      dataset: { task: r.task_id },
+      title: `${r.task_id} · ${r.model}${r.background ? " (a benchmark)" : ""}, running for ${ago(r.started_at)}`,
+      on: { click: (ev) => { ev.stopPropagation(); showTask(r.task_id); } },
+    }, r.background ? `bench ${short(r.task_id)}` : short(r.task_id)),
+  ));
+}
+
+// Opens a task's breakdown and brings its row into view (a slot's task may be filtered out).
+function showTask(id) {
+  if (state.selected && !state.overview.tasks.some((t) => t.task_id === id && (t.worker === state.selected || t.expected_worker === state.selected))) {
+    state.selected = null;
+    renderFleet();
+    drawChart();
+  }
+  if (state.openTask !== id) openTask(id);
+  document.querySelector(`#tasks tr[data-task="${CSS.escape(id)}"]`)?.scrollIntoView({ block: "center" });
 }
 
 // What a worker could read of its machine (its lease's while it is live); "-" when nothing.
@@ -264,13 +288,35 @@ function renderTasks() {
       h("td", {}, t.auto ? `auto → ${t.model}` : t.model),
       h("td", {}, t.domain),
       h("td", {}, h("span", { class: `status ${t.status}` }, t.status)),
-      h("td", { class: "ran-on" }, t.worker || h("span", { class: "muted" }, "–")),
-      h("td", {}, t.ranking.length ? t.ranking.map((r, i) => (i === 0 ? h("b", {}, `${r.worker} ${num(r.expected_finish_s)}s`) : ` · ${r.worker} ${num(r.expected_finish_s)}s`)) : "–"),
+      h("td", { class: "expected" }, t.expected_worker || h("span", { class: "muted" }, "–")),
+      h("td", { class: "ran-on" }, ranOn(t)),
+      h("td", { class: "ranking" }, ranking(t)),
       h("td", { class: "num" }, num(t.decode_tps)),
       h("td", { class: "num" }, t.wall_ms === null ? "–" : `${num(t.wall_ms / 1000)}s`),
     ),
   );
-  fill($("#tasks tbody"), rows, 9, sel ? `no recent task ran on ${sel}` : "no task yet");
+  fill($("#tasks tbody"), rows, 10, sel ? `no recent task ran on ${sel}` : "no task yet");
+}
+
+// Who took it (its claim), and, when that is not the worker the router expected, why.
+function ranOn(t) {
+  const taker = t.taker || t.worker;
+  if (!taker) return h("span", { class: "muted" }, "–");
+  const differs = t.expected_worker && taker !== t.expected_worker;
+  return h("span", {},
+    h("span", { class: `taker${differs ? " changed" : ""}` }, taker),
+    differs ? h("div", { class: "reason" }, t.reason || `expected ${t.expected_worker}; the ledger read back does not say why`) : "",
+  );
+}
+
+// Each candidate's expected finish, best first: the expected one marked, the taker in bold.
+function ranking(t) {
+  if (!t.ranking.length) return "–";
+  const taker = t.taker || t.worker;
+  return t.ranking.flatMap((r, i) => {
+    const text = `${r.worker} ${num(r.expected_finish_s)}s${r.worker === t.expected_worker ? " (expected)" : ""}`;
+    return [i ? " · " : "", r.worker === taker ? h("b", { class: "took" }, text) : h("span", {}, text)];
+  });
 }
 
 async function openTask(id) {
@@ -535,7 +581,40 @@ async function follow() {
   }
 }
 
+// The first paint. Without API keys the page carries the overview (a JSON data block): the tables
+// are filled now, before the load event, when a headless screenshot is taken. Otherwise (or when
+// the server had no answer in time) the overview and the samples are asked for at once, and the
+// tables are filled as soon as the overview comes, not after the samples and the stream's first
+// event, which the page used to wait for.
+function carriedOverview() {
+  const block = document.getElementById("first-overview");
+  if (!block) return false;
+  onOverview(JSON.parse(block.textContent));
+  block.remove();
+  return true;
+}
+
+async function firstPaint() {
+  const overview = state.overview ? Promise.resolve() : getJSON("/v1/dashboard/overview").then(
+    (o) => {
+      if (!state.overview) onOverview(o);
+    },
+    (err) => setConn("error", `could not load the overview: ${err.message}`),
+  );
+  try {
+    const s = await getJSON(`/v1/dashboard/samples?since=${Date.now() - SAMPLE_WINDOW_MS}`);
+    state.samples = s.samples;
+    Object.assign(state.names, s.names);
+    state.lastId = s.last_id;
+  } catch (err) {
+    setConn("error", `could not load samples: ${err.message}`);
+  }
+  drawChart();
+  await overview;
+}
+
 async function start() {
+  carriedOverview();
   $("#forget-key").hidden = !sessionStorage.getItem(KEY_STORE);
   $("#forget-key").addEventListener("click", () => {
     sessionStorage.removeItem(KEY_STORE);
@@ -546,16 +625,7 @@ async function start() {
     runPreview();
   });
   window.addEventListener("resize", () => drawChart());
-  try {
-    const s = await getJSON(`/v1/dashboard/samples?since=${Date.now() - SAMPLE_WINDOW_MS}`);
-    state.samples = s.samples;
-    Object.assign(state.names, s.names);
-    state.lastId = s.last_id;
-  } catch (err) {
-    setConn("error", `could not load samples: ${err.message}`);
-  }
-  drawChart();
-  renderKeys();
+  await Promise.all([firstPaint(), renderKeys()]);
   setInterval(renderKeys, KEYS_EVERY_MS);
   follow();
 }

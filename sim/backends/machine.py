@@ -567,7 +567,9 @@ class SimMachine:
             if fut.done() and not fut.cancelled():
                 # The slot was handed over just as we were cancelled: pass it on.
                 self.release()
-            else:
+            elif fut in self._waiters:
+                # A release() between the cancel and this handler has already dropped the
+                # cancelled future from the line (a shutdown cancels every request at once).
                 self._waiters.remove(fut)
             raise
 
