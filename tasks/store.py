@@ -455,6 +455,18 @@ class TaskStore:
         status, new, next_attempt, task_id = reply
         return Requeue(int(status), as_str(new), int(next_attempt), as_str(task_id))
 
+    async def cancels_asked(self, task_ids: Sequence[str]) -> list[bool]:
+        """Whether a client asked each task to stop (its cancel key, Gateway.cancel), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.cancel(task_id))
+        return [bool(n) for n in await pipe.execute()]
+
+    async def cancel_asked(self, task_id: str) -> bool:
+        """Whether a client asked the task to stop: a run of it that ends, however it ends, finishes
+        its entry then; re-queued, it would run again for nobody."""
+        return bool(await self.redis.exists(self.keys.cancel(task_id)))
+
     async def cancel_queued(self, queue: str, entry_id: str) -> tuple[int, str, int]:
         """Delete the task's entry `entry_id` unless a worker holds it: (status, entry id, attempt);
         see _CANCEL_QUEUED."""

@@ -68,7 +68,12 @@ class Endings:
     async def fail(self, run: Running, exc: BackendError) -> None:
         entry = run.entry
         log.warning("task %s attempt %d failed on %s: %s", entry.task.task_id, entry.attempt, self.name, exc)
-        await self.record_failure(run, exc.kind, exc.retryable, exc.message)
+        # A run its client withdrew ends cancelled whatever stopped it: a retryable failure would
+        # re-queue it, and it would run again for nobody (a timeout of a prompt the client gave
+        # up on, the stream of a backend that died after the client was told to retry).
+        withdrawn = exc.retryable and await self.withdrawn(run)
+        if not withdrawn:
+            await self.record_failure(run, exc.kind, exc.retryable, exc.message)
         if exc.kind not in ("model_missing", "bad_request", "unsupported"):
             # The backend misbehaves (it did not refuse the request itself): step back from shared
             # work for a while so others take it.
@@ -79,6 +84,9 @@ class Endings:
             # The server cannot do this for the model (a 501): say so in the lease before the
             # client hears, so that the next such request is refused at submission.
             self.holdings.refused(entry.task)
+        if withdrawn:
+            await self.cancelled(run, ended=f"{exc.kind}: {exc.message[:200]}")
+            return
         if exc.retryable:
             run.closing = True
             await self.requeue_run(run, f"{exc.kind}: {exc.message[:200]}")
@@ -95,7 +103,13 @@ class Endings:
             run.closing = True
             await self.requeue_run(run, "preempted by user work")
 
-    async def cancelled(self, run: Running) -> None:
+    async def withdrawn(self, run: Running) -> bool:
+        """Whether the run's client withdrew its task (seen while it ran, or asked now)."""
+        return run.withdrawn() or await self.queues.cancel_asked(run.entry.task.task_id)
+
+    async def cancelled(self, run: Running, *, ended: str = "") -> None:
+        """A run whose client withdrew its task: recorded as cancelled (with how the run `ended`,
+        when something else stopped it first), its entry finished, never re-queued."""
         log.info("task %s cancelled by its client", run.entry.task.task_id)
         task = run.entry.task
         # Charged to the task's key (Projector._charge): the prompt (as estimated at submission:
@@ -106,7 +120,8 @@ class Endings:
             eval_count=run.pieces or None,
             counted="stream" if run.pieces else None,
         )
-        await self.record_failure(run, "cancelled", False, "cancelled by the client", done)
+        message = "cancelled by the client" + (f"; its run ended first: {ended}" if ended else "")
+        await self.record_failure(run, "cancelled", False, message, done)
         await self.settle(run, "cancelled", "cancelled")
 
     async def record_failure(
@@ -175,8 +190,11 @@ class Endings:
 
     async def requeue_run(self, run: Running, reason: str) -> None:
         """Put the run's entry back in its queue as its next attempt (dead-lettered past its
-        delivery limit, with `reason`)."""
+        delivery limit, with `reason`); a task its client withdrew is finished as cancelled instead."""
         entry = run.entry
+        if await self.withdrawn(run):
+            await self.cancelled(run, ended=reason)
+            return
         moved = await self.queues.requeue(
             entry.queue,
             entry.entry_id,

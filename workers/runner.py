@@ -131,6 +131,38 @@ class Runner:
             if run.reading and run.task is not None:
                 run.task.cancel()
 
+    async def watch_cancels(self) -> None:
+        """Stop every run whose client withdrew its task, within `cancel_check_ms`.
+
+        A run looks at its cancel key itself only between the backend's pieces, and a backend still
+        evaluating a long prompt sends none for minutes: it would run on for nobody until its
+        timeout, and a timeout is retryable. So one loop asks about every run at once (one round
+        trip), marks each withdrawn one `cancelled`, and cancels a run awaiting its backend, which
+        closes the backend request and frees the server's slot."""
+        pause = self.config.cancel_check_ms / 1000
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), pause)
+            watched = [
+                run
+                for run in self.runs.running.values()
+                if not (run.cancelled or run.closing or run.answered or run.background)
+            ]
+            if not watched:
+                continue
+            try:
+                asked = await self.queues.cancels_asked([run.entry.task.task_id for run in watched])
+            except (RedisError, OSError) as exc:
+                log.debug("could not read cancel keys (%s); asking again next round", exc)
+                continue
+            for run, cancel in zip(watched, asked, strict=True):
+                if not cancel or run.closing or run.answered:
+                    continue
+                log.info("task %s: its client withdrew it; stopping its run", run.entry.task.task_id)
+                run.cancelled = True
+                if run.reading and run.task is not None:
+                    run.task.cancel()
+
     async def _reject_malformed(
         self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str
     ) -> None:
@@ -451,6 +483,8 @@ class Runner:
         stops here, before or during the read (PreemptedError), and nowhere else."""
         if run.preempted:
             raise PreemptedError(run.entry.task.task_id)
+        if run.cancelled:
+            raise TaskCancelledError(run.entry.task.task_id)
         run.reading = True
         try:
             return await anext(stream)
@@ -463,6 +497,10 @@ class Runner:
                 # Cancelled by `_preempt`, not by a shutdown: the run hands its task back.
                 current.uncancel()
                 raise PreemptedError(run.entry.task.task_id) from None
+            if run.withdrawn() and not self.stopping.is_set() and current is not None:
+                # Cancelled by `watch_cancels`: its client withdrew the task.
+                current.uncancel()
+                raise TaskCancelledError(run.entry.task.task_id) from None
             raise
         finally:
             run.reading = False
