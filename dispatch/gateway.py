@@ -347,12 +347,26 @@ class Gateway:
                         followed = run
                     elif run != followed:
                         if chunk.attempt > followed[0]:
+                            # The client is told to retry: the new run's output would reach nobody
+                            # (two runs' text is never mixed), so it is stopped, not left to run on.
+                            await self.cancel_quietly(task_id, why="its client was told to retry")
                             raise TaskFailedError(
                                 f"task {task_id} was re-run (attempt {chunk.attempt}) after its output"
                                 " had started",
                                 hint="retry the request; streamed text from two runs is never mixed",
                             )
                         continue  # a superseded run finishing late, or a second run of one attempt
+                if chunk.error and not chunk.done and chunk.run:
+                    if not relayed:
+                        continue  # a broken run nothing was passed on of: the next attempt replaces it
+                    # The run this relay passed on broke off mid-stream, and its task goes back to the
+                    # queue: its next run's text can never follow, so the client is told to retry,
+                    # and the task is withdrawn before it runs again for nobody.
+                    await self.cancel_quietly(task_id, why="its client was told to retry")
+                    raise TaskFailedError(
+                        f"task {task_id} broke off mid-stream (attempt {chunk.attempt}: {chunk.error})",
+                        hint="retry the request; streamed text from two runs is never mixed",
+                    )
                 if chunk.thinking:
                     relayed = True
                     thought += len(chunk.thinking)

@@ -546,6 +546,16 @@ class TaskStore:
         pipe.pexpire(out_key, OUTPUT_TTL_MS)
         await pipe.execute()
 
+    async def break_output(self, task_id: str, attempt: int, run: str, error: str) -> None:
+        """Say in a task's output stream that run `run` broke off (its task goes back to the queue):
+        a relay that has passed on some of its text cannot pass on another run's, so it tells its
+        client to retry and withdraws the task, rather than let the re-run go on for nobody."""
+        out_key = self.out_key(task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, error=error, run=run))})
+        pipe.pexpire(out_key, OUTPUT_TTL_MS)
+        await pipe.execute()
+
     async def settle_requeue(
         self,
         queue: str,

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from api.app import AppConfig
@@ -22,6 +23,8 @@ from events.keys import WORKERS_GROUP, Keys
 from events.ledger import Ledger
 from sim.backends.hosts import SimHosts
 from tests.helpers import MODEL_DIGEST, events_of, fast_config, make_test_fleet, running_agent, wait_until
+from tests.reliability.faulty_backend import DIGEST as FAULTY_DIGEST
+from tests.reliability.faulty_backend import FaultyBackend
 from tests.test_api_support import serving
 from workers.agent import WorkerAgent
 
@@ -157,3 +160,44 @@ async def test_a_cancelled_run_that_times_out_before_it_sees_the_cancel_ends_can
 
 async def _failed(ledger: Ledger, task_id: str) -> bool:
     return any(f.task_id == task_id for f in await events_of(ledger, TaskFailed))
+
+
+@pytest.fixture
+async def breaking() -> AsyncIterator[FaultyBackend]:
+    async with FaultyBackend(drip_s=0.05) as server:
+        server.mode = "reset"
+        yield server
+
+
+async def test_a_stream_whose_backend_broke_off_tells_its_client_to_retry_and_the_task_is_not_run_again(
+    redis_client: aioredis.Redis, redis_url: str, ledger: Ledger, breaking: FaultyBackend
+) -> None:
+    # Its backend sends two pieces and resets the connection (retryable); any later request of the
+    # task would drip for ever. The client has some text already, so it is told to retry, and the
+    # task it would have re-run for nobody is withdrawn.
+    async with (
+        running_agent(redis_client, breaking.url, fast_config("a")),
+        serving(AppConfig(redis_url=redis_url)) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            task_id = response.headers["x-routeledger-task"]
+
+            async def asked() -> bool:
+                return breaking.chats >= 1
+
+            # A request reads the mode as it arrives: the first one breaks off, any later one
+            # would drip for ever.
+            await wait_until(asked, timeout=10, every=0.001)
+            breaking.mode = "drip"
+            lines = [line async for line in response.aiter_lines() if line]
+        await asyncio.sleep(2.0)  # the worker's cooldown is 0.3 s: a re-queued task would be claimed again
+        chats = breaking.chats
+    assert any('"t0 "' in line for line in lines), lines
+    assert "retry the request" in lines[-1], lines[-1]
+    assert chats == 1
+    failures = [(f.kind, f.retryable) for f in await events_of(ledger, TaskFailed) if f.task_id == task_id]
+    assert failures[0] == ("disconnect", True)
+    assert [e.task_id for e in await events_of(ledger, TaskCancelled)] == [task_id]
+    await never_ran_again(redis_client, ledger, task_id, FAULTY_DIGEST)

@@ -89,6 +89,13 @@ class Endings:
             return
         if exc.retryable:
             run.closing = True
+            if entry.task.stream and run.prompt_done:
+                # Before the re-queue, so that a relay that passed on this run's text hears of it
+                # first (Gateway.relay), and withdraws the task before another worker takes it.
+                with contextlib.suppress(RedisError, OSError):
+                    await self.queues.break_output(
+                        entry.task.task_id, entry.attempt, run.run_id, f"{exc.kind}: {exc.message[:200]}"
+                    )
             await self.requeue_run(run, f"{exc.kind}: {exc.message[:200]}")
             return
         await self.settle(run, "failed", str(exc), refused=exc.kind in ("bad_request", "unsupported"))
