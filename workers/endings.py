@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 
+import msgspec
 from redis.exceptions import RedisError
 
 from events.clock import LedgerClock
@@ -19,7 +20,7 @@ from events.event import TaskExpired, TaskFailed, Timings
 from events.ledger import Ledger
 from projections.status import Outcome
 from tasks.payload import Result
-from tasks.store import Requeue, TaskStore
+from tasks.store import Requeue, TaskStore, parse_entry
 from workers.config import WorkerConfig
 from workers.errors import BackendError, TaskCancelledError
 from workers.heartbeat import Heartbeat
@@ -195,13 +196,18 @@ class Endings:
             run, "cancelled", f"expired: its deadline passed {late / 1000:.1f}s before a worker took it"
         )
 
-    async def requeue_run(self, run: Running, reason: str) -> None:
+    async def requeue_run(self, run: Running, reason: str, *, interrupted: bool = False) -> None:
         """Put the run's entry back in its queue as its next attempt (dead-lettered past its
-        delivery limit, with `reason`); a task its client withdrew is finished as cancelled instead."""
+        delivery limit, with `reason`); a task its client withdrew is finished as cancelled instead.
+        An `interrupted` run (this worker shut down or died, nothing failed) has no failure in the
+        ledger yet: it gets one, retryable, with `reason`, ahead of the next attempt's claim, so
+        that every re-run's history says why it ran again."""
         entry = run.entry
         if await self.withdrawn(run):
             await self.cancelled(run, ended=reason)
             return
+        if interrupted:
+            await self.record_failure(run, "interrupted", True, reason)
         moved = await self.queues.requeue(
             entry.queue,
             entry.entry_id,
@@ -242,6 +248,27 @@ class Endings:
                     queue, pending.entry_id, self.name, pending.deliveries
                 ):
                     continue
+                fields = await self.queues.entry(queue, pending.entry_id)
+                try:
+                    left = parse_entry(queue, pending.entry_id, fields or {}, pending.deliveries)
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                    left = None
+                if left is not None:
+                    # A run cut off by this worker's death: re-queued with its reason in the
+                    # ledger (or finished, when its client withdrew it meanwhile).
+                    log.warning(
+                        "re-queuing %s (task %s) left by a previous run of %s",
+                        pending.entry_id,
+                        left.task.task_id,
+                        self.name,
+                    )
+                    await self.requeue_run(
+                        Running(entry=left, started=time.monotonic()),
+                        f"worker {self.name} restarted; its run of attempt {left.attempt} was cut off",
+                        interrupted=True,
+                    )
+                    continue
+                # Not a task (or gone): re-queued as it is, for the reaper or a take to settle.
                 moved = await self.queues.requeue(
                     queue,
                     pending.entry_id,

@@ -303,6 +303,7 @@ class Reaper:
                     new_entry=entry_id,
                     owner=UNACKNOWLEDGED,
                     attempt=attempt,
+                    reason="delivered and acknowledged but never finished",
                 )
             )
 
@@ -397,6 +398,7 @@ class Reaper:
                     owner=owner,
                     attempt=moved.attempt,
                     idle_ms=idle_ms,
+                    reason=reason,
                 )
             )
             return

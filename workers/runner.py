@@ -251,7 +251,8 @@ class Runner:
             with contextlib.suppress(RedisError, OSError, TaskCancelledError):
                 await run.settle_claim()
             with contextlib.suppress(RedisError, OSError):
-                await self.endings.requeue_run(run, "worker shut down mid-run")
+                why = "lost its lease" if run.lost else "shut down"
+                await self.endings.requeue_run(run, f"worker {self.name} {why} mid-run", interrupted=True)
             raise
         except (RedisError, OSError) as exc:
             # The entry stays pending for us; if we die, the reaper reclaims it.
