@@ -236,6 +236,10 @@ class Runner:
             await self._generate(run, local)
             self.endings.failures = 0
         except TaskCancelledError:
+            # Stopped by `watch_cancels` while the backend evaluated the prompt, its claim may not
+            # be settled yet: its TaskClaimed goes in before the TaskFailed that ends the run.
+            with contextlib.suppress(RedisError, OSError, TaskCancelledError):
+                await run.settle_claim()
             await self.endings.cancelled(run)
         except PreemptedError:
             await self.endings.hand_back_preempted(run)
