@@ -347,12 +347,26 @@ class Gateway:
                         followed = run
                     elif run != followed:
                         if chunk.attempt > followed[0]:
+                            # The client is told to retry: the new run's output would reach nobody
+                            # (two runs' text is never mixed), so it is stopped, not left to run on.
+                            await self.cancel_quietly(task_id, why="its client was told to retry")
                             raise TaskFailedError(
                                 f"task {task_id} was re-run (attempt {chunk.attempt}) after its output"
                                 " had started",
                                 hint="retry the request; streamed text from two runs is never mixed",
                             )
                         continue  # a superseded run finishing late, or a second run of one attempt
+                if chunk.error and not chunk.done and chunk.run:
+                    if not relayed:
+                        continue  # a broken run nothing was passed on of: the next attempt replaces it
+                    # The run this relay passed on broke off mid-stream, and its task goes back to the
+                    # queue: its next run's text can never follow, so the client is told to retry,
+                    # and the task is withdrawn before it runs again for nobody.
+                    await self.cancel_quietly(task_id, why="its client was told to retry")
+                    raise TaskFailedError(
+                        f"task {task_id} broke off mid-stream (attempt {chunk.attempt}: {chunk.error})",
+                        hint="retry the request; streamed text from two runs is never mixed",
+                    )
                 if chunk.thinking:
                     relayed = True
                     thought += len(chunk.thinking)
@@ -416,6 +430,10 @@ class Gateway:
         queue = info[b"queue"].decode() if b"queue" in info else await self._queue_of(task_id)
         if queue is None:
             raise TaskNotFoundError(f"no task {task_id}")
+        # Asked first, before the entry is looked at: a run that ends meanwhile, and would re-queue
+        # its task, finds the key and finishes the entry instead (workers.endings); set after the
+        # look, a run ending in between would re-queue it and it would run again for nobody.
+        await self.redis.set(self.keys.cancel(task_id), b"1", px=int(self.cancel_ttl_s * 1000))
         # The lookup hash records the task's entry (its place never changes: a re-queue keeps it).
         entry = info.get(b"entry", b"").decode()
         status, entry_id, attempt = (
@@ -433,23 +451,23 @@ class Gateway:
             done = await self.result(task_id)
             if done is not None:
                 raise TaskFinishedError(f"task {task_id} already {done.status}")
-        # Running (or between a reclaim and its next claim): the worker reads this key while it
-        # generates and when it claims, and stops.
-        await self.redis.set(self.keys.cancel(task_id), b"1", px=int(self.cancel_ttl_s * 1000))
+        # Running (or between a reclaim and its next claim): the worker watches the key set above
+        # while it runs and reads it when it claims, and stops.
         await self.ledger.append(TaskCancelled(task_id=task_id, queue=queue, was_running=True))
         # Nobody will wait for what it had done: its place among its key's open tasks is given back.
         await self._charge(task_id, None, info.get(b"key", b""))
         return {"task_id": task_id, "status": "cancelling", "was_running": True, "entry": entry_id or None}
 
-    async def cancel_quietly(self, task_id: str) -> None:
-        """Cancel after a client went away; a task that finished meanwhile is left as it is."""
+    async def cancel_quietly(self, task_id: str, *, why: str = "its client disconnected") -> None:
+        """Cancel after a client went away (or was told to retry: `why`); a task that finished
+        meanwhile is left as it is."""
         try:
             await self.cancel(task_id)
-            log.info("task %s cancelled: its client disconnected", task_id)
+            log.info("task %s cancelled: %s", task_id, why)
         except (TaskFinishedError, TaskNotFoundError):
             pass
         except (RedisError, *TRANSIENT) as exc:
-            log.warning("could not cancel task %s after its client left: %s", task_id, exc)
+            log.warning("could not cancel task %s (%s): %s", task_id, why, exc)
 
     # -- looking up -------------------------------------------------------------------------------
     async def _info(self, task_id: str) -> dict[bytes, bytes]:

@@ -262,6 +262,10 @@ class TaskReclaimed(Event, frozen=True, kw_only=True):
     owner: str
     attempt: Small
     idle_ms: Count = 0
+    # Why it was taken back, in words (its owner's lease expired, its owner let it go without an
+    # acknowledgement, it was acknowledged but never finished): the task's history says why it
+    # ran again. Empty: an event written before this field.
+    reason: str = ""
 
 
 class TaskStalled(Event, frozen=True, kw_only=True):

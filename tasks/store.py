@@ -455,6 +455,18 @@ class TaskStore:
         status, new, next_attempt, task_id = reply
         return Requeue(int(status), as_str(new), int(next_attempt), as_str(task_id))
 
+    async def cancels_asked(self, task_ids: Sequence[str]) -> list[bool]:
+        """Whether a client asked each task to stop (its cancel key, Gateway.cancel), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for task_id in task_ids:
+            pipe.exists(self.keys.cancel(task_id))
+        return [bool(n) for n in await pipe.execute()]
+
+    async def cancel_asked(self, task_id: str) -> bool:
+        """Whether a client asked the task to stop: a run of it that ends, however it ends, finishes
+        its entry then; re-queued, it would run again for nobody."""
+        return bool(await self.redis.exists(self.keys.cancel(task_id)))
+
     async def cancel_queued(self, queue: str, entry_id: str) -> tuple[int, str, int]:
         """Delete the task's entry `entry_id` unless a worker holds it: (status, entry id, attempt);
         see _CANCEL_QUEUED."""
@@ -531,6 +543,16 @@ class TaskStore:
         out_key = self.out_key(task_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, done=True, error=error, run=run))})
+        pipe.pexpire(out_key, OUTPUT_TTL_MS)
+        await pipe.execute()
+
+    async def break_output(self, task_id: str, attempt: int, run: str, error: str) -> None:
+        """Say in a task's output stream that run `run` broke off (its task goes back to the queue):
+        a relay that has passed on some of its text cannot pass on another run's, so it tells its
+        client to retry and withdraws the task, rather than let the re-run go on for nobody."""
+        out_key = self.out_key(task_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(out_key, {b"c": encode_chunk(Chunk(attempt=attempt, error=error, run=run))})
         pipe.pexpire(out_key, OUTPUT_TTL_MS)
         await pipe.execute()
 

@@ -59,3 +59,34 @@ async def test_an_entry_a_live_worker_let_go_is_reclaimed_after_two_of_the_longe
     reclaims = await events_of(ledger, TaskReclaimed)
     assert [(r.task_id, r.owner, r.old_entry) for r in reclaims] == [("t", "w", entry_id)]
     assert await ledger.pending(queue, consumer="w") == []
+
+
+async def test_a_dead_workers_entry_is_reclaimed_with_its_reason_in_the_ledger(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    queue = keys.queue(MODEL_DIGEST)
+    await queues.enqueue(queue, TaskMessage(task_id="t", model="m", digest=MODEL_DIGEST))
+    assert (await queues.take(queue, "gone")).entry_id  # taken by a worker with no lease: dead
+    await asyncio.sleep(3 * REAPER_LEASE_MS / 1000)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=REAPER_LEASE_MS)).sweep()
+    assert report.reclaimed == 1
+    (reclaim,) = await events_of(ledger, TaskReclaimed)
+    assert reclaim.attempt == 2 and "its worker gone died (lease expired" in reclaim.reason
+
+
+async def test_a_dead_workers_entry_whose_client_withdrew_it_is_finished_not_reclaimed(
+    redis_client: aioredis.Redis, keys: Keys, ledger: Ledger
+) -> None:
+    queues = TaskStore(redis_client, keys, ledger)
+    queue = keys.queue(MODEL_DIGEST)
+    await queues.enqueue(queue, TaskMessage(task_id="t", model="m", digest=MODEL_DIGEST))
+    assert (await queues.take(queue, "gone")).entry_id
+    await redis_client.set(keys.cancel("t"), b"1")  # its client cancelled it while it ran
+    await asyncio.sleep(3 * REAPER_LEASE_MS / 1000)
+    report = await Reaper(redis_client, keys, ReaperConfig(lease_ms=REAPER_LEASE_MS)).sweep()
+    assert (report.reclaimed, report.withdrawn) == (0, 1)
+    assert await events_of(ledger, TaskReclaimed) == []
+    assert await redis_client.xlen(queue) == 0 and await ledger.pending(queue) == []
+    result = await queues.result("t")
+    assert result is not None and result.status == "cancelled"

@@ -287,6 +287,7 @@ class WorkerAgent:
         self._lease_task = asyncio.create_task(self.heartbeat.keep_lease(), name="lease")
         self._background.append(asyncio.create_task(self.heartbeat.beat(), name="heartbeat"))
         self._background.append(asyncio.create_task(self.control.run(self.stopping), name="control"))
+        self._background.append(asyncio.create_task(self.runner.watch_cancels(), name="cancels"))
         if self.config.auto_bench:
             self._background.append(asyncio.create_task(self.benchmarks.run(), name="benchmarks"))
         self.online = True

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 
+import msgspec
 from redis.exceptions import RedisError
 
 from events.clock import LedgerClock
@@ -19,7 +20,7 @@ from events.event import TaskExpired, TaskFailed, Timings
 from events.ledger import Ledger
 from projections.status import Outcome
 from tasks.payload import Result
-from tasks.store import Requeue, TaskStore
+from tasks.store import Requeue, TaskStore, parse_entry
 from workers.config import WorkerConfig
 from workers.errors import BackendError, TaskCancelledError
 from workers.heartbeat import Heartbeat
@@ -68,7 +69,12 @@ class Endings:
     async def fail(self, run: Running, exc: BackendError) -> None:
         entry = run.entry
         log.warning("task %s attempt %d failed on %s: %s", entry.task.task_id, entry.attempt, self.name, exc)
-        await self.record_failure(run, exc.kind, exc.retryable, exc.message)
+        # A run its client withdrew ends cancelled whatever stopped it: a retryable failure would
+        # re-queue it, and it would run again for nobody (a timeout of a prompt the client gave
+        # up on, the stream of a backend that died after the client was told to retry).
+        withdrawn = exc.retryable and await self.withdrawn(run)
+        if not withdrawn:
+            await self.record_failure(run, exc.kind, exc.retryable, exc.message)
         if exc.kind not in ("model_missing", "bad_request", "unsupported"):
             # The backend misbehaves (it did not refuse the request itself): step back from shared
             # work for a while so others take it.
@@ -79,8 +85,18 @@ class Endings:
             # The server cannot do this for the model (a 501): say so in the lease before the
             # client hears, so that the next such request is refused at submission.
             self.holdings.refused(entry.task)
+        if withdrawn:
+            await self.cancelled(run, ended=f"{exc.kind}: {exc.message[:200]}")
+            return
         if exc.retryable:
             run.closing = True
+            if entry.task.stream and run.prompt_done:
+                # Before the re-queue, so that a relay that passed on this run's text hears of it
+                # first (Gateway.relay), and withdraws the task before another worker takes it.
+                with contextlib.suppress(RedisError, OSError):
+                    await self.queues.break_output(
+                        entry.task.task_id, entry.attempt, run.run_id, f"{exc.kind}: {exc.message[:200]}"
+                    )
             await self.requeue_run(run, f"{exc.kind}: {exc.message[:200]}")
             return
         await self.settle(run, "failed", str(exc), refused=exc.kind in ("bad_request", "unsupported"))
@@ -95,7 +111,13 @@ class Endings:
             run.closing = True
             await self.requeue_run(run, "preempted by user work")
 
-    async def cancelled(self, run: Running) -> None:
+    async def withdrawn(self, run: Running) -> bool:
+        """Whether the run's client withdrew its task (seen while it ran, or asked now)."""
+        return run.withdrawn() or await self.queues.cancel_asked(run.entry.task.task_id)
+
+    async def cancelled(self, run: Running, *, ended: str = "") -> None:
+        """A run whose client withdrew its task: recorded as cancelled (with how the run `ended`,
+        when something else stopped it first), its entry finished, never re-queued."""
         log.info("task %s cancelled by its client", run.entry.task.task_id)
         task = run.entry.task
         # Charged to the task's key (Projector._charge): the prompt (as estimated at submission:
@@ -106,7 +128,8 @@ class Endings:
             eval_count=run.pieces or None,
             counted="stream" if run.pieces else None,
         )
-        await self.record_failure(run, "cancelled", False, "cancelled by the client", done)
+        message = "cancelled by the client" + (f"; its run ended first: {ended}" if ended else "")
+        await self.record_failure(run, "cancelled", False, message, done)
         await self.settle(run, "cancelled", "cancelled")
 
     async def record_failure(
@@ -173,10 +196,18 @@ class Endings:
             run, "cancelled", f"expired: its deadline passed {late / 1000:.1f}s before a worker took it"
         )
 
-    async def requeue_run(self, run: Running, reason: str) -> None:
+    async def requeue_run(self, run: Running, reason: str, *, interrupted: bool = False) -> None:
         """Put the run's entry back in its queue as its next attempt (dead-lettered past its
-        delivery limit, with `reason`)."""
+        delivery limit, with `reason`); a task its client withdrew is finished as cancelled instead.
+        An `interrupted` run (this worker shut down or died, nothing failed) has no failure in the
+        ledger yet: it gets one, retryable, with `reason`, ahead of the next attempt's claim, so
+        that every re-run's history says why it ran again."""
         entry = run.entry
+        if await self.withdrawn(run):
+            await self.cancelled(run, ended=reason)
+            return
+        if interrupted:
+            await self.record_failure(run, "interrupted", True, reason)
         moved = await self.queues.requeue(
             entry.queue,
             entry.entry_id,
@@ -217,6 +248,27 @@ class Endings:
                     queue, pending.entry_id, self.name, pending.deliveries
                 ):
                     continue
+                fields = await self.queues.entry(queue, pending.entry_id)
+                try:
+                    left = parse_entry(queue, pending.entry_id, fields or {}, pending.deliveries)
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                    left = None
+                if left is not None:
+                    # A run cut off by this worker's death: re-queued with its reason in the
+                    # ledger (or finished, when its client withdrew it meanwhile).
+                    log.warning(
+                        "re-queuing %s (task %s) left by a previous run of %s",
+                        pending.entry_id,
+                        left.task.task_id,
+                        self.name,
+                    )
+                    await self.requeue_run(
+                        Running(entry=left, started=time.monotonic()),
+                        f"worker {self.name} restarted; its run of attempt {left.attempt} was cut off",
+                        interrupted=True,
+                    )
+                    continue
+                # Not a task (or gone): re-queued as it is, for the reaper or a take to settle.
                 moved = await self.queues.requeue(
                     queue,
                     pending.entry_id,

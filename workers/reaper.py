@@ -38,7 +38,7 @@ from projections import store
 from projections.errors import ProjectionError
 from projections.snapshot import FleetRow
 from tasks.lease import Leases, decode_lease, live_workers, registered
-from tasks.payload import F_ID
+from tasks.payload import F_ID, Result
 from tasks.store import REQUEUED, TaskStore
 from workers.waker import Waker, WakerConfig
 
@@ -89,6 +89,8 @@ class Sweep(msgspec.Struct, kw_only=True):
     revived: int = 0
     # Handed-off tasks moved from a pinned stream to their shared queue.
     handed_back: int = 0
+    # Entries of tasks their clients withdrew, whose workers died: finished, not re-queued.
+    withdrawn: int = 0
 
 
 class Reaper:
@@ -342,6 +344,7 @@ class Reaper:
                     new_entry=entry_id,
                     owner=UNACKNOWLEDGED,
                     attempt=attempt,
+                    reason="delivered and acknowledged but never finished",
                 )
             )
 
@@ -403,6 +406,13 @@ class Reaper:
             # Its owner closed the run; the ingest finishes the entry as it moves the closing event.
             report.awaiting_ingest += 1
             return
+        fields = await self.queues.entry(queue, entry_id)
+        task_id = as_str(fields.get(F_ID, b"")) if fields is not None else ""
+        if task_id and await self.queues.cancel_asked(task_id):
+            # Its client withdrew it: re-queued, it would run again for nobody.
+            await self._finish_withdrawn(queue, owner, pending, task_id, report)
+            return
+        reason = why or f"its worker {owner} died (lease expired, idle {idle_ms} ms)"
         moved = await self.queues.requeue(
             queue,
             entry_id,
@@ -429,12 +439,30 @@ class Reaper:
                     owner=owner,
                     attempt=moved.attempt,
                     idle_ms=idle_ms,
+                    reason=reason,
                 )
             )
             return
-        reason = why or f"its worker {owner} died (lease expired, idle {idle_ms} ms)"
         if await self.queues.settle_requeue(queue, entry_id, moved, reason, self.config.delivery_limit):
             report.dead_lettered += 1
+
+    async def _finish_withdrawn(
+        self, queue: str, owner: str, pending: PendingEntry, task_id: str, report: Sweep
+    ) -> None:
+        """Finish the entry of a task its client withdrew while `owner` ran it, and owner is gone:
+        its outcome is `cancelled` (the gateway's TaskCancelled is its event), its output closed
+        so that no relay waits, and nothing runs it again."""
+        if not await self.queues.finish(queue, pending.entry_id, owner):
+            return  # no longer the owner's: whoever holds it now ends it
+        report.withdrawn += 1
+        log.info(
+            "task %s: its client withdrew it and its worker %s is gone; finished, not re-run", task_id, owner
+        )
+        error = f"cancelled; its worker {owner} stopped before the run ended"
+        await self.queues.record_result(
+            Result(task_id=task_id, status="cancelled", attempt=pending.deliveries, error=error)
+        )
+        await self.queues.end_output(task_id, pending.deliveries, "cancelled")
 
     async def _report_stalls(self, queue: str, report: Sweep) -> None:
         """TaskStalled, once, for each entry nobody has read for `stall_after_s`."""

@@ -131,6 +131,38 @@ class Runner:
             if run.reading and run.task is not None:
                 run.task.cancel()
 
+    async def watch_cancels(self) -> None:
+        """Stop every run whose client withdrew its task, within `cancel_check_ms`.
+
+        A run looks at its cancel key itself only between the backend's pieces, and a backend still
+        evaluating a long prompt sends none for minutes: it would run on for nobody until its
+        timeout, and a timeout is retryable. So one loop asks about every run at once (one round
+        trip), marks each withdrawn one `cancelled`, and cancels a run awaiting its backend, which
+        closes the backend request and frees the server's slot."""
+        pause = self.config.cancel_check_ms / 1000
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), pause)
+            watched = [
+                run
+                for run in self.runs.running.values()
+                if not (run.cancelled or run.closing or run.answered or run.background)
+            ]
+            if not watched:
+                continue
+            try:
+                asked = await self.queues.cancels_asked([run.entry.task.task_id for run in watched])
+            except (RedisError, OSError) as exc:
+                log.debug("could not read cancel keys (%s); asking again next round", exc)
+                continue
+            for run, cancel in zip(watched, asked, strict=True):
+                if not cancel or run.closing or run.answered:
+                    continue
+                log.info("task %s: its client withdrew it; stopping its run", run.entry.task.task_id)
+                run.cancelled = True
+                if run.reading and run.task is not None:
+                    run.task.cancel()
+
     async def _reject_malformed(
         self, queue: str, entry_id: str, fields: dict[bytes, bytes], reason: str
     ) -> None:
@@ -204,6 +236,10 @@ class Runner:
             await self._generate(run, local)
             self.endings.failures = 0
         except TaskCancelledError:
+            # Stopped by `watch_cancels` while the backend evaluated the prompt, its claim may not
+            # be settled yet: its TaskClaimed goes in before the TaskFailed that ends the run.
+            with contextlib.suppress(RedisError, OSError, TaskCancelledError):
+                await run.settle_claim()
             await self.endings.cancelled(run)
         except PreemptedError:
             await self.endings.hand_back_preempted(run)
@@ -219,7 +255,8 @@ class Runner:
             with contextlib.suppress(RedisError, OSError, TaskCancelledError):
                 await run.settle_claim()
             with contextlib.suppress(RedisError, OSError):
-                await self.endings.requeue_run(run, "worker shut down mid-run")
+                why = "lost its lease" if run.lost else "shut down"
+                await self.endings.requeue_run(run, f"worker {self.name} {why} mid-run", interrupted=True)
             raise
         except (RedisError, OSError) as exc:
             # The entry stays pending for us; if we die, the reaper reclaims it.
@@ -451,6 +488,8 @@ class Runner:
         stops here, before or during the read (PreemptedError), and nowhere else."""
         if run.preempted:
             raise PreemptedError(run.entry.task.task_id)
+        if run.cancelled:
+            raise TaskCancelledError(run.entry.task.task_id)
         run.reading = True
         try:
             return await anext(stream)
@@ -463,6 +502,10 @@ class Runner:
                 # Cancelled by `_preempt`, not by a shutdown: the run hands its task back.
                 current.uncancel()
                 raise PreemptedError(run.entry.task.task_id) from None
+            if run.withdrawn() and not self.stopping.is_set() and current is not None:
+                # Cancelled by `watch_cancels`: its client withdrew the task.
+                current.uncancel()
+                raise TaskCancelledError(run.entry.task.task_id) from None
             raise
         finally:
             run.reading = False

@@ -91,10 +91,17 @@ class Running(msgspec.Struct, kw_only=True):
     # It is awaiting its backend's next piece: the only place a preemption cancels it, so that no
     # write of the run (its claim, its result, its events) is ever cut in two.
     reading: bool = False
+    # Its client withdrew the task (the cancel key was seen while it ran): it stops at its next
+    # read of the backend, or at once when awaiting one, and its entry is finished, never re-queued.
+    cancelled: bool = False
 
     def given_up(self) -> bool:
         """Whether the run was given up for user work (`preempted`)."""
         return self.preempted
+
+    def withdrawn(self) -> bool:
+        """Whether its client withdrew the task while it ran (`cancelled`)."""
+        return self.cancelled
 
     async def settle_claim(self) -> None:
         """`Claim.settle` of this run's claim, where one was sent."""

@@ -20,13 +20,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from dispatch.submit import submit_task
-from events.event import TaskDeadLettered, TaskReclaimed
+from events.event import TaskClaimed, TaskCompleted, TaskDeadLettered, TaskFailed, TaskReclaimed
 from events.keys import Keys
 from events.ledger import Ledger
+from projections.index import task_events
 from sim.backends.hosts import SimHosts
 from tasks.payload import Message, TaskMessage
 from tasks.store import TaskStore
-from tests.helpers import events_of, make_test_fleet, running_reaper, wait_until
+from tests.helpers import events_of, make_test_fleet, running_projector, running_reaper, wait_until
 from tests.reliability.support import counted_completions, queues_settled, spawn_worker, stop_all
 from workers.crash import CRASH_POINTS
 
@@ -107,3 +108,37 @@ async def test_workers_killed_at_every_step_of_fifty_tasks_lose_none_and_complet
     assert lost == [] and twice == {}
     assert set(counted) == set(ids)
     assert await events_of(ledger, TaskDeadLettered) == []
+
+
+async def test_a_worker_killed_mid_task_and_restarted_says_in_the_tasks_history_why_it_runs_again(
+    redis_url: str, redis_client: aioredis.Redis, ledger: Ledger, hosts: SimHosts, tmp_path: Path
+) -> None:
+    # No reaper runs: the restarted worker re-queues what its previous life left (its pending
+    # entry), and that re-run's reason must be in the ledger ahead of its claim.
+    log = tmp_path / "workers.log"
+    procs = [spawn_worker(redis_url, hosts.url("a"), "a", log, crash="stream@1")]
+    try:
+        await wait_until(lambda: _live(redis_client, "a"), timeout=60)
+        queues = TaskStore(redis_client, Keys(), ledger)
+        message = TaskMessage(
+            model="m", messages=[Message(role="user", content="killed mid-task")], max_tokens=20
+        )
+        task_id = (await submit_task(queues, message)).task.task_id
+        async with running_projector(redis_client):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (await counted_completions(ledger))[task_id]:
+                if procs[-1].poll() is not None:
+                    procs.append(spawn_worker(redis_url, hosts.url("a"), "a", log))  # as a supervisor would
+                await asyncio.sleep(0.2)
+            history = [event for _, event in (await task_events(redis_client, Keys(), task_id)).events]
+    finally:
+        await asyncio.to_thread(stop_all, procs)
+    assert "kill -9 at stream of task #1" in log.read_text()
+    claims = [i for i, e in enumerate(history) if isinstance(e, TaskClaimed)]
+    assert [history[i].attempt for i in claims] == [1, 2]  # type: ignore[attr-defined]
+    between = history[claims[0] + 1 : claims[1]]
+    reasons = [e for e in between if isinstance(e, TaskFailed)]
+    assert [(e.kind, e.retryable, e.attempt) for e in reasons] == [("interrupted", True, 1)]
+    assert "restarted" in reasons[0].message
+    assert not [e for e in history if isinstance(e, TaskReclaimed)]
+    assert isinstance(history[-1], TaskCompleted)
