@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-clients test-real lint docs bench clean
+.PHONY: install demo test test-clients test-real lint docs pictures bench clean
 
 install: $(STAMP)
 
@@ -42,11 +42,20 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	# The manual's picture script is no package (docs/ stays a folder of pages); mypy takes it by
+	# name, as the config's `packages` and a file cannot be given together.
+	$(BIN)/mypy docs/pictures.py
 
 # The manual (docs/, configured by mkdocs.yml) as a site in site/. --strict: a link to a page that
 # does not exist, or a page missing from the nav, fails the build.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The manual's pictures in docs/img/ (commit them): the simulator's response-vs-load plots, drawn by
+# `sim schedule --plot`, and the dashboard of a live `up --demo`, shot by headless chromium. About
+# five minutes on two cores, most of it the simulations behind the plots.
+pictures: $(STAMP)
+	$(BIN)/python -m docs.pictures
 
 # Each script prints its figures and a JSON line last; together they take several minutes.
 bench: $(STAMP)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from routeledger.cli import app
-from sim.scheduling.plot import BACKGROUND, SHADE, line_chart
+from sim.scheduling.plot import BACKGROUND, SHADE, line_chart, nice_ticks
 
 
 def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
@@ -57,6 +57,13 @@ def test_a_chart_is_a_valid_png_of_the_asked_size_with_every_policy_drawn_in_its
     assert len(set(colours.values())) == len(series)
     for name in series:
         assert colours[name] in seen, name
+
+
+def test_the_ticks_reach_at_or_above_the_highest_value_so_no_line_leaves_the_top_of_the_chart() -> None:
+    for lo, hi in [(0.0, 115.0), (0.0, 100.0), (0.0, 0.7), (0.3, 0.95), (2.0, 2.0)]:
+        ticks = nice_ticks(lo, hi, 6)
+        assert ticks[0] <= lo and ticks[-1] >= hi, (lo, hi, ticks)
+    assert nice_ticks(0.0, 100.0, 5) == [0.0, 20.0, 40.0, 60.0, 80.0, 100.0]
 
 
 def test_points_that_are_not_finite_are_left_out_and_the_chart_is_still_drawn() -> None:

@@ -170,7 +170,9 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     first = math.floor(lo / step) * step
     ticks: list[float] = []
     v = first
-    while v <= hi + step * 1e-9:
+    # Up to the first tick at or above hi: the chart's top is the last tick, and a point above it
+    # would be drawn off the axes (pair's 0.95 on seed did, before).
+    while not ticks or ticks[-1] < hi - step * 1e-9:
         ticks.append(round(v, 10))
         v += step
     return ticks
