@@ -256,7 +256,12 @@ class RealFleet:
             speeds = pool.map(lambda m: m.server.decode_tps(rounds=2), self.machines)
             return {m.name: tps for m, tps in zip(self.machines, speeds, strict=True)}
 
-    def assert_learned_is_the_servers(self, learned: dict[str, float], within: float = 0.15) -> None:
+    # 25%: on a 2-core machine the same idle server measured 17-21% faster than what its workers
+    # learned while routeledger's processes ran beside it (fast 64.5 learned against 78.0 and 84.5
+    # measured; slow, under cpulimit, 22.2 against 26.4 and 28.0), in two runs of one day. The
+    # artefact this check is for is several times off (59-99 tok/s learned for a true 23; the
+    # story's 7.3x), far outside it.
+    def assert_learned_is_the_servers(self, learned: dict[str, float], within: float = 0.25) -> None:
         """Each machine's learned decode speed within `within` of its server's own, as measured
         before the workers started or again now: the figure the router uses is the machine's, not
         an artefact of how it was sampled."""
